@@ -1,0 +1,289 @@
+"""llama-guard's configuration: a TOML file plus ``LLAMA_GUARD_<SECTION>__<KEY>`` overrides.
+
+The file is read by pydantic-settings' TOML source; environment variables win over the file.
+Every section forbids unknown keys. :func:`load_config` turns every problem (missing file,
+invalid TOML, unknown key, bad value) into a :class:`ConfigError` whose lines each name the
+file, the key and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/llama-guard/llama-guard.toml")
+ENV_CONFIG_PATH = "LLAMA_GUARD_CONFIG"
+ENV_PREFIX = "LLAMA_GUARD_"
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+# Flags llama-guard sets itself from typed keys; extra_args may not repeat them.
+OWNED_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "-ngl", "--gpu-layers", "--n-gpu-layers", "-c", "--ctx-size",
+    "-np", "--parallel", "-b", "--batch-size", "-ub", "--ubatch-size", "-ctk", "--cache-type-k",
+    "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
+    "--metrics", "--mlock",
+})
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used. ``lines`` are one human line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ServerConfig(_Section):
+    """``[server]``: the llama-server binary, the model and its typed knobs."""
+
+    binary: str = "llama-server"
+    model: Path = Path("/var/lib/llama-guard/model.gguf")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    n_gpu_layers: int = Field(999, ge=0)
+    ctx_size: int = Field(8192, ge=0)
+    parallel: int = Field(1, ge=1, le=256)
+    batch_size: int = Field(512, ge=1)
+    ubatch_size: int = Field(256, ge=1)
+    cache_type_k: CacheType = "q8_0"
+    cache_type_v: CacheType = "q8_0"
+    flash_attn: Literal["on", "off", "auto"] = "on"
+    threads: int | None = Field(8, ge=1)
+    threads_batch: int | None = Field(None, ge=1)
+    mlock: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerConfig:
+        if self.ubatch_size > self.batch_size:
+            raise ValueError(
+                f"ubatch_size ({self.ubatch_size}) must not exceed batch_size ({self.batch_size})")
+        if self.cache_type_v in QUANTIZED_CACHE_TYPES and self.flash_attn == "off":
+            raise ValueError(
+                f"cache_type_v = {self.cache_type_v!r} needs flash_attn = 'on' or 'auto': "
+                "llama-server refuses a quantized V cache without flash attention")
+        for arg in self.extra_args:
+            flag = arg.split("=", 1)[0]
+            if flag in OWNED_FLAGS:
+                raise ValueError(f"extra_args repeats {flag!r}, which is set by a typed [server] key")
+        for key in self.env:
+            if key == "NOTIFY_SOCKET" or key.startswith("WATCHDOG_"):
+                raise ValueError(f"env may not set {key}: it belongs to llama-guard's service manager")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the server, with an IPv6 host bracketed and 0.0.0.0 as loopback."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+class HealthConfig(_Section):
+    """``[health]``: readiness and liveness probes."""
+
+    interval_s: PositiveFloat = 5.0
+    timeout_s: PositiveFloat = 3.0
+    load_timeout_s: PositiveFloat = 900.0
+    startup_poll_s: PositiveFloat = 0.1
+    canary: bool = True
+    canary_timeout_s: PositiveFloat = 30.0
+    hang_strikes: int = Field(3, ge=1)
+
+
+class GpuConfig(_Section):
+    """``[gpu]``: which GPU to watch and the thresholds of its events."""
+
+    enabled: Literal["auto", "on", "off"] = "auto"
+    index: int = Field(0, ge=0)
+    uuid: str = ""
+    pci_bus_id: str = ""
+    sample_interval_s: PositiveFloat = 10.0
+    temperature_warn_c: int = Field(85, ge=1, le=150)
+    power_warn_fraction: float = Field(0.95, gt=0, le=1.5)
+    foreign_processes: Literal["warn", "refuse"] = "warn"
+    require_server_on_gpu: bool = True
+    server_on_gpu_timeout_s: PositiveFloat = 10.0
+    vram_release_timeout_s: PositiveFloat = 30.0
+    driver_version: str = ""
+    enable_persistence: bool = False
+
+
+class RecoveryConfig(_Section):
+    """``[recovery]``: restart backoff, crash-loop limit and GPU reset."""
+
+    backoff_initial_s: PositiveFloat = 1.0
+    backoff_factor: float = Field(2.0, ge=1.0)
+    backoff_max_s: PositiveFloat = 60.0
+    max_restarts: int = Field(5, ge=0)
+    restart_window_s: PositiveFloat = 600.0
+    stable_after_s: PositiveFloat = 60.0
+    stop_grace_s: PositiveFloat = 15.0
+    reset_on: list[Literal["gpu_lost", "xid", "oom", "cuda_error"]] = Field(
+        default_factory=lambda: ["gpu_lost", "xid", "oom"])
+    reset_command: list[str] = Field(
+        default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])
+    reset_timeout_s: PositiveFloat = 60.0
+    max_resets: int = Field(2, ge=0)
+    reset_window_s: PositiveFloat = 3600.0
+
+    @field_validator("reset_command")
+    @classmethod
+    def _argv(cls, value: list[str]) -> list[str]:
+        if not value or not value[0]:
+            raise ValueError("reset_command must be a non-empty list of argv words")
+        return value
+
+
+class LimitsConfig(_Section):
+    """``[limits]``: rlimits the server gets, and when their use is reported."""
+
+    nofile: int | Literal["unlimited"] | None = 1048576
+    memlock: int | Literal["unlimited"] | None = None
+    nproc: int | Literal["unlimited"] | None = None
+    warn_fraction: float = Field(0.8, gt=0, le=1)
+    sample_interval_s: PositiveFloat = 10.0
+
+
+class ScheduleConfig(_Section):
+    """``[schedule]``: planned restarts."""
+
+    restart_cron: str = "30 4 * * *"
+    timezone: str = ""
+    jitter_s: float = Field(0.0, ge=0)
+    drain_timeout_s: PositiveFloat = 300.0
+    min_uptime_s: float = Field(3600.0, ge=0)
+
+
+class LogConfig(_Section):
+    """``[log]``: where events and the server's own lines go."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "console", "json", "journald"] = "auto"
+    server_log_file: str = ""
+
+
+class RuntimeConfig(_Section):
+    """``[runtime]``: where the daemon keeps its pid file and status snapshot."""
+
+    dir: Path = Path("/run/llama-guard")
+
+
+_TOML_PATH: ContextVar[Path | None] = ContextVar("llama_guard_toml_path", default=None)
+
+
+class Config(BaseSettings):
+    """The whole configuration. Build it with :func:`load_config`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    gpu: GpuConfig = Field(default_factory=GpuConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _TOML_PATH.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+
+def resolve_config_path(cli_path: str | os.PathLike[str] | None,
+                        environ: dict[str, str] | None = None) -> Path:
+    """The config path: ``--config``, else ``$LLAMA_GUARD_CONFIG``, else the default under /etc."""
+    env = os.environ if environ is None else environ
+    if cli_path:
+        return Path(cli_path)
+    if env.get(ENV_CONFIG_PATH):
+        return Path(env[ENV_CONFIG_PATH])
+    return DEFAULT_CONFIG_PATH
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate the config at ``path`` plus environment overrides.
+
+    Raises :class:`ConfigError` (one line per problem, each naming ``path``, the key and the
+    reason) for a missing or unreadable file, invalid TOML, unknown keys or bad values.
+    """
+    if not path.is_file():
+        reason = "no such file" if not path.exists() else "not a regular file"
+        raise ConfigError([f"{path}: {reason}"])
+    try:
+        with path.open("rb") as handle:
+            tomllib.load(handle)  # parse once up front for a precise syntax error
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from exc
+    token = _TOML_PATH.set(path)
+    try:
+        return Config()
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            key = _format_loc(err["loc"])
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif "input" in err and err["type"] not in ("value_error", "missing"):
+                msg = f"{msg} (got {_short(err['input'])})"
+            env_name = ENV_PREFIX + "__".join(str(p) for p in err["loc"]).upper()
+            origin = f" (from ${env_name})" if env_name in os.environ else ""
+            lines.append(f"{path}: {key}: {msg}{origin}")
+        raise ConfigError(lines) from exc
+    finally:
+        _TOML_PATH.reset(token)

@@ -1,0 +1,135 @@
+"""The health-event catalogue: one stable snake_case name per event.
+
+Every event llama-guard reports has a name operators filter on (the journald field
+``LLAMA_GUARD_EVENT``), a severity (mapped to syslog ``PRIORITY``), a stable ``MESSAGE_ID``
+(a 128-bit id written as 32 hex digits, as journald catalogs expect) and a message template
+formatted from the event's fields. The names are part of the interface contract
+(design.md): add new ones freely, rename none.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class Severity(enum.IntEnum):
+    """Syslog priorities (RFC 5424), the values journald stores in ``PRIORITY``."""
+
+    CRITICAL = 2
+    ERROR = 3
+    WARNING = 4
+    NOTICE = 5
+    INFO = 6
+    DEBUG = 7
+
+
+# A fixed namespace so that MESSAGE_IDs are stable across releases and machines.
+_MESSAGE_ID_NAMESPACE = uuid.UUID("6c1a7f0e-2b1d-4d8e-9a57-3e0c1b5f9d42")
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """What is fixed about one event name.
+
+    ``template`` is a ``str.format`` template over the event's fields; a missing field
+    renders as ``?`` rather than raising.
+    """
+
+    name: str
+    severity: Severity
+    template: str
+
+    @property
+    def message_id(self) -> str:
+        """The journald ``MESSAGE_ID``: 32 lower-case hex digits derived from the name."""
+        return uuid.uuid5(_MESSAGE_ID_NAMESPACE, self.name).hex
+
+
+_S = Severity
+
+CATALOG: dict[str, EventSpec] = {
+    spec.name: spec
+    for spec in (
+        # Lifecycle of the llama-server child.
+        EventSpec("daemon_started", _S.INFO, "llama-guard {version} started (config {config_path})"),
+        EventSpec("daemon_stopping", _S.NOTICE, "llama-guard stopping: {reason}"),
+        EventSpec("daemon_exit", _S.NOTICE, "llama-guard exiting with status {exit_code}: {reason}"),
+        EventSpec("server_starting", _S.INFO, "starting llama-server pid {server_pid}: {argv}"),
+        EventSpec("server_ready", _S.NOTICE, "llama-server pid {server_pid} ready after {load_s:.2f} s"),
+        EventSpec("server_exited", _S.ERROR, "llama-server pid {server_pid} exited: {exit_text}"),
+        EventSpec("server_stopped", _S.INFO, "llama-server pid {server_pid} stopped ({exit_text})"),
+        EventSpec("server_oom", _S.ERROR, "llama-server pid {server_pid} ran out of GPU memory: {line}"),
+        EventSpec("server_cuda_error", _S.ERROR, "llama-server pid {server_pid} hit a fatal GPU error: {line}"),
+        EventSpec("server_gpu_unavailable", _S.ERROR,
+                  "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
+        EventSpec("server_hang", _S.ERROR,
+                  "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
+        EventSpec("server_load_timeout", _S.ERROR,
+                  "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
+        EventSpec("server_restart", _S.NOTICE, "restarting llama-server pid {server_pid}: {reason}"),
+        EventSpec("server_backoff", _S.WARNING,
+                  "waiting {backoff_s:.1f} s before starting llama-server again "
+                  "(restart {restart_count} of {max_restarts} in {window_s:.0f} s)"),
+        EventSpec("server_boot_failure", _S.CRITICAL,
+                  "llama-server cannot start for a configuration reason: {cause}"),
+        EventSpec("server_stop_timeout", _S.WARNING,
+                  "llama-server pid {server_pid} ignored SIGTERM for {grace_s:.1f} s; sent SIGKILL"),
+        EventSpec("server_line_warning", _S.WARNING, "llama-server pid {server_pid}: {line}"),
+        EventSpec("crash_loop", _S.CRITICAL,
+                  "llama-server failed {restart_count} times within {window_s:.0f} s; giving up"),
+        # GPU (NVML, Xid, reset).
+        EventSpec("gpu_watch_off", _S.NOTICE, "GPU watch is off: {reason}"),
+        EventSpec("gpu_temperature_high", _S.WARNING,
+                  "GPU {gpu_index} temperature {gpu_temp_c} °C (warning at {threshold_c} °C)"),
+        EventSpec("gpu_temperature_ok", _S.INFO, "GPU {gpu_index} temperature back to {gpu_temp_c} °C"),
+        EventSpec("gpu_power_high", _S.WARNING,
+                  "GPU {gpu_index} power {gpu_power_w:.0f} W near its {gpu_power_limit_w:.0f} W limit"),
+        EventSpec("gpu_throttled", _S.WARNING, "GPU {gpu_index} is throttled: {reasons}"),
+        EventSpec("gpu_persistence_off", _S.WARNING,
+                  "GPU {gpu_index} persistence mode is off; enable the nvidia-persistenced service"),
+        EventSpec("gpu_foreign_process", _S.WARNING,
+                  "GPU {gpu_index}: pid {foreign_pid} ({foreign_name}) holds {foreign_mib} MiB of VRAM"),
+        EventSpec("gpu_driver_version", _S.WARNING,
+                  "GPU driver {driver_version} is outside the configured series {expected}"),
+        EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
+        EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
+        EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
+        EventSpec("gpu_vram_not_released", _S.WARNING,
+                  "GPU {gpu_index}: VRAM of the previous server not released after {waited_s:.1f} s"),
+        # Limits and resources.
+        EventSpec("limit_low", _S.WARNING, "{limit} use {used} of {limit_value} ({fraction:.0%})"),
+        EventSpec("resource_exhausted", _S.ERROR, "{limit} exhausted: {reason}"),
+        # Planned restarts and configuration.
+        EventSpec("scheduled_restart", _S.NOTICE, "planned restart of llama-server: {reason}"),
+        EventSpec("restart_requested", _S.NOTICE, "restart of llama-server requested: {reason}"),
+        EventSpec("drain_timeout", _S.WARNING,
+                  "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
+        EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
+        EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
+        # The server's own output, one event per line (debug level).
+        EventSpec("server_line", _S.DEBUG, "{line}"),
+    )
+}
+
+
+class _Missing(dict[str, object]):
+    def __missing__(self, key: str) -> object:
+        return "?"
+
+
+def lookup(name: str) -> EventSpec:
+    """The spec of event ``name``; raises KeyError for a name not in :data:`CATALOG`."""
+    return CATALOG[name]
+
+
+def render_message(name: str, fields: Mapping[str, object]) -> str:
+    """The human ``MESSAGE`` of event ``name`` with ``fields``; never raises on a missing field."""
+    spec = CATALOG[name]
+    try:
+        return spec.template.format_map(_Missing(fields))
+    except (ValueError, TypeError):
+        # A field of an unexpected type for its format spec: fall back to plain rendering.
+        return f"{name}: " + ", ".join(f"{k}={v}" for k, v in fields.items())

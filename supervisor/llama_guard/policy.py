@@ -1,0 +1,570 @@
+"""The supervision policy: a pure ``decide(state, event, now) -> (state, actions)``.
+
+No I/O and no clock reads happen here: the daemon feeds observations (:class:`Input`
+subclasses) and a monotonic ``now`` in seconds, and carries out the returned actions
+(:class:`Action` subclasses). Every restart, stop, backoff and give-up rule lives in this
+module, so it can be tested by setting a state and calling :func:`decide`.
+
+Phases follow design.md: STOPPED → STARTING → READY ⇄ DRAINING → STOPPING → BACKOFF → STARTING …,
+ending in EXITED. "Started" is not "ready": READY only after ``/health`` answered 200.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field, replace
+
+from llama_guard.classify import Family, LineClass
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
+
+
+class Phase(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    EXITED = "exited"
+
+
+class AfterStop(enum.Enum):
+    """What happens once the child being stopped has exited."""
+
+    RESTART = "restart"    # planned: start again at once, not a failure
+    FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
+    EXIT = "exit"          # the daemon exits with State.exit_code
+
+
+@dataclass(frozen=True)
+class Params:
+    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds."""
+
+    load_timeout_s: float = 900.0
+    hang_strikes: int = 3
+    backoff_initial_s: float = 1.0
+    backoff_factor: float = 2.0
+    backoff_max_s: float = 60.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    stable_after_s: float = 60.0
+    stop_grace_s: float = 15.0
+    kill_wait_s: float = 10.0
+    drain_timeout_s: float = 300.0
+    require_gpu: bool = False
+
+
+# ---------------------------------------------------------------- inputs (observations)
+
+class Input:
+    """Base of every observation the daemon feeds to :func:`decide`."""
+
+
+@dataclass(frozen=True)
+class Boot(Input):
+    """The daemon has passed its preflight and wants a server."""
+
+
+@dataclass(frozen=True)
+class Spawned(Input):
+    """The executor started llama-server as ``pid`` (its own process group) with ``argv``."""
+
+    pid: int
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpawnFailed(Input):
+    """``exec`` of llama-server failed (binary missing, not executable, …)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Line(Input):
+    """One classified line of the server's stdout/stderr."""
+
+    pid: int
+    verdict: LineClass
+    text: str
+
+
+@dataclass(frozen=True)
+class HealthOk(Input):
+    """``GET /health`` answered 200 for server ``pid`` (and, with a GPU, it runs there)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Probe(Input):
+    """One liveness round against a ready server.
+
+    ``health_ok``: /health answered 200 in time. ``canary_ok``: a 1-token completion finished
+    in time (None when not attempted). ``busy``: a slot is processing. ``progressed``: the
+    server's decode counters moved since the previous round.
+    """
+
+    pid: int
+    health_ok: bool
+    canary_ok: bool | None
+    busy: bool
+    progressed: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Exited(Input):
+    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal."""
+
+    pid: int
+    returncode: int | None
+
+
+@dataclass(frozen=True)
+class Tick(Input):
+    """Time passed: deadlines (load, backoff, stop, drain, stability) are checked."""
+
+
+@dataclass(frozen=True)
+class StopRequest(Input):
+    """SIGTERM/SIGINT: stop the server and exit 0; ``immediate`` (a second signal) kills at once."""
+
+    reason: str
+    immediate: bool = False
+
+
+@dataclass(frozen=True)
+class RestartRequest(Input):
+    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a reload."""
+
+    reason: str
+    event: str = "restart_requested"
+    drain: bool = True
+
+
+@dataclass(frozen=True)
+class Drained(Input):
+    """No slot of server ``pid`` is processing any more."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ParamsChanged(Input):
+    """A reload validated new parameters; ``server_changed`` when llama-server's argv changed."""
+
+    params: Params
+    server_changed: bool
+
+
+# ---------------------------------------------------------------- actions
+
+class Action:
+    """Base of every effect :func:`decide` asks for."""
+
+
+@dataclass(frozen=True)
+class Spawn(Action):
+    """Start llama-server from the current configuration; answer Spawned or SpawnFailed."""
+
+
+@dataclass(frozen=True)
+class Terminate(Action):
+    """SIGTERM to the server's process group."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Kill(Action):
+    """SIGKILL to the server's process group."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Emit(Action):
+    """Report health event ``name`` (events.CATALOG) with ``fields``."""
+
+    name: str
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NotifyReady(Action):
+    """Tell the service manager the server is ready (sd_notify READY=1)."""
+
+
+@dataclass(frozen=True)
+class StartDrain(Action):
+    """Watch ``/slots`` of ``pid`` and answer Drained once no slot is processing."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ExitDaemon(Action):
+    """The daemon exits with ``code`` (exitcodes)."""
+
+    code: int
+    reason: str
+
+
+# ---------------------------------------------------------------- state
+
+@dataclass(frozen=True)
+class State:
+    """Everything the policy remembers; times are monotonic seconds."""
+
+    params: Params = field(default_factory=Params)
+    phase: Phase = Phase.STOPPED
+    pid: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    deadline: float | None = None
+    after_stop: AfterStop = AfterStop.FAILURE
+    exit_code: int = EXIT_OK
+    exit_reason: str = ""
+    killed: bool = False
+    failures: tuple[float, ...] = ()
+    next_backoff_s: float = 1.0
+    stable: bool = False
+    strikes: int = 0
+    boot_cause: str = ""
+    fault: str = ""             # why the current/last server is being stopped
+    pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
+    last_failure: str = ""
+    restarts: int = 0
+
+    def next_deadline(self) -> float | None:
+        """When the daemon must send a Tick at the latest (None: no timer is running)."""
+        if self.phase is Phase.READY and not self.stable and self.ready_at is not None:
+            return self.ready_at + self.params.stable_after_s
+        return self.deadline
+
+
+def initial_state(params: Params) -> State:
+    """A STOPPED state with a fresh backoff."""
+    return State(params=params, next_backoff_s=params.backoff_initial_s)
+
+
+def exit_text(returncode: int | None) -> str:
+    """Human text for a waitpid status: ``exit status 1``, ``killed by SIGKILL`` …"""
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (likely the kernel's OOM killer, or an operator)" if -returncode == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {returncode}"
+
+
+def _exit_fields(pid: int, returncode: int | None) -> dict[str, object]:
+    fields: dict[str, object] = {"server_pid": pid, "exit_text": exit_text(returncode)}
+    if returncode is not None and returncode < 0:
+        fields["signal"] = -returncode
+    elif returncode is not None:
+        fields["exit_status"] = returncode
+    return fields
+
+
+Result = tuple[State, list[Action]]
+
+_SERVING = (Phase.READY, Phase.DRAINING)
+
+
+def decide(state: State, event: Input, now: float) -> Result:
+    """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
+    if state.phase is Phase.EXITED:
+        return state, []
+    if isinstance(event, StopRequest):
+        return _on_stop_request(state, event, now)
+    if isinstance(event, ParamsChanged):
+        return _on_params(state, event, now)
+    handler = _HANDLERS.get(state.phase)
+    if handler is None:
+        return state, []
+    return handler(state, event, now)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _stop(state: State, now: float, after: AfterStop, fault: str, *,
+          code: int = EXIT_OK, reason: str = "") -> Result:
+    """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline)."""
+    new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
+                  deadline=now + state.params.stop_grace_s, killed=False,
+                  exit_code=code, exit_reason=reason or state.exit_reason)
+    if state.pid is None:
+        return new, []
+    return new, [Terminate(state.pid)]
+
+
+def _spawn(state: State) -> Result:
+    return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
+                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False),
+            [Spawn()])
+
+
+def _exit(state: State, code: int, reason: str) -> Result:
+    return (replace(state, phase=Phase.EXITED, pid=None, deadline=None, exit_code=code, exit_reason=reason),
+            [ExitDaemon(code, reason)])
+
+
+def _count_failure(state: State, now: float) -> Result:
+    """After a failed server: back off, or give up when the window holds too many failures."""
+    p = state.params
+    recent = tuple(t for t in state.failures if now - t < p.restart_window_s) + (now,)
+    state = replace(state, failures=recent, pid=None)
+    if len(recent) > p.max_restarts:
+        new, actions = _exit(state, EXIT_CRASH_LOOP, f"crash loop: {state.last_failure}")
+        emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
+                                   "max_restarts": p.max_restarts, "last_failure": state.last_failure})
+        return new, [emit, *actions]
+    wait = state.next_backoff_s
+    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait,
+                  next_backoff_s=min(wait * p.backoff_factor, p.backoff_max_s))
+    return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
+                                         "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
+                                         "last_failure": state.last_failure})]
+
+
+def _fault_event(state: State, verdict: LineClass, text: str) -> tuple[str, dict[str, object]] | None:
+    """The event for a fatal GPU line, or None when the line is not fatal."""
+    assert state.pid is not None
+    if verdict.family is Family.OOM:
+        return "server_oom", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
+    if verdict.family is Family.GPU_FATAL:
+        return "server_cuda_error", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
+    return None
+
+
+# ---------------------------------------------------------------- per phase
+
+def _on_stopped(state: State, event: Input, now: float) -> Result:
+    if isinstance(event, Boot):
+        return _spawn(state)
+    return state, []
+
+
+def _on_starting(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    if isinstance(event, Spawned):
+        new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s)
+        return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
+    if isinstance(event, SpawnFailed):
+        new, actions = _exit(state, EXIT_CONFIG, event.reason)
+        return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
+    if state.pid is None:
+        return state, []
+    if isinstance(event, HealthOk) and event.pid == state.pid:
+        load_s = now - (state.started_at if state.started_at is not None else now)
+        new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False)
+        return new, [Emit("server_ready", {"server_pid": state.pid, "load_s": load_s}), NotifyReady()]
+    if isinstance(event, Line) and event.pid == state.pid:
+        return _on_starting_line(state, event, now)
+    if isinstance(event, Exited) and event.pid == state.pid:
+        fields = _exit_fields(event.pid, event.returncode)
+        if state.boot_cause:
+            new, actions = _exit(state, EXIT_CONFIG, state.boot_cause)
+            return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
+        failure = f"exited while loading: {fields['exit_text']}"
+        new = replace(state, last_failure=failure)
+        new, actions = _count_failure(new, now)
+        return new, [Emit("server_exited", {**fields, "phase": "loading"}), *actions]
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        new = replace(state, last_failure="load timeout")
+        new, actions = _stop(new, now, AfterStop.FAILURE, "load timeout")
+        return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
+                     *actions]
+    if isinstance(event, RestartRequest):
+        new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
+        return new, [Emit(event.event, {"server_pid": state.pid, "reason": event.reason}), *actions]
+    return state, []
+
+
+def _on_starting_line(state: State, event: Line, now: float) -> Result:
+    verdict = event.verdict
+    fault = _fault_event(state, verdict, event.text)
+    if fault is not None:
+        name, fields = fault
+        new = replace(state, last_failure=f"{name}: {verdict.cause}")
+        new, actions = _stop(new, now, AfterStop.FAILURE, verdict.cause)
+        return new, [Emit(name, {**fields, "phase": "loading"}), *actions]
+    if verdict.family is Family.GPU_ABORT:
+        new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
+        return _stop(new, now, AfterStop.FAILURE, verdict.cause)
+    if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
+        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}")
+        new, actions = _stop(new, now, AfterStop.FAILURE, "GPU unavailable")
+        return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
+                                                     "cause": verdict.cause}), *actions]
+    if verdict.family is Family.BOOT_CONFIG and not state.boot_cause:
+        return replace(state, boot_cause=verdict.cause), []
+    if verdict.family is Family.RESOURCE_LIMIT:
+        cause = f"{verdict.cause} ({verdict.limit})"
+        actions: list[Action] = [Emit("resource_exhausted", {"server_pid": state.pid, "limit": verdict.limit,
+                                                             "reason": verdict.cause, "line": event.text.strip()})]
+        if verdict.limit != "RLIMIT_MEMLOCK" and not state.boot_cause:
+            return replace(state, boot_cause=cause), actions
+        return state, actions
+    return state, []
+
+
+def _on_serving(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    pid = state.pid
+    assert pid is not None
+    if isinstance(event, Line) and event.pid == pid:
+        verdict = event.verdict
+        fault = _fault_event(state, verdict, event.text)
+        if fault is not None:
+            name, fields = fault
+            new = replace(state, last_failure=f"{name}: {verdict.cause}")
+            new, actions = _stop(new, now, AfterStop.FAILURE, verdict.cause)
+            return new, [Emit(name, fields), *actions]
+        if verdict.family is Family.GPU_ABORT:
+            new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
+            return _stop(new, now, AfterStop.FAILURE, verdict.cause)
+        if verdict.family is Family.RESOURCE_LIMIT:
+            return state, [Emit("resource_exhausted", {"server_pid": pid, "limit": verdict.limit,
+                                                       "reason": verdict.cause, "line": event.text.strip()})]
+        return state, []
+    if isinstance(event, Exited) and event.pid == pid:
+        fields = _exit_fields(pid, event.returncode)
+        new = replace(state, last_failure=f"exited: {fields['exit_text']}")
+        new, actions = _count_failure(new, now)
+        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
+    if isinstance(event, Probe) and event.pid == pid:
+        return _on_probe(state, event, now)
+    if isinstance(event, Tick):
+        if (state.phase is Phase.READY and not state.stable and state.ready_at is not None
+                and now - state.ready_at >= p.stable_after_s):
+            return replace(state, stable=True, next_backoff_s=p.backoff_initial_s), []
+        if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
+            new, actions = _stop(state, now, AfterStop.RESTART, state.fault)
+            return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
+                                                "reason": state.fault}), *actions]
+        return state, []
+    if isinstance(event, RestartRequest):
+        if state.phase is Phase.DRAINING:
+            return state, []
+        emit = Emit(event.event, {"server_pid": pid, "reason": event.reason,
+                                  "uptime_s": now - (state.ready_at or now)})
+        if not event.drain:
+            new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
+            return new, [emit, *actions]
+        new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason)
+        return new, [emit, StartDrain(pid)]
+    if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
+        return _stop(state, now, AfterStop.RESTART, state.fault)
+    return state, []
+
+
+def _on_probe(state: State, event: Probe, now: float) -> Result:
+    # A slot that is busy and whose counters move is working, even if the canary queued behind it.
+    alive = event.health_ok and (event.canary_ok is not False or (event.busy and event.progressed))
+    if alive:
+        return (replace(state, strikes=0) if state.strikes else state), []
+    strikes = state.strikes + 1
+    if strikes < state.params.hang_strikes:
+        return replace(state, strikes=strikes), []
+    reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
+    new = replace(state, strikes=strikes, last_failure=f"hang: {reason}")
+    new, actions = _stop(new, now, AfterStop.FAILURE, "hang")
+    assert state.pid is not None
+    return new, [Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason}),
+                 *actions]
+
+
+def _on_stopping(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    if state.pid is None:
+        # A stop was requested before the spawn answered.
+        if isinstance(event, Spawned):
+            return replace(state, pid=event.pid, deadline=now + p.stop_grace_s), [Terminate(event.pid)]
+        if isinstance(event, SpawnFailed):
+            return _finish_stop(state, now)
+        return state, []
+    if isinstance(event, Line) and event.pid == state.pid and state.pending_event is not None:
+        fault = _fault_event(state, event.verdict, event.text)
+        if fault is not None:
+            name, fields = fault
+            new = replace(state, pending_event=None, last_failure=f"{name}: {event.verdict.cause}")
+            return new, [Emit(name, fields)]
+        return state, []
+    if isinstance(event, Exited) and event.pid == state.pid:
+        actions: list[Action] = []
+        fields = _exit_fields(state.pid, event.returncode)
+        if state.pending_event is not None:
+            name, cause = state.pending_event
+            actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))
+        actions.append(Emit("server_stopped", {**fields, "reason": state.fault}))
+        new, more = _finish_stop(replace(state, pending_event=None), now)
+        return new, actions + more
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        if not state.killed:
+            new = replace(state, killed=True, deadline=now + p.kill_wait_s)
+            return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": p.stop_grace_s}),
+                         Kill(state.pid)]
+        # SIGKILL did not end it either (uninterruptible sleep in the driver): stop waiting.
+        return _finish_stop(replace(state, last_failure="server did not exit after SIGKILL"), now)
+    return state, []
+
+
+def _finish_stop(state: State, now: float) -> Result:
+    if state.after_stop is AfterStop.EXIT:
+        return _exit(state, state.exit_code, state.exit_reason or "stopped")
+    if state.after_stop is AfterStop.RESTART:
+        new, actions = _spawn(replace(state, restarts=state.restarts + 1))
+        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault}), *actions]
+    return _count_failure(state, now)
+
+
+def _on_backoff(state: State, event: Input, now: float) -> Result:
+    due = isinstance(event, Tick) and state.deadline is not None and now >= state.deadline
+    if due or isinstance(event, RestartRequest):
+        reason = event.reason if isinstance(event, RestartRequest) else f"after {state.last_failure}"
+        new, actions = _spawn(replace(state, restarts=state.restarts + 1))
+        return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures)}),
+                     *actions]
+    return state, []
+
+
+def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
+    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
+    if state.phase in (Phase.STOPPED, Phase.BACKOFF):
+        new, actions = _exit(state, EXIT_OK, event.reason)
+        return new, [emit, *actions]
+    if state.phase is Phase.STOPPING:
+        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+        if event.immediate and state.pid is not None and not state.killed:
+            return replace(new, killed=True, deadline=now + state.params.kill_wait_s), [emit, Kill(state.pid)]
+        return new, []
+    new, actions = _stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_OK, reason=event.reason)
+    if event.immediate and state.pid is not None:
+        new = replace(new, killed=True, deadline=now + state.params.kill_wait_s)
+        actions = [Kill(state.pid)]
+    return new, [emit, *actions]
+
+
+def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
+    state = replace(state, params=event.params)
+    if event.server_changed and state.phase in (*_SERVING, Phase.STARTING):
+        return decide(state, RestartRequest("configuration changed", event="server_restart"), now)
+    return state, []
+
+
+_HANDLERS = {
+    Phase.STOPPED: _on_stopped,
+    Phase.STARTING: _on_starting,
+    Phase.READY: _on_serving,
+    Phase.DRAINING: _on_serving,
+    Phase.STOPPING: _on_stopping,
+    Phase.BACKOFF: _on_backoff,
+}
