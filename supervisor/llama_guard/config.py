@@ -14,13 +14,23 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from llama_guard.limits import normalize_config_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,6 +43,8 @@ ENV_PREFIX = "LLAMA_GUARD_"
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+ResetTrigger = Literal["gpu_lost", "xid", "oom", "cuda_error"]
+DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = ("gpu_lost", "xid", "oom")
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 # Flags llama-guard sets itself from typed keys; extra_args may not repeat them.
@@ -137,15 +149,14 @@ class GpuConfig(_Section):
 class RecoveryConfig(_Section):
     """``[recovery]``: restart backoff, crash-loop limit and GPU reset."""
 
-    backoff_initial_s: PositiveFloat = 1.0
-    backoff_factor: float = Field(2.0, ge=1.0)
+    backoff_initial_s: PositiveFloat = 0.1
+    backoff_factor: float = Field(3.0, ge=1.0)
     backoff_max_s: PositiveFloat = 60.0
     max_restarts: int = Field(5, ge=0)
     restart_window_s: PositiveFloat = 600.0
     stable_after_s: PositiveFloat = 60.0
     stop_grace_s: PositiveFloat = 15.0
-    reset_on: list[Literal["gpu_lost", "xid", "oom", "cuda_error"]] = Field(
-        default_factory=lambda: ["gpu_lost", "xid", "oom"])
+    reset_on: list[ResetTrigger] = Field(default_factory=lambda: list(DEFAULT_RESET_ON))
     reset_command: list[str] = Field(
         default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])
     reset_timeout_s: PositiveFloat = 60.0
@@ -168,6 +179,32 @@ class LimitsConfig(_Section):
     nproc: int | Literal["unlimited"] | None = None
     warn_fraction: float = Field(0.8, gt=0, le=1)
     sample_interval_s: PositiveFloat = 10.0
+    # Below this fraction a limit_low warning re-arms (default: warn_fraction - 0.1).
+    rearm_fraction: float | None = Field(None, gt=0, lt=1)
+    # While a limit stays past warn_fraction, limit_low is repeated this often.
+    reminder_interval_s: PositiveFloat = 3600.0
+
+    @field_validator("nofile", "memlock", "nproc", mode="before")
+    @classmethod
+    def _limit_value(cls, value: Any, info: ValidationInfo) -> Any:
+        # "unlimited"/"infinity"/-1, whole numbers, and for memlock sizes with units ("64M").
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
+            return value
+        return normalize_config_value(value, sizes=info.field_name == "memlock")
+
+    @model_validator(mode="after")
+    def _rearm_below_warn(self) -> LimitsConfig:
+        if self.rearm_fraction is not None and self.rearm_fraction >= self.warn_fraction:
+            raise ValueError(f"rearm_fraction ({self.rearm_fraction}) must be below warn_fraction "
+                             f"({self.warn_fraction})")
+        return self
+
+    @property
+    def rearm_at(self) -> float:
+        """The fraction below which ``limit_low`` re-arms."""
+        if self.rearm_fraction is not None:
+            return self.rearm_fraction
+        return max(self.warn_fraction - 0.1, self.warn_fraction / 2)
 
 
 class ScheduleConfig(_Section):

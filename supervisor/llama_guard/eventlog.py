@@ -9,6 +9,7 @@ is dropped from that event silently (an event must never crash the daemon).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -87,10 +88,8 @@ class Emitter:
         level = _LEVEL_NUMBERS[event_dict["level"]]
         if level >= self._sink_min:
             for sink in list(self.sinks):
-                try:
+                with contextlib.suppress(Exception):  # a sink must never take the daemon down
                     sink.write(dict(event_dict))
-                except Exception:  # noqa: BLE001 - a sink must never take the daemon down
-                    pass
         return event_dict
 
     def _drop_below_min(self, _logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:

@@ -69,7 +69,7 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
-        EventSpec("server_restart", _S.NOTICE, "restarting llama-server pid {server_pid}: {reason}"),
+        EventSpec("server_restart", _S.NOTICE, "restarting llama-server: {reason}"),
         EventSpec("server_backoff", _S.WARNING,
                   "waiting {backoff_s:.1f} s before starting llama-server again "
                   "(restart {restart_count} of {max_restarts} in {window_s:.0f} s)"),
@@ -102,6 +102,10 @@ CATALOG: dict[str, EventSpec] = {
         # Limits and resources.
         EventSpec("limit_low", _S.WARNING, "{limit} use {used} of {limit_value} ({fraction:.0%})"),
         EventSpec("resource_exhausted", _S.ERROR, "{limit} exhausted: {reason}"),
+        EventSpec("limit_ok", _S.INFO, "{limit} use back to {used} of {limit_value} ({fraction:.0%})"),
+        EventSpec("limit_not_raised", _S.WARNING, "{limit}: {reason}"),
+        EventSpec("limits_applied", _S.INFO, "llama-server pid {server_pid} runs with {summary}"),
+        EventSpec("threads_warning", _S.WARNING, "llama-server threads: {reason}"),
         # Planned restarts and configuration.
         EventSpec("scheduled_restart", _S.NOTICE, "planned restart of llama-server: {reason}"),
         EventSpec("restart_requested", _S.NOTICE, "restart of llama-server requested: {reason}"),

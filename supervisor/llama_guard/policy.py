@@ -319,7 +319,7 @@ def _exit(state: State, code: int, reason: str) -> Result:
 def _count_failure(state: State, now: float) -> Result:
     """After a failed server: back off, or give up when the window holds too many failures."""
     p = state.params
-    recent = tuple(t for t in state.failures if now - t < p.restart_window_s) + (now,)
+    recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
     state = replace(state, failures=recent, pid=None)
     if len(recent) > p.max_restarts:
         new, actions = _exit(state, EXIT_CRASH_LOOP, f"crash loop: {state.last_failure}")
@@ -408,11 +408,11 @@ def _on_starting_line(state: State, event: Line, now: float) -> Result:
         return replace(state, boot_cause=verdict.cause), []
     if verdict.family is Family.RESOURCE_LIMIT:
         cause = f"{verdict.cause} ({verdict.limit})"
-        actions: list[Action] = [Emit("resource_exhausted", {"server_pid": state.pid, "limit": verdict.limit,
-                                                             "reason": verdict.cause, "line": event.text.strip()})]
+        report: list[Action] = [Emit("resource_exhausted", {"server_pid": state.pid, "limit": verdict.limit,
+                                                            "reason": verdict.cause, "line": event.text.strip()})]
         if verdict.limit != "RLIMIT_MEMLOCK" and not state.boot_cause:
-            return replace(state, boot_cause=cause), actions
-        return state, actions
+            return replace(state, boot_cause=cause), report
+        return state, report
     return state, []
 
 

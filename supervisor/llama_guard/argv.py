@@ -1,0 +1,62 @@
+"""llama-server's argv, built from the typed ``[server]`` section."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from llama_guard.config import ServerConfig
+
+
+def resolve_binary(binary: str) -> Path | None:
+    """The llama-server executable: a path as given, or looked up on ``$PATH``; None if absent."""
+    if "/" in binary:
+        path = Path(binary)
+        return path if path.is_file() else None
+    found = shutil.which(binary)
+    return Path(found) if found else None
+
+
+def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
+    """The full argv of llama-server for ``server``.
+
+    ``--metrics`` is always on: the liveness probe reads the decode counters from ``/metrics``.
+    ``extra_args`` come last, verbatim (validated not to repeat a typed flag).
+    """
+    exe = str(binary) if binary is not None else server.binary
+    argv = [
+        exe,
+        "--model", str(server.model),
+        "--host", server.host,
+        "--port", str(server.port),
+        "--n-gpu-layers", str(server.n_gpu_layers),
+        "--ctx-size", str(server.ctx_size),
+        "--parallel", str(server.parallel),
+        "--batch-size", str(server.batch_size),
+        "--ubatch-size", str(server.ubatch_size),
+        "--cache-type-k", server.cache_type_k,
+        "--cache-type-v", server.cache_type_v,
+        "--flash-attn", server.flash_attn,
+        "--metrics",
+    ]
+    if server.threads is not None:
+        argv += ["--threads", str(server.threads)]
+    if server.threads_batch is not None:
+        argv += ["--threads-batch", str(server.threads_batch)]
+    if server.mlock:
+        argv.append("--mlock")
+    argv += server.extra_args
+    return argv
+
+
+def flags_in(argv: list[str]) -> list[str]:
+    """The flags (words starting with ``-``, before any ``=``) of ``argv`` without the binary."""
+    return [word.split("=", 1)[0] for word in argv[1:] if word.startswith("-") and not _is_number(word)]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,81 @@
+"""The daemon's status snapshot and pid file under ``[runtime].dir``.
+
+``status.json`` is rewritten atomically (write to a temporary file, then rename) on every phase
+change; ``llama-guard.pid`` holds the daemon's pid for ``llama-guard restart``. A runtime
+directory that cannot be written is reported once and otherwise ignored: status is a
+convenience, never a reason to stop supervising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+STATUS_NAME = "status.json"
+PID_NAME = "llama-guard.pid"
+
+
+class StatusFile:
+    """Writes ``<dir>/status.json`` and ``<dir>/llama-guard.pid``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._warned = False
+        self._pid_written = False
+
+    def write(self, snapshot: dict[str, Any]) -> None:
+        """Replace the snapshot atomically; never raises."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not self._pid_written:
+                (self.dir / PID_NAME).write_text(f"{os.getpid()}\n")
+                self._pid_written = True
+            tmp = self.dir / f".{STATUS_NAME}.{os.getpid()}"
+            tmp.write_text(json.dumps(snapshot, indent=1, default=str) + "\n")
+            tmp.replace(self.dir / STATUS_NAME)
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                print(f"llama-guard: cannot write status under {self.dir}: {exc.strerror or exc}; "
+                      "`llama-guard status` and `llama-guard restart` will not find this daemon",
+                      file=sys.stderr)
+
+    def remove(self) -> None:
+        """Remove the pid file and mark the snapshot stopped; never raises."""
+        with contextlib.suppress(OSError):
+            pidfile = self.dir / PID_NAME
+            if pidfile.read_text().strip() == str(os.getpid()):
+                pidfile.unlink()
+        with contextlib.suppress(OSError, ValueError):
+            path = self.dir / STATUS_NAME
+            data = json.loads(path.read_text())
+            if data.get("daemon_pid") == os.getpid():
+                path.unlink()
+
+
+def read_status(directory: Path) -> dict[str, Any] | None:
+    """The last snapshot, or None when there is none."""
+    try:
+        data = json.loads((directory / STATUS_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_pid(directory: Path) -> int | None:
+    """The running daemon's pid from the pid file, or None when absent or stale."""
+    try:
+        pid = int((directory / PID_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
