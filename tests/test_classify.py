@@ -1,0 +1,92 @@
+"""The log classifier on real-format lines of every family (facts/llama-server.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_guard.classify import TABLE, Family, classify
+
+PREFIXES = ["", "0.00.450.903 E ", "[12345] ", "0.01.518.422 W srv  "]
+
+CASES: list[tuple[str, Family, str]] = [
+    # ready hints (informational)
+    ("I srv  llama_server: listening on http://127.0.0.1:18080", Family.READY_HINT, ""),
+    ("main: server is listening on http://0.0.0.0:8080 - starting the main loop", Family.READY_HINT, ""),
+    ("main: model loaded", Family.READY_HINT, ""),
+    # OOM at run time and at load, several devices and sizes
+    ("CUDA error: out of memory", Family.OOM, ""),
+    ("HIP error: out of memory", Family.OOM, ""),
+    ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: cudaMalloc failed: "
+     "out of memory", Family.OOM, ""),
+    ("alloc_tensor_range: failed to allocate CUDA0 buffer of size 9663676416", Family.OOM, "CUDA0"),
+    ("ggml_gallocr_reserve_n_impl: failed to allocate ROCm0 buffer of size 1048576", Family.OOM, "ROCm0"),
+    ("graph_reserve: failed to allocate compute buffers", Family.OOM, ""),
+    ("llama_init_from_model: failed to allocate buffer for kv cache", Family.OOM, "KV cache"),
+    ("llama_model_load: error loading model: unable to allocate CUDA1 buffer", Family.OOM, "CUDA1"),
+    # fatal GPU runtime errors
+    ("CUDA error: an illegal memory access was encountered", Family.GPU_FATAL, "illegal memory access"),
+    ("CUDA error: unspecified launch failure", Family.GPU_FATAL, "unspecified launch failure"),
+    ("CUDA error: the launch timed out and was terminated", Family.GPU_FATAL, "launch timed out"),
+    ("CUDA error: CUDA-capable device(s) is/are busy or unavailable", Family.GPU_FATAL, "busy or unavailable"),
+    ("/tmp/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error", Family.GPU_ABORT, ""),
+    ("ggml_cuda_compute_forward: MUL_MAT failed", Family.GPU_ABORT, "MUL_MAT"),
+    # configuration boot failures
+    ("error: invalid argument: --no-flash-attn", Family.BOOT_CONFIG, "--no-flash-attn"),
+    ("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", Family.BOOT_CONFIG,
+     "flash"),
+    ("gguf_init_from_file: failed to open GGUF file '/models/missing.gguf' (No such file or directory)",
+     Family.BOOT_CONFIG, "/models/missing.gguf"),
+    ("llama_model_load: error loading model: llama_model_loader: failed to load model from /m.gguf",
+     Family.BOOT_CONFIG, "/m.gguf"),
+    ("couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080", Family.BOOT_CONFIG, "bind"),
+    ("srv    load_model: failed to create_context with model '/m.gguf'", Family.BOOT_CONFIG, "context"),
+    ("E srv  llama_server: exiting due to model loading error", Family.LOAD_FAILED, ""),
+    # GPU silently unavailable
+    ("E ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected", Family.GPU_UNAVAILABLE,
+     "no CUDA-capable device"),
+    ("warning: no usable GPU found, --gpu-layers option will be ignored", Family.GPU_UNAVAILABLE, ""),
+    # resource limits
+    ("warning: failed to mlock 1416867840-byte buffer (after previously locking 0 bytes): Cannot allocate "
+     "memory", Family.RESOURCE_LIMIT, "mlock"),
+    ("Try increasing RLIMIT_MEMLOCK ('ulimit -l' as root).", Family.RESOURCE_LIMIT, "memlock"),
+    ("  what():  Resource temporarily unavailable", Family.RESOURCE_LIMIT, "thread"),
+    # harmless
+    ("failed to find free space in the KV cache, retrying with smaller batch size", Family.HARMLESS, ""),
+    ("srv  send_error: task id = 4, error: request (9000 tokens) exceeds the available context size "
+     "(8192 tokens), try increasing it", Family.HARMLESS, ""),
+    ("I slot print_timing: id  0 | task 0 |        eval time =     610.78 ms /    64 tokens", Family.HARMLESS, ""),
+    ("", Family.HARMLESS, ""),
+    ("E   current device: 0, in function stream at /src/common.cuh:1080", Family.HARMLESS, ""),
+]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize(("text", "family", "cause_part"), CASES)
+def test_family(prefix: str, text: str, family: Family, cause_part: str) -> None:
+    verdict = classify(prefix + text)
+    assert verdict.family is family, (prefix + text, verdict)
+    assert cause_part.lower() in verdict.cause.lower()
+
+
+def test_limit_names() -> None:
+    assert classify("failed to mlock 4096-byte buffer").limit == "RLIMIT_MEMLOCK"
+    assert classify("what():  Resource temporarily unavailable").limit == "RLIMIT_NPROC"
+    assert classify("accept: Too many open files").limit == "RLIMIT_NOFILE"
+
+
+def test_interleaved_abort_and_logger_line() -> None:
+    # One physical line holding a logger prefix followed by the abort's own stderr text (seen on the H200).
+    verdict = classify("0.00.812.004 E /src/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA errorCUDA error: out of memory")
+    assert verdict.family is Family.OOM
+
+
+def test_trailing_newline_and_crlf() -> None:
+    assert classify("CUDA error: unspecified launch failure\r\n").cause == "unspecified launch failure"
+
+
+def test_every_row_is_reachable() -> None:
+    # Each pattern must be hit by at least one case above, or it is dead weight.
+    texts = [c[0] for c in CASES] + ["accept: Too many open files", "error while handling argument \"-x\"",
+                                     "ErrorOutOfDeviceMemory"]
+    for pattern, _family, _cause in TABLE:
+        assert any(pattern.search(t) for t in texts), pattern.pattern

@@ -1,0 +1,139 @@
+"""Configuration: the shipped file, environment overrides and every kind of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_guard.argv import build_argv
+from llama_guard.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    load_config,
+    resolve_config_path,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "etc" / "llama-guard.toml"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    for key in list(os.environ):
+        if key.startswith("LLAMA_GUARD_"):
+            monkeypatch.delenv(key)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "lg.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_config_is_the_tuned_v100_setup() -> None:
+    c = load_config(SHIPPED)
+    s = c.server
+    assert (s.n_gpu_layers, s.ctx_size, s.parallel, s.batch_size, s.ubatch_size) == (999, 8192, 1, 512, 256)
+    assert (s.cache_type_k, s.cache_type_v, s.flash_attn, s.threads) == ("q8_0", "q8_0", "on", 8)
+    assert s.env == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "8"}
+    assert s.host == "127.0.0.1"
+
+
+def test_shipped_config_comments_every_key() -> None:
+    lines = SHIPPED.read_text().splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.lstrip("# ").strip()
+        if "=" in stripped and not line.startswith("#") and not stripped.startswith("["):
+            assert lines[i - 1].startswith("#"), f"key without a comment: {line}"
+
+
+def test_shipped_config_lists_every_key() -> None:
+    text = SHIPPED.read_text()
+    for section, model in Config.model_fields.items():
+        assert f"[{section}]" in text, section
+        sub = model.annotation
+        assert sub is not None
+        for key in sub.model_fields:  # type: ignore[union-attr]
+            assert f"\n{key} =" in text or f"\n# {key} =" in text or f"[{section}.{key}]" in text, \
+                f"{section}.{key} is not documented in etc/llama-guard.toml"
+
+
+def test_argv_of_the_shipped_config_uses_current_flags() -> None:
+    argv = build_argv(load_config(SHIPPED).server)
+    assert "--no-flash-attn" not in argv
+    assert argv[argv.index("--flash-attn") + 1] == "on"
+    assert argv[argv.index("--cache-type-v") + 1] == "q8_0"
+    assert "--metrics" in argv
+
+
+def test_env_override_wins_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, '[server]\nport = 9000\nmodel = "/m.gguf"\n')
+    monkeypatch.setenv("LLAMA_GUARD_SERVER__PORT", "8001")
+    c = load_config(path)
+    assert c.server.port == 8001 and str(c.server.model) == "/m.gguf"
+
+
+def test_path_resolution() -> None:
+    assert resolve_config_path("/a.toml", {"LLAMA_GUARD_CONFIG": "/b.toml"}) == Path("/a.toml")
+    assert resolve_config_path(None, {"LLAMA_GUARD_CONFIG": "/b.toml"}) == Path("/b.toml")
+    assert resolve_config_path(None, {}) == DEFAULT_CONFIG_PATH
+
+
+@pytest.mark.parametrize(("text", "key", "reason"), [
+    ("[server]\nport = 70000\n", "server.port", "less than or equal to 65535"),
+    ("[server]\nbogus = 1\n", "server.bogus", "unknown key"),
+    ("[nonsense]\na = 1\n", "nonsense", "unknown key"),
+    ("[server]\ncache_type_k = 'q9'\n", "server.cache_type_k", "q8_0"),
+    ("[server]\nflash_attn = 'off'\n", "server", "flash attention"),
+    ("[server]\nbatch_size = 128\nubatch_size = 256\n", "server", "ubatch_size (256) must not exceed"),
+    ("[server]\nextra_args = ['--port', '1']\n", "server", "repeats '--port'"),
+    ("[server]\nenv = {NOTIFY_SOCKET = '/x'}\n", "server", "NOTIFY_SOCKET"),
+    ("[health]\ninterval_s = 0\n", "health.interval_s", "greater than 0"),
+    ("[recovery]\nreset_command = []\n", "recovery.reset_command", "non-empty"),
+    ("[recovery]\nreset_on = ['sometimes']\n", "recovery.reset_on", "gpu_lost"),
+    ("[gpu]\nforeign_processes = 'kill'\n", "gpu.foreign_processes", "warn"),
+])
+def test_bad_value_names_file_key_and_reason(tmp_path: Path, text: str, key: str, reason: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert any(line.startswith(f"{path}: {key}") and reason in line for line in info.value.lines), info.value.lines
+
+
+def test_bad_env_override_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_GUARD_SERVER__PORT", "eighty")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, ""))
+    assert "$LLAMA_GUARD_SERVER__PORT" in info.value.lines[0]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.toml")
+    assert info.value.lines == [f"{tmp_path / 'nope.toml'}: no such file"]
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(tmp_path)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"invalid TOML: .*line 2"):
+        load_config(write(tmp_path, "[server]\nport = = 1\n"))
+
+
+@pytest.mark.parametrize("verb", ["run", "check"])
+def test_cli_exits_78_with_one_clear_line(tmp_path: Path, verb: str) -> None:
+    path = write(tmp_path, "[server]\nport = 'x'\n")
+    out = subprocess.run([sys.executable, "-m", "llama_guard", verb, "--config", str(path)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 78
+    assert out.stderr.strip().splitlines() == [
+        f"llama-guard: config error: {path}: server.port: Input should be a valid integer, "
+        "unable to parse string as an integer (got 'x')"]
