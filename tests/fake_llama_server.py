@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""A small test double of llama-server, for the faults a CPU cannot produce (CUDA OOM, GPU errors).
+
+It accepts llama-server's argv (only ``--host`` and ``--port`` matter), prints real-format log
+lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/completions``,
+``/slots`` and ``/metrics``, and misbehaves on cue, chosen by ``$FAKE_LLAMA_FAULT``:
+
+- ``oom_at_load``: the allocation failure block of a model that does not fit, then exit 1.
+- ``oom_abort_at_load``: the CUDA OOM abort during context creation (seen on the H200), SIGABRT.
+- ``oom_runtime``: ready, then on the first completion a CUDA OOM block and SIGABRT.
+- ``cuda_error_hang``: ready, then on the first completion an illegal-memory-access block, after
+  which the process stays alive, /health keeps answering 200 and completions hang.
+- ``gpu_unavailable``: the "no usable GPU" lines, then a normal (CPU) start.
+- ``ignore_term``: ready, ignores SIGTERM (the supervisor must escalate to SIGKILL).
+- ``ready_line_no_health``: prints "listening" but /health stays 503.
+
+``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). Only the real llama-server is used
+where it can produce the fault; this double stands in for what needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+FAULT = os.environ.get("FAKE_LLAMA_FAULT", "")
+LOAD_S = float(os.environ.get("FAKE_LLAMA_LOAD_S", "0.2"))
+T0 = time.monotonic()
+READY = threading.Event()
+WEDGED = threading.Event()
+LOCK = threading.Lock()
+COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
+
+
+def log(level: str, comp: str, text: str) -> None:
+    ms = int((time.monotonic() - T0) * 1000)
+    stamp = f"{ms // 3600000}.{ms // 60000 % 60:02d}.{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+    sys.stdout.write(f"{stamp} {level} {comp} {text}\n")
+    sys.stdout.flush()
+
+
+def raw(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def cuda_block(message: str) -> None:
+    log("E", "", f"CUDA error: {message}")
+    log("E", "", "  current device: 0, in function ggml_cuda_mul_mat at /src/ggml/src/ggml-cuda/ggml-cuda.cu:1432")
+    log("E", "", "  cublasGemmEx(ctx.cublas_handle(id), CUBLAS_OP_T, CUBLAS_OP_N, ...)")
+    raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error")
+    raw("[New LWP 4242]\n#0  0x00007f2a in __GI___wait4 () at ../sysdeps/unix/sysv/linux/wait4.c:30")
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: object) -> None:  # keep stdout for "llama-server" lines
+        return
+
+    def reply(self, code: int, body: object) -> None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            if READY.is_set():
+                self.reply(200, {"status": "ok"})
+            else:
+                self.reply(503, {"error": {"code": 503, "message": "Loading model"}})
+        elif self.path == "/slots":
+            self.reply(200, [{"id": 0, "n_ctx": 2048, "is_processing": WEDGED.is_set(), "id_task": 0,
+                              "next_token": [{"has_next_token": True, "n_decoded": 3}]}])
+        elif self.path == "/metrics":
+            with LOCK:
+                text = "".join(f"llamacpp:{k} {v}\n" for k, v in COUNTERS.items())
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
+        else:
+            self.reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        self.rfile.read(length)
+        if FAULT == "oom_runtime":
+            log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
+            cuda_block("out of memory")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
+        if FAULT == "cuda_error_hang" or WEDGED.is_set():
+            if not WEDGED.is_set():
+                WEDGED.set()
+                cuda_block("an illegal memory access was encountered")
+            time.sleep(3600)
+            return
+        with LOCK:
+            COUNTERS["n_decode_total"] += 2
+            COUNTERS["tokens_predicted_total"] += 1
+        timings = {"prompt_n": 4, "prompt_ms": 1.0, "prompt_per_second": 4000.0,
+                   "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
+        self.reply(200, {"content": "x", "choices": [{"message": {"role": "assistant", "content": "x"}}],
+                         "timings": timings})
+
+
+def main(argv: list[str]) -> int:
+    host, port = "127.0.0.1", 8080
+    for i, word in enumerate(argv):
+        if word == "--host":
+            host = argv[i + 1]
+        elif word == "--port":
+            port = int(argv[i + 1])
+    if FAULT == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log("I", "srv ", "llama_server: initializing ...")
+    if FAULT == "gpu_unavailable":
+        log("E", "", "ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected")
+        raw("warning: no usable GPU found, --gpu-layers option will be ignored")
+    log("I", "srv ", "  load_model: loading model 'fake.gguf'")
+    if FAULT == "oom_at_load":
+        log("E", "", "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: "
+                     "cudaMalloc failed: out of memory")
+        log("E", "", "alloc_tensor_range: failed to allocate CUDA0 buffer of size 9663676416")
+        log("E", "", "llama_model_load: error loading model: unable to allocate CUDA0 buffer")
+        log("E", "srv ", "llama_server: exiting due to model loading error")
+        return 1
+    if FAULT == "oom_abort_at_load":
+        time.sleep(LOAD_S)
+        log("E", "", "CUDA error: out of memory")
+        log("E", "", "  current device: 0, in function stream at /src/ggml/src/ggml-cuda/common.cuh:1080")
+        raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error")
+        os.kill(os.getpid(), signal.SIGABRT)
+        return 134
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    time.sleep(LOAD_S)
+    log("I", "srv ", "llama_server: model loaded")
+    log("I", "srv ", f"llama_server: listening on http://{host}:{port}")
+    if FAULT != "ready_line_no_health":
+        READY.set()
+    while True:  # SIGTERM (default action) ends the process, as it does llama-server's HTTP loop
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

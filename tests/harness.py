@@ -1,0 +1,174 @@
+"""Run ``llama-guard run`` as a real subprocess and read its JSON events (test helper)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(str(value))
+
+
+def config_text(sections: dict[str, dict[str, object]]) -> str:
+    out = []
+    for name, keys in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {toml_value(v)}" for k, v in keys.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def base_sections(tmp: Path, binary: str, model: str, port: int) -> dict[str, dict[str, object]]:
+    """A fast-probing CPU configuration for tests."""
+    return {
+        "server": {"binary": binary, "model": model, "port": port, "n_gpu_layers": 0, "ctx_size": 1024,
+                   "threads": 2, "env": {}},
+        "health": {"interval_s": 0.5, "timeout_s": 1.0, "canary_timeout_s": 2.0, "hang_strikes": 2,
+                   "load_timeout_s": 60.0},
+        "gpu": {"enabled": "off"},
+        "recovery": {"backoff_initial_s": 0.1, "stop_grace_s": 3.0, "max_restarts": 3,
+                     "restart_window_s": 60.0},
+        "schedule": {"restart_cron": ""},
+        "log": {"level": "debug", "format": "json"},
+        "runtime": {"dir": str(tmp / "run")},
+    }
+
+
+def merge(a: dict[str, dict[str, object]], b: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    out = {k: dict(v) for k, v in a.items()}
+    for k, v in b.items():
+        out.setdefault(k, {}).update(v)
+    return out
+
+
+class DaemonRun:
+    """One ``python -m llama_guard run`` process with its stderr (JSON events) in a file."""
+
+    def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None):
+        self.tmp = tmp
+        self.config = tmp / "llama-guard.toml"
+        self.config.write_text(config_text(sections))
+        self.log_path = tmp / "daemon.jsonl"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
+        self.env.update(env or {})
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DaemonRun:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "llama_guard", "run", "--config", str(self.config)],
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
+                                     cwd=str(ROOT))
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        for line in text.splitlines():
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict) and "event" in item:
+                out.append(item)
+        return out
+
+    def names(self) -> list[str]:
+        return [e["event"] for e in self.events() if e["event"] != "server_line"]
+
+    def wait_event(self, name: str, timeout: float = 30.0, *, skip: int = 0,
+                   where: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any]:
+        """The (skip+1)-th event called ``name`` matching ``where``; fails after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events() if e["event"] == name and where(e)]
+            if len(found) > skip:
+                return found[skip]
+            if self.proc is not None and self.proc.poll() is not None:
+                found = [e for e in self.events() if e["event"] == name and where(e)]
+                if len(found) > skip:
+                    return found[skip]
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) before {name}: {self.names()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {name} within {timeout} s; events: {self.names()}")
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        """Stop the daemon if it still runs (SIGTERM, then SIGKILL) and kill any server it left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def server_pids_of(port: int) -> list[int]:
+    """Pids of processes whose argv has ``--port <port>`` (any llama-server of this test)."""
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        for i, word in enumerate(cmd[:-1]):
+            if word == "--port" and cmd[i + 1] == str(port):
+                out.append(proc.info["pid"])
+    return out
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False

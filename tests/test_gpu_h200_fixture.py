@@ -1,0 +1,152 @@
+"""Replay the real NVIDIA H200 readings (tests/fixtures/h200_gpu_watch.json, made by scripts/gpu_probe.py)
+through the same code: the chokepoint (via a fake loaded with the real values) and the event rules.
+
+Expectations are computed from the recorded values and the thresholds, not copied from the output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_nvml import FakeGpu, FakeNvml
+from llama_guard.gpu.kmsg import KmsgParser, strip_prefix
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.sample import THROTTLE_MASK, GpuSample, sample_from_dict
+from llama_guard.gpu.watch import GpuWatch, WatchSettings, server_on_gpu, vram_released
+
+FIXTURE = Path(__file__).parent / "fixtures" / "h200_gpu_watch.json"
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict[str, Any]:
+    return json.loads(FIXTURE.read_text())
+
+
+def samples(raw: list[dict[str, Any]]) -> list[GpuSample]:
+    return [sample_from_dict(d) for d in raw]
+
+
+def test_fixture_is_from_a_real_h200(probe: dict[str, Any]) -> None:
+    assert probe["identity"]["name"] == "NVIDIA H200"
+    sel = probe["selection"]
+    assert sel["uuid"]["uuid"] == sel["pci_bus_id"]["uuid"] == sel["pci_bus_id_nvml_form"]["uuid"] \
+        == probe["identity"]["uuid"]
+    assert len(probe["baseline"]["samples"]) >= 20
+
+
+def test_real_readings_are_physically_plausible(probe: dict[str, Any]) -> None:
+    for s in samples(probe["baseline"]["samples"]):
+        assert s.temperature_c is not None
+        assert s.temp_slowdown_c is not None
+        assert s.temp_shutdown_c is not None
+        assert 10 <= s.temperature_c < s.temp_slowdown_c < s.temp_shutdown_c
+        assert s.power_mw is not None
+        assert s.power_limit_mw is not None
+        assert 0 < s.power_mw < s.power_limit_mw
+        assert s.memory_used_bytes is not None
+        assert s.memory_total_bytes is not None
+        assert 0 < s.memory_used_bytes < s.memory_total_bytes
+        for name in s.unsupported:  # every unsupported reading is None in the sample
+            assert getattr(s, name, None) is None
+
+
+def test_chokepoint_reproduces_the_real_sample_from_the_raw_values(probe: dict[str, Any]) -> None:
+    real = samples(probe["baseline"]["samples"])[-1]
+    ident = real.identity
+    rows = real.remapped_rows
+    fake = FakeNvml([FakeGpu(ident.index, ident.uuid, "0000" + ident.pci_bus_id.upper(), ident.name)],
+                    driver=real.driver_version or "")
+    fake.gpus[0].values.update(
+        temperature=real.temperature_c, thr_slowdown=real.temp_slowdown_c, thr_shutdown=real.temp_shutdown_c,
+        thr_gpu_max=real.temp_gpu_max_c, power_mw=real.power_mw, power_limit_mw=real.power_limit_mw,
+        clock_events=real.clock_event_reasons, memory_used=real.memory_used_bytes,
+        memory_total=real.memory_total_bytes, processes=[(p.pid, p.used_bytes) for p in real.processes or ()],
+        persistence=int(bool(real.persistence_mode)), ecc_uncorrected=real.ecc_uncorrected_volatile,
+        remapped_rows=(rows.correctable, rows.uncorrectable, int(rows.pending), int(rows.failure)) if rows else None,
+        pcie_gen=real.pcie_gen, pcie_width=real.pcie_width, pstate=real.pstate)
+    assert Nvml(module=fake).sample() == real
+
+
+def test_baseline_events_follow_from_the_thresholds(probe: dict[str, Any]) -> None:
+    st = WatchSettings(power_sustain_s=0, throttle_sustain_s=0, driver_version="535")
+    watch = GpuWatch(st, proc_name=lambda pid: "proc")
+    real = samples(probe["baseline"]["samples"])
+    got = {name for i, s in enumerate(real) for name, _ in watch.observe(s, 10.0 * i)}
+    expected = set()
+    if any(s.temperature_c is not None and s.temperature_c >= min(85, (s.temp_slowdown_c or 999) - 5)
+           for s in real):
+        expected.add("gpu_temperature_high")
+    if any(s.power_mw and s.power_limit_mw and s.power_mw >= 0.95 * s.power_limit_mw for s in real):
+        expected.add("gpu_power_high")
+    if any((s.clock_event_reasons or 0) & THROTTLE_MASK for s in real):
+        expected.add("gpu_throttled")
+    if any(s.persistence_mode is False for s in real):
+        expected.add("gpu_persistence_off")
+    if any(s.processes for s in real):  # no server pid told: any process is foreign
+        expected.add("gpu_foreign_process")
+    if any(s.driver_version and s.driver_version.split(".")[0] != "535" for s in real):
+        expected.add("gpu_driver_version")
+    got.discard("gpu_foreign_process_gone")
+    assert got == expected
+    # the H200 readings: 41-45 °C against a slowdown of 89, persistence on, driver 580 -> only the driver
+    assert "gpu_driver_version" in expected
+
+
+def test_real_foreign_process_is_reported_with_its_pid_and_memory(probe: dict[str, Any]) -> None:
+    foreign = probe["foreign"]
+    child = foreign["child_pid"]
+    during = samples(foreign["samples"])
+    held = {p.pid: p.used_bytes for s in during for p in s.processes or ()}
+    assert child in held
+    assert held[child] is not None
+    assert held[child] >= foreign["alloc_gib"] << 30
+    assert all(server_on_gpu(s, child) for s in during)
+    assert not any(server_on_gpu(s, probe["host"]["pid"]) for s in during)
+
+    elsewhere = GpuWatch(proc_name=lambda pid: "python3")
+    elsewhere.set_server_pid(probe["host"]["pid"], 0.0)
+    events = [e for i, s in enumerate(during) for e in elsewhere.observe(s, float(i))]
+    foreign_events = [f for n, f in events if n == "gpu_foreign_process"]
+    assert [f["foreign_pid"] for f in foreign_events] == [child]  # once, not once per sample
+    assert foreign_events[0]["foreign_mib"] == round(held[child] / MIB)
+
+    as_server = GpuWatch()
+    as_server.set_server_pid(child, 0.0)
+    assert [e for i, s in enumerate(during) for e in as_server.observe(s, float(i))
+            if e[0] == "gpu_foreign_process"] == []
+
+
+def test_real_vram_release_after_the_process_stopped(probe: dict[str, Any]) -> None:
+    foreign = probe["foreign"]
+    before = sample_from_dict(foreign["before"])
+    after = sample_from_dict(foreign["release"]["sample"])
+    during = sample_from_dict(foreign["samples"][-1])
+    child = foreign["child_pid"]
+    assert vram_released(during, child, baseline_used_bytes=before.memory_used_bytes) is False
+    assert vram_released(after, child, baseline_used_bytes=before.memory_used_bytes) is True
+    assert foreign["release"]["released"] is True
+    assert foreign["release"]["after_s"] < 30
+
+
+def test_real_kmsg_records_parse_and_hold_no_xid(probe: dict[str, Any]) -> None:
+    km = probe["kmsg"]
+    records = km["nvrm_records"]
+    assert records, "the H200's kernel log has NVRM lines"
+    for raw in records:
+        assert strip_prefix(raw).startswith("NVRM:")
+        assert not raw.startswith("NVRM:")
+    parser = KmsgParser(probe["identity"]["pci_bus_id"])
+    assert [r for line in records for r in parser.feed(line)] == []
+
+
+def test_real_xid_wait_times_out_normally_and_sampling_is_cheap(probe: dict[str, Any]) -> None:
+    assert probe["xid"]["registered"] is True
+    assert probe["xid"]["xid"] is None
+    assert 150 <= probe["xid"]["wait_ms"] <= 1000
+    timing = probe["timing"]
+    assert timing["bench"]["wall_us_median"] < 10_000  # far below the 10 s interval
+    assert timing["cpu_s_per_hour_at_default_interval"] < 5.0

@@ -1,0 +1,201 @@
+"""The shipped systemd units, journal catalog and install script, checked with systemd's own tools."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from llama_guard.config import RecoveryConfig
+from llama_guard.events import CATALOG
+from systemd_fixtures import require
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+CATALOG_FILE = ROOT / "deploy" / "journald" / "llama-guard.catalog"
+
+pytestmark = pytest.mark.systemd
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """Sections → key → values (repeated keys accumulate), comments and continuations handled."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for raw in text.replace("\\\n", " ").splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def rewritten(unit: Path, dest: Path, binary: str = "/bin/true") -> Path:
+    """A copy of ``unit`` in ``dest`` whose ExecStart binary exists on this host."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / unit.name
+    out.write_text(unit.read_text().replace("/opt/llama-guard/bin/llama-guard", binary))
+    return out
+
+
+def verify(*paths: Path) -> subprocess.CompletedProcess[str]:
+    """``systemd-analyze verify`` under a private /run/systemd, so the host stays untouched."""
+    require("systemd-analyze", "unshare", what="unit verification")
+    args = " ".join(f"'{p}'" for p in paths)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f"mount -t tmpfs tmpfs /run/systemd && systemd-analyze verify --recursive-errors=yes --man=no {args}"],
+        capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_units_are_shipped() -> None:
+    assert [u.name for u in UNITS] == ["llama-guard.service", "llama-guard@.service"]
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_analyze_verify(unit: Path, tmp_path: Path) -> None:
+    copy = rewritten(unit, tmp_path)
+    result = verify(copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == ""
+    assert result.stderr.strip() == ""
+    if "@" in unit.name:  # an instance too, with %i expanded
+        instance = copy.with_name(unit.name.replace("@", "@0"))
+        shutil.copy(copy, instance)
+        result = verify(instance)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_verify_catches_a_typo(tmp_path: Path) -> None:
+    """The check above is real: an unknown key fails it."""
+    copy = rewritten(UNITS[0], tmp_path)
+    copy.write_text(copy.read_text().replace("WatchdogSec=", "WatchdogSecs="))
+    result = verify(copy)
+    assert result.returncode != 0
+    assert "WatchdogSecs" in result.stderr
+
+
+def _seconds(value: str) -> float:
+    total = 0.0
+    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(min|ms|s|h)?", value):
+        total += float(number) * {"": 1, "s": 1, "ms": 0.001, "min": 60, "h": 3600}[unit]
+    return total
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_contract(unit: Path) -> None:
+    u = parse_unit(unit.read_text())
+    svc, unit_section = u["Service"], u["Unit"]
+
+    def one(key: str) -> str:
+        assert key in svc, f"{unit.name} lacks {key}="
+        return svc[key][-1]
+
+    assert one("Type") == "notify"
+    assert one("NotifyAccess") == "main"
+    assert _seconds(one("WatchdogSec")) >= 10
+    assert one("Restart") == "on-failure"
+    assert "78" in one("RestartPreventExitStatus").split()
+    assert one("KillMode") == "mixed"
+    assert _seconds(one("TimeoutStopSec")) > RecoveryConfig().stop_grace_s + 10
+    assert one("LimitNOFILE") == "1048576"
+    assert one("LimitMEMLOCK") == "infinity"
+    assert int(one("TasksMax")) >= 4096
+    assert one("ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert one("OOMPolicy") == "continue"
+    assert "StartLimitIntervalSec" in unit_section
+    assert "StartLimitBurst" in unit_section
+    env = " ".join(svc["Environment"])
+    assert "OMP_NUM_THREADS=8" in env
+    assert one("User") == "llama-guard"
+    assert set(one("SupplementaryGroups").split()) == {"video", "render"}
+    # Hardening that leaves the GPU, GPU reset and /dev/kmsg.
+    assert one("NoNewPrivileges") == "yes"
+    assert one("ProtectSystem") == "strict"
+    assert one("DevicePolicy") == "closed"
+    allowed = svc["DeviceAllow"]
+    assert "char-nvidia-frontend rw" in allowed
+    assert "char-nvidia-uvm rw" in allowed
+    assert "/dev/kmsg r" in allowed
+    assert "CAP_SYSLOG" in one("AmbientCapabilities")
+    assert "CAP_SYS_ADMIN" in one("AmbientCapabilities")
+    for forbidden in ("PrivateDevices", "ProtectKernelLogs", "MemoryDenyWriteExecute"):
+        assert forbidden not in svc, f"{forbidden}= would break the GPU or /dev/kmsg"
+    if "@" in unit.name:
+        assert one("ExecStart") == "/opt/llama-guard/bin/llama-guard run --config /etc/llama-guard/%i.toml"
+        assert "CUDA_VISIBLE_DEVICES=%i" in env
+        assert "LLAMA_GUARD_RUNTIME__DIR=/run/llama-guard/%i" in env
+        assert one("RuntimeDirectory") == "llama-guard/%i"
+    else:
+        assert one("ExecStart") == (
+            "/opt/llama-guard/bin/llama-guard run --config /etc/llama-guard/llama-guard.toml")
+        assert "CUDA_VISIBLE_DEVICES=0" in env
+        assert one("RuntimeDirectory") == "llama-guard"
+
+
+# --- journal catalog -------------------------------------------------------------------------
+
+def test_catalog_matches_the_event_catalogue() -> None:
+    """deploy/journald/llama-guard.catalog is exactly what scripts/gen_catalog.py generates."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_catalog.py"), "--check"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    ids = re.findall(r"^-- ([0-9a-f]{32})$", CATALOG_FILE.read_text(), re.M)
+    assert sorted(ids) == sorted(spec.message_id for spec in CATALOG.values())
+
+
+def test_every_event_has_hand_written_catalog_text() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_catalog
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    missing = sorted(set(CATALOG) - set(gen_catalog.TEXT))
+    assert not missing, f"write catalog text in scripts/gen_catalog.py for: {missing}"
+    assert not set(gen_catalog.TEXT) - set(CATALOG)
+
+
+def test_journalctl_indexes_the_catalog(tmp_path: Path) -> None:
+    require("journalctl", what="catalog check")
+    catalog_dir = tmp_path / "usr" / "local" / "lib" / "systemd" / "catalog"
+    catalog_dir.mkdir(parents=True)
+    shutil.copy(CATALOG_FILE, catalog_dir)
+    update = subprocess.run(["journalctl", f"--root={tmp_path}", "--update-catalog"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert update.returncode == 0, update.stderr
+    listed = subprocess.run(["journalctl", f"--root={tmp_path}", "--list-catalog"],
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    listed_ids = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    assert listed_ids == {spec.message_id for spec in CATALOG.values()}
+    oom = CATALOG["server_oom"].message_id
+    dump = subprocess.run(["journalctl", f"--root={tmp_path}", "--dump-catalog", oom],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "Subject: llama-server ran out of GPU memory" in dump
+
+
+# --- install script --------------------------------------------------------------------------
+
+def test_install_script_stages_every_file(tmp_path: Path) -> None:
+    script = ROOT / "deploy" / "install.sh"
+    assert subprocess.run(["sh", "-n", str(script)], check=False).returncode == 0
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DESTDIR": str(tmp_path), "PREFIX": "/opt/lg"}
+    for _ in range(2):  # idempotent; the second run keeps the existing config
+        result = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True,
+                                timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+    assert "keeping /etc/llama-guard/llama-guard.toml" in result.stdout
+    for rel in ("etc/llama-guard/llama-guard.toml", "etc/llama-guard/llama-guard.toml.dist",
+                "etc/systemd/system/llama-guard.service", "etc/systemd/system/llama-guard@.service",
+                "usr/local/lib/systemd/catalog/llama-guard.catalog",
+                "opt/lg/share/doc/llama-guard/systemd.md"):
+        assert (tmp_path / rel).is_file(), rel
+    unit = (tmp_path / "etc/systemd/system/llama-guard.service").read_text()
+    assert "ExecStart=/opt/lg/bin/llama-guard run --config /etc/llama-guard/llama-guard.toml" in unit
+    assert (tmp_path / "etc/llama-guard/llama-guard.toml").read_text() == (
+        ROOT / "etc" / "llama-guard.toml").read_text()
