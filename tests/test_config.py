@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from llama_guard.argv import build_argv
 from llama_guard.config import (
     DEFAULT_CONFIG_PATH,

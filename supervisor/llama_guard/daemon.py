@@ -13,9 +13,9 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
@@ -23,7 +23,7 @@ from llama_guard.child import ServerProcess, child_environ, kill_and_reap, spawn
 from llama_guard.classify import Family, classify
 from llama_guard.config import Config, ConfigError, load_config
 from llama_guard.eventlog import Emitter
-from llama_guard.exitcodes import EXIT_SOFTWARE
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.policy import (
     Action,
     Boot,
@@ -36,10 +36,13 @@ from llama_guard.policy import (
     Kill,
     Line,
     NotifyReady,
+    NotOnGpu,
     Params,
     ParamsChanged,
     Phase,
     Probe,
+    ResetDone,
+    ResetGpu,
     RestartRequest,
     Spawn,
     Spawned,
@@ -53,24 +56,41 @@ from llama_guard.policy import (
     initial_state,
 )
 from llama_guard.probes import ServerProbe
+from llama_guard.source import Context, Source
 from llama_guard.status import StatusFile
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 
 
-class Notifier:
-    """The service-manager hooks the daemon calls; the base class does nothing (no systemd)."""
+class Notifier(Protocol):
+    """The service-manager hooks the daemon calls (sd_notify; see notify.Notifier)."""
 
-    def ready(self, status: str) -> None: ...
+    def ready(self, status: str | None = None) -> None: ...
     def status(self, text: str) -> None: ...
-    def reloading(self) -> None: ...
-    def stopping(self) -> None: ...
+    def reloading(self, status: str | None = None) -> None: ...
+    def stopping(self, status: str | None = None) -> None: ...
     def watchdog(self) -> None: ...
     def extend_timeout(self, usec: int) -> None: ...
 
 
-def params_from(config: Config) -> Params:
-    """The policy's parameters from a validated configuration."""
+class NullNotifier:
+    """No service manager: every hook does nothing."""
+
+    def ready(self, status: str | None = None) -> None: ...
+    def status(self, text: str) -> None: ...
+    def reloading(self, status: str | None = None) -> None: ...
+    def stopping(self, status: str | None = None) -> None: ...
+    def watchdog(self) -> None: ...
+    def extend_timeout(self, usec: int) -> None: ...
+
+
+# While the model loads, each sign of progress pushes systemd's start timeout this far out.
+EXTEND_TIMEOUT_USEC = 120_000_000
+
+
+def params_from(config: Config, *, reset_possible: bool = False) -> Params:
+    """The policy's parameters from a validated configuration; ``reset_possible`` when the GPU
+    watch is on (a reset can be verified)."""
     gpu_wanted = config.gpu.enabled != "off" and config.server.n_gpu_layers > 0
     return Params(
         load_timeout_s=config.health.load_timeout_s,
@@ -84,6 +104,12 @@ def params_from(config: Config) -> Params:
         stop_grace_s=config.recovery.stop_grace_s,
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
+        reset_possible=reset_possible,
+        reset_on=frozenset(config.recovery.reset_on),
+        max_resets=config.recovery.max_resets,
+        reset_window_s=config.recovery.reset_window_s,
+        reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
+                          + config.recovery.stop_grace_s + 30.0),
     )
 
 
@@ -101,11 +127,13 @@ class Daemon:
     """Owns one llama-server for the lifetime of ``run()``."""
 
     def __init__(self, config: Config, config_path: Path, emitter: Emitter, *,
-                 notifier: Notifier | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 notifier: Notifier | None = None, sources: list[Source] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.config_path = config_path
         self.emitter = emitter
-        self.notifier = notifier or Notifier()
+        self.notifier: Notifier = notifier or NullNotifier()
+        self.sources: list[Source] = list(sources or [])
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
@@ -114,6 +142,30 @@ class Daemon:
         self._stop_signals = 0
         self._aux: list[asyncio.Task[None]] = []
         self._exit_code: int | None = None
+        self._last_pid: int | None = None
+        self._last_extend = float("-inf")
+        self._reset_possible = False
+        self.ctx: Context | None = None
+
+    def _extend_start_timeout(self) -> None:
+        """While the model loads, keep systemd's start timeout ahead (at most every 10 s)."""
+        now = self.clock()
+        if now - self._last_extend >= 10.0:
+            self._last_extend = now
+            self.notifier.extend_timeout(EXTEND_TIMEOUT_USEC)
+
+    def _post_threadsafe(self, event: Input) -> None:
+        assert self.ctx is not None
+        self.ctx.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def _for_sources(self, hook: str, *args: Any) -> None:
+        """Call a synchronous hook on every source; a failing source is reported, not fatal."""
+        assert self.ctx is not None
+        for source in self.sources:
+            try:
+                getattr(source, hook)(self.ctx, *args)
+            except Exception as exc:
+                self.emitter.emit("config_error", reason=f"{source.name}.{hook} failed: {exc!r}")
 
     # ------------------------------------------------------------ entry point
 
@@ -125,8 +177,21 @@ class Daemon:
             loop.add_signal_handler(sig, handler, sig)
         self.emitter.emit("daemon_started", version=__version__, config_path=str(self.config_path),
                           daemon_pid=os.getpid())
+        self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
+                           emit=self.emitter.emit, post=self.queue.put_nowait,
+                           post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop)
         self._write_status()
         try:
+            for source in self.sources:
+                refusal = await source.start(self.ctx)
+                if refusal:
+                    self.emitter.emit("server_boot_failure", cause=refusal)
+                    self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=refusal)
+                    self._exit_code = EXIT_CONFIG
+                    return EXIT_CONFIG
+                self._aux.append(asyncio.ensure_future(source.run(self.ctx)))
+            self._reset_possible = any(getattr(src, "can_reset", False) for src in self.sources)
+            self.state = replace(self.state, params=params_from(self.config, reset_possible=self._reset_possible))
             self.queue.put_nowait(Boot())
             await self._loop()
         except Exception as exc:  # an internal error: the server must still go away
@@ -162,10 +227,13 @@ class Daemon:
         gen = self._gen
         if isinstance(event, Exited) and gen is not None and gen.server.pid == event.pid:
             self._gen = None
+            self._for_sources("on_exit", event.pid, event.returncode)
             await self._end_generation(gen)
         if self.state.phase is not before:
             self._write_status()
             self.notifier.status(self.status_line())
+            if self.state.phase is Phase.STARTING:
+                self._extend_start_timeout()
 
     # ------------------------------------------------------------ signals (enqueue only)
 
@@ -199,6 +267,8 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.tasks.append(asyncio.ensure_future(self._drain(self._gen)))
+        elif isinstance(action, ResetGpu):
+            self._aux.append(asyncio.ensure_future(self._reset_gpu(action)))
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
             self._exit_code = action.code
@@ -211,8 +281,20 @@ class Daemon:
             return
         argv = build_argv(server_cfg, binary)
         env = child_environ(os.environ, server_cfg.env)
+        assert self.ctx is not None
+        for source in self.sources:
+            refusal = await source.before_spawn(self.ctx, self._last_pid)
+            if refusal:
+                self.queue.put_nowait(SpawnFailed(refusal, fatal=False))
+                return
+        hooks = [h for h in (src.preexec() for src in self.sources) if h is not None]
+
+        def preexec_all() -> None:
+            for hook in hooks:
+                hook()
+
         try:
-            server = await spawn(argv, env)
+            server = await spawn(argv, env, preexec_extra=preexec_all if hooks else None)
         except OSError as exc:
             self.queue.put_nowait(SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}"))
             return
@@ -223,7 +305,9 @@ class Daemon:
         self._gen = gen
         gen.tasks += [asyncio.ensure_future(self._read_lines(gen)),
                       asyncio.ensure_future(self._watch_health(gen))]
+        self._last_pid = server.pid
         self.queue.put_nowait(Spawned(server.pid, tuple(argv)))
+        self._for_sources("on_spawn", server.pid)
 
     def _open_server_log(self) -> TextIO | None:
         path = self.config.log.server_log_file
@@ -246,8 +330,11 @@ class Daemon:
                     gen.log.write(text + "\n")
             verdict = classify(text)
             self.emitter.emit("server_line", server_pid=pid, line=text, family=verdict.family.value)
+            if self.state.phase is Phase.STARTING:
+                self._extend_start_timeout()
             if verdict.family is not Family.HARMLESS:
                 self.queue.put_nowait(Line(pid, verdict, text))
+                self._for_sources("on_line", pid, verdict, text)
         code = await gen.server.wait()
         self.queue.put_nowait(Exited(pid, code))
 
@@ -255,10 +342,17 @@ class Daemon:
         """Readiness polling while STARTING, then liveness rounds while the server serves."""
         pid = gen.server.pid
         health = self.config.health
+        assert self.ctx is not None
         while self.state.pid in (None, pid) and self.state.phase is Phase.STARTING:
             if await gen.probe.health():
+                for source in self.sources:
+                    refusal = await source.ready_check(self.ctx, pid)
+                    if refusal:
+                        self.queue.put_nowait(NotOnGpu(pid, refusal))
+                        return
                 self.queue.put_nowait(HealthOk(pid))
                 break
+            self._extend_start_timeout()
             await asyncio.sleep(health.startup_poll_s)
         while self.state.phase is Phase.STARTING and self.state.pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
@@ -286,6 +380,20 @@ class Daemon:
         if gen.log is not None:
             gen.log.close()
 
+    async def _reset_gpu(self, action: ResetGpu) -> None:
+        """Hand the reset to the source that can do it; always answers ResetDone."""
+        assert self.ctx is not None
+        for source in self.sources:
+            reset = getattr(source, "reset", None)
+            if reset is not None and getattr(source, "can_reset", False):
+                try:
+                    done: Input = await reset(self.ctx, action.previous_pid, action.reason)
+                except Exception as exc:
+                    done = ResetDone("failed", f"internal error during the reset: {exc!r}")
+                self.queue.put_nowait(done)
+                return
+        self.queue.put_nowait(ResetDone("skipped", "GPU watch is off: a reset cannot be verified"))
+
     # ------------------------------------------------------------ reload
 
     async def _reload(self) -> None:
@@ -299,11 +407,14 @@ class Daemon:
             return
         server_changed = new.server != self.config.server or new.limits != self.config.limits
         changed = [name for name in type(new).model_fields if getattr(new, name) != getattr(self.config, name)]
+        old = self.config
         self.config = new
+        self._for_sources("on_reload", old, new)
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
                           changed=",".join(changed),
                           changed_text=f" (changed: {', '.join(changed)})" if changed else " (no change)")
-        self.queue.put_nowait(ParamsChanged(params_from(new), server_changed))
+        self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
+                                            server_changed))
         self.notifier.ready(self.status_line())
 
     # ------------------------------------------------------------ status
@@ -332,7 +443,15 @@ class Daemon:
             "last_failure": s.last_failure,
             "updated": time.time(),
             "events": list(self.emitter.recent)[-10:],
+            **{src.name: snap for src in self.sources if (snap := self._safe_snapshot(src)) is not None},
         }
+
+    @staticmethod
+    def _safe_snapshot(source: Source) -> dict[str, Any] | None:
+        try:
+            return source.snapshot()
+        except Exception:
+            return None
 
     def _write_status(self) -> None:
         self.status_file.write(self.snapshot())
@@ -349,4 +468,7 @@ class Daemon:
         for task in self._aux:
             task.cancel()
         await asyncio.gather(*self._aux, return_exceptions=True)
+        for source in self.sources:
+            with contextlib.suppress(Exception):
+                await source.close()
         self.status_file.remove()

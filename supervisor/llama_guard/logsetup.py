@@ -1,18 +1,35 @@
-"""Builds the daemon's event outputs and service-manager notifier from the configuration."""
+"""Builds the daemon's event outputs, service-manager notifier and watchers from the configuration."""
 
 from __future__ import annotations
 
 from llama_guard.config import Config
 from llama_guard.daemon import Notifier
 from llama_guard.eventlog import Emitter
+from llama_guard.journal import JournalSink, journald_enabled
+from llama_guard.notify import Notifier as SdNotifier
+from llama_guard.source import Source
 
 
 def make_emitter(config: Config) -> Emitter:
-    """stderr output at ``[log].level`` (console on a terminal, JSON lines otherwise)."""
+    """Events to journald (native protocol) when stderr is the journal or ``[log].format`` is
+    "journald"; otherwise to stderr, readable on a terminal and JSON lines elsewhere."""
+    if journald_enabled(config.log.format):
+        emitter = Emitter(min_level=config.log.level, fmt="json", sinks=[JournalSink()], sink_level="debug")
+        emitter.stderr_enabled = False
+        return emitter
     fmt = config.log.format if config.log.format != "journald" else "json"
     return Emitter(min_level=config.log.level, fmt=fmt)
 
 
 def make_notifier() -> Notifier:
-    """The sd_notify notifier (a no-op without ``$NOTIFY_SOCKET``)."""
-    return Notifier()
+    """The sd_notify notifier (a no-op without ``$NOTIFY_SOCKET``); the variables are removed from
+    the daemon's environment so that no child can inherit them."""
+    return SdNotifier(unset_environment=True)
+
+
+def make_sources(config: Config) -> list[Source]:
+    """The optional watchers: limits, GPU, planned restarts."""
+    from llama_guard.gpu_source import GpuSource
+    from llama_guard.limits_source import LimitsSource
+
+    return [LimitsSource(), GpuSource()]

@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass, field, replace
 
 from llama_guard.classify import Family, LineClass
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_GPU_UNRECOVERABLE, EXIT_OK
 
 
 class Phase(enum.Enum):
@@ -26,6 +26,7 @@ class Phase(enum.Enum):
     DRAINING = "draining"
     STOPPING = "stopping"
     BACKOFF = "backoff"
+    RESETTING = "resetting_gpu"
     EXITED = "exited"
 
 
@@ -35,6 +36,7 @@ class AfterStop(enum.Enum):
     RESTART = "restart"    # planned: start again at once, not a failure
     FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
     EXIT = "exit"          # the daemon exits with State.exit_code
+    RESET = "reset"        # reset the GPU (State.reset_reason), then start again
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class Params:
     kill_wait_s: float = 10.0
     drain_timeout_s: float = 300.0
     require_gpu: bool = False
+    reset_possible: bool = False
+    reset_on: frozenset[str] = frozenset({"gpu_lost", "xid", "oom"})
+    max_resets: int = 2
+    reset_window_s: float = 3600.0
+    reset_deadline_s: float = 180.0
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -76,9 +83,44 @@ class Spawned(Input):
 
 @dataclass(frozen=True)
 class SpawnFailed(Input):
-    """``exec`` of llama-server failed (binary missing, not executable, …)."""
+    """llama-server could not be started: ``exec`` failed (binary missing, not executable …;
+    ``fatal``: a configuration error, exit 78), or a precondition refused this start (``fatal``
+    False: counted as a failure, retried after the backoff)."""
 
     reason: str
+    fatal: bool = True
+
+
+@dataclass(frozen=True)
+class NotOnGpu(Input):
+    """Server ``pid`` answers /health but never appeared on the GPU: it silently runs on the CPU."""
+
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class GpuFault(Input):
+    """The GPU is lost (``kind`` "gpu_lost") or reported an Xid (``kind`` "xid").
+
+    ``action`` is the Xid table's verdict: "restart", "reset", "reset_once_then_escalate",
+    "follow_recovery_action" or "event_only"; a lost GPU is "reset_once_then_escalate".
+    """
+
+    kind: str
+    reason: str
+    action: str = "reset_once_then_escalate"
+    xid: int | None = None
+
+
+@dataclass(frozen=True)
+class ResetDone(Input):
+    """The GPU reset sequence ended: ``outcome`` "succeeded", "skipped" (a precondition failed;
+    nothing was reset) or "failed" (the command failed or timed out, or the GPU did not verify)."""
+
+    outcome: str
+    reason: str
+    fields: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -205,6 +247,15 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
+class ResetGpu(Action):
+    """Run the reset sequence (wait for ``previous_pid`` to leave the GPU, check preconditions,
+    reset, verify) and answer ResetDone."""
+
+    previous_pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class ExitDaemon(Action):
     """The daemon exits with ``code`` (exitcodes)."""
 
@@ -237,6 +288,10 @@ class State:
     pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
     last_failure: str = ""
     restarts: int = 0
+    resets: tuple[float, ...] = ()
+    reset_reason: str = ""
+    gpu_lost: bool = False
+    reported_limits: frozenset[str] = frozenset()
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""
@@ -286,6 +341,8 @@ def decide(state: State, event: Input, now: float) -> Result:
         return _on_stop_request(state, event, now)
     if isinstance(event, ParamsChanged):
         return _on_params(state, event, now)
+    if isinstance(event, GpuFault):
+        return _on_gpu_fault(state, event, now)
     handler = _HANDLERS.get(state.phase)
     if handler is None:
         return state, []
@@ -307,7 +364,8 @@ def _stop(state: State, now: float, after: AfterStop, fault: str, *,
 
 def _spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
-                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False),
+                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
+                    reported_limits=frozenset()),
             [Spawn()])
 
 
@@ -358,10 +416,17 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s)
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
+        if not event.fatal:
+            return _count_failure(replace(state, last_failure=event.reason), now)
         new, actions = _exit(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if state.pid is None:
         return state, []
+    if isinstance(event, NotOnGpu) and event.pid == state.pid:
+        new = replace(state, last_failure=f"GPU unavailable: {event.reason}")
+        new, actions = _stop(new, now, AfterStop.FAILURE, "not on the GPU")
+        return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
+                                                     "cause": event.reason}), *actions]
     if isinstance(event, HealthOk) and event.pid == state.pid:
         load_s = now - (state.started_at if state.started_at is not None else now)
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False)
@@ -388,17 +453,40 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
     return state, []
 
 
-def _on_starting_line(state: State, event: Line, now: float) -> Result:
+def _fault_line(state: State, event: Line, now: float, phase: str) -> Result | None:
+    """Stop for a fatal GPU line (OOM, GPU error, abort); None when the line is not fatal."""
     verdict = event.verdict
+    trigger = "oom" if verdict.family is Family.OOM else "cuda_error"
     fault = _fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
         new = replace(state, last_failure=f"{name}: {verdict.cause}")
-        new, actions = _stop(new, now, AfterStop.FAILURE, verdict.cause)
-        return new, [Emit(name, {**fields, "phase": "loading"}), *actions]
+        new, actions = _stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
+        if phase:
+            fields = {**fields, "phase": phase}
+        return new, [Emit(name, fields), *actions]
     if verdict.family is Family.GPU_ABORT:
         new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
-        return _stop(new, now, AfterStop.FAILURE, verdict.cause)
+        return _stop_for_fault(new, now, trigger, verdict.cause)
+    return None
+
+
+def _limit_line(state: State, event: Line) -> Result:
+    """Report a resource-limit line once per limit and server."""
+    verdict = event.verdict
+    if verdict.limit in state.reported_limits:
+        return state, []
+    new = replace(state, reported_limits=state.reported_limits | {verdict.limit})
+    return new, [Emit("resource_exhausted", {"server_pid": state.pid, "limit": verdict.limit,
+                                             "reason": verdict.cause, "line": event.text.strip(),
+                                             "config_problem": True})]
+
+
+def _on_starting_line(state: State, event: Line, now: float) -> Result:
+    verdict = event.verdict
+    fatal = _fault_line(state, event, now, "loading")
+    if fatal is not None:
+        return fatal
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
         new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}")
         new, actions = _stop(new, now, AfterStop.FAILURE, "GPU unavailable")
@@ -407,12 +495,10 @@ def _on_starting_line(state: State, event: Line, now: float) -> Result:
     if verdict.family is Family.BOOT_CONFIG and not state.boot_cause:
         return replace(state, boot_cause=verdict.cause), []
     if verdict.family is Family.RESOURCE_LIMIT:
-        cause = f"{verdict.cause} ({verdict.limit})"
-        report: list[Action] = [Emit("resource_exhausted", {"server_pid": state.pid, "limit": verdict.limit,
-                                                            "reason": verdict.cause, "line": event.text.strip()})]
-        if verdict.limit != "RLIMIT_MEMLOCK" and not state.boot_cause:
-            return replace(state, boot_cause=cause), report
-        return state, report
+        new, report = _limit_line(state, event)
+        if verdict.limit != "RLIMIT_MEMLOCK" and not new.boot_cause:
+            return replace(new, boot_cause=f"{verdict.cause} ({verdict.limit})"), report
+        return new, report
     return state, []
 
 
@@ -421,19 +507,11 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
     pid = state.pid
     assert pid is not None
     if isinstance(event, Line) and event.pid == pid:
-        verdict = event.verdict
-        fault = _fault_event(state, verdict, event.text)
-        if fault is not None:
-            name, fields = fault
-            new = replace(state, last_failure=f"{name}: {verdict.cause}")
-            new, actions = _stop(new, now, AfterStop.FAILURE, verdict.cause)
-            return new, [Emit(name, fields), *actions]
-        if verdict.family is Family.GPU_ABORT:
-            new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
-            return _stop(new, now, AfterStop.FAILURE, verdict.cause)
-        if verdict.family is Family.RESOURCE_LIMIT:
-            return state, [Emit("resource_exhausted", {"server_pid": pid, "limit": verdict.limit,
-                                                       "reason": verdict.cause, "line": event.text.strip()})]
+        fatal = _fault_line(state, event, now, "")
+        if fatal is not None:
+            return fatal
+        if event.verdict.family is Family.RESOURCE_LIMIT:
+            return _limit_line(state, event)
         return state, []
     if isinstance(event, Exited) and event.pid == pid:
         fields = _exit_fields(pid, event.returncode)
@@ -520,6 +598,8 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
 def _finish_stop(state: State, now: float) -> Result:
     if state.after_stop is AfterStop.EXIT:
         return _exit(state, state.exit_code, state.exit_reason or "stopped")
+    if state.after_stop is AfterStop.RESET:
+        return _begin_reset(state, now)
     if state.after_stop is AfterStop.RESTART:
         new, actions = _spawn(replace(state, restarts=state.restarts + 1))
         return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault}), *actions]
@@ -538,6 +618,9 @@ def _on_backoff(state: State, event: Input, now: float) -> Result:
 
 def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
+    if state.phase is Phase.RESETTING:
+        # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
+        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
     if state.phase in (Phase.STOPPED, Phase.BACKOFF):
         new, actions = _exit(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
@@ -560,7 +643,96 @@ def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
     return state, []
 
 
+# ---------------------------------------------------------------- GPU faults and the reset
+
+def _stop_for_fault(state: State, now: float, trigger: str, reason: str) -> Result:
+    """Stop after a GPU fault: with a reset afterwards when ``trigger`` is in ``reset_on``."""
+    p = state.params
+    if p.reset_possible and trigger in p.reset_on:
+        return _stop(replace(state, reset_reason=reason), now, AfterStop.RESET, reason)
+    return _stop(state, now, AfterStop.FAILURE, reason)
+
+
+def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
+    p = state.params
+    lost = event.kind == "gpu_lost" or event.action == "reset_once_then_escalate"
+    if event.action == "event_only" or state.phase is Phase.RESETTING:
+        return state, []  # never reset while a reset is running
+    if event.action == "restart":
+        if state.phase in _SERVING or state.phase is Phase.STARTING:
+            new = replace(state, last_failure=event.reason)
+            return _stop(new, now, AfterStop.FAILURE, event.reason)
+        return state, []
+    trigger = "gpu_lost" if event.kind == "gpu_lost" else "xid"
+    state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason)
+    can_reset = p.reset_possible and trigger in p.reset_on
+    if state.phase is Phase.STOPPING:
+        if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART):
+            after = AfterStop.RESET if can_reset else AfterStop.EXIT
+            code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
+            return replace(state, after_stop=after, reset_reason=event.reason, exit_code=code,
+                           exit_reason=event.reason), []
+        return state, []
+    if state.pid is not None:
+        if can_reset:
+            return _stop(replace(state, reset_reason=event.reason), now, AfterStop.RESET, event.reason)
+        # No reset allowed: stop cleanly and do not restart onto a GPU that is not verified.
+        return _stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_GPU_UNRECOVERABLE,
+                     reason=f"GPU fault and no reset configured: {event.reason}")
+    if state.phase in (Phase.BACKOFF, Phase.STOPPED):
+        if can_reset:
+            return _begin_reset(replace(state, reset_reason=event.reason), now)
+        new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}")
+        return new, actions
+    return state, []
+
+
+def _begin_reset(state: State, now: float) -> Result:
+    """Enter RESETTING, unless the reset budget of the window is spent."""
+    p = state.params
+    recent = tuple(t for t in state.resets if now - t < p.reset_window_s)
+    if len(recent) >= p.max_resets:
+        reason = (f"{len(recent)} GPU resets within {p.reset_window_s:.0f} s already; "
+                  "not resetting again (a reboot is the operator's call)")
+        emit = Emit("gpu_reset", {"outcome": "refused", "reason": reason, "trigger": state.reset_reason})
+        if state.gpu_lost:
+            new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
+            return new, [emit, *actions]
+        new, actions = _count_failure(replace(state, last_failure=state.reset_reason or reason), now)
+        return new, [emit, *actions]
+    new = replace(state, phase=Phase.RESETTING, resets=(*recent, now), deadline=now + p.reset_deadline_s,
+                  after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop)
+    return new, [ResetGpu(state.pid, state.reset_reason)]
+
+
+def _on_resetting(state: State, event: Input, now: float) -> Result:
+    if isinstance(event, ResetDone):
+        fields = {"outcome": event.outcome, "reason": event.reason, "trigger": state.reset_reason,
+                  "reset_count": len(state.resets), **event.fields}
+        emit = Emit("gpu_reset", fields)
+        if state.after_stop is AfterStop.EXIT:  # a stop request came during the reset
+            new, actions = _exit(state, state.exit_code, state.exit_reason or "stopped")
+            return new, [emit, *actions]
+        if event.outcome == "succeeded":
+            new, actions = _count_failure(replace(state, gpu_lost=False, pid=None), now)
+            return new, [emit, *actions]
+        if event.outcome == "skipped" and not state.gpu_lost:
+            new = replace(state, pid=None, last_failure=f"{state.reset_reason} (reset skipped: {event.reason})")
+            new, actions = _count_failure(new, now)
+            return new, [emit, *actions]
+        reason = f"GPU reset {event.outcome}: {event.reason}; reboot the host"
+        new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
+        lost = Emit("gpu_lost", {"reason": reason, "gpu_index": event.fields.get("gpu_index")})
+        return new, [emit, lost, *actions]
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        reason = f"the reset did not finish within {state.params.reset_deadline_s:.0f} s; reboot the host"
+        new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
+        return new, [Emit("gpu_reset", {"outcome": "timed out", "reason": reason}), *actions]
+    return state, []
+
+
 _HANDLERS = {
+    Phase.RESETTING: _on_resetting,
     Phase.STOPPED: _on_stopped,
     Phase.STARTING: _on_starting,
     Phase.READY: _on_serving,

@@ -1,0 +1,283 @@
+"""The daemon's GPU watcher: NVML samples, Xid events, the kernel log, and the GPU reset.
+
+Everything NVML-related goes through :class:`llama_guard.gpu.Nvml` (the one chokepoint). Blocking
+NVML calls run in threads; results come back to the loop as events and policy inputs
+(:class:`policy.GpuFault`, the answers of :meth:`ready_check`, :meth:`before_spawn`, :meth:`reset`).
+
+Test hook: ``$LLAMA_GUARD_TEST_NVML_MODULE`` names a module to use instead of ``pynvml`` (a
+scriptable fake); it is meant for tests and dry runs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import threading
+import time
+from typing import Any
+
+from llama_guard.config import Config
+from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
+from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
+from llama_guard.gpu.sample import GpuSample, sample_to_dict
+from llama_guard.gpu.sampler import tick
+from llama_guard.gpu.watch import foreign_processes, server_on_gpu, vram_released
+from llama_guard.gpu.xid import classify as classify_xid
+from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields
+from llama_guard.policy import GpuFault, Input, ResetDone
+from llama_guard.source import Context, Source
+
+TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
+POLL_S = 0.25  # how often the bounded waits (VRAM release, server on GPU) look again
+
+
+def _module() -> Any:
+    name = os.environ.get(TEST_MODULE_ENV, "")
+    return importlib.import_module(name) if name else None
+
+
+class GpuSource(Source):
+    """Watches the configured GPU; can reset it (``[recovery].reset_command``)."""
+
+    name = "gpu"
+
+    def __init__(self) -> None:
+        self.nvml: Nvml | None = None
+        self.identity: GpuIdentity | None = None
+        self.watch: GpuWatch | None = None
+        self.off_reason = ""
+        self.can_reset = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._server_pid: int | None = None
+        self._baseline_used: int | None = None
+        self._lost_reported = False
+
+    # ------------------------------------------------------------ start / stop
+
+    async def start(self, ctx: Context) -> str | None:
+        cfg = ctx.config.gpu
+        selector = DeviceSelector(cfg.index, cfg.uuid, cfg.pci_bus_id)
+        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=_module())
+        if not isinstance(opened, Nvml):
+            self.off_reason = opened.reason
+            ctx.emit("gpu_watch_off", reason=opened.reason)
+            if cfg.enabled == "on":
+                return f"[gpu].enabled = \"on\" but the GPU cannot be watched: {opened.reason}"
+            return None
+        self.nvml = opened
+        self.identity = await asyncio.to_thread(opened.open)
+        self.watch = GpuWatch(WatchSettings.from_config(cfg))
+        self.can_reset = True
+        self._start_threads(ctx)
+        return None
+
+    def _start_threads(self, ctx: Context) -> None:
+        assert self.nvml is not None
+        assert self.identity is not None
+        nvml, index = self.nvml, self.identity.index
+
+        def on_xid(xid: int) -> None:
+            ctx.loop.call_soon_threadsafe(self._on_xid, ctx, xid, "nvml", None, None, None)
+
+        def on_error(exc: NvmlError) -> None:
+            return None  # the sampler reports a lost GPU; the waiter re-registers by itself
+
+        def xid_thread() -> None:
+            reason = run_xid_waiter(nvml, self._stop, on_xid, on_error=on_error)
+            if reason != "stopped":
+                ctx.loop.call_soon_threadsafe(lambda: ctx.emit("gpu_watch_off", reason=reason, gpu_index=index))
+
+        reader = open_kmsg(ctx.config.gpu.kmsg_path)
+        if isinstance(reader, KmsgOff):
+            ctx.emit("gpu_kmsg_off", reason=reader.message)
+        else:
+            parser = KmsgParser(self.identity.pci_bus_id)
+
+            def kmsg_thread() -> None:
+                while not self._stop.is_set():
+                    for line in reader.poll(1.0):
+                        for rec in parser.feed(line):
+                            xid = rec.xid if rec.xid is not None else 79
+                            ctx.loop.call_soon_threadsafe(self._on_xid, ctx, xid, "kmsg",
+                                                          rec.is_ours(self._server_pid), rec.pid, rec.name)
+
+            self._threads.append(threading.Thread(target=kmsg_thread, name="kmsg", daemon=True))
+        self._threads.append(threading.Thread(target=xid_thread, name="xid-waiter", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    async def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 2.0)
+        if self.nvml is not None:
+            await asyncio.to_thread(self.nvml.close)
+
+    # ------------------------------------------------------------ observations
+
+    def _on_xid(self, ctx: Context, xid: int, source: str, ours: bool | None, pid: int | None,
+                name: str | None) -> None:
+        index = self.identity.index if self.identity is not None else None
+        fields = xid_event_fields(xid, index, source=source, ours=ours, pid=pid, name=name)
+        ctx.emit("gpu_xid", **fields)
+        info = classify_xid(xid, ours)
+        ctx.post(GpuFault("xid", f"Xid {xid}: {info.meaning}", info.action.value, xid))
+
+    async def run(self, ctx: Context) -> None:
+        if self.nvml is None or self.watch is None:
+            return
+        while True:
+            result = await asyncio.to_thread(tick, self.nvml, self.watch, ctx.clock())
+            for name, fields in result.events:
+                ctx.emit(name, **fields)
+                if name == "gpu_lost" and not self._lost_reported:
+                    self._lost_reported = True
+                    ctx.post(GpuFault("gpu_lost", str(fields.get("reason", "GPU lost"))))
+                elif name == "gpu_recovered":
+                    self._lost_reported = False
+            await asyncio.sleep(ctx.config.gpu.sample_interval_s)
+
+    def on_spawn(self, ctx: Context, pid: int) -> None:
+        self._server_pid = pid
+        if self.watch is not None:
+            self.watch.set_server_pid(pid, ctx.clock())
+
+    def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
+        if self.watch is not None and pid == self._server_pid:
+            self.watch.set_server_pid(None, ctx.clock())
+
+    async def _sample(self) -> GpuSample | None:
+        if self.nvml is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.nvml.sample)
+        except NvmlError:
+            return None
+
+    # ------------------------------------------------------------ what the server needs
+
+    async def _wait_released(self, previous_pid: int, timeout_s: float) -> tuple[bool, float]:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            sample = await self._sample()
+            if sample is not None and vram_released(sample, previous_pid,
+                                                    baseline_used_bytes=self._baseline_used) is not False:
+                return True, time.monotonic() - start
+            if time.monotonic() >= deadline:
+                return False, time.monotonic() - start
+            await asyncio.sleep(POLL_S)
+
+    async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+        if self.nvml is None:
+            return None
+        cfg = ctx.config.gpu
+        if previous_pid is not None:
+            released, waited = await self._wait_released(previous_pid, cfg.vram_release_timeout_s)
+            if not released:
+                ctx.emit("gpu_vram_not_released", gpu_index=cfg.index, waited_s=waited, server_pid=previous_pid)
+        sample = await self._sample()
+        if sample is None:
+            return "the GPU does not answer NVML; not starting the server onto it"
+        if previous_pid is None:
+            self._baseline_used = sample.memory_used_bytes
+        own = {os.getpid()} | ({self._server_pid} if self._server_pid else set())
+        foreign = foreign_processes(sample, own)
+        if foreign and cfg.foreign_processes == "refuse":
+            culprits = ", ".join(f"pid {p.pid} ({(p.used_bytes or 0) >> 20} MiB)" for p in foreign)
+            return f"other processes hold VRAM on GPU {cfg.index}: {culprits} ([gpu].foreign_processes = refuse)"
+        return None
+
+    async def ready_check(self, ctx: Context, pid: int) -> str | None:
+        cfg: Config = ctx.config
+        if self.nvml is None or cfg.server.n_gpu_layers == 0 or not cfg.gpu.require_server_on_gpu:
+            return None
+        deadline = time.monotonic() + cfg.gpu.server_on_gpu_timeout_s
+        while True:
+            sample = await self._sample()
+            if sample is not None:
+                on = server_on_gpu(sample, pid)
+                if on is None or on:
+                    return None  # on the GPU, or NVML cannot list processes (nothing to check)
+            if time.monotonic() >= deadline:
+                return (f"llama-server pid {pid} answers /health but never appeared on GPU {cfg.gpu.index} "
+                        f"within {cfg.gpu.server_on_gpu_timeout_s:.0f} s: it runs on the CPU")
+            await asyncio.sleep(POLL_S)
+
+    # ------------------------------------------------------------ the reset
+
+    async def reset(self, ctx: Context, previous_pid: int | None, reason: str) -> Input:
+        """Reset the GPU; the answer is a :class:`ResetDone`. Never raises."""
+        assert self.nvml is not None
+        cfg = ctx.config
+        index = self.identity.index if self.identity is not None else cfg.gpu.index
+        base: dict[str, object] = {"gpu_index": index}
+        if previous_pid is not None:
+            released, waited = await self._wait_released(previous_pid, cfg.gpu.vram_release_timeout_s)
+            if not released:
+                return ResetDone("skipped", f"llama-server pid {previous_pid} still holds the GPU after "
+                                            f"{waited:.0f} s", base)
+        if os.geteuid() != 0:
+            return ResetDone("skipped", "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
+        sample = await self._sample()
+        if sample is not None:
+            foreign = foreign_processes(sample, {os.getpid()})
+            if foreign:
+                culprit = foreign[0]
+                return ResetDone("skipped", f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
+                                            "restarting the server without a reset",
+                                 {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
+        argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
+        await asyncio.to_thread(self.nvml.close)  # our own NVML session counts as a user of the GPU
+        outcome, detail = await _run_bounded(argv, cfg.recovery.reset_timeout_s)
+        base["command"] = " ".join(argv)
+        if outcome != "ok":
+            return ResetDone("failed", detail, base)
+        sample = await self._sample()
+        if sample is None:
+            return ResetDone("failed", f"the GPU does not answer NVML after the reset ({detail})", base)
+        busy = foreign_processes(sample, {os.getpid()})
+        if busy:
+            return ResetDone("failed", f"after the reset pid {busy[0].pid} already holds the GPU", base)
+        self._lost_reported = False
+        return ResetDone("succeeded", f"{detail}; GPU answers and is idle", base)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if self.watch is None:
+            return {"watch": "off", "reason": self.off_reason} if self.off_reason else None
+        last = getattr(self.watch, "last_sample", None)
+        return {"identity": None if self.identity is None else self.identity.__dict__,
+                "sample": None if last is None else sample_to_dict(last)}
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError:
+        return "?"
+
+
+async def _run_bounded(argv: list[str], timeout_s: float) -> tuple[str, str]:
+    """Run ``argv`` (no shell) within ``timeout_s``; ("ok" | "failed", one-line detail)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+    except OSError as exc:
+        return "failed", f"cannot run {argv[0]}: {exc.strerror or exc}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), 5.0)
+        return "failed", f"{argv[0]} did not finish within {timeout_s:.0f} s"
+    text = " / ".join(line.strip() for line in out.decode(errors="replace").splitlines() if line.strip())
+    if proc.returncode != 0:
+        return "failed", f"{argv[0]} exited {proc.returncode}: {text[-300:]}"
+    return "ok", text[-300:] or f"{argv[0]} exited 0"

@@ -1,0 +1,111 @@
+"""The daemon's limits watcher: set the server's rlimits, read them back, watch their use.
+
+Before each spawn it plans RLIMIT_NOFILE / RLIMIT_MEMLOCK / RLIMIT_NPROC from ``[limits]`` and
+the daemon's own limits (:mod:`limits`), reporting each limit it cannot raise once; the plan is
+applied between fork and exec; after the spawn the child's real limits are read back from
+``/proc/<pid>/limits``. While the server runs, its fds, threads and connections are sampled
+every ``[limits].sample_interval_s`` against those limits (:mod:`usage`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+from llama_guard.limits import (
+    LimitPlan,
+    ProcessLimits,
+    can_raise_hard_limits,
+    format_limit,
+    limits_report,
+    plan_child_limits,
+    read_limits,
+    read_own_limits,
+    verify_applied,
+)
+from llama_guard.source import Context, Source
+from llama_guard.usage import UsageSampler, UsageTracker
+
+
+class LimitsSource(Source):
+    """Applies and watches the server's resource limits."""
+
+    name = "limits"
+
+    def __init__(self) -> None:
+        self.plan: LimitPlan | None = None
+        self.applied: ProcessLimits | None = None
+        self._said: set[str] = set()
+        self._pid: int | None = None
+        self._sampler: UsageSampler | None = None
+        self._tracker: UsageTracker | None = None
+        self._last_usage: dict[str, Any] = {}
+
+    def _say_once(self, ctx: Context, name: str, **fields: Any) -> None:
+        key = f"{name}:{fields.get('limit', '')}:{fields.get('reason', '')}"
+        if key not in self._said:
+            self._said.add(key)
+            ctx.emit(name, **fields)
+
+    async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+        own = await asyncio.to_thread(read_own_limits)
+        plan = plan_child_limits(ctx.config, own, can_raise_hard_limits())
+        self.plan = plan
+        for d in plan.decisions:
+            if d.problem:
+                self._say_once(ctx, "limit_not_raised", limit=d.spec.name, reason=d.problem)
+        for note in plan.thread_notes:
+            self._say_once(ctx, "threads_warning", reason=note)
+        return None
+
+    def preexec(self) -> Callable[[], None] | None:
+        return self.plan.preexec if self.plan is not None and self.plan.settings else None
+
+    def on_spawn(self, ctx: Context, pid: int) -> None:
+        self._pid = pid
+        self.applied = None
+        try:
+            applied = read_limits(pid)
+        except (ProcessLookupError, OSError):
+            return
+        self.applied = applied
+        if self.plan is not None:
+            for text in verify_applied(self.plan, applied):
+                self._say_once(ctx, "limit_not_raised", limit="read-back", reason=text)
+        summary = ", ".join(f"{name} {format_limit(soft)}/{format_limit(hard)}"
+                            for name, (soft, hard) in sorted(applied.values.items())
+                            if name in ("RLIMIT_NOFILE", "RLIMIT_MEMLOCK", "RLIMIT_NPROC"))
+        ctx.emit("limits_applied", server_pid=pid, summary=summary, source=applied.source)
+        self._sampler = UsageSampler(pid, applied)
+        if self._tracker is None:
+            self._tracker = UsageTracker.from_config(ctx.config.limits)
+
+    def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
+        if pid == self._pid:
+            self._sampler = None
+
+    async def run(self, ctx: Context) -> None:
+        while True:
+            await asyncio.sleep(ctx.config.limits.sample_interval_s)
+            sampler, tracker = self._sampler, self._tracker
+            if sampler is None or tracker is None:
+                continue
+            try:
+                sample = await asyncio.to_thread(sampler.sample)
+            except (ProcessLookupError, OSError):
+                continue
+            self._last_usage = {"pid": sample.pid, "fds": sample.fds, "threads": sample.threads,
+                                "connections": sample.connections}
+            for event in tracker.update(sample, ctx.clock()):
+                ctx.emit(event.name, **event.fields)
+
+    def on_reload(self, ctx: Context, old: Any, new: Any) -> None:
+        self._tracker = UsageTracker.from_config(new.limits)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if self.plan is None:
+            return None
+        return {"rows": limits_report(self.plan, self.applied), "usage": self._last_usage,
+                "daemon_pid": os.getpid()}
