@@ -335,3 +335,23 @@ def test_exit_text() -> None:
     assert exit_text(1) == "exit status 1"
     assert exit_text(-6) == "killed by SIGABRT"
     assert exit_text(None) == "exit status unknown"
+
+
+def test_abort_line_before_oom_message_still_leads_to_the_reset() -> None:
+    # Seen on the H200: "<path>/ggml-cuda.cu:109: CUDA error" came before "CUDA error: out of memory".
+    p = replace(P, reset_possible=True, reset_on=frozenset({"oom"}))
+    s = started(params=p)
+    s, acts = decide(s, line(100, "/src/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error"), 1.0)
+    assert s.phase is Phase.STOPPING and Terminate(100) in acts
+    s, acts = decide(s, line(100, "0.01.713.707 E CUDA error: out of memory"), 1.01)
+    assert names(acts) == ["server_oom"] and s.after_stop is AfterStop.RESET
+    s, acts = decide(s, Exited(100, -6), 1.1)
+    assert s.phase is Phase.RESETTING and any(type(a).__name__ == "ResetGpu" for a in acts)
+
+
+def test_abort_line_then_other_gpu_error_does_not_reset_when_only_oom_resets() -> None:
+    p = replace(P, reset_possible=True, reset_on=frozenset({"oom"}))
+    s = started(params=p)
+    s, _ = decide(s, line(100, "/src/ggml-cuda.cu:109: CUDA error"), 1.0)
+    s, acts = decide(s, line(100, "CUDA error: an illegal memory access was encountered"), 1.01)
+    assert names(acts) == ["server_cuda_error"] and s.after_stop is AfterStop.FAILURE

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
+import subprocess
 from pathlib import Path
 
 from llama_guard.config import ServerConfig
@@ -44,9 +46,38 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
     if server.threads_batch is not None:
         argv += ["--threads-batch", str(server.threads_batch)]
     if server.mlock:
-        argv.append("--mlock")
+        argv += mlock_args(binary)
     argv += server.extra_args
     return argv
+
+
+def mlock_args(binary: Path | None) -> list[str]:
+    """The flag that locks the model in RAM, as this llama-server build spells it.
+
+    ``--mlock`` until llama.cpp replaced it with ``--load-mode MODE``, where ``mmap+mlock`` is
+    the old ``--mlock`` with the default mmap; a build without ``--mlock`` rejects it with
+    ``error: invalid argument: --mlock``. Decided from the binary's ``--help`` (cached per
+    binary and mtime); ``--mlock`` when there is no binary or its help cannot be read.
+    """
+    if binary is None:
+        return ["--mlock"]
+    try:
+        stamp = binary.stat().st_mtime_ns
+    except OSError:
+        return ["--mlock"]
+    return list(_mlock_args(str(binary), stamp))
+
+
+@functools.lru_cache(maxsize=8)
+def _mlock_args(binary: str, _mtime_ns: int) -> tuple[str, ...]:
+    try:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ("--mlock",)
+    text = out.stdout + out.stderr
+    if "--mlock" not in text and "--load-mode" in text and "mmap+mlock" in text:
+        return ("--load-mode", "mmap+mlock")
+    return ("--mlock",)
 
 
 def flags_in(argv: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,7 +82,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  server: {snap.get('base_url')}  pid {snap.get('server_pid')}")
     print(f"  restarts: {snap.get('restarts')}  last failure: {snap.get('last_failure') or '-'}")
     for key in ("gpu", "limits", "planned_restarts"):
-        if snap.get(key):
+        if key == "limits" and isinstance(snap.get(key), dict) and snap[key].get("rows"):
+            _print_limits(snap[key])
+        elif snap.get(key):
             print(f"  {key}: {json.dumps(snap[key])}")
     events = snap.get("events") or []
     if events:
@@ -90,6 +93,48 @@ def cmd_status(args: argparse.Namespace) -> int:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ev["time"])))
             print(f"    {stamp} {ev['event']}: {ev['message']}")
     return EXIT_OK
+
+
+_LIMIT_USE = {"RLIMIT_NOFILE": ("fds", "nofile_limit", "open fds"),
+              "RLIMIT_NPROC": ("threads", "nproc_limit", "threads")}
+
+
+def _use_text(limit: str, usage: dict[str, Any]) -> str:
+    """``12 open fds (0.3% of 4096)`` for a limit with a sampled use, else ``-``."""
+    if limit not in _LIMIT_USE or usage.get(_LIMIT_USE[limit][0]) is None:
+        return "-"
+    key, limit_key, what = _LIMIT_USE[limit]
+    used, value = usage[key], usage.get(limit_key)
+    text = f"{used} {what}"
+    if isinstance(value, int) and value > 0:  # RLIM_INFINITY is -1
+        text += f" ({100.0 * used / value:.1f}% of {value})"
+    if limit == "RLIMIT_NOFILE" and usage.get("connections") is not None:
+        text += f", {usage['connections']} connections"
+    return text
+
+
+def _print_limits(limits: dict[str, Any]) -> None:
+    """The ``limits`` snapshot as a table: configured, llama-guard's own, applied, effective, use."""
+    usage: dict[str, Any] = limits.get("usage") or {}
+    header = ("limit", "configured", "llama-guard (soft / hard)", "applied (soft / hard)",
+              "effective (soft / hard)", "in use")
+    table = [header] + [(r.get("limit", "?"), r.get("configured", "-"), r.get("daemon", "-"),
+                         r.get("planned", "-"), r.get("effective", "-"), _use_text(r.get("limit", ""), usage))
+                        for r in limits["rows"]]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+    print("  limits:")
+    for row in table:
+        print("    " + "  ".join(f"{cell!s:<{w}}" for cell, w in zip(row, widths, strict=True)).rstrip())
+    source = next((r.get("source") for r in limits["rows"] if r.get("source") not in (None, "-")), None)
+    notes = []
+    if source:
+        notes.append(f"effective = read back from the server ({source})")
+    if usage.get("pids_max") is not None:
+        notes.append(f"cgroup tasks {usage.get('pids_current')} of pids.max {usage['pids_max']}")
+    if not usage:
+        notes.append("no use sampled yet ([limits].sample_interval_s)")
+    if notes:
+        print("    " + "; ".join(notes))
 
 
 def cmd_restart(args: argparse.Namespace) -> int:

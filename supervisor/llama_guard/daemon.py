@@ -60,6 +60,7 @@ from llama_guard.source import Context, Source
 from llama_guard.status import StatusFile
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
+STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
 
 
 class Notifier(Protocol):
@@ -144,6 +145,7 @@ class Daemon:
         self._exit_code: int | None = None
         self._last_pid: int | None = None
         self._last_extend = float("-inf")
+        self._status_at = float("-inf")
         self._reset_possible = False
         self.ctx: Context | None = None
 
@@ -234,6 +236,8 @@ class Daemon:
             self.notifier.status(self.status_line())
             if self.state.phase is Phase.STARTING:
                 self._extend_start_timeout()
+        elif self.clock() - self._status_at >= STATUS_REFRESH_S:
+            self._write_status()
 
     # ------------------------------------------------------------ signals (enqueue only)
 
@@ -251,6 +255,7 @@ class Daemon:
     # ------------------------------------------------------------ actions
 
     async def _execute(self, action: Action) -> None:
+        self._for_sources("on_action", action)
         if isinstance(action, Emit):
             self.emitter.emit(action.name, **action.fields)
         elif isinstance(action, Spawn):
@@ -454,6 +459,7 @@ class Daemon:
             return None
 
     def _write_status(self) -> None:
+        self._status_at = self.clock()
         self.status_file.write(self.snapshot())
 
     # ------------------------------------------------------------ shutdown

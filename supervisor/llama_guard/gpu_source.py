@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import os
 import threading
 import time
 from typing import Any
 
+import psutil
+
 from llama_guard.config import Config
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
 from llama_guard.gpu.sample import GpuSample, sample_to_dict
-from llama_guard.gpu.sampler import tick
+from llama_guard.gpu.sampler import Tick, tick
 from llama_guard.gpu.watch import foreign_processes, server_on_gpu, vram_released
 from llama_guard.gpu.xid import classify as classify_xid
 from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields
@@ -54,6 +57,14 @@ class GpuSource(Source):
         self._server_pid: int | None = None
         self._baseline_used: int | None = None
         self._lost_reported = False
+        # While a reset runs our NVML session must stay released: the sampler skips its ticks
+        # (``_paused``, checked under ``_session_lock``) and the Xid waiter drops its event set
+        # (``_xid_halt``; ``_xid_idle`` once it has).
+        self._session_lock = threading.Lock()
+        self._paused = False
+        self._xid_halt = threading.Event()
+        self._xid_idle = threading.Event()
+        self._xid_idle.set()
 
     # ------------------------------------------------------------ start / stop
 
@@ -86,9 +97,20 @@ class GpuSource(Source):
             return None  # the sampler reports a lost GPU; the waiter re-registers by itself
 
         def xid_thread() -> None:
-            reason = run_xid_waiter(nvml, self._stop, on_xid, on_error=on_error)
-            if reason != "stopped":
-                ctx.loop.call_soon_threadsafe(lambda: ctx.emit("gpu_watch_off", reason=reason, gpu_index=index))
+            while not self._stop.is_set():
+                self._xid_idle.clear()
+                try:
+                    reason = run_xid_waiter(nvml, self._xid_halt, on_xid, on_error=on_error)
+                except Exception as exc:  # a thread that dies says so instead of going silent
+                    reason = f"the Xid waiter failed: {exc!r}"
+                finally:
+                    self._xid_idle.set()  # its event set is freed
+                if reason != "stopped":
+                    ctx.loop.call_soon_threadsafe(
+                        functools.partial(ctx.emit, "gpu_watch_off", reason=reason, gpu_index=index))
+                    return
+                while self._xid_halt.is_set() and not self._stop.is_set():  # a reset runs
+                    self._stop.wait(0.1)
 
         reader = open_kmsg(ctx.config.gpu.kmsg_path)
         if isinstance(reader, KmsgOff):
@@ -111,6 +133,7 @@ class GpuSource(Source):
 
     async def close(self) -> None:
         self._stop.set()
+        self._xid_halt.set()
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 2.0)
         if self.nvml is not None:
@@ -130,8 +153,8 @@ class GpuSource(Source):
         if self.nvml is None or self.watch is None:
             return
         while True:
-            result = await asyncio.to_thread(tick, self.nvml, self.watch, ctx.clock())
-            for name, fields in result.events:
+            result = await asyncio.to_thread(self._tick, self.nvml, self.watch, ctx.clock())
+            for name, fields in (result.events if result is not None else []):
                 ctx.emit(name, **fields)
                 if name == "gpu_lost" and not self._lost_reported:
                     self._lost_reported = True
@@ -139,6 +162,34 @@ class GpuSource(Source):
                 elif name == "gpu_recovered":
                     self._lost_reported = False
             await asyncio.sleep(ctx.config.gpu.sample_interval_s)
+
+    def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> Tick | None:
+        """One sampler tick, or None while a reset holds our NVML session released."""
+        with self._session_lock:
+            if self._paused:
+                return None
+            return tick(nvml, watch, now)
+
+    async def _release_session(self) -> None:
+        """Pause the sampler and the Xid waiter and shut our NVML session down (before a reset)."""
+        assert self.nvml is not None
+        nvml = self.nvml
+
+        def release() -> None:
+            with self._session_lock:
+                self._paused = True
+                self._xid_halt.set()
+            self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
+            with self._session_lock:
+                nvml.close()
+
+        await asyncio.to_thread(release)
+
+    def _resume(self) -> None:
+        with self._session_lock:
+            self._paused = False
+            if not self._stop.is_set():
+                self._xid_halt.clear()
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
@@ -166,6 +217,9 @@ class GpuSource(Source):
             sample = await self._sample()
             if sample is not None and vram_released(sample, previous_pid,
                                                     baseline_used_bytes=self._baseline_used) is not False:
+                return True, time.monotonic() - start
+            if sample is None and _pid_gone(previous_pid):
+                # NVML does not answer (a lost GPU): the process having exited is all we can know.
                 return True, time.monotonic() - start
             if time.monotonic() >= deadline:
                 return False, time.monotonic() - start
@@ -231,9 +285,12 @@ class GpuSource(Source):
                                             "restarting the server without a reset",
                                  {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
         argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
-        await asyncio.to_thread(self.nvml.close)  # our own NVML session counts as a user of the GPU
-        outcome, detail = await _run_bounded(argv, cfg.recovery.reset_timeout_s)
         base["command"] = " ".join(argv)
+        await self._release_session()  # our own NVML session counts as a user of the GPU
+        try:
+            outcome, detail = await _run_bounded(argv, cfg.recovery.reset_timeout_s)
+        finally:
+            self._resume()
         if outcome != "ok":
             return ResetDone("failed", detail, base)
         sample = await self._sample()
@@ -251,6 +308,16 @@ class GpuSource(Source):
         last = getattr(self.watch, "last_sample", None)
         return {"identity": None if self.identity is None else self.identity.__dict__,
                 "sample": None if last is None else sample_to_dict(last)}
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts as gone: it holds no GPU context)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def _comm(pid: int) -> str:
@@ -278,6 +345,8 @@ async def _run_bounded(argv: list[str], timeout_s: float) -> tuple[str, str]:
             await asyncio.wait_for(proc.wait(), 5.0)
         return "failed", f"{argv[0]} did not finish within {timeout_s:.0f} s"
     text = " / ".join(line.strip() for line in out.decode(errors="replace").splitlines() if line.strip())
+    if len(text) > 300:  # nvidia-smi says what happened first, then generic advice
+        text = text[:300] + " ..."
     if proc.returncode != 0:
-        return "failed", f"{argv[0]} exited {proc.returncode}: {text[-300:]}"
-    return "ok", text[-300:] or f"{argv[0]} exited 0"
+        return "failed", f"{argv[0]} exited {proc.returncode}: {text}"
+    return "ok", text or f"{argv[0]} exited 0"

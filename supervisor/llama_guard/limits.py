@@ -565,7 +565,8 @@ def limits_report(plan: LimitPlan, applied: ProcessLimits | None = None) -> list
         eff = applied.values.get(d.spec.name) if applied is not None else None
         rows.append({
             "limit": d.spec.name,
-            "configured": "(unset)" if d.configured is None else str(d.configured),
+            "configured": ("(unset)" if d.configured is None else format_limit(d.configured, unit)
+                           if isinstance(d.configured, int) else str(d.configured)),
             "daemon": f"{format_limit(d.own[0], unit)} / {format_limit(d.own[1], unit)}",
             "planned": (f"{format_limit(d.target[0], unit)} / {format_limit(d.target[1], unit)}"
                         if d.target is not None else "(inherited)"),

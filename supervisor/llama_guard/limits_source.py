@@ -97,7 +97,9 @@ class LimitsSource(Source):
             except (ProcessLookupError, OSError):
                 continue
             self._last_usage = {"pid": sample.pid, "fds": sample.fds, "threads": sample.threads,
-                                "connections": sample.connections}
+                                "connections": sample.connections, "nofile_limit": sample.nofile_limit,
+                                "nproc_limit": sample.nproc_limit, "pids_current": sample.pids_current,
+                                "pids_max": sample.pids_max}
             for event in tracker.update(sample, ctx.clock()):
                 ctx.emit(event.name, **event.fields)
 

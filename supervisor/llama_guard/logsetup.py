@@ -31,5 +31,6 @@ def make_sources(config: Config) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts."""
     from llama_guard.gpu_source import GpuSource
     from llama_guard.limits_source import LimitsSource
+    from llama_guard.schedule_source import ScheduleSource
 
-    return [LimitsSource(), GpuSource()]
+    return [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]

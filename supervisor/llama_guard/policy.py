@@ -573,7 +573,14 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
         fault = _fault_event(state, event.verdict, event.text)
         if fault is not None:
             name, fields = fault
-            new = replace(state, pending_event=None, last_failure=f"{name}: {event.verdict.cause}")
+            reason = f"{name}: {event.verdict.cause}"
+            new = replace(state, pending_event=None, last_failure=reason)
+            # The abort line can come before the message (seen on an H200): the message decides
+            # whether this fault calls for a reset.
+            trigger = "oom" if event.verdict.family is Family.OOM else "cuda_error"
+            p = state.params
+            if new.after_stop is AfterStop.FAILURE and p.reset_possible and trigger in p.reset_on:
+                new = replace(new, after_stop=AfterStop.RESET, reset_reason=reason)
             return new, [Emit(name, fields)]
         return state, []
     if isinstance(event, Exited) and event.pid == state.pid:
@@ -656,8 +663,14 @@ def _stop_for_fault(state: State, now: float, trigger: str, reason: str) -> Resu
 def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     p = state.params
     lost = event.kind == "gpu_lost" or event.action == "reset_once_then_escalate"
-    if event.action == "event_only" or state.phase is Phase.RESETTING:
-        return state, []  # never reset while a reset is running
+    if event.action == "event_only":
+        return state, []
+    if state.phase is Phase.RESETTING:
+        # Never reset while a reset is running; but remember a loss, so that a reset that is then
+        # skipped does not restart the server onto a lost GPU.
+        if lost and not state.gpu_lost:
+            return replace(state, gpu_lost=True), []
+        return state, []
     if event.action == "restart":
         if state.phase in _SERVING or state.phase is Phase.STARTING:
             new = replace(state, last_failure=event.reason)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llama_guard.argv import build_argv, flags_in, resolve_binary
 from llama_guard.config import Config
+from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 GGUF_MAGIC = b"GGUF"
 HELP_TIMEOUT_S = 20.0
@@ -59,9 +64,105 @@ def check_model(config: Config) -> CheckResult:
     return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
+def check_limits(config: Config) -> list[CheckResult]:
+    """The rlimits llama-server would get: configured, the daemon's own, what the child gets.
+
+    Plans exactly as the daemon does before a spawn (:func:`llama_guard.limits.plan_child_limits`
+    on this process's own limits and privileges), so the answer holds for a daemon run by the
+    same user under the same limits. A limit the server would get less of than configured is
+    WARN with the fix, as is each thread note (``--threads`` vs CPUs, RLIMIT_NPROC, ``pids.max``).
+    """
+    from llama_guard.limits import can_raise_hard_limits, limits_report, plan_child_limits, read_own_limits
+
+    try:
+        plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
+    except ValueError as exc:
+        return [CheckResult("limits", "FAIL", str(exc))]
+    results = []
+    for row, decision in zip(limits_report(plan), plan.decisions, strict=True):
+        detail = (f"configured {row['configured']}; llama-guard has {row['daemon']} (soft / hard); "
+                  f"llama-server gets {row['planned']}")
+        if decision.note:
+            detail += f" ({decision.note})"
+        if decision.problem:
+            results.append(CheckResult(row["limit"], "WARN", f"{detail}. {decision.problem}"))
+        else:
+            results.append(CheckResult(row["limit"], "OK", detail))
+    results += [CheckResult("threads", "WARN", note) for note in plan.thread_notes]
+    return results
+
+
+def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str], str | None] = shutil.which,
+                nvml_module: Any = None) -> CheckResult:
+    """Whether the daemon could reset the GPU here, and if not, why: the GPU watch must be on (a
+    reset has to be verified), we must be root (``nvidia-smi --gpu-reset``), and
+    ``[recovery].reset_command`` must be found. Read-only: NVML is opened and closed, nothing reset.
+
+    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; default ``pynvml``, or the module
+    named by ``$LLAMA_GUARD_TEST_NVML_MODULE``) are for tests. WARN, not FAIL, when a reset is not
+    possible: the daemon then restarts the server only, and a lost GPU ends it with exit 69.
+    """
+    rec = config.recovery
+    if not rec.reset_on or rec.max_resets == 0:
+        why = "[recovery].reset_on is empty" if not rec.reset_on else "[recovery].max_resets = 0"
+        return CheckResult("gpu reset", "OK", f"GPU resets are off ({why}): restart only")
+    reasons: list[str] = []
+    gpu_text = ""
+    if config.gpu.enabled == "off":
+        reasons.append('the GPU watch is off ([gpu].enabled = "off"), so a reset could not be verified')
+    else:
+        from llama_guard.gpu import DeviceSelector, open_gpu
+
+        if nvml_module is None:
+            nvml_module = _nvml_test_module()
+        selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
+        opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
+        if isinstance(opened, WatchOff):
+            reasons.append(f"the GPU cannot be watched ({opened.reason}), so a reset could not be verified")
+        else:
+            try:
+                identity = opened.open()
+                gpu_text = f"GPU {identity.index} ({identity.name}, {identity.pci_bus_id}) watched"
+            except NvmlError as exc:
+                reasons.append(f"the GPU cannot be watched ({exc}), so a reset could not be verified")
+            finally:
+                opened.close()
+    if (os.geteuid() if euid is None else euid) != 0:
+        reasons.append("llama-guard is not running as root (nvidia-smi --gpu-reset needs root)")
+    command = rec.reset_command[0]
+    found = _find_command(command, which)
+    if found is None:
+        where = "" if "/" in command else " on PATH"
+        reasons.append(f"the reset command {command!r} was not found{where} ([recovery].reset_command)")
+    argv_text = " ".join(rec.reset_command)
+    if reasons:
+        return CheckResult("gpu reset", "WARN",
+                           "a GPU reset would not be possible here: " + "; ".join(reasons)
+                           + f". On {', '.join(rec.reset_on)} llama-guard restarts the server only, "
+                             "and a lost GPU ends with exit 69")
+    return CheckResult("gpu reset", "OK",
+                       f"possible: root, {found} found, {gpu_text}; on {', '.join(rec.reset_on)} it runs "
+                       f"`{argv_text}` (at most {rec.max_resets} per {rec.reset_window_s:.0f} s)")
+
+
+def _find_command(command: str, which: Callable[[str], str | None]) -> str | None:
+    if "/" in command:
+        return command if os.path.isfile(command) and os.access(command, os.X_OK) else None
+    return which(command)
+
+
+def _nvml_test_module() -> Any:
+    from llama_guard.gpu_source import TEST_MODULE_ENV
+
+    name = os.environ.get(TEST_MODULE_ENV, "")
+    return importlib.import_module(name) if name else None
+
+
 def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
     """Every preflight check, in report order."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
     results.append(check_model(config))
+    results += check_limits(config)
+    results.append(check_reset(config))
     return results

@@ -16,7 +16,7 @@ from typing import Any
 
 from llama_guard.classify import LineClass
 from llama_guard.config import Config
-from llama_guard.policy import Input, State
+from llama_guard.policy import Action, Input, State
 
 
 @dataclass
@@ -73,6 +73,10 @@ class Source:
 
     def on_line(self, ctx: Context, pid: int, verdict: LineClass, text: str) -> None:
         """A classified (non-harmless) server line."""
+
+    def on_action(self, ctx: Context, action: Action) -> None:
+        """The daemon is about to carry out the policy's ``action`` (an event to emit, a stop, a
+        drain …); ``ctx.state`` is already the state that asked for it. Observe only."""
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         """A validated configuration replaced ``old``."""

@@ -1,0 +1,363 @@
+"""The daemon's planned-restart watcher: the cron schedule, decay triggers, and the restart record.
+
+Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.schedule.PlannedRestarts`
+whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
+whether the policy is READY). A due fire becomes ``RestartRequest(event="scheduled_restart",
+drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
+else ``drain_timeout``) and restarts. Skipped and missed fires are reported here
+(``scheduled_restart_skipped`` / ``scheduled_restart_missed``).
+
+Every ``SAMPLE_INTERVAL_S`` (and at once when a server becomes ready and when a drain begins) it
+feeds :class:`~llama_guard.decay.DecayMonitor`: the server's anonymous RSS (psutil), its VRAM
+(from the GPU source's last NVML sample, when there is one) and the ``/metrics`` generation
+counters. A trigger past its opt-in bound reports ``decay_detected`` and asks for the same
+drained restart.
+
+Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
+followed through the policy's actions (:meth:`on_action`): the drain's start, a drain timeout,
+the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.decay.RestartRecord`
+(uptime, drained or timed out, seconds unavailable = SIGTERM → READY, tokens/s and VRAM before)
+is reported as ``planned_restart_done`` when the new server is ready; its "after" figures (the
+new server's baselines) are filled in later and shown by ``llama-guard status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+import psutil
+
+from llama_guard.config import Config, ScheduleConfig
+from llama_guard.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
+from llama_guard.policy import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
+from llama_guard.schedule import Decision, Outcome, PlannedRestarts, ScheduleError
+from llama_guard.source import Context, Source
+
+TICK_S = 1.0              # how often the schedule is asked
+SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
+MIB = 1024 * 1024
+
+__all__ = ["SAMPLE_INTERVAL_S", "TICK_S", "ScheduleSource", "read_anon_rss_mib"]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def read_anon_rss_mib(pid: int) -> float | None:
+    """The anonymous resident memory (RSS minus file-backed and shared pages, MiB) of ``pid``.
+
+    The memory-mapped model file's pages are file-backed: leaving them out keeps the figure
+    about what the server allocated. ``None`` when the process is gone or unreadable.
+    """
+    try:
+        info = psutil.Process(pid).memory_info()
+    except (psutil.Error, OSError):
+        return None
+    shared = int(getattr(info, "shared", 0))
+    return max(0, info.rss - shared) / MIB
+
+
+async def _fetch_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> str | None:
+    try:
+        resp = await client.get(f"{base_url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+@dataclass
+class _Pending:
+    """A planned restart between its drain and the new server's READY."""
+
+    pid: int | None
+    drained: bool | None = None
+    stop_mono: float | None = None
+
+
+class ScheduleSource(Source):
+    """Planned restarts: cron schedule, decay triggers, before/after record (``llama-guard status``).
+
+    ``peers``: the other sources; one whose snapshot has an NVML ``sample`` with a process list
+    gives the server's VRAM. ``wall_clock`` (aware datetimes), ``rng`` (jitter), ``rss_reader``
+    and ``metrics_reader`` (``(base_url, timeout_s) -> text | None``) are injectable for tests.
+    """
+
+    name = "planned_restarts"
+
+    def __init__(self, *, peers: Sequence[Source] = (), wall_clock: Callable[[], datetime] = _utc_now,
+                 rng: random.Random | None = None, sample_interval_s: float = SAMPLE_INTERVAL_S,
+                 rss_reader: Callable[[int], float | None] = read_anon_rss_mib,
+                 metrics_reader: Callable[[str, float], Awaitable[str | None]] | None = None) -> None:
+        self._peers = list(peers)
+        self._wall = wall_clock
+        self._rng = rng or random.Random()
+        self._sample_interval_s = sample_interval_s
+        self._rss_reader = rss_reader
+        self._metrics_reader = metrics_reader
+        self._client: httpx.AsyncClient | None = None
+        self.schedule: PlannedRestarts | None = None
+        self.monitor: DecayMonitor = DecayMonitor()
+        self.history: RestartHistory = RestartHistory()
+        self._pid: int | None = None
+        self._start_wall: datetime | None = None
+        self._start_mono: float | None = None
+        self._post_kind: str | None = None       # the kind of the restart we asked for, until it is reported
+        self._pending: _Pending | None = None
+        self._after_pid: int | None = None       # the server whose baselines are the last record's "after"
+        self._decay: tuple[int, DecayDecision] | None = None  # a fired trigger waiting for READY
+        self._last_decision: dict[str, object] | None = None
+        self._metrics_warned = False
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ set-up
+
+    def _build_schedule(self, cfg: ScheduleConfig) -> PlannedRestarts:
+        return PlannedRestarts.from_config(cfg, now_wall=self._wall(), rng=self._rng)
+
+    async def start(self, ctx: Context) -> str | None:
+        cfg = ctx.config.schedule
+        try:
+            self.schedule = self._build_schedule(cfg)
+        except (ScheduleError, ValueError) as exc:
+            return f"[schedule]: {exc}"
+        self.monitor = DecayMonitor.from_config(cfg)
+        self.history = RestartHistory(cfg.history_size)
+        if self._metrics_reader is None:
+            self._client = httpx.AsyncClient(trust_env=False)
+        return None
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
+        o, n = old.schedule, new.schedule
+        if self.schedule is None or (o.restart_cron, o.timezone, o.jitter_s) != (n.restart_cron, n.timezone,
+                                                                                   n.jitter_s):
+            try:
+                self.schedule = self._build_schedule(n)  # the next fire after now
+            except (ScheduleError, ValueError) as exc:
+                ctx.emit("config_error", reason=f"[schedule]: {exc}; keeping the previous schedule")
+        else:  # the same fires: keep the cursor, so a fire about to be due is not lost
+            self.schedule.min_uptime_s = n.min_uptime_s
+            self.schedule.misfire_grace_s = n.misfire_grace_s
+        decay_keys = ("vram_growth_mib", "rss_growth_mib", "speed_drop_fraction", "decay_warmup_s",
+                      "decay_baseline_samples", "decay_confirm", "speed_window_tokens")
+        if any(getattr(o, k) != getattr(n, k) for k in decay_keys):
+            self.monitor = DecayMonitor.from_config(n)
+            self.monitor.reset(self._start_mono)
+        if o.history_size != n.history_size:
+            self.history = RestartHistory(n.history_size, self.history.records())
+
+    # ------------------------------------------------------------ the server's life
+
+    def on_spawn(self, ctx: Context, pid: int) -> None:
+        self._pid = pid
+        self._start_wall = self._wall()
+        self._start_mono = ctx.clock()
+        self.monitor.reset(self._start_mono)
+        self._decay = None
+
+    def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
+        if pid == self._pid:
+            self._pid = None
+        pending = self._pending
+        if pending is not None and pending.pid == pid and pending.stop_mono is None:
+            # It ended before the stop was asked for (a crash while draining).
+            pending.stop_mono = ctx.clock()
+            pending.drained = False
+            self.history.update_last(drained=False)
+
+    def on_action(self, ctx: Context, action: Action) -> None:
+        if isinstance(action, Emit):
+            self._on_emit(ctx, action.name, action.fields)
+        elif isinstance(action, StartDrain):
+            if self._pending is not None and self._pending.pid == action.pid:
+                self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
+        elif isinstance(action, Terminate):
+            pending = self._pending
+            if pending is None or pending.pid != action.pid or pending.stop_mono is not None:
+                return
+            pending.stop_mono = ctx.clock()
+            if ctx.state.after_stop is not AfterStop.RESTART:
+                pending.drained = False  # stopped for a fault while draining, not by the drain
+            elif pending.drained is None:
+                pending.drained = True
+            self.history.update_last(drained=pending.drained, **self._before_figures())
+
+    def _on_emit(self, ctx: Context, name: str, fields: dict[str, object]) -> None:
+        if name in ("scheduled_restart", "restart_requested"):
+            kind = (self._post_kind or "scheduled") if name == "scheduled_restart" else "requested"
+            self._post_kind = None
+            pid = fields.get("server_pid")
+            uptime = fields.get("uptime_s")
+            self.history.begin(RestartRecord(
+                kind=kind, reason=str(fields.get("reason", "")), requested_at=self._wall(),
+                uptime_s=float(uptime) if isinstance(uptime, (int, float)) else 0.0,
+                tokens_per_s_before=self.monitor.speed.last_window_tps,
+                vram_mib_before=self.monitor.vram.last_mib))
+            self._pending = _Pending(pid=pid if isinstance(pid, int) else None)
+            self._after_pid = None
+        elif name == "drain_timeout":
+            if self._pending is not None and self._pending.pid == fields.get("server_pid"):
+                self._pending.drained = False
+        elif name == "server_ready":
+            pending = self._pending
+            if pending is not None and pending.stop_mono is not None and fields.get("server_pid") != pending.pid:
+                self._pending = None
+                record = self.history.update_last(unavailable_s=round(ctx.clock() - pending.stop_mono, 3))
+                if record is not None:
+                    ctx.emit("planned_restart_done", server_pid=fields.get("server_pid"), **record.fields())
+                pid = fields.get("server_pid")
+                self._after_pid = pid if isinstance(pid, int) else None
+            self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
+
+    def _before_figures(self) -> dict[str, float | None]:
+        return {"tokens_per_s_before": self.monitor.speed.last_window_tps,
+                "vram_mib_before": self.monitor.vram.last_mib}
+
+    def _fill_after(self) -> None:
+        """The new server's baselines are the "after" figures of the last planned restart."""
+        if self._after_pid is None or self._after_pid != self._pid:
+            return
+        last = self.history.last()
+        if last is None:
+            return
+        changes: dict[str, float] = {}
+        if last.tokens_per_s_after is None and self.monitor.speed.baseline_tps is not None:
+            changes["tokens_per_s_after"] = round(self.monitor.speed.baseline_tps, 3)
+        if last.vram_mib_after is None and self.monitor.vram.baseline_mib is not None:
+            changes["vram_mib_after"] = round(self.monitor.vram.baseline_mib, 1)
+        if changes:
+            self.history.update_last(**changes)
+        if self.monitor.speed.baseline_tps is not None and self.monitor.vram.baseline_mib is not None:
+            self._after_pid = None
+
+    # ------------------------------------------------------------ the loops
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self, ctx: Context) -> None:
+        await asyncio.gather(self._tick_loop(ctx), self._sample_loop(ctx))
+
+    async def _tick_loop(self, ctx: Context) -> None:
+        while True:
+            self.tick(ctx)
+            await asyncio.sleep(TICK_S)
+
+    async def _sample_loop(self, ctx: Context) -> None:
+        while True:
+            await asyncio.sleep(self._sample_interval_s)
+            await self._sample(ctx)
+
+    def tick(self, ctx: Context) -> Decision | None:
+        """Ask the schedule once (and send a decay restart waiting for READY); the decision, if any."""
+        serving = ctx.state.phase is Phase.READY
+        if self._decay is not None and serving and ctx.state.pid == self._decay[0]:
+            _, fired = self._decay
+            self._decay = None
+            self._post_kind = fired.trigger.value
+            ctx.post(RestartRequest(f"decay: {fired.reason}", event="scheduled_restart", drain=True))
+            return None
+        if self.schedule is None:
+            return None
+        started = self._start_wall if self._pid is not None else None
+        try:
+            decision = self.schedule.due(self._wall(), started, serving=serving)
+        except ValueError as exc:  # a naive clock: a programming error, reported once per tick
+            ctx.emit("config_error", reason=f"planned restarts: {exc}")
+            return None
+        if decision.outcome is Outcome.WAIT:
+            return decision
+        self._last_decision = dict(decision.fields())
+        if decision.restart:
+            self._post_kind = "scheduled"
+            ctx.post(RestartRequest(decision.reason, event="scheduled_restart", drain=True))
+        elif decision.event is not None:
+            ctx.emit(decision.event, server_pid=ctx.state.pid, **decision.fields())
+        return decision
+
+    async def _sample(self, ctx: Context) -> None:
+        async with self._lock:
+            await self._sample_locked(ctx)
+
+    async def _sample_locked(self, ctx: Context) -> None:
+        pid = self._pid
+        if pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING):
+            return
+        rss = await asyncio.to_thread(self._rss_reader, pid)
+        if rss is not None and self._pid == pid:
+            self._observe(ctx, pid, self.monitor.observe_rss(ctx.clock(), rss))
+        vram = self._vram_mib(pid)
+        if vram is not None and self._pid == pid:
+            self._observe(ctx, pid, self.monitor.observe_vram(ctx.clock(), vram))
+        cfg = ctx.config
+        if self._metrics_reader is not None:
+            text = await self._metrics_reader(cfg.server.base_url, cfg.health.timeout_s)
+        elif self._client is not None:
+            text = await _fetch_metrics(self._client, cfg.server.base_url, cfg.health.timeout_s)
+        else:
+            text = None
+        if text is None or self._pid != pid:
+            return
+        try:
+            decision = self.monitor.observe_metrics(ctx.clock(), text)
+        except MetricsError as exc:
+            if cfg.schedule.speed_drop_fraction > 0 and not self._metrics_warned:
+                self._metrics_warned = True
+                ctx.emit("config_error", reason=f"speed_drop_fraction is set but {exc}")
+            return
+        self._observe(ctx, pid, decision)
+
+    def _observe(self, ctx: Context, pid: int, decision: DecayDecision) -> None:
+        if decision.fire and self._decay is None:
+            ctx.emit("decay_detected", server_pid=pid, **decision.fields())
+            self._decay = (pid, decision)
+        self._fill_after()
+
+    def _vram_mib(self, pid: int) -> float | None:
+        """The server's VRAM (MiB) from a peer's last NVML sample, if one lists it."""
+        for peer in self._peers:
+            try:
+                snap = peer.snapshot()
+            except Exception:
+                continue
+            sample = snap.get("sample") if isinstance(snap, dict) else None
+            procs = sample.get("processes") if isinstance(sample, dict) else None
+            if not isinstance(procs, (list, tuple)):
+                continue
+            for proc in procs:
+                if isinstance(proc, dict) and proc.get("pid") == pid and isinstance(proc.get("used_bytes"), int):
+                    used: int = proc["used_bytes"]
+                    return used / MIB
+        return None
+
+    # ------------------------------------------------------------ status
+
+    def snapshot(self) -> dict[str, Any] | None:
+        sched = self.schedule
+        nxt = sched.next_fire(self._wall()) if sched is not None else None
+        zone = sched.tz if sched is not None else None
+        return {
+            "cron": sched.cron.strip() if sched is not None else "",
+            "timezone": getattr(zone, "key", None) or (str(zone) if zone is not None else ""),
+            "next_fire": nxt.isoformat() if nxt is not None else None,
+            "last_decision": self._last_decision,
+            "decay": {"enabled": self.monitor.enabled, **self.monitor.snapshot()},
+            "history": self.history.to_json(),
+        }
+

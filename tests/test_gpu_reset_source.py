@@ -1,0 +1,124 @@
+"""GpuSource.reset() in-process, on a FakeNvml: the preconditions and the command's answers.
+
+These run without root (``os.geteuid`` is patched where the test needs "root"); the whole sequence
+with the real daemon is in test_reset_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_nvml import FakeNvml
+from llama_guard import gpu_source
+from llama_guard.config import Config
+from llama_guard.gpu import DeviceSelector, Nvml
+from llama_guard.gpu_source import GpuSource, _run_bounded
+from llama_guard.policy import Params, ResetDone, initial_state
+from llama_guard.source import Context
+
+TESTS = Path(__file__).resolve().parent
+
+
+def make(fake: FakeNvml, command: list[str], tmp: Path) -> tuple[GpuSource, Context]:
+    cfg = Config.model_validate({"gpu": {"vram_release_timeout_s": 1.0},
+                                 "recovery": {"reset_command": command, "reset_timeout_s": 2.0}})
+    src = GpuSource()
+    src.nvml = Nvml(DeviceSelector(), module=fake)
+    src.identity = src.nvml.open()
+    src.can_reset = True
+    events: list[tuple[str, dict[str, object]]] = []
+    ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
+                  emit=lambda name, **f: events.append((name, f)), post=lambda e: None,
+                  post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    return src, ctx
+
+
+@pytest.fixture
+def foreign_pid() -> Iterator[int]:
+    proc = subprocess.Popen(["sleep", "30"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def gone_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def stub(tmp: Path) -> list[str]:
+    return [sys.executable, str(TESTS / "stub_reset.py"), "--gpu-reset", "-i", "{index}"]
+
+
+async def test_not_root_skips_without_running_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
+    src, ctx = make(FakeNvml(), stub(tmp_path), tmp_path)
+    done = await src.reset(ctx, None, "test")
+    assert isinstance(done, ResetDone) and done.outcome == "skipped" and "not root" in done.reason
+    assert not (tmp_path / "rec").exists()
+
+
+async def test_foreign_process_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, foreign_pid: int) -> None:
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    fake = FakeNvml()
+    fake.gpus[0].values["processes"] = [(foreign_pid, 1 << 30)]
+    src, ctx = make(fake, stub(tmp_path), tmp_path)
+    done = await src.reset(ctx, None, "test")
+    assert isinstance(done, ResetDone) and done.outcome == "skipped"
+    assert done.fields["foreign_pid"] == foreign_pid and done.fields["foreign_name"] == "sleep"
+    assert fake.calls["nvmlShutdown"] == 0  # NVML was never released: nothing was about to be reset
+
+
+async def test_success_releases_nvml_runs_the_command_and_verifies(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
+    monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
+    fake = FakeNvml()
+    src, ctx = make(fake, stub(tmp_path), tmp_path)
+    done = await src.reset(ctx, None, "test")
+    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
+    assert "successfully reset" in done.reason and str(done.fields["command"]).endswith("--gpu-reset -i 0")
+    assert fake.calls["nvmlShutdown"] == 1 and fake.calls["nvmlInit"] == 2  # released, then re-opened
+    assert (tmp_path / "rec").read_text().count("--gpu-reset") == 1
+
+
+async def test_lost_gpu_does_not_block_the_reset_on_the_vram_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   gone_pid: int) -> None:
+    # NVML cannot list processes on a lost GPU; the old server having exited must be enough.
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
+    fake = FakeNvml()
+    src, ctx = make(fake, stub(tmp_path), tmp_path)
+    fake.lose_gpu()
+    done = await src.reset(ctx, gone_pid, "test")
+    assert isinstance(done, ResetDone)
+    # It got as far as running the command; the fake GPU stays lost, so the verification fails.
+    assert done.outcome == "failed" and "does not answer NVML after the reset" in done.reason, done
+
+
+async def test_long_failure_output_keeps_its_first_lines() -> None:
+    code = ("print('The following GPUs could not be reset:');"
+            "print('  GPU 00000000:1A:00.0: In use by another client');"
+            "print('advice ' * 200); raise SystemExit(3)")
+    outcome, detail = await _run_bounded([sys.executable, "-c", code], 10.0)
+    assert outcome == "failed" and "exited 3" in detail
+    assert "In use by another client" in detail and len(detail) < 450
+
+
+async def test_command_past_its_timeout_is_killed() -> None:
+    outcome, detail = await _run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert outcome == "failed" and "did not finish within" in detail
+
+
+async def test_missing_command() -> None:
+    outcome, detail = await _run_bounded(["/nonexistent/nvidia-smi", "--gpu-reset"], 1.0)
+    assert outcome == "failed" and "cannot run /nonexistent/nvidia-smi" in detail

@@ -1,0 +1,441 @@
+"""The GPU-reset paths of the pure policy: OOM / GPU error / lost GPU / Xid → stop → reset → restart or give up.
+
+Each test sets a state and feeds observations to :func:`decide`; no processes, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from llama_guard.classify import classify
+from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
+from llama_guard.policy import (
+    Action,
+    AfterStop,
+    Boot,
+    Emit,
+    ExitDaemon,
+    Exited,
+    GpuFault,
+    HealthOk,
+    Kill,
+    Line,
+    Params,
+    Phase,
+    Probe,
+    ResetDone,
+    ResetGpu,
+    Spawn,
+    Spawned,
+    State,
+    StopRequest,
+    Terminate,
+    Tick,
+    decide,
+    initial_state,
+)
+
+P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,
+           max_restarts=3, restart_window_s=100, stable_after_s=10, stop_grace_s=4, kill_wait_s=2,
+           drain_timeout_s=20, reset_possible=True, reset_on=frozenset({"gpu_lost", "xid", "oom"}),
+           max_resets=2, reset_window_s=1000, reset_deadline_s=50)
+
+OOM = "0.01.02.003 E CUDA error: out of memory"
+ILLEGAL = "0.01.02.003 E CUDA error: an illegal memory access was encountered"
+LOST = GpuFault("gpu_lost", "GPU is lost (GPU is lost)")
+
+
+def xid(n: int, action: str) -> GpuFault:
+    return GpuFault("xid", f"Xid {n}: test", action, n)
+
+
+def names(actions: list[Action]) -> list[str]:
+    return [a.name for a in actions if isinstance(a, Emit)]
+
+
+def emitted(actions: list[Action], name: str) -> Emit:
+    found = [a for a in actions if isinstance(a, Emit) and a.name == name]
+    assert len(found) == 1, (name, actions)
+    return found[0]
+
+
+def of_type(actions: list[Action], cls: type[Action]) -> list[Action]:
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
+    s, acts = decide(initial_state(params), Boot(), now - 1.0)
+    assert acts == [Spawn()]
+    s, _ = decide(s, Spawned(pid, ("llama-server",)), now - 1.0)
+    s, _ = decide(s, HealthOk(pid), now)
+    assert s.phase is Phase.READY
+    return s
+
+
+def line(pid: int, text: str) -> Line:
+    return Line(pid, classify(text), text)
+
+
+def stop_for(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:
+    """Feed ``event`` to a serving state: the server must be asked to stop (SIGTERM)."""
+    pid = s.pid
+    assert pid is not None
+    s, acts = decide(s, event, now)
+    assert s.phase is Phase.STOPPING and Terminate(pid) in acts, acts
+    return s, acts
+
+
+def into_reset(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:
+    """A fault, then the server's exit: the policy must be RESETTING and have asked for one reset."""
+    pid = s.pid
+    assert pid is not None
+    s, _ = stop_for(s, event, now)
+    assert s.after_stop is AfterStop.RESET
+    s, acts = decide(s, Exited(pid, -6), now + 0.5)
+    assert s.phase is Phase.RESETTING
+    assert names(acts) == ["server_stopped"]
+    assert of_type(acts, ResetGpu) == [ResetGpu(pid, s.reset_reason)]
+    assert not of_type(acts, Spawn)
+    return s, acts
+
+
+def restart_after_backoff(s: State, new_pid: int, now: float) -> State:
+    assert s.phase is Phase.BACKOFF and s.deadline is not None
+    s, acts = decide(s, Tick(), s.deadline)
+    assert names(acts) == ["server_restart"] and acts[-1] == Spawn()
+    s, _ = decide(s, Spawned(new_pid), s.deadline if s.deadline else now)
+    s, acts = decide(s, HealthOk(new_pid), now)
+    assert s.phase is Phase.READY and names(acts) == ["server_ready"]
+    return s
+
+
+# ------------------------------------------------------------------------------------------- OOM
+
+
+class TestOomReset:
+    def test_oom_stops_resets_then_restarts(self) -> None:
+        s, acts = stop_for(ready(), line(100, OOM))
+        assert names(acts) == ["server_oom"]
+        assert "server_oom" in s.reset_reason
+        s, acts = into_reset(ready(), line(100, OOM))
+        assert acts[-1] == ResetGpu(100, s.reset_reason)
+        assert s.deadline == pytest.approx(5.5 + P.reset_deadline_s)
+        # Nothing starts while the reset runs, however long the ticks go on (until its deadline).
+        for t in (6.0, 20.0, 55.0):
+            s, acts = decide(s, Tick(), t)
+            assert acts == [] and s.phase is Phase.RESETTING
+        s, acts = decide(s, ResetDone("succeeded", "GPU 0 was reset", {"gpu_index": 0, "command": "x"}), 30.0)
+        reset = emitted(acts, "gpu_reset")
+        assert reset.fields["outcome"] == "succeeded" and reset.fields["gpu_index"] == 0
+        assert reset.fields["reset_count"] == 1 and "server_oom" in str(reset.fields["trigger"])
+        assert names(acts) == ["gpu_reset", "server_backoff"]
+        assert not of_type(acts, ExitDaemon)
+        s = restart_after_backoff(s, 101, 32.0)
+        assert s.pid == 101 and s.resets == (5.5,)
+
+    def test_oom_while_loading_resets_too(self) -> None:
+        s, _ = decide(initial_state(P), Boot(), 0.0)
+        s, _ = decide(s, Spawned(100), 0.0)
+        text = ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: "
+                "cudaMalloc failed: out of memory")
+        s, acts = decide(s, line(100, text), 1.0)
+        assert emitted(acts, "server_oom").fields["phase"] == "loading"
+        assert s.after_stop is AfterStop.RESET
+        s, acts = decide(s, Exited(100, 1), 1.2)
+        assert s.phase is Phase.RESETTING and ResetGpu(100, s.reset_reason) in acts
+
+    @pytest.mark.parametrize("params", [replace(P, reset_possible=False),
+                                        replace(P, reset_on=frozenset({"gpu_lost", "xid"}))],
+                             ids=["reset-not-possible", "oom-not-in-reset_on"])
+    def test_oom_without_reset_restarts_only(self, params: Params) -> None:
+        s, acts = stop_for(ready(params=params), line(100, OOM))
+        assert names(acts) == ["server_oom"] and s.after_stop is AfterStop.FAILURE
+        s, acts = decide(s, Exited(100, -6), 5.5)
+        assert not of_type(acts, ResetGpu) and s.phase is Phase.BACKOFF
+        assert names(acts) == ["server_stopped", "server_backoff"]
+        s = restart_after_backoff(s, 101, 8.0)
+        assert s.resets == ()
+
+    def test_cuda_error_resets_only_when_configured(self) -> None:
+        s, _ = stop_for(ready(), line(100, ILLEGAL))
+        assert s.after_stop is AfterStop.FAILURE  # not in the default reset_on
+        s, _ = into_reset(ready(params=replace(P, reset_on=P.reset_on | {"cuda_error"})), line(100, ILLEGAL))
+        assert "server_cuda_error" in s.reset_reason
+
+    def test_foreign_process_skips_the_reset_and_restarts_only(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        done = ResetDone("skipped", "pid 4242 (python3) holds GPU 0; restarting the server without a reset",
+                         {"gpu_index": 0, "foreign_pid": 4242, "foreign_name": "python3"})
+        s, acts = decide(s, done, 6.0)
+        reset = emitted(acts, "gpu_reset")
+        assert reset.fields["outcome"] == "skipped" and reset.fields["foreign_pid"] == 4242
+        assert reset.fields["foreign_name"] == "python3"
+        assert not of_type(acts, ExitDaemon) and "gpu_lost" not in names(acts)
+        assert "reset skipped" in s.last_failure
+        restart_after_backoff(s, 101, 9.0)
+
+    @pytest.mark.parametrize("reason", ["nvidia-smi exited 1: The following GPUs could not be reset: / "
+                                        "GPU 00000000:1A:00.0: In use by another client",
+                                        "nvidia-smi did not finish within 60 s",
+                                        "the GPU does not answer NVML after the reset (ok)"])
+    def test_failed_reset_gives_up_with_exit_69(self, reason: str) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        s, acts = decide(s, ResetDone("failed", reason, {"gpu_index": 0}), 7.0)
+        assert names(acts) == ["gpu_reset", "gpu_lost"]
+        assert emitted(acts, "gpu_reset").fields["outcome"] == "failed"
+        lost = emitted(acts, "gpu_lost")
+        assert reason in str(lost.fields["reason"]) and "reboot" in str(lost.fields["reason"])
+        assert lost.fields["gpu_index"] == 0
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert s.phase is Phase.EXITED and not of_type(acts, Spawn)
+        # Nothing afterwards brings it back.
+        assert decide(s, Tick(), 100.0) == (s, [])
+        assert decide(s, ResetDone("succeeded", "late"), 100.0) == (s, [])
+
+    def test_reset_that_never_answers_ends_at_its_deadline(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s - 0.01)
+        assert acts == []
+        s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
+        assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "timed out"
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and s.phase is Phase.EXITED
+
+    def test_deadline_is_reported_by_next_deadline(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        assert s.next_deadline() == pytest.approx(5.5 + P.reset_deadline_s)
+
+    def test_server_that_survives_sigkill_still_gets_a_bounded_reset(self) -> None:
+        s, _ = stop_for(ready(), line(100, OOM))
+        s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s)
+        assert Kill(100) in acts
+        s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
+        assert s.phase is Phase.RESETTING and ResetGpu(100, s.reset_reason) in acts
+
+
+# ------------------------------------------------------------------------------------------- budget
+
+
+class TestResetBudget:
+    def _second_oom(self, params: Params, second_at: float) -> tuple[State, list[Action]]:
+        s, _ = into_reset(ready(params=params), line(100, OOM), now=5.0)
+        s, _ = decide(s, ResetDone("succeeded", "ok"), 6.0)
+        s = restart_after_backoff(s, 101, 8.0)
+        s, _ = stop_for(s, line(101, OOM), second_at)
+        return decide(s, Exited(101, -6), second_at + 0.5)
+
+    def test_second_oom_reset_within_the_window_is_refused_and_restarts_only(self) -> None:
+        s, acts = self._second_oom(replace(P, max_resets=1), 20.0)
+        assert not of_type(acts, ResetGpu) and not of_type(acts, ExitDaemon)
+        refused = emitted(acts, "gpu_reset")
+        assert refused.fields["outcome"] == "refused" and "1 GPU resets within 1000 s" in str(refused.fields["reason"])
+        assert s.phase is Phase.BACKOFF and names(acts) == ["server_stopped", "gpu_reset", "server_backoff"]
+
+    def test_a_reset_outside_the_window_is_allowed_again(self) -> None:
+        s, acts = self._second_oom(replace(P, max_resets=1), 5.5 + P.reset_window_s + 1)
+        assert s.phase is Phase.RESETTING and of_type(acts, ResetGpu)
+        assert len(s.resets) == 1  # the old one fell out of the window
+
+    def test_default_budget_allows_two_then_refuses(self) -> None:
+        s = ready()
+        now = 5.0
+        for i in range(2):
+            s, _ = into_reset(s, line(s.pid or 0, OOM), now)
+            s, _ = decide(s, ResetDone("succeeded", "ok"), now + 1)
+            s = restart_after_backoff(s, 101 + i, now + 5)
+            now += 10
+        s, _ = stop_for(s, line(s.pid or 0, OOM), now)
+        s, acts = decide(s, Exited(s.pid or 0, -6), now + 0.5)
+        assert not of_type(acts, ResetGpu) and emitted(acts, "gpu_reset").fields["outcome"] == "refused"
+
+    def test_lost_gpu_with_the_budget_spent_gives_up(self) -> None:
+        s = replace(ready(params=replace(P, max_resets=1)), resets=(2.0,))
+        s, _ = stop_for(s, LOST)
+        s, acts = decide(s, Exited(100, -15), 6.0)
+        assert names(acts) == ["server_stopped", "gpu_reset"]
+        assert emitted(acts, "gpu_reset").fields["outcome"] == "refused"
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert not of_type(acts, ResetGpu) and not of_type(acts, Spawn)
+
+    def test_zero_resets_allowed_never_resets(self) -> None:
+        s, _ = stop_for(ready(params=replace(P, max_resets=0)), line(100, OOM))
+        s, acts = decide(s, Exited(100, -6), 6.0)
+        assert not of_type(acts, ResetGpu) and s.phase is Phase.BACKOFF
+
+
+# ------------------------------------------------------------------------------------------- lost GPU and Xid
+
+
+class TestLostAndXid:
+    def test_lost_gpu_resets_and_restarts(self) -> None:
+        s, acts = stop_for(ready(), LOST)
+        assert s.gpu_lost and names(acts) == []
+        s, _ = into_reset(ready(), LOST)
+        s, acts = decide(s, ResetDone("succeeded", "ok"), 7.0)
+        assert emitted(acts, "gpu_reset").fields["trigger"] == LOST.reason
+        assert not s.gpu_lost and s.phase is Phase.BACKOFF
+
+    def test_xid_79_reset_once_then_escalate_success(self) -> None:
+        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+        assert s.gpu_lost
+        s, _ = decide(s, ResetDone("succeeded", "ok"), 7.0)
+        assert s.phase is Phase.BACKOFF and not s.gpu_lost
+        restart_after_backoff(s, 101, 10.0)
+
+    def test_xid_79_failed_reset_escalates(self) -> None:
+        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+        s, acts = decide(s, ResetDone("failed", "nvidia-smi exited 255: Unknown Error", {"gpu_index": 0}), 7.0)
+        assert names(acts) == ["gpu_reset", "gpu_lost"]
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+
+    def test_xid_79_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
+        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+        s, acts = decide(s, ResetDone("skipped", "llama-guard is not root"), 7.0)
+        assert names(acts) == ["gpu_reset", "gpu_lost"]
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+
+    def test_xid_48_skipped_reset_restarts(self) -> None:
+        s, _ = into_reset(ready(), xid(48, "reset"))
+        assert not s.gpu_lost
+        s, acts = decide(s, ResetDone("skipped", "pid 7 (x) holds GPU 0"), 7.0)
+        assert s.phase is Phase.BACKOFF and not of_type(acts, ExitDaemon)
+
+    def test_xid_13_restarts_only(self) -> None:
+        s, acts = stop_for(ready(), xid(13, "restart"))
+        assert s.after_stop is AfterStop.FAILURE and not s.gpu_lost
+        s, acts = decide(s, Exited(100, -15), 6.0)
+        assert not of_type(acts, ResetGpu) and s.phase is Phase.BACKOFF
+        assert "Xid 13" in s.last_failure
+
+    def test_xid_13_while_backing_off_does_nothing(self) -> None:
+        s, _ = decide(ready(), Exited(100, 1), 5.0)
+        assert decide(s, xid(13, "restart"), 5.1) == (s, [])
+
+    @pytest.mark.parametrize("phase_state", ["ready", "backoff", "resetting"])
+    def test_event_only_xid_changes_nothing(self, phase_state: str) -> None:
+        s = ready()
+        if phase_state == "backoff":
+            s, _ = decide(s, Exited(100, 1), 5.0)
+        elif phase_state == "resetting":
+            s, _ = into_reset(s, line(100, OOM))
+        assert decide(s, xid(63, "event_only"), 6.0) == (s, [])
+
+    def test_xid_while_backing_off_resets_before_the_next_start(self) -> None:
+        s, _ = decide(ready(), Exited(100, 1), 5.0)
+        assert s.phase is Phase.BACKOFF
+        s, acts = decide(s, xid(48, "reset"), 5.2)
+        assert s.phase is Phase.RESETTING and acts == [ResetGpu(None, "Xid 48: test")]
+        s, acts = decide(s, Tick(), 7.0)  # the backoff timer (due at 6.0) has no say while resetting
+        assert acts == [] and s.phase is Phase.RESETTING
+        s, acts = decide(s, ResetDone("succeeded", "ok"), 8.0)
+        assert s.phase is Phase.BACKOFF and names(acts) == ["gpu_reset", "server_backoff"]
+
+    def test_xid_while_stopping_a_hung_server_upgrades_the_stop_to_a_reset(self) -> None:
+        s = ready()
+        for t in (5.0, 6.0):
+            s, acts = decide(s, Probe(100, health_ok=False, canary_ok=None, busy=False, progressed=False), t)
+        assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.FAILURE
+        s, acts = decide(s, xid(79, "reset_once_then_escalate"), 6.5)
+        assert acts == [] and s.after_stop is AfterStop.RESET
+        s, acts = decide(s, Exited(100, -15), 7.0)
+        assert ResetGpu(100, "Xid 79: test") in acts
+
+    def test_second_fault_while_stopping_for_a_reset_does_not_reset_twice(self) -> None:
+        s, _ = stop_for(ready(), line(100, OOM))
+        s2, acts = decide(s, LOST, 5.2)
+        assert acts == [] and s2.after_stop is AfterStop.RESET
+        s2, acts = decide(s2, Exited(100, -6), 6.0)
+        assert len(of_type(acts, ResetGpu)) == 1 and len(s2.resets) == 1
+
+    def test_fault_while_stopping_on_request_keeps_exit_0(self) -> None:
+        s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
+        s, acts = decide(s, LOST, 5.1)
+        assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_OK
+        s, acts = decide(s, Exited(100, -15), 5.5)
+        assert ExitDaemon(EXIT_OK, "SIGTERM received") in acts and not of_type(acts, ResetGpu)
+
+    @pytest.mark.parametrize("params", [replace(P, reset_on=frozenset({"oom"})), replace(P, reset_possible=False)],
+                             ids=["gpu_lost-not-in-reset_on", "reset-not-possible"])
+    def test_lost_gpu_without_reset_stops_and_exits_69(self, params: Params) -> None:
+        s, acts = stop_for(ready(params=params), LOST)
+        assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_GPU_UNRECOVERABLE
+        s, acts = decide(s, Exited(100, -15), 6.0)
+        assert names(acts) == ["server_stopped"]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert "no reset configured" in s.exit_reason
+        assert not of_type(acts, Spawn) and not of_type(acts, ResetGpu)
+
+    def test_lost_gpu_without_reset_while_backing_off_exits_69(self) -> None:
+        s, _ = decide(ready(params=replace(P, reset_possible=False)), Exited(100, 1), 5.0)
+        s, acts = decide(s, LOST, 5.1)
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+
+    def test_lost_gpu_while_stopping_for_a_failure_without_reset_exits_69(self) -> None:
+        s, _ = stop_for(ready(params=replace(P, reset_possible=False)), line(100, OOM))
+        s, acts = decide(s, LOST, 5.1)
+        assert acts == [] and s.after_stop is AfterStop.EXIT
+        s, acts = decide(s, Exited(100, -6), 5.5)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+
+
+# ------------------------------------------------------------------------------------------- during the reset
+
+
+class TestDuringReset:
+    def test_gpu_lost_during_the_reset_does_not_start_a_second_reset(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        for fault in (LOST, xid(79, "reset_once_then_escalate"), xid(48, "reset"), xid(13, "restart")):
+            s2, acts = decide(s, fault, 6.0)
+            assert acts == [] and s2.phase is Phase.RESETTING and s2.resets == s.resets
+            assert s2.deadline == s.deadline
+        s, acts = decide(s, LOST, 6.0)
+        s, acts = decide(s, ResetDone("succeeded", "ok"), 8.0)
+        assert len(s.resets) == 1 and names(acts) == ["gpu_reset", "server_backoff"]
+
+    def test_gpu_lost_during_a_reset_that_is_then_skipped_does_not_restart(self) -> None:
+        # An OOM reset is under way when NVML says the GPU is lost; the reset is then skipped
+        # (e.g. not root): restarting onto a lost GPU cannot help, so this escalates.
+        s, _ = into_reset(ready(), line(100, OOM))
+        s, acts = decide(s, LOST, 6.0)
+        assert acts == []
+        s, acts = decide(s, ResetDone("skipped", "llama-guard is not root"), 7.0)
+        assert "gpu_lost" in names(acts)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+
+    def test_sigterm_during_the_reset_waits_for_it_then_exits_0(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        s, acts = decide(s, StopRequest("SIGTERM received"), 6.0)
+        assert names(acts) == ["daemon_stopping"]
+        assert not of_type(acts, ExitDaemon) and not of_type(acts, Terminate) and not of_type(acts, Kill)
+        assert s.phase is Phase.RESETTING
+        s, acts = decide(s, StopRequest("SIGTERM received", immediate=True), 6.5)  # a second signal
+        assert not of_type(acts, ExitDaemon) and s.phase is Phase.RESETTING
+        s, acts = decide(s, ResetDone("succeeded", "ok", {"gpu_index": 0}), 9.0)
+        assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "succeeded"
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
+        assert not of_type(acts, Spawn)
+
+    def test_sigterm_during_a_reset_that_fails_still_reports_it(self) -> None:
+        s, _ = into_reset(ready(), LOST)
+        s, _ = decide(s, StopRequest("SIGTERM received"), 6.0)
+        s, acts = decide(s, ResetDone("failed", "nvidia-smi exited 1"), 9.0)
+        assert emitted(acts, "gpu_reset").fields["outcome"] == "failed"
+        assert len(of_type(acts, ExitDaemon)) == 1 and s.phase is Phase.EXITED
+
+    def test_sigterm_during_a_reset_that_never_answers_ends_at_the_deadline(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        s, _ = decide(s, StopRequest("SIGTERM received"), 6.0)
+        s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
+        assert emitted(acts, "gpu_reset").fields["outcome"] == "timed out"
+        assert len(of_type(acts, ExitDaemon)) == 1 and s.phase is Phase.EXITED
+
+    def test_sigterm_while_stopping_for_a_reset_never_starts_the_reset(self) -> None:
+        s, _ = stop_for(ready(), line(100, OOM))
+        s, acts = decide(s, StopRequest("SIGTERM received"), 5.1)
+        s, acts = decide(s, Exited(100, -15), 5.5)
+        assert not of_type(acts, ResetGpu) and ExitDaemon(EXIT_OK, "SIGTERM received") in acts
+
+    def test_lines_and_exits_of_the_old_server_are_ignored_while_resetting(self) -> None:
+        s, _ = into_reset(ready(), line(100, OOM))
+        for event in (line(100, OOM), Exited(100, -6), HealthOk(100)):
+            assert decide(s, event, 6.0) == (s, [])

@@ -1,0 +1,112 @@
+"""``llama-guard check`` says whether a GPU reset would be possible here, and if not, why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_nvml import FakeNvml
+from harness import ROOT, config_text
+from llama_guard.config import Config
+from llama_guard.preflight import check_reset, run_checks
+
+TESTS = Path(__file__).resolve().parent
+
+
+def config(**recovery: object) -> Config:
+    return Config.model_validate({"gpu": {"enabled": "auto", "index": 0}, "recovery": recovery})
+
+
+def which_found(name: str) -> str | None:
+    return f"/usr/bin/{name}" if name == "nvidia-smi" else None
+
+
+def test_possible_when_root_command_found_and_gpu_watched() -> None:
+    fake = FakeNvml()
+    r = check_reset(config(), euid=0, which=which_found, nvml_module=fake)
+    assert r.verdict == "OK", r
+    assert "/usr/bin/nvidia-smi" in r.detail and "GPU 0 (NVIDIA Fake" in r.detail
+    assert "nvidia-smi --gpu-reset -i {index}" in r.detail
+    assert fake.refcount == 0  # NVML opened and released again
+
+
+def test_not_root_is_named() -> None:
+    r = check_reset(config(), euid=1000, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and "not running as root" in r.detail
+    assert "not found" not in r.detail and "cannot be watched" not in r.detail
+    assert "exit 69" in r.detail
+
+
+def test_missing_command_on_path_is_named() -> None:
+    r = check_reset(config(), euid=0, which=lambda _: None, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and "'nvidia-smi' was not found on PATH" in r.detail
+
+
+def test_replaced_command_is_looked_up_by_its_path(tmp_path: Path) -> None:
+    stub = tmp_path / "reset-stub"
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), euid=0, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and f"{str(stub)!r} was not found" in r.detail
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), euid=0, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "OK" and str(stub) in r.detail
+
+
+def test_gpu_watch_off_is_named() -> None:
+    cfg = Config.model_validate({"gpu": {"enabled": "off"}})
+    r = check_reset(cfg, euid=0, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and "GPU watch is off" in r.detail
+
+
+@pytest.mark.parametrize(("code", "words"), [(9, "kernel driver not loaded"), (12, "library not found")])
+def test_no_driver_is_named(code: int, words: str) -> None:
+    fake = FakeNvml()
+    fake.init_error = code
+    r = check_reset(config(), euid=0, which=which_found, nvml_module=fake)
+    assert r.verdict == "WARN" and "cannot be watched" in r.detail and words in r.detail
+
+
+def test_every_reason_at_once() -> None:
+    fake = FakeNvml()
+    fake.lose_gpu()
+    r = check_reset(config(), euid=1000, which=lambda _: None, nvml_module=fake)
+    assert r.verdict == "WARN"
+    assert "GPU is lost" in r.detail and "root" in r.detail and "not found" in r.detail
+
+
+@pytest.mark.parametrize(("recovery", "why"), [({"reset_on": []}, "reset_on is empty"),
+                                               ({"max_resets": 0}, "max_resets = 0")])
+def test_resets_switched_off(recovery: dict[str, object], why: str) -> None:
+    r = check_reset(config(**recovery), euid=1000, which=lambda _: None, nvml_module=FakeNvml())
+    assert r.verdict == "OK" and "off" in r.detail and why in r.detail
+
+
+def test_run_checks_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_GUARD_TEST_NVML_MODULE", "fake_pynvml_mod")
+    cfg = Config.model_validate({"server": {"binary": "/bin/true", "model": "/nonexistent.gguf"},
+                                 "recovery": {"reset_command": ["/nonexistent/reset", "{index}"]}})
+    rows = {r.name: r for r in run_checks(cfg, Path("x.toml"))}
+    assert rows["gpu reset"].verdict == "WARN"
+    assert "'/nonexistent/reset' was not found" in rows["gpu reset"].detail
+
+
+def test_cli_check_prints_it(tmp_path: Path, llama_server_bin: Path) -> None:
+    cfg = tmp_path / "lg.toml"
+    cfg.write_text(config_text({
+        "server": {"binary": str(llama_server_bin), "model": str(tmp_path / "none.gguf"), "n_gpu_layers": 0},
+        "recovery": {"reset_command": [sys.executable, str(TESTS / "stub_reset.py"), "-i", "{index}"]},
+    }))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
+    env.update(LLAMA_GUARD_TEST_NVML_MODULE="fake_pynvml_mod",
+               PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p))
+    out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(cfg)], env=env,
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=60, check=False)
+    line = next((x for x in out.stdout.splitlines() if " gpu reset " in x), None)
+    assert line is not None, out.stdout + out.stderr
+    if os.geteuid() == 0:
+        assert line.startswith("OK") and sys.executable in line and "NVIDIA Fake" in line, line
+    else:
+        assert line.startswith("WARN") and "not running as root" in line, line
