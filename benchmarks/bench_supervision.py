@@ -12,7 +12,10 @@
 sets them); 2 uses tests/fake_llama_server.py (a CPU cannot run out of GPU memory). The bench times its
 own intervals with ``time.monotonic()``; against the daemon's event timestamps it uses ``time.time()``
 (same host). Every round starts with the backoff at its initial value: the daemon runs with a short
-``stable_after_s`` and the bench waits past it before the next fault.
+``stable_after_s`` and the bench waits past it before the next fault. The kill -9 rounds run with the
+shipped ``[health]`` defaults and take a bare start right before each kill (so both halves of the overhead
+see the same load); the SIGSTOP rounds use fast probes (``--interval``, ``--timeout``, ``--strikes``).
+On a shared machine the load average printed at both ends says how much to trust the figures.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_supervision.py [--rounds 5]
 """
@@ -187,11 +190,24 @@ def trigger_completion(port: int) -> None:
 
 def marks_of(path: Path, pid: int) -> list[tuple[float, str]]:
     out = []
+    if not path.exists():
+        return out
     for line in path.read_text(errors="replace").splitlines():
         parts = line.split(" ", 2)
         if len(parts) == 3 and parts[0] == str(pid):
             out.append((float(parts[1]), parts[2]))
     return out
+
+
+def wait_mark(path: Path, pid: int, line: str, timeout: float = 10.0) -> float:
+    """The fake's wall-clock emission time of ``line`` (it appends the mark just after the write)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [t for t, text in marks_of(path, pid) if text.strip() == line]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no wall-clock mark for the OOM line {line!r} of pid {pid}")
 
 
 def oom_rounds(args: argparse.Namespace, tmp: Path, model: str) -> dict[str, list[float]]:
@@ -213,14 +229,12 @@ def oom_rounds(args: argparse.Namespace, tmp: Path, model: str) -> dict[str, lis
             trigger_completion(port)
             oom = daemon.wait_event("server_oom", 30.0, where=of_pid(pid))
             line = oom["line"]
-            emitted = [t for t, text in marks_of(marks, pid) if text.strip() == line]
             read = daemon.wait_event("server_line", 10.0,
                                      where=lambda e, p=pid, s=line: e.get("server_pid") == p
                                      and e["line"].strip() == s)
-            if not emitted:
-                raise AssertionError(f"no wall-clock mark for the OOM line {line!r} of pid {pid}")
-            out["line_to_read"].append(ts(read) - emitted[0])
-            out["line_to_oom"].append(ts(oom) - emitted[0])
+            emitted = wait_mark(marks, pid, line)
+            out["line_to_read"].append(ts(read) - emitted)
+            out["line_to_oom"].append(ts(oom) - emitted)
             out["read_to_oom"].append(ts(oom) - ts(read))
             pid = wait_after(daemon, oom, "server_starting", 30.0)["server_pid"]
             settle(daemon, pid, args.stable_after)

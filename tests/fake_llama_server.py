@@ -15,7 +15,7 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
 - ``ready_line_no_health``: prints "listening" but /health stays 503.
 
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
-every printed line is appended as ``<pid> <time.time() just after the flush> <line>`` (the wall-clock
+every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
 where it can produce the fault; this double stands in for what needs a GPU.
 """
@@ -40,27 +40,28 @@ LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
 
 
-def mark(text: str) -> None:
-    """Note when ``text`` (already flushed) left this process, with the wall clock (``$FAKE_LLAMA_MARKS``)."""
+def mark(text: str, when: float) -> None:
+    """Note that ``text`` was written at wall-clock ``when`` (``$FAKE_LLAMA_MARKS``)."""
     if MARKS:
-        now = time.time()
         with open(MARKS, "a", encoding="utf-8") as f:
-            f.writelines(f"{os.getpid()} {now:.6f} {line}\n" for line in text.split("\n"))
+            f.writelines(f"{os.getpid()} {when:.6f} {line}\n" for line in text.split("\n"))
 
 
 def log(level: str, comp: str, text: str) -> None:
     ms = int((time.monotonic() - T0) * 1000)
     stamp = f"{ms // 3600000}.{ms // 60000 % 60:02d}.{ms // 1000 % 60:02d}.{ms % 1000:03d}"
     line = f"{stamp} {level} {comp} {text}"
+    when = time.time()
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-    mark(line)
+    mark(line, when)
 
 
 def raw(text: str) -> None:
+    when = time.time()
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
-    mark(text)
+    mark(text, when)
 
 
 def cuda_block(message: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -59,6 +60,8 @@ from llama_guard.probes import ServerProbe
 from llama_guard.source import Context, Source
 from llama_guard.status import StatusFile
 
+# llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
+EVAL_SPEED = re.compile(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second")
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
 
@@ -145,6 +148,7 @@ class Daemon:
         self._exit_code: int | None = None
         self._last_pid: int | None = None
         self._last_extend = float("-inf")
+        self._last_eval_tps: float | None = None
         self._status_at = float("-inf")
         self._reset_possible = False
         self.ctx: Context | None = None
@@ -334,6 +338,9 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     gen.log.write(text + "\n")
             verdict = classify(text)
+            speed = EVAL_SPEED.search(text)
+            if speed is not None:
+                self._last_eval_tps = float(speed.group(1))
             self.emitter.emit("server_line", server_pid=pid, line=text, family=verdict.family.value)
             if self.state.phase is Phase.STARTING:
                 self._extend_start_timeout()
@@ -431,6 +438,15 @@ class Daemon:
         extra = ""
         if s.phase is Phase.BACKOFF and s.deadline is not None:
             extra = f", next start in {max(0.0, s.deadline - self.clock()):.1f} s"
+        if self._last_eval_tps is not None and s.phase in (Phase.READY, Phase.DRAINING):
+            extra += f", {self._last_eval_tps:.1f} tok/s last request"
+        for source in self.sources:
+            fragment = getattr(source, "status_fragment", None)
+            if fragment is not None:
+                with contextlib.suppress(Exception):
+                    text = fragment()
+                    if text:
+                        extra += f", {text}"
         if s.restarts:
             extra += f", {s.restarts} restarts"
         return f"{s.phase.value}:{pid}{extra}".replace(":,", ",").rstrip(":")

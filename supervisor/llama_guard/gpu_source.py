@@ -302,6 +302,18 @@ class GpuSource(Source):
         self._lost_reported = False
         return ResetDone("succeeded", f"{detail}; GPU answers and is idle", base)
 
+    def status_fragment(self) -> str:
+        """``GPU 0 61°C 212 W`` from the latest sample, for sd_notify STATUS= (empty when off)."""
+        last = self.watch.last_sample if self.watch is not None else None
+        if last is None:
+            return ""
+        parts = [f"GPU {last.identity.index}" if getattr(last, "identity", None) else "GPU"]
+        if last.temperature_c is not None:
+            parts.append(f"{last.temperature_c}°C")
+        if last.power_mw is not None:
+            parts.append(f"{last.power_mw / 1000:.0f} W")
+        return " ".join(parts)
+
     def snapshot(self) -> dict[str, Any] | None:
         if self.watch is None:
             return {"watch": "off", "reason": self.off_reason} if self.off_reason else None

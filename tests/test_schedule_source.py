@@ -1,0 +1,254 @@
+"""The planned-restart source with an injected wall clock, a scripted policy and scripted samples."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from llama_guard.config import Config, ScheduleConfig
+from llama_guard.policy import AfterStop, Emit, Phase, RestartRequest, StartDrain, State, Terminate
+from llama_guard.schedule_source import ScheduleSource
+from llama_guard.source import Context, Source
+
+UTC = timezone.utc
+T0 = datetime(2025, 3, 10, 4, 29, 50, tzinfo=UTC)  # ten seconds before "30 4 * * *"
+
+
+def metrics(tokens: float, seconds: float) -> str:
+    return (f"llamacpp:tokens_predicted_total {tokens}\n"
+            f"llamacpp:tokens_predicted_seconds_total {seconds}\n")
+
+
+class Rig:
+    """A ScheduleSource with a fake daemon around it: clocks, policy state, emitted and posted."""
+
+    def __init__(self, **schedule: Any) -> None:
+        keys: dict[str, Any] = {"restart_cron": "30 4 * * *", "timezone": "UTC", "min_uptime_s": 0.0}
+        keys.update(schedule)
+        self.config = Config(schedule=ScheduleConfig(**keys))
+        self.wall = T0
+        self.mono = 1000.0
+        self.state = State(phase=Phase.STOPPED)
+        self.emitted: list[tuple[str, dict[str, Any]]] = []
+        self.posted: list[Any] = []
+        self.rss: list[float] = []
+        self.texts: list[str] = []
+        self.peers: list[Source] = []
+        self.source = ScheduleSource(peers=self.peers, wall_clock=lambda: self.wall, sample_interval_s=3600,
+                                     rss_reader=self._rss, metrics_reader=self._metrics)
+        self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
+                           emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
+                           post_threadsafe=self.posted.append, clock=lambda: self.mono,
+                           loop=asyncio.get_running_loop())
+
+    def _rss(self, pid: int) -> float | None:
+        return self.rss.pop(0) if self.rss else None
+
+    async def _metrics(self, base_url: str, timeout_s: float) -> str | None:
+        return self.texts.pop(0) if self.texts else None
+
+    async def start(self) -> Rig:
+        assert await self.source.start(self.ctx) is None
+        return self
+
+    def advance(self, seconds: float) -> None:
+        self.wall += timedelta(seconds=seconds)
+        self.mono += seconds
+
+    def serve(self, pid: int) -> None:
+        """The policy spawned ``pid`` and it became READY."""
+        self.source.on_spawn(self.ctx, pid)
+        self.state = replace(self.state, phase=Phase.READY, pid=pid)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.emitted]
+
+    def event(self, name: str) -> dict[str, Any]:
+        found = [fields for n, fields in self.emitted if n == name]
+        assert found, f"no {name} in {self.names()}"
+        return found[-1]
+
+    async def settle(self) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await asyncio.gather(*self.source._tasks)
+
+    async def policy_restarts(self, old: int, new: int, *, event: str = "scheduled_restart",
+                              drain_timeout: bool = False, unavailable_s: float = 4.0) -> None:
+        """Play the policy's actions for one drained restart of ``old`` into ``new``."""
+        on = self.source.on_action
+        self.state = replace(self.state, phase=Phase.DRAINING)
+        on(self.ctx, Emit(event, {"server_pid": old, "reason": "why", "uptime_s": 50.0}))
+        on(self.ctx, StartDrain(old))
+        await self.settle()
+        if drain_timeout:
+            on(self.ctx, Emit("drain_timeout", {"server_pid": old, "drain_timeout_s": 1.0}))
+        self.state = replace(self.state, phase=Phase.STOPPING, after_stop=AfterStop.RESTART)
+        on(self.ctx, Terminate(old))
+        self.source.on_exit(self.ctx, old, 0)
+        self.advance(unavailable_s)
+        self.state = replace(self.state, phase=Phase.STARTING, pid=None)
+        self.source.on_spawn(self.ctx, new)
+        self.state = replace(self.state, phase=Phase.READY, pid=new)
+        on(self.ctx, Emit("server_ready", {"server_pid": new, "load_s": 1.0}))
+        await self.settle()
+
+
+async def test_the_fire_posts_one_drained_scheduled_restart() -> None:
+    rig = await Rig().start()
+    rig.serve(100)
+    rig.source.tick(rig.ctx)
+    assert rig.posted == []
+    rig.advance(10.5)
+    rig.source.tick(rig.ctx)
+    [request] = rig.posted
+    assert isinstance(request, RestartRequest)
+    assert request.event == "scheduled_restart" and request.drain
+    assert "'30 4 * * *'" in request.reason and "2025-03-10T04:30:00+00:00" in request.reason
+    rig.advance(1)
+    rig.source.tick(rig.ctx)
+    assert len(rig.posted) == 1  # each fire once
+    assert rig.source.snapshot()["next_fire"] == "2025-03-11T04:30:00+00:00"  # type: ignore[index]
+
+
+async def test_a_recent_start_skips_the_fire_with_an_event() -> None:
+    rig = await Rig(min_uptime_s=3600.0).start()
+    rig.advance(-1790)  # the server started at 04:00
+    rig.serve(100)
+    rig.advance(1790 + 11)
+    rig.source.tick(rig.ctx)
+    assert rig.posted == []
+    skipped = rig.event("scheduled_restart_skipped")
+    assert skipped["server_pid"] == 100 and skipped["outcome"] == "skip_recent_start"
+    assert skipped["uptime_s"] == pytest.approx(1801, abs=1)
+
+
+async def test_not_serving_skips_and_a_late_wake_is_missed() -> None:
+    rig = await Rig().start()
+    rig.advance(11)
+    rig.state = replace(rig.state, phase=Phase.STARTING)
+    rig.source.tick(rig.ctx)
+    assert rig.event("scheduled_restart_skipped")["outcome"] == "skip_not_serving"
+    rig.serve(100)
+    rig.advance(86400 + 4 * 3600)  # asleep through the next night's fire
+    rig.source.tick(rig.ctx)
+    assert rig.posted == []
+    assert rig.event("scheduled_restart_missed")["missed"] == 1
+
+
+async def test_disabled_schedule_never_posts() -> None:
+    rig = await Rig(restart_cron="").start()
+    rig.serve(100)
+    rig.advance(2 * 86400)
+    rig.source.tick(rig.ctx)
+    assert rig.posted == [] and rig.emitted == []
+    assert rig.source.snapshot()["next_fire"] is None  # type: ignore[index]
+
+
+async def test_a_drained_restart_is_recorded_with_its_figures() -> None:
+    rig = await Rig(decay_warmup_s=0.0, speed_window_tokens=100).start()
+    rig.serve(100)
+    rig.texts = [metrics(0, 0.0)]
+    rig.source.on_action(rig.ctx, Emit("server_ready", {"server_pid": 100}))
+    await rig.settle()  # the window starts when the server is ready
+    rig.advance(11)
+    rig.source.tick(rig.ctx)
+    rig.texts = [metrics(1000, 10.0)]  # sampled when the drain begins: 100 tokens/s
+    await rig.policy_restarts(100, 101, unavailable_s=4.2)
+    done = rig.event("planned_restart_done")
+    assert done["kind"] == "scheduled" and done["outcome"] == "drained" and done["drained"] is True
+    assert done["server_pid"] == 101 and done["uptime_s"] == 50.0
+    assert done["unavailable_s"] == pytest.approx(4.2)
+    assert done["tokens_per_s_before"] == pytest.approx(100.0)
+    assert "100.0 tokens/s → ?" in done["summary"]
+    # The new server's first window is the "after" figure, shown by status.
+    rig.texts = [metrics(0, 0.0)]
+    await rig.source._sample(rig.ctx)
+    rig.texts = [metrics(1200, 10.0)]
+    await rig.source._sample(rig.ctx)
+    [record] = rig.source.snapshot()["history"]  # type: ignore[index]
+    assert record["tokens_per_s_after"] == pytest.approx(120.0)
+    assert record["kind"] == "scheduled"
+
+
+async def test_a_drain_timeout_and_a_requested_restart_are_recorded() -> None:
+    rig = await Rig().start()
+    rig.serve(100)
+    await rig.policy_restarts(100, 101, event="restart_requested", drain_timeout=True)
+    done = rig.event("planned_restart_done")
+    assert done["kind"] == "requested" and done["outcome"] == "drain_timeout" and done["drained"] is False
+    assert "tokens_per_s_before" not in done  # nothing measured: left out, not zero
+
+
+async def test_a_fault_while_draining_is_not_called_drained() -> None:
+    rig = await Rig().start()
+    rig.serve(100)
+    on = rig.source.on_action
+    on(rig.ctx, Emit("restart_requested", {"server_pid": 100, "reason": "x", "uptime_s": 5.0}))
+    rig.state = replace(rig.state, phase=Phase.STOPPING, after_stop=AfterStop.FAILURE)
+    on(rig.ctx, Terminate(100))
+    assert rig.source.history.last() is not None and rig.source.history.last().drained is False  # type: ignore[union-attr]
+
+
+async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
+    rig = await Rig(restart_cron="", rss_growth_mib=100.0, decay_warmup_s=0.0, decay_baseline_samples=1,
+                    decay_confirm=2).start()
+    rig.serve(100)
+    rig.rss = [1000.0, 1150.0, 1160.0, 1170.0]
+    for _ in range(4):
+        await rig.source._sample(rig.ctx)
+        rig.advance(10)
+    detected = rig.event("decay_detected")
+    assert detected["trigger"] == "rss_growth" and detected["server_pid"] == 100
+    assert detected["baseline_mib"] == 1000.0 and detected["growth_mib"] == 160.0
+    assert rig.names().count("decay_detected") == 1
+    rig.state = replace(rig.state, phase=Phase.DRAINING)
+    rig.source.tick(rig.ctx)
+    assert rig.posted == []  # waits for READY
+    rig.state = replace(rig.state, phase=Phase.READY)
+    rig.source.tick(rig.ctx)
+    [request] = rig.posted
+    assert request.event == "scheduled_restart" and request.reason.startswith("decay: rss_growth")
+    rig.source.tick(rig.ctx)
+    assert len(rig.posted) == 1
+    await rig.policy_restarts(100, 101)
+    assert rig.event("planned_restart_done")["kind"] == "rss_growth"
+
+
+async def test_vram_comes_from_the_gpu_source_snapshot() -> None:
+    class Gpu(Source):
+        name = "gpu"
+
+        def snapshot(self) -> dict[str, Any] | None:
+            return {"sample": {"processes": ({"pid": 100, "used_bytes": 2048 << 20},
+                                             {"pid": 7, "used_bytes": 1 << 30})}}
+
+    rig = await Rig(decay_warmup_s=0.0, decay_baseline_samples=1).start()
+    rig.peers.append(Gpu())
+    rig.source._peers = rig.peers
+    rig.serve(100)
+    await rig.source._sample(rig.ctx)
+    assert rig.source.monitor.vram.last_mib == 2048.0
+
+
+async def test_reload_keeps_the_armed_fire_unless_the_cron_changes() -> None:
+    rig = await Rig().start()
+    rig.serve(100)
+    old = rig.config
+    rig.config = Config(schedule=replace_schedule(old.schedule, drain_timeout_s=5.0, min_uptime_s=60.0))
+    rig.source.on_reload(rig.ctx, old, rig.config)
+    assert rig.source.schedule is not None and rig.source.schedule.min_uptime_s == 60.0
+    rig.advance(10.5)  # the fire is due now: it is not lost by the reload
+    rig.source.tick(rig.ctx)
+    assert rig.event("scheduled_restart_skipped")["outcome"] == "skip_recent_start"
+    old = rig.config
+    rig.config = Config(schedule=replace_schedule(old.schedule, restart_cron="0 5 * * *"))
+    rig.source.on_reload(rig.ctx, old, rig.config)
+    assert rig.source.snapshot()["next_fire"] == "2025-03-10T05:00:00+00:00"  # type: ignore[index]
+
+
+def replace_schedule(cfg: ScheduleConfig, **changes: Any) -> ScheduleConfig:
+    return ScheduleConfig(**{**cfg.model_dump(), **changes})
