@@ -235,6 +235,12 @@ TEXT: dict[str, tuple[str, str]] = {
         "planned restart done",
         "Planned restart (@KIND@) done, @OUTCOME@: the server was up @UPTIME_S@ s before and\n"
         "unavailable @UNAVAILABLE_S@ s. @SUMMARY@"),
+    "server_probe": (
+        "llama-server liveness round",
+        "One liveness round against llama-server pid @SERVER_PID@ (debug level): /health, the 1-token\n"
+        "canary completion, whether a slot is busy and whether the decode counters moved. A canary that\n"
+        "times out while a busy slot advances is a long request, not a hang; failed rounds in a row\n"
+        "(hang_strikes) lead to server_hang."),
     "server_line": (
         "llama-server output line",
         "A line llama-server wrote (pid @SERVER_PID@). Its whole output:\n"

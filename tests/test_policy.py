@@ -355,3 +355,10 @@ def test_abort_line_then_other_gpu_error_does_not_reset_when_only_oom_resets() -
     s, _ = decide(s, line(100, "/src/ggml-cuda.cu:109: CUDA error"), 1.0)
     s, acts = decide(s, line(100, "CUDA error: an illegal memory access was encountered"), 1.01)
     assert names(acts) == ["server_cuda_error"] and s.after_stop is AfterStop.FAILURE
+
+
+def test_our_own_sigkill_is_not_blamed_on_the_oom_killer() -> None:
+    s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
+    s, _ = decide(s, Tick(), 9.0)  # grace over: SIGKILL sent
+    s, acts = decide(s, Exited(100, -9), 9.1)
+    assert "sent by llama-guard" in str(emitted(acts, "server_stopped").fields["exit_text"])

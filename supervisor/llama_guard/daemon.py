@@ -373,6 +373,9 @@ class Daemon:
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
             result = await gen.probe.liveness()
+            self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
+                              canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
+                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3))
             self.queue.put_nowait(Probe(pid, result.health_ok, result.canary_ok, result.busy,
                                         result.progressed, result.detail))
 

@@ -127,6 +127,9 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
+        EventSpec("server_probe", _S.DEBUG,
+                  "liveness of llama-server pid {server_pid}: health {health_ok}, canary {canary_ok}, "
+                  "busy {busy}, progressed {progressed}"),
     )
 }
 

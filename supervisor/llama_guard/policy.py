@@ -586,6 +586,8 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Exited) and event.pid == state.pid:
         actions: list[Action] = []
         fields = _exit_fields(state.pid, event.returncode)
+        if state.killed and event.returncode == -signal.SIGKILL:
+            fields["exit_text"] = "killed by SIGKILL (sent by llama-guard after the stop grace period)"
         if state.pending_event is not None:
             name, cause = state.pending_event
             actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))

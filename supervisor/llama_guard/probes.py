@@ -19,7 +19,8 @@ PROGRESS_COUNTERS = ("llamacpp:n_decode_total", "llamacpp:tokens_predicted_total
 
 @dataclass(frozen=True)
 class SlotsView:
-    """What ``GET /slots`` said: slots processing, and the summed ``n_decoded`` of busy slots."""
+    """What ``GET /slots`` said: whether a slot is processing, and a progress figure of the busy
+    slots (their ``n_decoded`` plus ``n_prompt_tokens_processed``, which moves during prefill)."""
 
     busy: bool
     decoded: int
@@ -89,6 +90,10 @@ class ServerProbe:
         for slot in data:
             if isinstance(slot, dict) and slot.get("is_processing"):
                 busy = True
+                # Prefill moves this one (per batch) before any token is generated.
+                processed = slot.get("n_prompt_tokens_processed")
+                if isinstance(processed, int):
+                    decoded += processed
                 nxt = slot.get("next_token")
                 items = nxt if isinstance(nxt, list) else [nxt]
                 for item in items:
