@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 STATUS_NAME = "status.json"
 PID_NAME = "llama-guard.pid"
 
@@ -66,16 +68,24 @@ def read_status(directory: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_llama_guard(pid: int) -> bool:
+    """Whether process ``pid`` is a llama-guard daemon (its command line names llama-guard or
+    llama_guard), so that a stale pid file reused by another process is never signalled."""
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True  # cannot tell; the kill itself will be refused if it is not ours
+    return any("llama-guard" in word or "llama_guard" in word for word in cmdline)
+
+
 def read_pid(directory: Path) -> int | None:
-    """The running daemon's pid from the pid file, or None when absent or stale."""
+    """The running daemon's pid from the pid file, or None when absent, stale or not llama-guard."""
     try:
         pid = int((directory / PID_NAME).read_text().strip())
     except (OSError, ValueError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if pid <= 0 or not is_llama_guard(pid):
         return None
-    except PermissionError:
-        return pid
     return pid
