@@ -122,3 +122,17 @@ async def test_command_past_its_timeout_is_killed() -> None:
 async def test_missing_command() -> None:
     outcome, detail = await _run_bounded(["/nonexistent/nvidia-smi", "--gpu-reset"], 1.0)
     assert outcome == "failed" and "cannot run /nonexistent/nvidia-smi" in detail
+
+
+@pytest.mark.parametrize(("euid", "expect_call", "word"), [(0, True, "enabled by llama-guard"),
+                                                           (1000, False, "needs llama-guard to run as root")])
+async def test_enable_persistence_only_as_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, euid: int,
+                                               expect_call: bool, word: str) -> None:
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: euid)
+    fake = FakeNvml()
+    src, ctx = make(fake, stub(tmp_path), tmp_path)
+    events: list[tuple[str, dict[str, object]]] = []
+    ctx.emit = lambda name, **f: events.append((name, f))
+    await src._enable_persistence(ctx, {"gpu_index": 0})
+    assert (fake.calls["nvmlDeviceSetPersistenceMode"] == 1) is expect_call
+    assert events and word in str(events[-1][1]["action"])

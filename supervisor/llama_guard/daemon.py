@@ -364,7 +364,7 @@ class Daemon:
                         return
                 self.queue.put_nowait(HealthOk(pid))
                 break
-            self._extend_start_timeout()
+            # No extension here: /health 503 is not progress. Server lines are (see _read_lines).
             await asyncio.sleep(health.startup_poll_s)
         while self.state.phase is Phase.STARTING and self.state.pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)

@@ -161,6 +161,8 @@ class GpuSource(Source):
                     ctx.post(GpuFault("gpu_lost", str(fields.get("reason", "GPU lost"))))
                 elif name == "gpu_recovered":
                     self._lost_reported = False
+                elif name == "gpu_persistence_off" and ctx.config.gpu.enable_persistence:
+                    await self._enable_persistence(ctx, fields)
             await asyncio.sleep(ctx.config.gpu.sample_interval_s)
 
     def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> Tick | None:
@@ -190,6 +192,22 @@ class GpuSource(Source):
             self._paused = False
             if not self._stop.is_set():
                 self._xid_halt.clear()
+
+    async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
+        """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
+        index = fields.get("gpu_index")
+        if os.geteuid() != 0:
+            ctx.emit("gpu_persistence_off", gpu_index=index,
+                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root")
+            return
+        assert self.nvml is not None
+        try:
+            await asyncio.to_thread(self.nvml.set_persistence, True)
+        except NvmlError as exc:
+            ctx.emit("gpu_persistence_off", gpu_index=index, action=f"could not enable it: {exc}")
+            return
+        ctx.emit("gpu_persistence_off", gpu_index=index,
+                 action="enabled by llama-guard ([gpu].enable_persistence); prefer nvidia-persistenced")
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
