@@ -26,7 +26,8 @@ TESTS = Path(__file__).resolve().parent
 
 def make(fake: FakeNvml, command: list[str], tmp: Path) -> tuple[GpuSource, Context]:
     cfg = Config.model_validate({"gpu": {"vram_release_timeout_s": 1.0},
-                                 "recovery": {"reset_command": command, "reset_timeout_s": 2.0}})
+                                 "recovery": {"reset_command": command, "reset_timeout_s": 2.0,
+                                              "foreign_wait_s": 0.3}})
     src = GpuSource()
     src.nvml = Nvml(DeviceSelector(), module=fake)
     src.identity = src.nvml.open()

@@ -113,7 +113,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
         reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
-                          + config.recovery.stop_grace_s + 30.0),
+                          + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + 30.0),
     )
 
 
@@ -267,6 +267,8 @@ class Daemon:
         elif isinstance(action, Terminate):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.server.signal_group(signal.SIGTERM)
+                # A stopped (SIGSTOP) server acts on SIGTERM only once continued.
+                self._gen.server.signal_group(signal.SIGCONT)
         elif isinstance(action, Kill):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.server.signal_group(signal.SIGKILL)

@@ -294,14 +294,20 @@ class GpuSource(Source):
                                             f"{waited:.0f} s", base)
         if os.geteuid() != 0:
             return ResetDone("skipped", "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
-        sample = await self._sample()
-        if sample is not None:
-            foreign = foreign_processes(sample, {os.getpid()})
-            if foreign:
-                culprit = foreign[0]
-                return ResetDone("skipped", f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
-                                            "restarting the server without a reset",
-                                 {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
+        # Another process may be releasing the GPU right now (e.g. the one that made us run out of
+        # memory): give it [recovery].foreign_wait_s before deciding the reset cannot be done.
+        deadline = time.monotonic() + cfg.recovery.foreign_wait_s
+        while True:
+            sample = await self._sample()
+            foreign = foreign_processes(sample, {os.getpid()}) if sample is not None else []
+            if not foreign or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(POLL_S)
+        if sample is not None and foreign:
+            culprit = foreign[0]
+            return ResetDone("skipped", f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
+                                        "restarting the server without a reset",
+                             {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
         argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
         base["command"] = " ".join(argv)
         await self._release_session()  # our own NVML session counts as a user of the GPU
