@@ -63,3 +63,17 @@ def test_real_run_a_server_was_ready_only_on_the_gpu_and_foreign_process_reporte
     assert len(readies) >= 2 and readies[1]["server_pid"] != readies[0]["server_pid"]
     summary = json.loads((FIX / "summary.json").read_text())
     assert "median eval speed" in summary["run_a"]["bench"]
+
+
+def test_real_oom_run_went_through_the_stub_reset_and_came_back() -> None:
+    events = [e for e in load("run_b_events.jsonl") if e["event"] not in ("server_line", "server_probe")]
+    names = [e["event"] for e in events]
+    oom = names.index("server_oom")
+    reset = names.index("gpu_reset")
+    assert oom < names.index("server_stopped") < reset < names.index("server_ready")
+    assert events[reset]["outcome"] == "succeeded"
+    # The stub (never a real reset) was called with this GPU's index, once.
+    record = (FIX / "run_b_reset_argv.txt").read_text().splitlines()
+    assert len(record) == 1 and record[0].endswith("'0']")
+    ready = events[names.index("server_ready")]
+    assert ready["server_pid"] != events[oom]["server_pid"]
