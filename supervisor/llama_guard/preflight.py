@@ -145,6 +145,64 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
                        f"`{argv_text}` (at most {rec.max_resets} per {rec.reset_window_s:.0f} s)")
 
 
+def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
+    """The GPU as NVML sees it (read-only): name, driver (against ``[gpu].driver_version``),
+    memory used/total, persistence mode, other processes holding VRAM, and whether the model file
+    alone fits in the free VRAM (a lower bound: the KV cache and compute buffers come on top).
+
+    FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
+    would also warn about; nothing is changed on the GPU.
+    """
+    if config.gpu.enabled == "off":
+        return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
+    from llama_guard.gpu import DeviceSelector, open_gpu
+    from llama_guard.gpu.watch import driver_in_series
+
+    if nvml_module is None:
+        nvml_module = _nvml_test_module()
+    selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
+    opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
+    if isinstance(opened, WatchOff):
+        verdict = "FAIL" if config.gpu.enabled == "on" else "WARN"
+        return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
+    try:
+        sample = opened.sample()
+    except NvmlError as exc:
+        return [CheckResult("gpu", "FAIL", f"the GPU does not answer NVML: {exc}")]
+    finally:
+        opened.close()
+    mib = 2**20
+    ident = sample.identity
+    used, total = sample.memory_used_bytes, sample.memory_total_bytes
+    memory = f"{used // mib} of {total // mib} MiB used" if used is not None and total is not None else "memory ?"
+    results = [CheckResult("gpu", "OK", f"GPU {ident.index} {ident.name} ({ident.pci_bus_id}, {ident.uuid}), "
+                                        f"driver {sample.driver_version}, {memory}")]
+    expected = config.gpu.driver_version
+    if expected and sample.driver_version and not driver_in_series(sample.driver_version, expected):
+        results.append(CheckResult("driver", "WARN", f"driver {sample.driver_version} is outside the "
+                                                     f"configured series {expected!r} ([gpu].driver_version)"))
+    if sample.persistence_mode is False:
+        results.append(CheckResult("persistence", "WARN", "persistence mode is off: enable the "
+                                                          "nvidia-persistenced service"))
+    for proc in sample.processes or ():
+        verdict = "FAIL" if config.gpu.foreign_processes == "refuse" else "WARN"
+        results.append(CheckResult("gpu process", verdict,
+                                   f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
+                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes})"))
+    try:
+        model_bytes = Path(config.server.model).stat().st_size
+    except OSError:
+        model_bytes = None
+    if model_bytes is not None and used is not None and total is not None and config.server.n_gpu_layers > 0:
+        free = total - used
+        verdict = "OK" if model_bytes < free else "FAIL"
+        results.append(CheckResult("vram budget", verdict,
+                                   f"model file {model_bytes // mib} MiB vs {free // mib} MiB free; the KV cache "
+                                   f"({config.server.ctx_size} tokens, {config.server.cache_type_k}/"
+                                   f"{config.server.cache_type_v}) and compute buffers come on top"))
+    return results
+
+
 def _find_command(command: str, which: Callable[[str], str | None]) -> str | None:
     if "/" in command:
         return command if os.path.isfile(command) and os.access(command, os.X_OK) else None
@@ -164,5 +222,6 @@ def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
     results += check_binary(config)
     results.append(check_model(config))
     results += check_limits(config)
+    results += check_gpu(config)
     results.append(check_reset(config))
     return results

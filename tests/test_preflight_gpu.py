@@ -1,0 +1,52 @@
+"""`llama-guard check`'s GPU rows, on a scripted fake NVML (read-only by construction)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fake_nvml import GIB, FakeNvml
+from llama_guard.config import Config
+from llama_guard.preflight import check_gpu
+
+
+def cfg(tmp: Path, model_bytes: int = 1024, **gpu: object) -> Config:
+    model = tmp / "m.gguf"
+    with model.open("wb") as handle:
+        handle.truncate(model_bytes)
+    return Config.model_validate({"server": {"model": str(model)}, "gpu": {"enabled": "auto", **gpu}})
+
+
+def rows(results: list) -> dict[str, tuple[str, str]]:  # type: ignore[type-arg]
+    return {r.name: (r.verdict, r.detail) for r in results}
+
+
+def test_healthy_gpu(tmp_path: Path) -> None:
+    out = rows(check_gpu(cfg(tmp_path), nvml_module=FakeNvml()))
+    assert out["gpu"][0] == "OK" and "driver 535.183.01" in out["gpu"][1] and "1024 of 81920 MiB" in out["gpu"][1]
+    assert out["vram budget"][0] == "OK"
+    assert "persistence" not in out and "gpu process" not in out
+
+
+def test_warnings_and_refusal(tmp_path: Path) -> None:
+    fake = FakeNvml(driver="550.54.15")
+    fake.gpus[0].values.update({"persistence": 0, "processes": [(4242, 3 * GIB)]})
+    out = rows(check_gpu(cfg(tmp_path, driver_version="535", foreign_processes="refuse"), nvml_module=fake))
+    assert out["driver"][0] == "WARN" and "535" in out["driver"][1]
+    assert out["persistence"][0] == "WARN" and "nvidia-persistenced" in out["persistence"][1]
+    assert out["gpu process"] == ("FAIL", "pid 4242 holds 3072 MiB of VRAM ([gpu].foreign_processes = refuse)")
+
+
+def test_model_bigger_than_free_vram_fails(tmp_path: Path) -> None:
+    fake = FakeNvml()
+    fake.gpus[0].values.update({"memory_used": 79 * GIB, "memory_total": 80 * GIB})
+    out = rows(check_gpu(cfg(tmp_path, model_bytes=2 * GIB), nvml_module=fake))
+    assert out["vram budget"][0] == "FAIL" and "2048 MiB vs 1024 MiB free" in out["vram budget"][1]
+
+
+def test_required_gpu_missing_is_a_failure_optional_is_a_warning(tmp_path: Path) -> None:
+    fake = FakeNvml()
+    fake.init_error = 9  # driver not loaded
+    assert check_gpu(cfg(tmp_path, enabled="on"), nvml_module=fake)[0].verdict == "FAIL"
+    fake2 = FakeNvml()
+    fake2.init_error = 12
+    assert check_gpu(cfg(tmp_path), nvml_module=fake2)[0].verdict == "WARN"
