@@ -139,9 +139,16 @@ class DaemonRun:
         self.proc.send_signal(sig)
 
     def stop(self) -> None:
-        """Stop the daemon if it still runs (SIGTERM, then SIGKILL) and kill any server it left."""
+        """Stop the daemon if it still runs (SIGTERM, then SIGKILL) and kill any server it left.
+
+        Prints the daemon's events (without the server's lines), so that a failing test shows
+        what llama-guard saw and did; pytest shows captured output only on failure.
+        """
         if self.proc is None:
             return
+        for event in self.events():
+            if event["event"] not in ("server_line", "server_probe"):
+                print(event.get("timestamp", "")[11:23], event["event"], event.get("message", ""))
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -38,6 +38,7 @@ CASES: list[tuple[str, Family, str]] = [
     ("llama_model_load: error loading model: llama_model_loader: failed to load model from /m.gguf",
      Family.BOOT_CONFIG, "/m.gguf"),
     ("couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080", Family.BOOT_CONFIG, "bind"),
+    ("OSError: [Errno 98] Address already in use", Family.BOOT_CONFIG, "port is already in use"),
     ("srv    load_model: failed to create_context with model '/m.gguf'", Family.BOOT_CONFIG, "context"),
     ("E srv  llama_server: exiting due to model loading error", Family.LOAD_FAILED, ""),
     # GPU silently unavailable

@@ -90,6 +90,7 @@ TABLE: tuple[_Row, ...] = (
     _row(r"quantized V cache requires flash_attn", F.BOOT_CONFIG,
          _fixed("quantized V cache requires flash attention (set flash_attn = 'on')")),
     _row(r"failed to open GGUF file '([^']*)' \(([^)]*)\)", F.BOOT_CONFIG, _group("cannot open model {0}: {1}")),
+    _row(r"Address already in use", F.BOOT_CONFIG, _fixed("the port is already in use (Address already in use)")),
     _row(r"couldn't bind HTTP server socket", F.BOOT_CONFIG,
          _fixed("couldn't bind the HTTP server socket (port in use or address unavailable)")),
     _row(r"error loading model: (.+?)\s*$", F.BOOT_CONFIG, _group("error loading model: {0}")),

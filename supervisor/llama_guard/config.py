@@ -8,8 +8,11 @@ file, the key and the reason.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import sys
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,6 +30,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -41,11 +45,13 @@ DEFAULT_CONFIG_PATH = Path("/etc/llama-guard/llama-guard.toml")
 ENV_CONFIG_PATH = "LLAMA_GUARD_CONFIG"
 ENV_PREFIX = "LLAMA_GUARD_"
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 ResetTrigger = Literal["gpu_lost", "xid", "oom", "cuda_error"]
 DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = ("gpu_lost", "xid", "oom")
-PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 # Flags llama-guard sets itself from typed keys; extra_args may not repeat them.
 OWNED_FLAGS = frozenset({
@@ -71,9 +77,9 @@ class _Section(BaseModel):
 class ServerConfig(_Section):
     """``[server]``: the llama-server binary, the model and its typed knobs."""
 
-    binary: str = "llama-server"
+    binary: str = Field("llama-server", min_length=1)
     model: Path = Path("/var/lib/llama-guard/model.gguf")
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8080, ge=1, le=65535)
     n_gpu_layers: int = Field(999, ge=0)
     ctx_size: int = Field(8192, ge=0)
@@ -89,8 +95,36 @@ class ServerConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+            return value
+        except ValueError:
+            pass
+        if not _HOSTNAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not an IP address or a host name (no port, no brackets)")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if "\0" in item:
+                raise ValueError(f"the value of {key} contains a NUL byte")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> ServerConfig:
+        for name, text in (("binary", self.binary), ("model", str(self.model)), *(("extra_args", a)
+                                                                              for a in self.extra_args)):
+            if "\0" in text:
+                raise ValueError(f"{name} contains a NUL byte")
+        if str(self.model) in ("", "."):
+            raise ValueError("model must name a GGUF file")
         if self.ubatch_size > self.batch_size:
             raise ValueError(
                 f"ubatch_size ({self.ubatch_size}) must not exceed batch_size ({self.batch_size})")
@@ -271,6 +305,13 @@ class RuntimeConfig(_Section):
 
     dir: Path = Path("/run/llama-guard")
 
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, value: Path) -> Path:
+        if str(value) in ("", "."):
+            raise ValueError("dir must name a directory")
+        return value
+
 
 _TOML_PATH: ContextVar[Path | None] = ContextVar("llama_guard_toml_path", default=None)
 
@@ -311,6 +352,35 @@ class Config(BaseSettings):
         return tuple(sources)
 
 
+# Variables with the prefix that are not overrides.
+_NOT_OVERRIDES = frozenset({ENV_CONFIG_PATH})
+
+
+def unknown_env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """``LLAMA_GUARD_*`` variables that name no section/key (a typo would otherwise be ignored).
+
+    ``$LLAMA_GUARD_CONFIG`` and the test hooks ``LLAMA_GUARD_TEST_*`` are not overrides.
+    """
+    out = []
+    sections = Config.model_fields
+    for name in environ:
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in _NOT_OVERRIDES or upper.startswith(ENV_PREFIX + "TEST_"):
+            continue
+        rest = upper[len(ENV_PREFIX):]
+        section, _, key = rest.partition("__")
+        model = sections.get(section.lower())
+        if model is None or model.annotation is None:
+            out.append(name)
+            continue
+        if key:
+            first = key.split("__", 1)[0].lower()
+            fields = getattr(model.annotation, "model_fields", {})
+            if first not in fields:
+                out.append(name)
+    return sorted(out)
+
+
 def resolve_config_path(cli_path: str | os.PathLike[str] | None,
                         environ: dict[str, str] | None = None) -> Path:
     """The config path: ``--config``, else ``$LLAMA_GUARD_CONFIG``, else the default under /etc."""
@@ -347,9 +417,18 @@ def load_config(path: Path) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML: {exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not valid UTF-8 text (byte {exc.start}): TOML files are UTF-8"]) from exc
+    unknown = unknown_env_overrides(os.environ)
+    if unknown:
+        raise ConfigError([f"{path}: ${name}: unknown environment override (no such section or key)"
+                           for name in unknown])
     token = _TOML_PATH.set(path)
     try:
         return Config()
+    except SettingsError as exc:
+        # e.g. a list or table key overridden with text that is not JSON
+        raise ConfigError([f"{path}: environment override: {exc}"]) from exc
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+import psutil
+
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.child import ServerProcess, child_environ, kill_and_reap, spawn
@@ -60,8 +62,22 @@ from llama_guard.probes import ServerProbe
 from llama_guard.source import Context, Source
 from llama_guard.status import StatusFile
 
+
+def owns_port(pid: int, port: int) -> bool:
+    """Whether process ``pid`` listens on TCP ``port`` (psutil; True when it cannot be told), so
+    that another process answering /health on that port is never taken for our server."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.AccessDenied:
+        return True
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+
+
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
-EVAL_SPEED = re.compile(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second")
+EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
+MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
 
@@ -325,7 +341,10 @@ class Daemon:
         if not path:
             return None
         try:
-            return open(path, "a", buffering=1, encoding="utf-8")
+            # O_NONBLOCK: a FIFO without a reader fails at once (ENXIO) instead of wedging the loop;
+            # later writes that would block are dropped (OSError is suppressed at the write).
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o640)
+            return open(fd, "a", buffering=1, encoding="utf-8", errors="replace")
         except OSError as exc:
             self.emitter.emit("config_error", reason=f"cannot open server_log_file {path}: {exc.strerror}")
             return None
@@ -341,8 +360,8 @@ class Daemon:
                     gen.log.write(text + "\n")
             verdict = classify(text)
             speed = EVAL_SPEED.search(text)
-            if speed is not None:
-                self._last_eval_tps = float(speed.group(1))
+            if speed is not None and int(speed.group(1)) >= MIN_SPEED_TOKENS:
+                self._last_eval_tps = float(speed.group(2))
             self.emitter.emit("server_line", server_pid=pid, line=text, family=verdict.family.value)
             if self.state.phase is Phase.STARTING:
                 self._extend_start_timeout()
@@ -358,7 +377,7 @@ class Daemon:
         health = self.config.health
         assert self.ctx is not None
         while self.state.pid in (None, pid) and self.state.phase is Phase.STARTING:
-            if await gen.probe.health():
+            if await gen.probe.health() and await asyncio.to_thread(owns_port, pid, self.config.server.port):
                 for source in self.sources:
                     refusal = await source.ready_check(self.ctx, pid)
                     if refusal:
@@ -414,25 +433,64 @@ class Daemon:
     # ------------------------------------------------------------ reload
 
     async def _reload(self) -> None:
+        """SIGHUP: validate the file, refuse one the server could not start with, apply the rest."""
         self.notifier.reloading()
         try:
             new = await asyncio.to_thread(load_config, self.config_path)
+            problem = await asyncio.to_thread(self._startable, new)
         except ConfigError as exc:
             for line in exc.lines:
                 self.emitter.emit("config_error", reason=line + " (keeping the running configuration)")
+            self.notifier.ready(self.status_line())
+            return
+        except Exception as exc:  # never leave systemd in "reloading"
+            self.emitter.emit("config_error", reason=f"{self.config_path}: cannot be loaded: {exc!r} "
+                                                     "(keeping the running configuration)")
+            self.notifier.ready(self.status_line())
+            return
+        if problem:
+            self.emitter.emit("config_error", reason=f"{self.config_path}: {problem} "
+                                                     "(keeping the running configuration)")
             self.notifier.ready(self.status_line())
             return
         server_changed = new.server != self.config.server or new.limits != self.config.limits
         changed = [name for name in type(new).model_fields if getattr(new, name) != getattr(self.config, name)]
         old = self.config
         self.config = new
+        self._apply_runtime(old, new)
         self._for_sources("on_reload", old, new)
+        note = " ([log].format applies at the next start)" if new.log.format != old.log.format else ""
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
                           changed=",".join(changed),
-                          changed_text=f" (changed: {', '.join(changed)})" if changed else " (no change)")
+                          changed_text=(f" (changed: {', '.join(changed)})" if changed else " (no change)") + note)
         self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
                                             server_changed))
         self.notifier.ready(self.status_line())
+
+    @staticmethod
+    def _startable(config: Config) -> str:
+        """Why llama-server could not be started with ``config`` ("" when it could): a reload must
+        not replace a running server's configuration with one that cannot start."""
+        if resolve_binary(config.server.binary) is None:
+            return f"server.binary: {config.server.binary!r} not found"
+        model = Path(config.server.model)
+        try:
+            with model.open("rb") as handle:
+                magic = handle.read(4)
+        except OSError as exc:
+            return f"server.model: {model}: {exc.strerror or exc}"
+        if magic != b"GGUF":
+            return f"server.model: {model} is not a GGUF file"
+        return ""
+
+    def _apply_runtime(self, old: Config, new: Config) -> None:
+        """Apply the reloadable parts that live outside the policy: the log level, the status dir."""
+        if new.log.level != old.log.level:
+            self.emitter.set_level(new.log.level)
+        if new.runtime.dir != old.runtime.dir:
+            self.status_file.remove()
+            self.status_file = StatusFile(new.runtime.dir)
+            self._write_status()
 
     # ------------------------------------------------------------ status
 

@@ -99,6 +99,10 @@ class Emitter:
             event_dict.pop(key, None)
         return event_dict
 
+    def set_level(self, level: str) -> None:
+        """Change the stderr threshold (``"debug"`` … ``"critical"``), e.g. on a reload."""
+        self._min = _LEVEL_NUMBERS[level]
+
     def emit(self, name: str, **fields: Any) -> None:
         """Emit catalogue event ``name`` with ``fields``; raises KeyError for an unknown name."""
         spec = CATALOG[name]

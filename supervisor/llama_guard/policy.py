@@ -184,6 +184,7 @@ class RestartRequest(Input):
     reason: str
     event: str = "restart_requested"
     drain: bool = True
+    config_change: bool = False
 
 
 @dataclass(frozen=True)
@@ -420,6 +421,15 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
             return _count_failure(replace(state, last_failure=event.reason), now)
         new, actions = _exit(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
+    if isinstance(event, RestartRequest):
+        if not event.config_change:
+            # Restarting a load does not make it faster: a plain request waits for READY.
+            return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason,
+                                                      "ignored": "the server is still loading"})]
+        # Changed server flags: the process being started has the old argv (even before its pid is
+        # known: the stop then waits for the spawn to answer).
+        new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
+        return new, [Emit(event.event, {"server_pid": state.pid, "reason": event.reason}), *actions]
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
@@ -447,9 +457,6 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         new, actions = _stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
-    if isinstance(event, RestartRequest):
-        new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
-        return new, [Emit(event.event, {"server_pid": state.pid, "reason": event.reason}), *actions]
     return state, []
 
 
@@ -587,7 +594,7 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
         actions: list[Action] = []
         fields = _exit_fields(state.pid, event.returncode)
         if state.killed and event.returncode == -signal.SIGKILL:
-            fields["exit_text"] = "killed by SIGKILL (sent by llama-guard after the stop grace period)"
+            fields["exit_text"] = "killed by SIGKILL (sent by llama-guard)"
         if state.pending_event is not None:
             name, cause = state.pending_event
             actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))
@@ -648,7 +655,7 @@ def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
 def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
     state = replace(state, params=event.params)
     if event.server_changed and state.phase in (*_SERVING, Phase.STARTING):
-        return decide(state, RestartRequest("configuration changed", event="server_restart"), now)
+        return decide(state, RestartRequest("configuration changed", config_change=True), now)
     return state, []
 
 

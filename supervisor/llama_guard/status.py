@@ -9,6 +9,7 @@ convenience, never a reason to stop supervising.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -77,7 +78,12 @@ def is_llama_guard(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True  # cannot tell; the kill itself will be refused if it is not ours
-    return any("llama-guard" in word or "llama_guard" in word for word in cmdline)
+    # `llama-guard run ...` (console script, possibly via python) or `python -m llama_guard run ...`;
+    # a mere mention (tail -f /var/log/llama-guard/..., an editor on the config) does not count.
+    names = [os.path.basename(word) for word in cmdline[:3]]
+    script = "llama-guard" in names
+    module = any(a == "-m" and b == "llama_guard" for a, b in itertools.pairwise(cmdline))
+    return (script or module) and "run" in cmdline
 
 
 def read_pid(directory: Path) -> int | None:

@@ -1,0 +1,296 @@
+"""ATTACK TESTS — failing reproductions of real bugs found by hostile testing (not fixes).
+
+Every test here FAILS on the code as found and describes the operator-visible defect in its
+docstring. Delete a test's ``ATTACK`` marker only when the bug is fixed (the test then passes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import DaemonRun, base_sections, free_port, merge
+from llama_guard.config import ConfigError, load_config
+from llama_guard.policy import Boot, Params, ParamsChanged, Phase, Spawned, Terminate, decide, initial_state
+
+GOOD = """
+[server]
+binary = "/bin/true"
+model = "/tmp/model.gguf"
+port = 18999
+[gpu]
+enabled = "off"
+[schedule]
+restart_cron = ""
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("LLAMA_GUARD_"):
+            monkeypatch.delenv(key)
+
+
+def _write(tmp_path: Path, text: str | bytes, name: str = "lg.toml") -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- config: tracebacks / exit 1
+
+def test_attack_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
+    """ATTACK: a config file with invalid UTF-8 (binary garbage, a Latin-1 editor save) raises
+    UnicodeDecodeError out of load_config: `llama-guard run` prints a traceback and exits 1 (not
+    78, so systemd restarts it forever), and a SIGHUP reload of such a file is silently ignored."""
+    path = _write(tmp_path, b"[server]\nhost = \"caf\xe9\"\n")
+    with pytest.raises(ConfigError):
+        load_config(path)
+
+
+def test_attack_non_utf8_config_cli_exit_78(tmp_path: Path) -> None:
+    """ATTACK: same, through the CLI: exit status must be 78 with one line and no traceback."""
+    path = _write(tmp_path, b"\xff\xfe\x00garbage")
+    proc = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78, proc.stderr[-300:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("LLAMA_GUARD_SERVER__EXTRA_ARGS", "--api-key-file"),   # not JSON
+    ("LLAMA_GUARD_RECOVERY__RESET_ON", "oom"),              # not JSON
+    ("LLAMA_GUARD_SERVER__ENV", "{bad"),                    # broken JSON
+])
+def test_attack_non_json_env_override_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        var: str, value: str) -> None:
+    """ATTACK: an env override of a list/dict key that is not JSON raises pydantic-settings'
+    SettingsError (a traceback, exit 1) instead of one config-error line and exit 78."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError):
+        load_config(_write(tmp_path, GOOD))
+
+
+# ---------------------------------------------------------------- config: accepted, then exit 70
+
+@pytest.mark.parametrize("entry", ['"A=B" = "c"', '"X" = "a\\u0000b"'])
+def test_attack_bad_server_env_is_rejected_by_the_config(tmp_path: Path, entry: str) -> None:
+    """ATTACK: [server.env] keys with '=' or values with NUL validate, then spawn raises
+    ValueError and the daemon exits 70 ("internal error") — systemd restarts it in a loop instead
+    of stopping on a configuration error (78)."""
+    text = GOOD + "[server.env]\n" + entry + "\n"
+    with pytest.raises(ConfigError):
+        load_config(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("host", ["localhost:99", "[::1"])
+def test_attack_bad_host_is_rejected_by_the_config(tmp_path: Path, host: str) -> None:
+    """ATTACK: [server].host = "localhost:99" validates; at the first spawn httpx raises
+    InvalidURL building the probe and the daemon exits 70 (internal error) instead of 78."""
+    with pytest.raises(ConfigError):
+        load_config(_write(tmp_path, GOOD.replace('port = 18999', f'port = 18999\nhost = "{host}"')))
+
+
+# ---------------------------------------------------------------- reload
+
+class _Notes:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def ready(self, status: str | None = None) -> None:
+        self.calls.append("ready")
+
+    def status(self, text: str) -> None: ...
+
+    def reloading(self, status: str | None = None) -> None:
+        self.calls.append("reloading")
+
+    def stopping(self, status: str | None = None) -> None: ...
+    def watchdog(self) -> None: ...
+    def extend_timeout(self, usec: int) -> None: ...
+
+
+def _daemon(tmp_path: Path, path: Path) -> Any:
+    from llama_guard.daemon import Daemon
+    from llama_guard.eventlog import Emitter
+
+    config = load_config(path)
+    notes = _Notes()
+    return Daemon(config, path, Emitter(min_level="critical", fmt="json"), notifier=notes), notes
+
+
+def test_attack_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: Path) -> None:
+    """ATTACK: SIGHUP with a non-UTF-8 file: _reload dies with UnicodeDecodeError inside its task;
+    no config_error is logged at all and sd_notify got RELOADING=1 but never READY=1, so systemd
+    keeps the unit in "reloading"."""
+    path = _write(tmp_path, GOOD + f'[runtime]\ndir = "{tmp_path / "run"}"\n')
+    daemon, notes = _daemon(tmp_path, path)
+    path.write_bytes(b"\xff\xfe garbage \x00")
+
+    async def go() -> None:
+        daemon.ctx = object()  # _reload only needs it for sources, there are none
+        await daemon._reload()
+
+    with contextlib.suppress(UnicodeDecodeError):  # today it escapes _reload
+        asyncio.run(go())
+    events = [e["event"] for e in daemon.emitter.recent]
+    assert "config_error" in events
+    assert notes.calls == ["reloading", "ready"]
+
+
+def test_attack_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_path: Path) -> None:
+    """ATTACK: a reload that changes [runtime].dir (or [log].level) says "changed: log, runtime"
+    but the status/pid files stay in the old directory (and the emitter keeps the old level):
+    `llama-guard status/restart --config <same file>` then report "not running"."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))  # the reload checks that the model is a GGUF file
+    good = GOOD.replace("/tmp/model.gguf", str(model))
+    path = _write(tmp_path, good + f'[runtime]\ndir = "{tmp_path / "old"}"\n')
+    daemon, _ = _daemon(tmp_path, path)
+    path.write_text(good + f'[runtime]\ndir = "{tmp_path / "new"}"\n')
+
+    async def go() -> None:
+        daemon.ctx = object()
+        await daemon._reload()
+
+    asyncio.run(go())
+    assert daemon.config.runtime.dir == tmp_path / "new"
+    assert daemon.status_file.dir == tmp_path / "new"
+
+
+def test_attack_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) -> None:
+    """ATTACK (fixed): an empty or truncated file is valid TOML with every key at its default; a
+    reload then used to stop the working server and exit 78 ("llama-server not found")."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    good = GOOD.replace("/tmp/model.gguf", str(model))
+    path = _write(tmp_path, good + f'[runtime]\ndir = "{tmp_path / "run"}"\n')
+    daemon, notes = _daemon(tmp_path, path)
+    before = daemon.config
+    for text in ("", good.replace(str(model), str(tmp_path / "missing.gguf"))):
+        path.write_text(text)
+
+        async def go() -> None:
+            daemon.ctx = object()
+            await daemon._reload()
+
+        asyncio.run(go())
+        assert daemon.config is before
+        assert daemon.queue.empty()  # no restart was asked for
+    errors = [e["message"] for e in daemon.emitter.recent if e["event"] == "config_error"]
+    assert len(errors) == 2 and "not found" in errors[0] and "missing.gguf" in errors[1]
+
+
+# ---------------------------------------------------------------- policy
+
+def test_attack_server_change_while_spawn_in_flight_is_not_lost() -> None:
+    """ATTACK: a reload (SIGHUP) whose ParamsChanged(server_changed=True) is queued while the
+    spawn is in flight (STARTING, pid None — _spawn awaits before_spawn() and the exec, and the
+    reload task can finish in between) is dropped: the server then runs with the OLD argv
+    although config_reloaded said "changed: server". (SIGUSR1 there is dropped the same way.)"""
+    s, acts = decide(initial_state(Params()), Boot(), 0.0)
+    assert s.phase is Phase.STARTING and s.pid is None
+    s, acts = decide(s, ParamsChanged(Params(), server_changed=True), 0.01)
+    s, acts = decide(s, Spawned(4242), 0.02)
+    # the freshly spawned (old-argv) server must be restarted (or the change remembered)
+    assert any(isinstance(a, Terminate) for a in acts) or s.phase is Phase.STOPPING
+
+
+# ---------------------------------------------------------------- restart / pid file
+
+def test_attack_restart_never_signals_an_unrelated_process(tmp_path: Path) -> None:
+    """ATTACK: `llama-guard restart` trusts any pid whose argv merely *contains* "llama-guard":
+    with a stale pid file (daemon SIGKILLed, pid reused) it sends SIGUSR1 to e.g.
+    `tail -f /var/log/llama-guard/…`, `vim /etc/llama-guard/llama-guard.toml` or a llama-server
+    whose --model lives under /var/lib/llama-guard — and SIGUSR1's default action kills them."""
+    from llama_guard.cli import main
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                               "/var/log/llama-guard/llama-guard.log"])
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "llama-guard.pid").write_text(f"{victim.pid}\n")
+        main(["restart", "--runtime-dir", str(run)])
+        time.sleep(0.3)
+        assert victim.poll() is None, f"unrelated process killed by {victim.returncode}"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+# ---------------------------------------------------------------- blocking I/O in the event loop
+
+def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> None:
+    """ATTACK: [log].server_log_file naming a FIFO with no reader (a log shipper that is down)
+    blocks open() inside the event loop forever: the server is spawned but never reported,
+    SIGTERM is not handled (only SIGKILL ends the daemon)."""
+    from llama_guard.daemon import Daemon
+    from llama_guard.eventlog import Emitter
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = _write(tmp_path, GOOD + f'[log]\nserver_log_file = "{fifo}"\n')
+    daemon = Daemon(load_config(path), path, Emitter(min_level="critical", fmt="json"))
+    done = threading.Event()
+
+    def opener() -> None:
+        handle = daemon._open_server_log()
+        if handle is not None:
+            handle.close()
+        done.set()
+
+    threading.Thread(target=opener, daemon=True).start()
+    finished = done.wait(2.0)
+    if not finished:  # unblock the stuck thread
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        done.wait(2.0)
+        os.close(fd)
+    assert finished, "opening server_log_file blocked for 2 s (it blocks the whole event loop)"
+
+
+# ---------------------------------------------------------------- readiness
+
+def test_attack_foreign_process_on_the_port_is_not_called_ready(tmp_path: Path, fake_server: Path,
+                                                                real_model: Path) -> None:
+    """ATTACK: another process already answers /health 200 on [server].port. The child fails to
+    bind, but the first /health poll reaches the squatter and the daemon reports server_ready
+    (sd_notify READY=1) for a child that never listened; the bind failure then counts as a crash
+    (exit 75, restarted by systemd) instead of a boot failure (exit 78)."""
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, str(fake_server), "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        import httpx
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        sections = merge(base_sections(tmp_path, str(fake_server), str(real_model), port),
+                         {"recovery": {"max_restarts": 1}})
+        run = DaemonRun(tmp_path, sections).start()
+        try:
+            run.wait_exit(60)
+        finally:
+            run.stop()
+        assert "server_ready" not in run.names(), run.names()
+    finally:
+        squatter.send_signal(signal.SIGKILL)
+        squatter.wait()
