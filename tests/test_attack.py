@@ -178,7 +178,7 @@ def test_attack_reload_that_could_not_start_keeps_the_running_config(tmp_path: P
     model.write_bytes(b"GGUF" + bytes(60))
     good = GOOD.replace("/tmp/model.gguf", str(model))
     path = _write(tmp_path, good + f'[runtime]\ndir = "{tmp_path / "run"}"\n')
-    daemon, notes = _daemon(tmp_path, path)
+    daemon, _ = _daemon(tmp_path, path)
     before = daemon.config
     for text in ("", good.replace(str(model), str(tmp_path / "missing.gguf"))):
         path.write_text(text)
