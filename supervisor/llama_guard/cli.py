@@ -79,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     age = time.time() - float(snap.get("updated", time.time()))
     print(f"llama-guard pid {pid}: {snap.get('status')}  (snapshot {age:.0f} s old)")
-    print(f"  server: {snap.get('base_url')}  pid {snap.get('server_pid')}")
+    print(f"  server: {snap.get('base_url')}  pid {snap.get('server_pid') or '- (none running now)'}")
     print(f"  restarts: {snap.get('restarts')}  last failure: {snap.get('last_failure') or '-'}")
     for key in ("gpu", "limits", "planned_restarts"):
         if key == "limits" and isinstance(snap.get(key), dict) and snap[key].get("rows"):
@@ -176,9 +176,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llama-guard", description="Supervise one llama-server.")
+    parser = argparse.ArgumentParser(
+        prog="llama-guard", description="Supervise one llama.cpp llama-server (see README.md).",
+        epilog="Every verb takes --config PATH; without it $LLAMA_GUARD_CONFIG, else "
+               "/etc/llama-guard/llama-guard.toml. Keys can be overridden as LLAMA_GUARD_<SECTION>__<KEY>. "
+               "Exit codes of run: 0 stopped, 69 GPU unrecoverable, 70 internal error, 75 crash loop, "
+               "78 configuration error.")
     parser.add_argument("--version", action="version", version=f"llama-guard {__version__}")
-    sub = parser.add_subparsers(dest="verb", required=True)
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{run,check,status,restart,bench}")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -207,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:  # `llama-guard status | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     return code
 
 

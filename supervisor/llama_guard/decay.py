@@ -439,8 +439,12 @@ class RestartRecord:
         """One human line with the before → after figures (``?`` for unknown)."""
         def fmt(value: float | None, unit: str) -> str:
             return "?" if value is None else f"{value:.1f} {unit}"
-        return (f"{fmt(self.tokens_per_s_before, 'tokens/s')} → {fmt(self.tokens_per_s_after, 'tokens/s')}, "
-                f"VRAM {fmt(self.vram_mib_before, 'MiB')} → {fmt(self.vram_mib_after, 'MiB')}")
+        parts = []
+        if self.tokens_per_s_before is not None or self.tokens_per_s_after is not None:
+            parts.append(f"{fmt(self.tokens_per_s_before, 'tokens/s')} → {fmt(self.tokens_per_s_after, 'tokens/s')}")
+        if self.vram_mib_before is not None or self.vram_mib_after is not None:
+            parts.append(f"VRAM {fmt(self.vram_mib_before, 'MiB')} → {fmt(self.vram_mib_after, 'MiB')}")
+        return ", ".join(parts) or "no speed or VRAM figures yet"
 
     def fields(self) -> dict[str, object]:
         """Event fields for ``planned_restart_done`` (JSON-able; None values omitted)."""

@@ -216,11 +216,30 @@ def _nvml_test_module() -> Any:
     return importlib.import_module(name) if name else None
 
 
+def check_port(config: Config) -> CheckResult:
+    """Whether ``[server].host:port`` can be bound now (llama-server would fail to start if not).
+
+    WARN, not FAIL: the holder may be this very llama-guard's own server."""
+    import socket
+
+    host = config.server.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, config.server.port))
+        except OSError as exc:
+            return CheckResult("port", "WARN", f"{host}:{config.server.port} cannot be bound now ({exc.strerror}); "
+                                               "llama-server would fail to start unless that is our own server")
+    return CheckResult("port", "OK", f"{host}:{config.server.port} is free")
+
+
 def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
     """Every preflight check, in report order."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
     results.append(check_model(config))
+    results.append(check_port(config))
     results += check_limits(config)
     results += check_gpu(config)
     results.append(check_reset(config))
