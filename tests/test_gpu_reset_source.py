@@ -137,3 +137,41 @@ async def test_enable_persistence_only_as_root(tmp_path: Path, monkeypatch: pyte
     await src._enable_persistence(ctx, {"gpu_index": 0})
     assert (fake.calls["nvmlDeviceSetPersistenceMode"] == 1) is expect_call
     assert events and word in str(events[-1][1]["action"])
+
+
+async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reset command that fails "In use by another client" the first time and succeeds after.
+    script = tmp_path / "reset.py"
+    counter = tmp_path / "count"
+    script.write_text(
+        "import pathlib, sys\n"
+        f"p = pathlib.Path({str(counter)!r})\n"
+        "n = int(p.read_text()) if p.exists() else 0\n"
+        "p.write_text(str(n + 1))\n"
+        "if n == 0:\n"
+        "    print('The following GPUs could not be reset:')\n"
+        "    print('  GPU 00000000:1A:00.0: In use by another client')\n"
+        "    sys.exit(255)\n"
+        "print('GPU 00000000:1A:00.0 was successfully reset.')\n")
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    fake = FakeNvml()
+    fake.gpus[0].values["persistence"] = 1
+    src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
+    done = await src.reset(ctx, None, "test")
+    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
+    assert counter.read_text() == "2"
+    assert fake.persistence_writes == [0, 1]  # off for the retry, then restored
+    assert "persistence" in done.fields
+
+
+async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "reset.py"
+    script.write_text("import sys\nprint('GPU 0: In use by another client')\nsys.exit(255)\n")
+    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    fake = FakeNvml()
+    fake.gpus[0].values["persistence"] = 0
+    src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
+    done = await src.reset(ctx, None, "test")
+    assert isinstance(done, ResetDone) and done.outcome == "failed" and "In use" in done.reason
+    assert fake.persistence_writes == []

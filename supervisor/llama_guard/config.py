@@ -201,6 +201,7 @@ class RecoveryConfig(_Section):
         default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])
     reset_timeout_s: PositiveFloat = 60.0
     foreign_wait_s: float = Field(5.0, ge=0)
+    reset_toggles_persistence: bool = True
     max_resets: int = Field(2, ge=0)
     reset_window_s: PositiveFloat = 3600.0
 

@@ -187,6 +187,29 @@ class GpuSource(Source):
 
         await asyncio.to_thread(release)
 
+    async def _reset_without_persistence(self, argv: list[str], timeout_s: float) -> tuple[str, str]:
+        """Persistence off, the reset command once more, persistence back on (always restored)."""
+        assert self.nvml is not None
+        nvml = self.nvml
+
+        def set_mode(enabled: bool) -> None:
+            with self._session_lock:
+                nvml.set_persistence(enabled)
+                nvml.close()  # release the session again: it counts as a user too
+
+        try:
+            await asyncio.to_thread(set_mode, False)
+        except NvmlError as exc:
+            return "failed", f"the reset needs persistence mode off, which could not be done: {exc}"
+        try:
+            outcome, detail = await _run_bounded(argv, timeout_s)
+        finally:
+            try:
+                await asyncio.to_thread(set_mode, True)
+            except NvmlError as exc:
+                detail = f"{detail}; persistence mode could NOT be restored: {exc}"
+        return outcome, detail + " (with persistence mode off for the reset)"
+
     def _resume(self) -> None:
         with self._session_lock:
             self._paused = False
@@ -310,9 +333,15 @@ class GpuSource(Source):
                              {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
         argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
         base["command"] = " ".join(argv)
+        persistence_on = sample is not None and sample.persistence_mode is True
         await self._release_session()  # our own NVML session counts as a user of the GPU
         try:
             outcome, detail = await _run_bounded(argv, cfg.recovery.reset_timeout_s)
+            if (outcome != "ok" and "in use" in detail.lower() and persistence_on
+                    and cfg.recovery.reset_toggles_persistence):
+                # Persistence mode counts as a user on some drivers: off, one more try, then back on.
+                outcome, detail = await self._reset_without_persistence(argv, cfg.recovery.reset_timeout_s)
+                base["persistence"] = "turned off for the reset, then restored"
         finally:
             self._resume()
         if outcome != "ok":
