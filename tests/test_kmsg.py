@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,11 +137,22 @@ def test_unreadable_kmsg_is_said_once_as_a_value(tmp_path: Path) -> None:
     assert "missing" in result.message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read anything")
 def test_permission_denied_hints_at_cap_syslog(tmp_path: Path) -> None:
     f = tmp_path / "secret"
     f.write_text("")
     f.chmod(0)
-    result = open_kmsg(str(f))
-    assert isinstance(result, KmsgOff)
-    assert "CAP_SYSLOG" in result.reason
+    if os.geteuid() != 0:
+        result = open_kmsg(str(f))
+        assert isinstance(result, KmsgOff)
+        assert "CAP_SYSLOG" in result.reason
+        return
+    # As root every file is readable: check the same code as an unprivileged user (uid 65534).
+    tmp_path.chmod(0o755)
+    code = ("import sys; from llama_guard.gpu.kmsg import open_kmsg, KmsgOff; r = open_kmsg(sys.argv[1]); "
+            "print(r.reason if isinstance(r, KmsgOff) else 'OPENED')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                          sys.executable, "-c", code, str(f)],
+                         capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "CAP_SYSLOG" in out.stdout, out.stdout
