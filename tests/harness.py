@@ -179,3 +179,16 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def stop_all(runs: list[DaemonRun], ports: list[int]) -> list[int]:
+    """Stop every daemon, then SIGKILL any llama-server still on one of ``ports``; returns those pids
+    (a test fixture fails on them: a server must never outlive its daemon)."""
+    for run in runs:
+        run.stop()
+    leftovers = []
+    for port in ports:
+        for pid in server_pids_of(port):
+            os.kill(pid, signal.SIGKILL)
+            leftovers.append(pid)
+    return leftovers

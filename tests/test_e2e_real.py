@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from harness import DaemonRun, base_sections, free_port, merge, server_pids_of, wait_gone
+from harness import DaemonRun, base_sections, free_port, merge, stop_all, wait_gone
 
 pytestmark = pytest.mark.real
 
@@ -37,12 +37,9 @@ def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
         return run
 
     yield make
-    for run in runs:
-        run.stop()
-    for port in ports:
-        for pid in server_pids_of(port):
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"llama-server pid {pid} outlived its daemon")
+    leftovers = stop_all(runs, ports)
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 
 
 def chat(port: int, content: str = "Say hello", max_tokens: int = 16, timeout: float = 60.0,

@@ -21,7 +21,6 @@ import os
 import re
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from harness import ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all
 
 pytestmark = pytest.mark.real
 
@@ -177,12 +176,9 @@ def daemon(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator
         return run
 
     yield make
-    for run in runs:
-        run.stop()
-    for port in ports:
-        for pid in server_pids_of(port):
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"llama-server pid {pid} outlived its daemon")
+    leftovers = stop_all(runs, ports)
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
     for directory in dirs:
         shutil.rmtree(directory, ignore_errors=True)
 
