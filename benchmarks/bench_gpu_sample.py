@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests")]
 
 from llama_guard.gpu.nvml import DeviceSelector, Nvml  # noqa: E402
-from llama_guard.gpu.watch import GpuWatch  # noqa: E402
+from llama_guard.gpu.rules import GpuWatch  # noqa: E402
 
 
 def measure(nvml: Nvml, n: int) -> dict[str, float]:

@@ -5,7 +5,7 @@ loopback TCP connection pairs (a stand-in for a busy llama-server) — or, with 
 --model GGUF``, a real llama-server to which a helper process holds ``--conns`` keep-alive
 connections (each re-used every 2 s, inside the server's 5 s keep-alive, and replaced when the server
 ends it) — then times each part of
-:meth:`llama_guard.usage.UsageSampler.sample` ``--n`` times and prints, per part, the median and
+:meth:`llama_guard.limits.usage.UsageSampler.sample` ``--n`` times and prints, per part, the median and
 90th percentile wall time in µs, the mean CPU time in µs (``time.process_time``; the mean, not
 the median, because the default sampler counts connections only every 6th sample), and the CPU
 seconds per hour at the sampling interval (default: ``[limits].sample_interval_s``).
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 
 from llama_guard.config import LimitsConfig
-from llama_guard.limits import cgroup_pids, read_limits
-from llama_guard.usage import UsageSampler, sample_cost_per_hour
+from llama_guard.limits.rlimits import cgroup_pids, read_limits
+from llama_guard.limits.usage import UsageSampler, sample_cost_per_hour
 
 CHILD = textwrap.dedent("""
     import socket, sys, threading, time

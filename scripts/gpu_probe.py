@@ -34,8 +34,8 @@ from typing import Any
 
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg, strip_prefix
 from llama_guard.gpu.nvml import DeviceSelector, Nvml, NvmlError
-from llama_guard.gpu.sample import GpuSample, sample_to_dict
-from llama_guard.gpu.watch import GpuWatch, WatchSettings, server_on_gpu, vram_released
+from llama_guard.gpu.readings import GpuSample, sample_to_dict
+from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
 
 CHILD = r"""
 import os, sys, torch

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from harness import DaemonRun, base_sections, free_port, merge
 from llama_guard.config import ConfigError, load_config
-from llama_guard.policy import Boot, Params, ParamsChanged, Phase, Spawned, Terminate, decide, initial_state
+from llama_guard.core.policy import decide
+from llama_guard.core.types import Boot, Params, ParamsChanged, Phase, Spawned, Terminate, initial_state
 
 GOOD = """
 [server]
@@ -124,8 +125,8 @@ class _Notes:
 
 
 def _daemon(tmp_path: Path, path: Path) -> Any:
-    from llama_guard.daemon import Daemon
-    from llama_guard.eventlog import Emitter
+    from llama_guard.core.daemon import Daemon
+    from llama_guard.output.eventlog import Emitter
 
     config = load_config(path)
     notes = _Notes()
@@ -238,8 +239,8 @@ def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> Non
     """ATTACK: [log].server_log_file naming a FIFO with no reader (a log shipper that is down)
     blocks open() inside the event loop forever: the server is spawned but never reported,
     SIGTERM is not handled (only SIGKILL ends the daemon)."""
-    from llama_guard.daemon import Daemon
-    from llama_guard.eventlog import Emitter
+    from llama_guard.core.daemon import Daemon
+    from llama_guard.output.eventlog import Emitter
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from llama_guard.classify import TABLE, Family, classify
+from llama_guard.core.server_log import TABLE, Family, classify
 
 PREFIXES = ["", "0.00.450.903 E ", "[12345] ", "0.01.518.422 W srv  "]
 

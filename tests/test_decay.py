@@ -6,7 +6,8 @@ from datetime import datetime, timezone
 
 import pytest
 from llama_guard.config import ScheduleConfig
-from llama_guard.decay import (
+from llama_guard.output.events import CATALOG, render_message
+from llama_guard.restarts.decay import (
     TOKENS_PREDICTED,
     TOKENS_PREDICTED_SECONDS,
     DecayMonitor,
@@ -19,7 +20,6 @@ from llama_guard.decay import (
     parse_metrics,
     predicted_counters,
 )
-from llama_guard.events import CATALOG, render_message
 
 # What llama-server's /metrics really prints (llama.cpp server: HELP, TYPE, value per metric;
 # values via C++ ostream, so 6 significant digits and exponents past a million).

@@ -14,8 +14,8 @@ import pytest
 from fake_nvml import FakeGpu, FakeNvml
 from llama_guard.gpu.kmsg import KmsgParser, strip_prefix
 from llama_guard.gpu.nvml import Nvml
-from llama_guard.gpu.sample import THROTTLE_MASK, GpuSample, sample_from_dict
-from llama_guard.gpu.watch import GpuWatch, WatchSettings, server_on_gpu, vram_released
+from llama_guard.gpu.readings import THROTTLE_MASK, GpuSample, sample_from_dict
+from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h200_gpu_watch.json"
 MIB = 1024 * 1024

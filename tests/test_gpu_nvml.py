@@ -20,7 +20,7 @@ from llama_guard.gpu.nvml import (
     open_gpu,
 )
 from llama_guard.gpu.pci import normalise_pci
-from llama_guard.gpu.sample import decode_clock_events, sample_from_dict, sample_to_dict
+from llama_guard.gpu.readings import decode_clock_events, sample_from_dict, sample_to_dict
 from llama_guard.gpu.xid import XidAction, classify, run_xid_waiter, xid_event_fields
 
 
@@ -331,7 +331,7 @@ def test_xid_table(xid: int, ours: bool | None, action: XidAction) -> None:
 
 
 def test_xid_event_fields_render() -> None:
-    from llama_guard.events import render_message
+    from llama_guard.output.events import render_message
 
     fields = xid_event_fields(79, 0, source="nvml")
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeNvml
-from llama_guard import gpu_source
 from llama_guard.config import Config
+from llama_guard.core.types import Params, ResetDone, initial_state
+from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
-from llama_guard.gpu_source import GpuSource, _run_bounded
-from llama_guard.policy import Params, ResetDone, initial_state
-from llama_guard.source import Context
+from llama_guard.gpu import watcher as gpu_source
+from llama_guard.gpu.watcher import GpuSource, _run_bounded
 
 TESTS = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""GPU event rules (llama_guard.gpu.watch): every event, hysteresis, reminders, no storm."""
+"""GPU event rules (llama_guard.gpu.rules): every event, hysteresis, reminders, no storm."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 from fake_nvml import GIB, FakeNvml
-from llama_guard.events import CATALOG, render_message
 from llama_guard.gpu.nvml import DriverNotLoaded, GpuLost, NotSupported, Nvml
-from llama_guard.gpu.sample import GpuIdentity, GpuProcess, GpuSample
-from llama_guard.gpu.watch import (
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
+from llama_guard.gpu.rules import (
     Condition,
     GpuWatch,
     Step,
@@ -20,6 +19,7 @@ from llama_guard.gpu.watch import (
     server_on_gpu,
     vram_released,
 )
+from llama_guard.output.events import CATALOG, render_message
 
 ID = GpuIdentity(index=0, uuid="GPU-x", pci_bus_id="0000:02:00.0", name="Fake")
 BASE = GpuSample(identity=ID, driver_version="535.183.01", temperature_c=50, temp_slowdown_c=95,

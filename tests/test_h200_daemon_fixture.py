@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llama_guard.classify import Family, classify
-from llama_guard.policy import Boot, Exited, Line, Params, Phase, ResetGpu, Spawned, decide, initial_state
+from llama_guard.core.policy import decide
+from llama_guard.core.server_log import Family, classify
+from llama_guard.core.types import Boot, Exited, Line, Params, Phase, ResetGpu, Spawned, initial_state
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "h200_daemon"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from llama_guard.eventlog import Emitter
-from llama_guard.events import lookup
-from llama_guard.journal import (
+from llama_guard.output.eventlog import Emitter
+from llama_guard.output.events import lookup
+from llama_guard.output.journal import (
     JournalSink,
     fallback_line,
     field_name,
@@ -291,7 +291,7 @@ def test_under_a_real_unit_stderr_is_the_journal_and_the_default_socket_works(
     script = manager.base / "probe.py"
     script.write_text(textwrap.dedent("""
         import sys
-        from llama_guard.journal import JournalSink, journald_enabled
+        from llama_guard.output.journal import JournalSink, journald_enabled
         print("enabled", journald_enabled("auto"), journald_enabled("json"), file=sys.stderr)
         sink = JournalSink()
         sink.write({"event": "daemon_started", "message": "probe", "priority": 6, "version": "t"})

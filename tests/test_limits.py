@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard import limits as L
 from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
-from llama_guard.limits import RLIM_INFINITY, Action
+from llama_guard.limits import rlimits as L
+from llama_guard.limits.rlimits import RLIM_INFINITY, Action
 
 MiB = 1 << 20
 
@@ -374,7 +374,7 @@ def test_kernel_refusal_is_caught_by_verify(sleeper: list[subprocess.Popen[bytes
 
 NON_ROOT_SCRIPT = textwrap.dedent("""
     import json, subprocess, resource
-    from llama_guard import limits as L
+    from llama_guard.limits import rlimits as L
     from llama_guard.config import Config, LimitsConfig
     own = L.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]

@@ -129,7 +129,7 @@ def _readable_by(prefix: list[str], *paths: Path) -> bool:
 
 def _python_for(prefix: list[str]) -> tuple[list[str], dict[str, str]]:
     """An interpreter (and PYTHONPATH) with which ``prefix`` can import llama_guard."""
-    probe = ["-c", "import llama_guard.daemon, psutil, pydantic, httpx"]
+    probe = ["-c", "import llama_guard.core.daemon, psutil, pydantic, httpx"]
     path = os.pathsep.join([str(ROOT / "supervisor"), *(p for p in sys.path if p.endswith("site-packages"))])
     for python, env in (([sys.executable], {}), ([sys.executable], {"PYTHONPATH": path}),
                         (["/usr/bin/python3"], {"PYTHONPATH": path})):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard.notify import Notifier, child_environ, monotonic_usec
+from llama_guard.output.notify import Notifier, child_environ, monotonic_usec
 
 
 class FakeManager:
@@ -221,7 +221,7 @@ def test_default_environment_and_unset(manager: FakeManager) -> None:
     from every later subprocess."""
     code = textwrap.dedent("""
         import os, subprocess, sys
-        from llama_guard.notify import Notifier
+        from llama_guard.output.notify import Notifier
         n = Notifier(unset_environment=True)
         n.ready("from child")
         print(n.watchdog_interval_s, "NOTIFY_SOCKET" in os.environ, "WATCHDOG_USEC" in os.environ)

@@ -9,8 +9,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from llama_guard.config import ConfigError, ScheduleConfig, load_config
-from llama_guard.events import CATALOG, render_message
-from llama_guard.schedule import (
+from llama_guard.output.events import CATALOG, render_message
+from llama_guard.restarts.cron import (
     Outcome,
     PlannedRestarts,
     ScheduleError,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.policy import AfterStop, Emit, Phase, RestartRequest, StartDrain, State, Terminate
-from llama_guard.schedule_source import ScheduleSource
-from llama_guard.source import Context, Source
+from llama_guard.core.types import AfterStop, Emit, Phase, RestartRequest, StartDrain, State, Terminate
+from llama_guard.core.watcher import Context, Source
+from llama_guard.restarts.watcher import ScheduleSource
 
 UTC = timezone.utc
 T0 = datetime(2025, 3, 10, 4, 29, 50, tzinfo=UTC)  # ten seconds before "30 4 * * *"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from llama_guard.status import PID_NAME, StatusFile, read_pid, read_status
+from llama_guard.output.status import PID_NAME, StatusFile, read_pid, read_status
 
 
 def test_write_read_remove(tmp_path: Path) -> None:

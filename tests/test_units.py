@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import RecoveryConfig
-from llama_guard.events import CATALOG
+from llama_guard.output.events import CATALOG
 from systemd_fixtures import require
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard import limits as L
-from llama_guard.classify import classify
 from llama_guard.config import Config, LimitsConfig
-from llama_guard.events import CATALOG, render_message
-from llama_guard.usage import (
+from llama_guard.core.server_log import classify
+from llama_guard.limits import rlimits as L
+from llama_guard.limits.usage import (
     PIDS_MAX,
     UsageEvent,
     UsageSample,
@@ -24,6 +23,7 @@ from llama_guard.usage import (
     exhausted_from_line,
     sample_cost_per_hour,
 )
+from llama_guard.output.events import CATALOG, render_message
 
 
 def _s(fds: int, *, pid: int = 100, limit: int = 100, threads: int = 5, nproc: int | None = None,

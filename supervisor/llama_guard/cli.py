@@ -42,8 +42,8 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from llama_guard.daemon import Daemon
-    from llama_guard.logsetup import make_emitter, make_notifier, make_sources
+    from llama_guard.core.daemon import Daemon
+    from llama_guard.wiring import make_emitter, make_notifier, make_sources
 
     path, config = _load(args)
     emitter = make_emitter(config)
@@ -66,7 +66,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from llama_guard.status import read_pid, read_status
+    from llama_guard.output.status import read_pid, read_status
 
     runtime_dir = _runtime_dir(args)
     pid = read_pid(runtime_dir)
@@ -138,7 +138,7 @@ def _print_limits(limits: dict[str, Any]) -> None:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from llama_guard.status import read_pid
+    from llama_guard.output.status import read_pid
 
     runtime_dir = _runtime_dir(args)
     pid = read_pid(runtime_dir)

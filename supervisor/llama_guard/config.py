@@ -34,7 +34,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from llama_guard.limits import normalize_config_value
+from llama_guard.limits.rlimits import normalize_config_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -250,7 +250,7 @@ class LimitsConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """``[schedule]``: planned restarts (see ``llama_guard.schedule`` and ``llama_guard.decay``).
+    """``[schedule]``: planned restarts (see ``llama_guard.restarts.cron`` and ``llama_guard.restarts.decay``).
 
     ``restart_cron``: standard 5-field cron ("" disables); ``timezone``: IANA name ("" = the
     host's). Durations in seconds. The decay thresholds are opt-in: 0 disables each.
@@ -281,14 +281,14 @@ class ScheduleConfig(_Section):
     @field_validator("restart_cron")
     @classmethod
     def _cron(cls, value: str) -> str:
-        from llama_guard.schedule import validate_cron
+        from llama_guard.restarts.cron import validate_cron
 
         return validate_cron(value)  # ScheduleError is a ValueError: it names the expression
 
     @field_validator("timezone")
     @classmethod
     def _timezone(cls, value: str) -> str:
-        from llama_guard.schedule import validate_timezone
+        from llama_guard.restarts.cron import validate_timezone
 
         return validate_timezone(value)
 

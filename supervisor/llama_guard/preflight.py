@@ -67,12 +67,12 @@ def check_model(config: Config) -> CheckResult:
 def check_limits(config: Config) -> list[CheckResult]:
     """The rlimits llama-server would get: configured, the daemon's own, what the child gets.
 
-    Plans exactly as the daemon does before a spawn (:func:`llama_guard.limits.plan_child_limits`
+    Plans exactly as the daemon does before a spawn (:func:`llama_guard.limits.rlimits.plan_child_limits`
     on this process's own limits and privileges), so the answer holds for a daemon run by the
     same user under the same limits. A limit the server would get less of than configured is
     WARN with the fix, as is each thread note (``--threads`` vs CPUs, RLIMIT_NPROC, ``pids.max``).
     """
-    from llama_guard.limits import can_raise_hard_limits, limits_report, plan_child_limits, read_own_limits
+    from llama_guard.limits.rlimits import can_raise_hard_limits, limits_report, plan_child_limits, read_own_limits
 
     try:
         plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
@@ -156,7 +156,7 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     if config.gpu.enabled == "off":
         return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
-    from llama_guard.gpu.watch import driver_in_series
+    from llama_guard.gpu.rules import driver_in_series
 
     if nvml_module is None:
         nvml_module = _nvml_test_module()
@@ -210,7 +210,7 @@ def _find_command(command: str, which: Callable[[str], str | None]) -> str | Non
 
 
 def _nvml_test_module() -> Any:
-    from llama_guard.gpu_source import TEST_MODULE_ENV
+    from llama_guard.gpu.watcher import TEST_MODULE_ENV
 
     name = os.environ.get(TEST_MODULE_ENV, "")
     return importlib.import_module(name) if name else None

@@ -22,9 +22,9 @@ from llama_guard.gpu.nvml import (
     WatchOff,
     open_gpu,
 )
-from llama_guard.gpu.sample import GpuIdentity, GpuProcess, GpuSample
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
+from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
 from llama_guard.gpu.sampler import Tick, tick
-from llama_guard.gpu.watch import GpuWatch, WatchSettings, server_on_gpu, vram_released
 
 __all__ = [
     "LOST_ERRORS",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llama_guard.gpu.pci import normalise_pci
-from llama_guard.gpu.sample import GpuIdentity, GpuProcess, GpuSample, RemappedRows
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

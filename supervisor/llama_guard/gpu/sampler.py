@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llama_guard.gpu.nvml import Nvml, NvmlError
-from llama_guard.gpu.sample import GpuSample
-from llama_guard.gpu.watch import Event, GpuWatch
+from llama_guard.gpu.readings import GpuSample
+from llama_guard.gpu.rules import Event, GpuWatch
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Health events into the systemd journal, through the native journal protocol.
 
-:class:`JournalSink` is an :class:`~llama_guard.eventlog.EventSink`: it turns each event dict
+:class:`JournalSink` is an :class:`~llama_guard.output.eventlog.EventSink`: it turns each event dict
 into journal fields (``MESSAGE``, ``PRIORITY``, ``SYSLOG_IDENTIFIER=llama-guard``,
 ``LLAMA_GUARD_EVENT``, ``MESSAGE_ID`` and the event's data as upper-case fields) and sends them
 with ``logging_journald.JournaldTransport`` to journald's datagram socket. The server's own
@@ -120,7 +120,7 @@ def field_value(value: Any) -> FieldValue | None:
 
 
 def journal_fields(record: Mapping[str, Any], identifier: str = SYSLOG_IDENTIFIER) -> Fields:
-    """The journal fields of one event dict (as :class:`~llama_guard.eventlog.Emitter` passes it).
+    """The journal fields of one event dict (as :class:`~llama_guard.output.eventlog.Emitter` passes it).
 
     ``MESSAGE``, ``PRIORITY``, ``SYSLOG_IDENTIFIER``, ``LLAMA_GUARD_EVENT``, ``MESSAGE_ID``, then
     each data key upper-cased. A ``server_line`` event gets ``PRIORITY=7`` and

@@ -22,12 +22,12 @@ import psutil
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.child import ServerProcess, child_environ, kill_and_reap, spawn
-from llama_guard.classify import Family, classify
 from llama_guard.config import Config, ConfigError, load_config
-from llama_guard.eventlog import Emitter
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
-from llama_guard.policy import (
+from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, spawn
+from llama_guard.core.policy import decide
+from llama_guard.core.probes import ServerProbe
+from llama_guard.core.server_log import Family, classify
+from llama_guard.core.types import (
     Action,
     Boot,
     Drained,
@@ -55,12 +55,12 @@ from llama_guard.policy import (
     StopRequest,
     Terminate,
     Tick,
-    decide,
     initial_state,
 )
-from llama_guard.probes import ServerProbe
-from llama_guard.source import Context, Source
-from llama_guard.status import StatusFile
+from llama_guard.core.watcher import Context, Source
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
+from llama_guard.output.eventlog import Emitter
+from llama_guard.output.status import StatusFile
 
 
 def owns_port(pid: int, port: int) -> bool:

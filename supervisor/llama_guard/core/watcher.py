@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llama_guard.classify import LineClass
 from llama_guard.config import Config
-from llama_guard.policy import Action, Input, State
+from llama_guard.core.server_log import LineClass
+from llama_guard.core.types import Action, Input, State
 
 
 @dataclass

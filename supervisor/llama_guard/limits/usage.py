@@ -8,7 +8,7 @@
   ``limit_low`` past ``warn_fraction`` (once, re-armed only below ``rearm_fraction``, repeated
   every ``reminder_s`` while it lasts), ``limit_ok`` when it falls back below the re-arm mark,
   ``resource_exhausted`` when a limit is reached. Fed a classified server line
-  (:class:`~llama_guard.classify.LineClass` of family ``RESOURCE_LIMIT``) it returns one
+  (:class:`~llama_guard.core.server_log.LineClass` of family ``RESOURCE_LIMIT``) it returns one
   ``resource_exhausted`` naming the limit and the pid's current value of it.
 
 Which numbers are compared:
@@ -31,8 +31,8 @@ from typing import Any
 
 import psutil
 
-from llama_guard.classify import Family, LineClass
-from llama_guard.limits import (
+from llama_guard.core.server_log import Family, LineClass
+from llama_guard.limits.rlimits import (
     NOFILE,
     NPROC,
     RLIM_INFINITY,
@@ -53,7 +53,7 @@ class UsageSample:
     """One reading of llama-server's resource use and the limits it runs under.
 
     Counts are ``None`` when not readable. Limits are soft limits; ``None`` or
-    :data:`~llama_guard.limits.RLIM_INFINITY` means no limit to compare against.
+    :data:`~llama_guard.limits.rlimits.RLIM_INFINITY` means no limit to compare against.
     """
 
     pid: int
@@ -81,7 +81,7 @@ class UsageSample:
 class UsageSampler:
     """Samples one llama-server process (keeps one :class:`psutil.Process` between samples).
 
-    ``limits`` are the pid's limits (default: :func:`~llama_guard.limits.read_limits` at
+    ``limits`` are the pid's limits (default: :func:`~llama_guard.limits.rlimits.read_limits` at
     construction; call :meth:`refresh_limits` after a ``prlimit`` from outside).
     ``connections``: also count inet connections. That costs ~10 ms per count (psutil reads
     every fd link and ``/proc/net/tcp*``; see ``benchmarks/bench_usage_sample.py``) against
@@ -251,7 +251,7 @@ class UsageTracker:
                 now: float) -> list[UsageEvent]:
         """``resource_exhausted`` for a server line classified as ``Family.RESOURCE_LIMIT``.
 
-        ``limits`` are the pid's limits read now (:func:`~llama_guard.limits.read_limits`; a
+        ``limits`` are the pid's limits read now (:func:`~llama_guard.limits.rlimits.read_limits`; a
         dead pid's are unknown: pass ``None``). Other families, a line without a known limit,
         and a repeat within ``line_repeat_s`` return ``[]``. The fields name the limit
         (``limit``), its current soft/hard value (``limit_value``, ``limit_hard``), the line,

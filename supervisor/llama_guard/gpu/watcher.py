@@ -22,15 +22,15 @@ from typing import Any
 import psutil
 
 from llama_guard.config import Config
+from llama_guard.core.types import GpuFault, Input, ResetDone
+from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
-from llama_guard.gpu.sample import GpuSample, sample_to_dict
+from llama_guard.gpu.readings import GpuSample, sample_to_dict
+from llama_guard.gpu.rules import foreign_processes, server_on_gpu, vram_released
 from llama_guard.gpu.sampler import Tick, tick
-from llama_guard.gpu.watch import foreign_processes, server_on_gpu, vram_released
 from llama_guard.gpu.xid import classify as classify_xid
 from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields
-from llama_guard.policy import GpuFault, Input, ResetDone
-from llama_guard.source import Context, Source
 
 TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
 POLL_S = 0.25  # how often the bounded waits (VRAM release, server on GPU) look again

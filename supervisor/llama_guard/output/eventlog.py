@@ -19,7 +19,7 @@ from typing import Any, Protocol, TextIO
 
 import structlog
 
-from llama_guard.events import CATALOG, Severity, render_message
+from llama_guard.output.events import CATALOG, Severity, render_message
 
 _LEVEL_NAMES = {
     Severity.CRITICAL: "critical",

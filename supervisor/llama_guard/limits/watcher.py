@@ -14,7 +14,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llama_guard.limits import (
+from llama_guard.core.watcher import Context, Source
+from llama_guard.limits.rlimits import (
     LimitPlan,
     ProcessLimits,
     can_raise_hard_limits,
@@ -25,8 +26,7 @@ from llama_guard.limits import (
     read_own_limits,
     verify_applied,
 )
-from llama_guard.source import Context, Source
-from llama_guard.usage import UsageSampler, UsageTracker
+from llama_guard.limits.usage import UsageSampler, UsageTracker
 
 
 class LimitsSource(Source):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from llama_guard.config import Config
-from llama_guard.daemon import Notifier
-from llama_guard.eventlog import Emitter
-from llama_guard.journal import JournalSink, journald_enabled
-from llama_guard.notify import Notifier as SdNotifier
-from llama_guard.source import Source
+from llama_guard.core.daemon import Notifier
+from llama_guard.core.watcher import Source
+from llama_guard.output.eventlog import Emitter
+from llama_guard.output.journal import JournalSink, journald_enabled
+from llama_guard.output.notify import Notifier as SdNotifier
 
 
 def make_emitter(config: Config) -> Emitter:
@@ -29,8 +29,8 @@ def make_notifier() -> Notifier:
 
 def make_sources(config: Config) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts."""
-    from llama_guard.gpu_source import GpuSource
-    from llama_guard.limits_source import LimitsSource
-    from llama_guard.schedule_source import ScheduleSource
+    from llama_guard.gpu.watcher import GpuSource
+    from llama_guard.limits.watcher import LimitsSource
+    from llama_guard.restarts.watcher import ScheduleSource
 
     return [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_guard.gpu.nvml import LOST_ERRORS, NvmlError, describe
-from llama_guard.gpu.sample import GpuProcess, GpuSample
+from llama_guard.gpu.readings import GpuProcess, GpuSample
 
 if TYPE_CHECKING:
     from llama_guard.config import GpuConfig

@@ -1,7 +1,7 @@
 """One GPU sample: plain frozen data, no NVML types.
 
 Produced by :meth:`llama_guard.gpu.nvml.Nvml.sample`, consumed by the pure
-:class:`llama_guard.gpu.watch.GpuWatch`. Every reading is ``None`` when NVML does not support it
+:class:`llama_guard.gpu.rules.GpuWatch`. Every reading is ``None`` when NVML does not support it
 on this GPU (or refused it); the names of such readings are listed in ``GpuSample.unsupported``.
 :func:`sample_to_dict` / :func:`sample_from_dict` make a JSON-safe round trip (fixtures, status).
 """

@@ -1,6 +1,6 @@
 """The daemon's planned-restart watcher: the cron schedule, decay triggers, and the restart record.
 
-Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.schedule.PlannedRestarts`
+Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.restarts.cron.PlannedRestarts`
 whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
 whether the policy is READY). A due fire becomes ``RestartRequest(event="scheduled_restart",
 drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
@@ -8,14 +8,14 @@ else ``drain_timeout``) and restarts. Skipped and missed fires are reported here
 (``scheduled_restart_skipped`` / ``scheduled_restart_missed``).
 
 Every ``SAMPLE_INTERVAL_S`` (and at once when a server becomes ready and when a drain begins) it
-feeds :class:`~llama_guard.decay.DecayMonitor`: the server's anonymous RSS (psutil), its VRAM
+feeds :class:`~llama_guard.restarts.decay.DecayMonitor`: the server's anonymous RSS (psutil), its VRAM
 (from the GPU source's last NVML sample, when there is one) and the ``/metrics`` generation
 counters. A trigger past its opt-in bound reports ``decay_detected`` and asks for the same
 drained restart.
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
 followed through the policy's actions (:meth:`on_action`): the drain's start, a drain timeout,
-the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.decay.RestartRecord`
+the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.restarts.decay.RestartRecord`
 (uptime, drained or timed out, seconds unavailable = SIGTERM → READY, tokens/s and VRAM before)
 is reported as ``planned_restart_done`` when the new server is ready; its "after" figures (the
 new server's baselines) are filled in later and shown by ``llama-guard status``.
@@ -34,10 +34,10 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
-from llama_guard.policy import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
-from llama_guard.schedule import Decision, Outcome, PlannedRestarts, ScheduleError
-from llama_guard.source import Context, Source
+from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
+from llama_guard.core.watcher import Context, Source
+from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
+from llama_guard.restarts.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
