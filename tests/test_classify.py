@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from llama_guard.core.server_log import TABLE, Family, classify
+from llama_guard.core.server_log import TABLE, Family, classify_line
 
 PREFIXES = ["", "0.00.450.903 E ", "[12345] ", "0.01.518.422 W srv  "]
 
@@ -63,25 +63,26 @@ CASES: list[tuple[str, Family, str]] = [
 @pytest.mark.parametrize("prefix", PREFIXES)
 @pytest.mark.parametrize(("text", "family", "cause_part"), CASES)
 def test_family(prefix: str, text: str, family: Family, cause_part: str) -> None:
-    verdict = classify(prefix + text)
+    verdict = classify_line(prefix + text)
     assert verdict.family is family, (prefix + text, verdict)
     assert cause_part.lower() in verdict.cause.lower()
 
 
 def test_limit_names() -> None:
-    assert classify("failed to mlock 4096-byte buffer").limit == "RLIMIT_MEMLOCK"
-    assert classify("what():  Resource temporarily unavailable").limit == "RLIMIT_NPROC"
-    assert classify("accept: Too many open files").limit == "RLIMIT_NOFILE"
+    assert classify_line("failed to mlock 4096-byte buffer").limit == "RLIMIT_MEMLOCK"
+    assert classify_line("what():  Resource temporarily unavailable").limit == "RLIMIT_NPROC"
+    assert classify_line("accept: Too many open files").limit == "RLIMIT_NOFILE"
 
 
 def test_interleaved_abort_and_logger_line() -> None:
     # One physical line holding a logger prefix followed by the abort's own stderr text (seen on the H200).
-    verdict = classify("0.00.812.004 E /src/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA errorCUDA error: out of memory")
+    verdict = classify_line(
+        "0.00.812.004 E /src/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA errorCUDA error: out of memory")
     assert verdict.family is Family.OOM
 
 
 def test_trailing_newline_and_crlf() -> None:
-    assert classify("CUDA error: unspecified launch failure\r\n").cause == "unspecified launch failure"
+    assert classify_line("CUDA error: unspecified launch failure\r\n").cause == "unspecified launch failure"
 
 
 def test_every_row_is_reachable() -> None:

@@ -21,7 +21,7 @@ from llama_guard.gpu.nvml import (
 )
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import decode_clock_events, sample_from_dict, sample_to_dict
-from llama_guard.gpu.xid import XidAction, classify, run_xid_waiter, xid_event_fields
+from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_event_fields, xid_info
 
 
 class Clock:
@@ -327,7 +327,7 @@ def test_xid_waiter_gives_up_when_not_supported() -> None:
      (154, None, XidAction.FOLLOW_RECOVERY_ACTION), (12345, None, XidAction.EVENT_ONLY)],
 )
 def test_xid_table(xid: int, ours: bool | None, action: XidAction) -> None:
-    assert classify(xid, ours).action is action
+    assert xid_info(xid, ours).action is action
 
 
 def test_xid_event_fields_render() -> None:

@@ -249,16 +249,16 @@ def test_settings_from_config() -> None:
 
 
 def test_tick_turns_samples_and_errors_into_events() -> None:
-    from llama_guard.gpu.sampler import tick
+    from llama_guard.gpu.rules import sample_once
 
     fake = FakeNvml()
     fake.gpus[0].values["temperature"] = 90
     nvml, w = Nvml(module=fake), GpuWatch()
-    first = tick(nvml, w, 0.0)
+    first = sample_once(nvml, w, 0.0)
     assert first.sample is not None
     assert names(first.events) == ["gpu_temperature_high"]
     fake.lose_gpu()
-    lost = tick(nvml, w, 10.0)
+    lost = sample_once(nvml, w, 10.0)
     assert lost.sample is None
     assert isinstance(lost.error, GpuLost)
     assert names(lost.events) == ["gpu_lost"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import Family, classify
+from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import Boot, Exited, Line, Params, Phase, ResetGpu, Spawned, initial_state
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "h200_daemon"
@@ -34,7 +34,7 @@ def test_real_oom_lines_lead_to_server_oom_and_the_reset() -> None:
     events = load("run_b_events.jsonl")
     first = next(e for e in events if e["event"] == "server_starting")["server_pid"]
     lines = [e["line"] for e in events if e["event"] == "server_line" and e["server_pid"] == first]
-    families = [classify(text).family for text in lines]
+    families = [classify_line(text).family for text in lines]
     assert Family.OOM in families and Family.GPU_ABORT in families
     # On the H200 the abort line came before the message: the policy must still choose the reset.
     assert families.index(Family.GPU_ABORT) < families.index(Family.OOM)
@@ -43,7 +43,7 @@ def test_real_oom_lines_lead_to_server_oom_and_the_reset() -> None:
     state, _ = decide(state, Spawned(first), 0.0)
     emitted = []
     for i, text in enumerate(lines):
-        state, actions = decide(state, Line(first, classify(text), text), 0.01 * i)
+        state, actions = decide(state, Line(first, classify_line(text), text), 0.01 * i)
         emitted += [a.name for a in actions if hasattr(a, "name")]
     assert emitted.count("server_oom") == 1
     state, actions = decide(state, Exited(first, -15), 2.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
 from llama_guard.limits import rlimits as L
-from llama_guard.limits.rlimits import RLIM_INFINITY, Action
+from llama_guard.limits.rlimits import RLIM_INFINITY, LimitAction
 
 MiB = 1 << 20
 
@@ -130,7 +130,7 @@ def test_within_hard_limit_is_set_either_way(privileged: bool, key: str, name: s
     cfg = _cfg(**{key: wanted})  # type: ignore[arg-type]
     plan = L.plan_child_limits(cfg, _own(), privileged)
     d = plan.decision(name)
-    assert d.action is Action.SET
+    assert d.action is LimitAction.SET
     assert d.target == (wanted, wanted)
     assert not d.problem
     assert (L.SPEC_BY_NAME[name].resource, (wanted, wanted)) in plan.settings
@@ -149,12 +149,12 @@ def test_above_hard_limit(key: str, name: str, wanted: int | str, hard: int, fix
     cfg = _cfg(**{key: wanted})  # type: ignore[arg-type]
     root = L.plan_child_limits(cfg, _own(), True).decision(name)
     want = L.parse_limit_value(wanted, sizes=True)
-    assert root.action is Action.RAISE
+    assert root.action is LimitAction.RAISE
     assert root.target == (want, want)
     assert not root.problem
 
     user = L.plan_child_limits(cfg, _own(), False).decision(name)
-    assert user.action is Action.CAPPED
+    assert user.action is LimitAction.CAPPED
     assert user.target == (hard, hard)  # soft raised to the hard limit: the best reachable
     assert name in user.problem
     assert L.format_limit(hard, L.SPEC_BY_NAME[name].unit) in user.problem
@@ -172,7 +172,7 @@ def test_root_without_cap_sys_resource_is_named() -> None:
 def test_unset_limits_are_inherited() -> None:
     plan = L.plan_child_limits(_cfg(nofile=None), _own(), True)
     for d in plan.decisions:
-        assert d.action is Action.INHERIT
+        assert d.action is LimitAction.INHERIT
         assert d.target is None
         assert d.effective == d.own
     assert plan.settings == ()
@@ -187,7 +187,7 @@ def test_memlock_defaults_to_unlimited_with_mlock() -> None:
     explicit = L.plan_child_limits(_cfg(mlock=True, memlock="64M"), _own(), True).decision("RLIMIT_MEMLOCK")
     assert explicit.target == (64 * MiB, 64 * MiB)
     assert L.plan_child_limits(_cfg(mlock=False), _own(), True).decision("RLIMIT_MEMLOCK").action \
-        is Action.INHERIT
+        is LimitAction.INHERIT
 
 
 def test_nofile_is_capped_by_nr_open_even_for_root() -> None:
@@ -203,7 +203,7 @@ def test_nofile_is_capped_by_nr_open_even_for_root() -> None:
 def test_unlimited_hard_limit_allows_any_value() -> None:
     own = _own(nproc=(RLIM_INFINITY, RLIM_INFINITY))
     d = L.plan_child_limits(_cfg(nproc="unlimited"), own, False).decision("RLIMIT_NPROC")
-    assert d.action is Action.SET
+    assert d.action is LimitAction.SET
     assert d.target == (RLIM_INFINITY, RLIM_INFINITY)
 
 
@@ -346,10 +346,10 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
     sleeper.append(proc)
     got = _proc_limits(proc.pid)["RLIMIT_NOFILE"]
     if privileged:
-        assert plan.decision("RLIMIT_NOFILE").action is Action.RAISE
+        assert plan.decision("RLIMIT_NOFILE").action is LimitAction.RAISE
         assert got == (want, want)
     else:
-        assert plan.decision("RLIMIT_NOFILE").action is Action.CAPPED
+        assert plan.decision("RLIMIT_NOFILE").action is LimitAction.CAPPED
         assert got == (hard, hard)
         (problem,) = plan.problems
         assert f"LimitNOFILE={want}" in problem

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard.output.notify import Notifier, child_environ, monotonic_usec
+from llama_guard.output.notify import SdNotifier, child_environ, monotonic_usec
 
 
 class FakeManager:
@@ -64,7 +64,7 @@ def abstract_manager() -> Iterator[FakeManager]:
 
 
 def test_exact_messages_in_order(manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "4000000"})
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "4000000"})
     assert n.enabled
     before = monotonic_usec()
     n.status("loading model: 42%")
@@ -94,27 +94,27 @@ def test_exact_messages_in_order(manager: FakeManager) -> None:
 
 
 def test_abstract_socket(abstract_manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": abstract_manager.address})
+    n = SdNotifier({"NOTIFY_SOCKET": abstract_manager.address})
     n.ready("up")
     n.stopping()
     assert abstract_manager.recv_all() == ["READY=1\nSTATUS=up", "STOPPING=1"]
 
 
 def test_status_is_one_line(manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": manager.address})
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address})
     n.status("first\nsecond\t third  ")
     assert manager.recv() == "STATUS=first second third"
 
 
 def test_watchdog_interval_from_environment(manager: FakeManager) -> None:
     base = {"NOTIFY_SOCKET": manager.address}
-    assert Notifier({**base, "WATCHDOG_USEC": "30000000"}).watchdog_interval_s == 15.0
-    assert Notifier({**base, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
+    assert SdNotifier({**base, "WATCHDOG_USEC": "30000000"}).watchdog_interval_s == 15.0
+    assert SdNotifier({**base, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
                     ).watchdog_interval_s == 1.0
     for env in ({}, {"WATCHDOG_USEC": "0"}, {"WATCHDOG_USEC": "soon"},
                 {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid() + 1)},
                 {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "x"}):
-        n = Notifier({**base, **env})
+        n = SdNotifier({**base, **env})
         assert n.watchdog_interval_s is None, env
         n.watchdog()
         assert n.sent == 0
@@ -123,13 +123,13 @@ def test_watchdog_interval_from_environment(manager: FakeManager) -> None:
 
 def test_pid_argument_is_compared_with_watchdog_pid(manager: FakeManager) -> None:
     env = {"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "77"}
-    assert Notifier(env, pid=77).watchdog_interval_s == 0.5
-    assert Notifier(env, pid=78).watchdog_interval_s is None
+    assert SdNotifier(env, pid=77).watchdog_interval_s == 0.5
+    assert SdNotifier(env, pid=78).watchdog_interval_s is None
 
 
 def test_watchdog_called_from_a_busy_loop_is_rate_limited(manager: FakeManager) -> None:
     now = [100.0]
-    n = Notifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "4000000"}, clock=lambda: now[0])
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "4000000"}, clock=lambda: now[0])
     for t in (100.0, 100.2, 100.9, 101.0, 101.5, 102.0, 102.1, 104.0):  # pings at most every 1 s
         now[0] = t
         n.watchdog()
@@ -137,7 +137,7 @@ def test_watchdog_called_from_a_busy_loop_is_rate_limited(manager: FakeManager) 
 
 
 async def test_run_watchdog_pings_at_half_the_interval(manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "200000"})  # 0.2 s → every 0.1 s
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "200000"})  # 0.2 s → every 0.1 s
     task = asyncio.create_task(n.run_watchdog())
     await asyncio.sleep(0.55)
     task.cancel()
@@ -149,13 +149,13 @@ async def test_run_watchdog_pings_at_half_the_interval(manager: FakeManager) -> 
 
 
 async def test_run_watchdog_returns_when_off(manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": manager.address})
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address})
     await asyncio.wait_for(n.run_watchdog(), 1.0)
     assert manager.recv_all() == []
 
 
 def test_without_notify_socket_everything_is_a_quiet_no_op() -> None:
-    n = Notifier({})
+    n = SdNotifier({})
     assert not n.enabled
     n.ready("x")
     n.status("x")
@@ -171,7 +171,7 @@ def test_without_notify_socket_everything_is_a_quiet_no_op() -> None:
 
 def test_never_raises_when_the_socket_goes_away(tmp_path: Path) -> None:
     m = FakeManager(str(tmp_path / "gone"))
-    n = Notifier({"NOTIFY_SOCKET": m.address})
+    n = SdNotifier({"NOTIFY_SOCKET": m.address})
     n.ready()
     assert n.sent == 1
     m.close()
@@ -190,13 +190,13 @@ def test_never_raises_when_the_socket_goes_away(tmp_path: Path) -> None:
 
 def test_bad_socket_path_never_raises(tmp_path: Path) -> None:
     for address in (str(tmp_path / "missing"), "@", "relative/path", "x" * 200):
-        n = Notifier({"NOTIFY_SOCKET": address})
+        n = SdNotifier({"NOTIFY_SOCKET": address})
         n.ready()
         assert n.failures == 1
 
 
 def test_a_full_manager_queue_does_not_block(manager: FakeManager) -> None:
-    n = Notifier({"NOTIFY_SOCKET": manager.address}, send_timeout_s=0.05)
+    n = SdNotifier({"NOTIFY_SOCKET": manager.address}, send_timeout_s=0.05)
     t0 = time.monotonic()
     results = [n.notify(f"STATUS=n {i}") for i in range(40)]  # nobody reads: the queue fills up
     elapsed = time.monotonic() - t0
@@ -217,12 +217,12 @@ def test_child_environ_strips_manager_variables() -> None:
 
 
 def test_default_environment_and_unset(manager: FakeManager) -> None:
-    """In a real process: Notifier() reads os.environ, and unset_environment hides the variables
+    """In a real process: SdNotifier() reads os.environ, and unset_environment hides the variables
     from every later subprocess."""
     code = textwrap.dedent("""
         import os, subprocess, sys
-        from llama_guard.output.notify import Notifier
-        n = Notifier(unset_environment=True)
+        from llama_guard.output.notify import SdNotifier
+        n = SdNotifier(unset_environment=True)
         n.ready("from child")
         print(n.watchdog_interval_s, "NOTIFY_SOCKET" in os.environ, "WATCHDOG_USEC" in os.environ)
         sub = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('NOTIFY_SOCKET'))"],

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify
+from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
     AfterStop,
     Boot,
@@ -66,7 +66,7 @@ def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
 
 
 def line(pid: int, text: str) -> Line:
-    return Line(pid, classify(text), text)
+    return Line(pid, classify_line(text), text)
 
 
 class TestStartup:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify
+from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -74,7 +74,7 @@ def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
 
 
 def line(pid: int, text: str) -> Line:
-    return Line(pid, classify(text), text)
+    return Line(pid, classify_line(text), text)
 
 
 def stop_for(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:

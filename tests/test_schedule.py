@@ -19,6 +19,7 @@ from llama_guard.restarts.cron import (
     resolve_timezone,
     validate_cron,
 )
+from llama_guard.restarts.watcher import planned_restarts
 
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -384,7 +385,7 @@ def test_decision_fields_render_in_the_event_catalog() -> None:
 def test_from_config() -> None:
     cfg = ScheduleConfig(restart_cron="0 3 * * 0", timezone="Europe/Berlin", jitter_s=30,
                          min_uptime_s=10, misfire_grace_s=60)
-    sched = PlannedRestarts.from_config(cfg, now_wall=utc(2026, 1, 1), rng=random.Random(0))
+    sched = planned_restarts(cfg, now_wall=utc(2026, 1, 1), rng=random.Random(0))
     nxt = sched.next_fire(utc(2026, 1, 1))
     assert nxt is not None
     assert nxt.astimezone(BERLIN).strftime("%a %H:%M") == "Sun 03:00"

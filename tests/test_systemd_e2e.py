@@ -7,7 +7,7 @@ plus the private user manager and journald from tests/systemd_fixtures.py.
 The shipped unit is used with only what a test must change rewritten: ExecStart's binary and
 config path, User/Group (the manager runs as root), shorter timeouts, and the sandboxing that a
 user manager cannot apply. ``llama-guard run`` must send sd_notify messages through
-``llama_guard.output.notify.Notifier`` (logsetup.make_notifier).
+``llama_guard.output.notify.SdNotifier`` (wiring.make_notifier).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import Config, LimitsConfig
-from llama_guard.core.server_log import classify
+from llama_guard.core.server_log import classify_line
 from llama_guard.limits import rlimits as L
 from llama_guard.limits.usage import (
     PIDS_MAX,
@@ -163,7 +163,7 @@ def test_mlock_lines_give_one_event_naming_memlock_and_its_value() -> None:
     t = _tracker()
     events = []
     for line in MLOCK_LINES:
-        events += t.on_line(classify(line), line, 4242, limits, now=0)
+        events += t.on_line(classify_line(line), line, 4242, limits, now=0)
     (ev,) = events
     assert ev.name == "resource_exhausted"
     assert ev.fields["limit"] == "RLIMIT_MEMLOCK"
@@ -175,15 +175,15 @@ def test_mlock_lines_give_one_event_naming_memlock_and_its_value() -> None:
     assert "LimitMEMLOCK=infinity" in ev.fields["fix"]
     assert render_message(ev.name, ev.fields).startswith("RLIMIT_MEMLOCK exhausted: failed to mlock")
     # A later repeat past line_repeat_s reports again; another pid is its own key.
-    assert t.on_line(classify(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=10) == []
-    assert len(t.on_line(classify(MLOCK_LINES[0]), MLOCK_LINES[0], 4243, None, now=10)) == 1
-    assert len(t.on_line(classify(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=4000)) == 1
+    assert t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=10) == []
+    assert len(t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4243, None, now=10)) == 1
+    assert len(t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=4000)) == 1
 
 
 def test_thread_creation_failure_names_nproc_and_tasksmax() -> None:
     line = "what():  Resource temporarily unavailable"
     limits = L.read_limits(os.getpid())
-    ev = exhausted_from_line(classify(line), line, os.getpid(), limits)
+    ev = exhausted_from_line(classify_line(line), line, os.getpid(), limits)
     assert ev.fields["limit"] == "RLIMIT_NPROC"
     soft = limits.values["RLIMIT_NPROC"][0]
     assert ev.fields["limit_value"] == L.format_limit(soft, "processes")
@@ -193,7 +193,7 @@ def test_thread_creation_failure_names_nproc_and_tasksmax() -> None:
 
 def test_too_many_open_files_line_and_unknown_limits() -> None:
     line = "accept: Too many open files"
-    ev = exhausted_from_line(classify(line), line, 7, None)
+    ev = exhausted_from_line(classify_line(line), line, 7, None)
     assert ev.fields["limit"] == "RLIMIT_NOFILE"
     assert ev.fields["limit_value"] == "unknown"
     assert "unknown" in ev.fields["reason"]
@@ -203,7 +203,7 @@ def test_too_many_open_files_line_and_unknown_limits() -> None:
 def test_other_families_are_ignored() -> None:
     t = _tracker()
     line = "CUDA error: out of memory"
-    assert t.on_line(classify(line), line, 1, None, now=0) == []
+    assert t.on_line(classify_line(line), line, 1, None, now=0) == []
 
 
 # --------------------------------------------------------------------------- real processes

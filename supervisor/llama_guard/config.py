@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import resource
 import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -34,7 +35,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from llama_guard.limits.rlimits import normalize_config_value
+from llama_guard.restarts.cron import validate_cron, validate_timezone
+
+RLIM_INFINITY = resource.RLIM_INFINITY
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,6 +63,59 @@ OWNED_FLAGS = frozenset({
     "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
     "--metrics", "--mlock",
 })
+
+
+
+# Limit values (``[limits]``): parsed here so the config owns its own validation.
+
+_UNLIMITED_WORDS = frozenset({"unlimited", "infinity", "inf", "-1"})
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
+
+
+def parse_limit_value(value: int | str, *, sizes: bool = False) -> int:
+    """Parse one limit value into an integer for :func:`resource.setrlimit`.
+
+    Accepts a non-negative ``int``, a decimal string, or ``"unlimited"`` / ``"infinity"`` /
+    ``"inf"`` / ``-1`` (returned as :data:`RLIM_INFINITY`). With ``sizes=True`` (memlock, in
+    bytes) a unit suffix is accepted, binary as systemd's ``LimitMEMLOCK=`` reads it:
+    ``K``/``KiB``/``KB`` = 1024, ``M`` = 1024², ``G``, ``T``, ``P``, ``E``; ``"64M"`` is
+    67108864 bytes and ``"1.5G"`` is rounded down to whole bytes.
+
+    Raises :class:`ValueError` naming the bad value (negative, empty, unknown unit, a unit on
+    a count, a bool).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a limit value")
+    if isinstance(value, int):
+        if value == -1:
+            return RLIM_INFINITY
+        if value < 0:
+            raise ValueError(f"{value} is negative (use \"unlimited\")")
+        return value
+    text = str(value).strip()
+    if text.lower() in _UNLIMITED_WORDS:
+        return RLIM_INFINITY
+    if text.isdigit():
+        return int(text)
+    match = _SIZE_RE.match(text)
+    if match is None or not sizes or (not match.group(2) and not match.group(3)):
+        allowed = "a byte count with an optional unit (K, M, G, T)" if sizes else "a whole number"
+        raise ValueError(f"{value!r} is not a limit: expected {allowed} or \"unlimited\"")
+    number, unit = match.group(1), match.group(2).lower()
+    return int(float(number) * (1 << _SIZE_SHIFT[unit])) if "." in number else int(number) << _SIZE_SHIFT[unit]
+
+
+def normalize_config_value(value: int | str | None, *, sizes: bool = False) -> int | Literal["unlimited"] | None:
+    """The ``[limits]`` config form of ``value``: ``None``, a non-negative int, or ``"unlimited"``.
+
+    Used by :class:`llama_guard.config.LimitsConfig`'s validator so that ``memlock = "64M"``
+    reaches the rest of the daemon as ``67108864``. Raises :class:`ValueError`.
+    """
+    if value is None:
+        return None
+    parsed = parse_limit_value(value, sizes=sizes)
+    return "unlimited" if parsed == RLIM_INFINITY else parsed
 
 
 class ConfigError(Exception):
@@ -281,14 +337,12 @@ class ScheduleConfig(_Section):
     @field_validator("restart_cron")
     @classmethod
     def _cron(cls, value: str) -> str:
-        from llama_guard.restarts.cron import validate_cron
 
         return validate_cron(value)  # ScheduleError is a ValueError: it names the expression
 
     @field_validator("timezone")
     @classmethod
     def _timezone(cls, value: str) -> str:
-        from llama_guard.restarts.cron import validate_timezone
 
         return validate_timezone(value)
 

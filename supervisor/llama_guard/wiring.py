@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from llama_guard.config import Config
-from llama_guard.core.daemon import Notifier
+from llama_guard.core.daemon import ServiceNotifier
 from llama_guard.core.watcher import Source
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink, journald_enabled
-from llama_guard.output.notify import Notifier as SdNotifier
+from llama_guard.output.notify import SdNotifier
 
 
 def make_emitter(config: Config) -> Emitter:
@@ -21,7 +21,7 @@ def make_emitter(config: Config) -> Emitter:
     return Emitter(min_level=config.log.level, fmt=fmt)
 
 
-def make_notifier() -> Notifier:
+def make_notifier() -> ServiceNotifier:
     """The sd_notify notifier (a no-op without ``$NOTIFY_SOCKET``); the variables are removed from
     the daemon's environment so that no child can inherit them."""
     return SdNotifier(unset_environment=True)

@@ -26,7 +26,7 @@ from llama_guard.config import Config, ConfigError, load_config
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, spawn
 from llama_guard.core.policy import decide
 from llama_guard.core.probes import ServerProbe
-from llama_guard.core.server_log import Family, classify
+from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     Action,
     Boot,
@@ -82,8 +82,8 @@ MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
 
 
-class Notifier(Protocol):
-    """The service-manager hooks the daemon calls (sd_notify; see notify.Notifier)."""
+class ServiceNotifier(Protocol):
+    """The service-manager hooks the daemon calls (sd_notify; see output.notify.SdNotifier)."""
 
     def ready(self, status: str | None = None) -> None: ...
     def status(self, text: str) -> None: ...
@@ -147,12 +147,12 @@ class Daemon:
     """Owns one llama-server for the lifetime of ``run()``."""
 
     def __init__(self, config: Config, config_path: Path, emitter: Emitter, *,
-                 notifier: Notifier | None = None, sources: list[Source] | None = None,
+                 notifier: ServiceNotifier | None = None, sources: list[Source] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.config_path = config_path
         self.emitter = emitter
-        self.notifier: Notifier = notifier or NullNotifier()
+        self.notifier: ServiceNotifier = notifier or NullNotifier()
         self.sources: list[Source] = list(sources or [])
         self.clock = clock
         self.state: State = initial_state(params_from(config))
@@ -358,7 +358,7 @@ class Daemon:
             if gen.log is not None:
                 with contextlib.suppress(OSError):
                     gen.log.write(text + "\n")
-            verdict = classify(text)
+            verdict = classify_line(text)
             speed = EVAL_SPEED.search(text)
             if speed is not None and int(speed.group(1)) >= MIN_SPEED_TOKENS:
                 self._last_eval_tps = float(speed.group(2))

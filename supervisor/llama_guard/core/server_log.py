@@ -105,7 +105,7 @@ TABLE: tuple[_Row, ...] = (
 _HARMLESS = LineClass(Family.HARMLESS)
 
 
-def classify(line: str) -> LineClass:
+def classify_line(line: str) -> LineClass:
     """The family of one llama-server log line (any prefix; trailing newline allowed)."""
     for pattern, family, cause in TABLE:
         match = pattern.search(line)

@@ -23,8 +23,7 @@ from llama_guard.gpu.nvml import (
     open_gpu,
 )
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
-from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
-from llama_guard.gpu.sampler import Tick, tick
+from llama_guard.gpu.rules import GpuWatch, SampleVerdict, WatchSettings, sample_once, server_on_gpu, vram_released
 
 __all__ = [
     "LOST_ERRORS",
@@ -42,11 +41,11 @@ __all__ = [
     "NotSupported",
     "Nvml",
     "NvmlError",
-    "Tick",
+    "SampleVerdict",
     "WatchOff",
     "WatchSettings",
     "open_gpu",
+    "sample_once",
     "server_on_gpu",
-    "tick",
     "vram_released",
 ]

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llama_guard.gpu.nvml import LOST_ERRORS, NvmlError, describe
+from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 
 if TYPE_CHECKING:
@@ -332,3 +332,22 @@ def vram_released(sample: GpuSample, prev_pid: int, *, baseline_used_bytes: int 
     if baseline_used_bytes is None or sample.memory_used_bytes is None:
         return True
     return sample.memory_used_bytes <= baseline_used_bytes + slack_bytes
+
+
+@dataclass(frozen=True)
+class SampleVerdict:
+    """What one tick saw: the sample (None when NVML failed), the events to emit, and the error."""
+
+    sample: GpuSample | None
+    events: list[Event] = field(default_factory=list)
+    error: NvmlError | None = None
+
+
+def sample_once(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict:
+    """Sample ``nvml`` and feed ``watch`` at monotonic ``now`` (s). Never raises an NVML error:
+    a lost GPU comes back as ``gpu_lost`` in ``events`` (once, then reminders) and in ``error``."""
+    try:
+        sample = nvml.sample()
+    except NvmlError as exc:
+        return SampleVerdict(None, watch.observe_error(exc, now), exc)
+    return SampleVerdict(sample, watch.observe(sample, now))

@@ -27,10 +27,8 @@ from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
-from llama_guard.gpu.rules import foreign_processes, server_on_gpu, vram_released
-from llama_guard.gpu.sampler import Tick, tick
-from llama_guard.gpu.xid import classify as classify_xid
-from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields
+from llama_guard.gpu.rules import SampleVerdict, foreign_processes, sample_once, server_on_gpu, vram_released
+from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields, xid_info
 
 TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
 POLL_S = 0.25  # how often the bounded waits (VRAM release, server on GPU) look again
@@ -146,7 +144,7 @@ class GpuSource(Source):
         index = self.identity.index if self.identity is not None else None
         fields = xid_event_fields(xid, index, source=source, ours=ours, pid=pid, name=name)
         ctx.emit("gpu_xid", **fields)
-        info = classify_xid(xid, ours)
+        info = xid_info(xid, ours)
         ctx.post(GpuFault("xid", f"Xid {xid}: {info.meaning}", info.action.value, xid))
 
     async def run(self, ctx: Context) -> None:
@@ -165,12 +163,12 @@ class GpuSource(Source):
                     await self._enable_persistence(ctx, fields)
             await asyncio.sleep(ctx.config.gpu.sample_interval_s)
 
-    def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> Tick | None:
+    def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
         """One sampler tick, or None while a reset holds our NVML session released."""
         with self._session_lock:
             if self._paused:
                 return None
-            return tick(nvml, watch, now)
+            return sample_once(nvml, watch, now)
 
     async def _release_session(self) -> None:
         """Pause the sampler and the Xid waiter and shut our NVML session down (before a reset)."""

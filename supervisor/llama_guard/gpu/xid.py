@@ -59,7 +59,7 @@ XID_TABLE: dict[int, XidInfo] = {
 _OURS_ONLY = {43}
 
 
-def classify(xid: int, ours: bool | None = None) -> XidInfo:
+def xid_info(xid: int, ours: bool | None = None) -> XidInfo:
     """The table row for ``xid``; unknown Xids are event-only. ``ours`` (from the kernel log's
     ``pid=``/``name=``) downgrades an app-level fault of someone else's process to event-only."""
     info = XID_TABLE.get(xid, XidInfo(xid, "unlisted Xid", XidAction.EVENT_ONLY))
@@ -71,7 +71,7 @@ def classify(xid: int, ours: bool | None = None) -> XidInfo:
 def xid_event_fields(xid: int, gpu_index: int | None, *, source: str, ours: bool | None = None,
                      pid: int | None = None, name: str | None = None) -> dict[str, object]:
     """Fields of the ``gpu_xid`` event for ``xid`` (``source``: ``"nvml"`` or ``"kmsg"``)."""
-    info = classify(xid, ours)
+    info = xid_info(xid, ours)
     return {"gpu_index": gpu_index, "xid": xid, "meaning": info.meaning, "action": info.action.value,
             "source": source, "xid_pid": pid, "xid_name": name, "ours": ours}
 

@@ -39,6 +39,8 @@ import psutil
 if TYPE_CHECKING:
     from llama_guard.config import Config
 
+from llama_guard.config import parse_limit_value
+
 RLIM_INFINITY: int = resource.RLIM_INFINITY
 """The kernel's "unlimited" (``-1`` as Python's :mod:`resource` and psutil spell it on Linux)."""
 
@@ -82,56 +84,6 @@ SPEC_BY_KEY: dict[str, LimitSpec] = {spec.key: spec for spec in SPECS}
 # --------------------------------------------------------------------------------------------
 # Parsing and formatting
 # --------------------------------------------------------------------------------------------
-
-_UNLIMITED_WORDS = frozenset({"unlimited", "infinity", "inf", "-1"})
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]?)(i?b)?\s*$", re.IGNORECASE)
-_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
-
-
-def parse_limit_value(value: int | str, *, sizes: bool = False) -> int:
-    """Parse one limit value into an integer for :func:`resource.setrlimit`.
-
-    Accepts a non-negative ``int``, a decimal string, or ``"unlimited"`` / ``"infinity"`` /
-    ``"inf"`` / ``-1`` (returned as :data:`RLIM_INFINITY`). With ``sizes=True`` (memlock, in
-    bytes) a unit suffix is accepted, binary as systemd's ``LimitMEMLOCK=`` reads it:
-    ``K``/``KiB``/``KB`` = 1024, ``M`` = 1024², ``G``, ``T``, ``P``, ``E``; ``"64M"`` is
-    67108864 bytes and ``"1.5G"`` is rounded down to whole bytes.
-
-    Raises :class:`ValueError` naming the bad value (negative, empty, unknown unit, a unit on
-    a count, a bool).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a limit value")
-    if isinstance(value, int):
-        if value == -1:
-            return RLIM_INFINITY
-        if value < 0:
-            raise ValueError(f"{value} is negative (use \"unlimited\")")
-        return value
-    text = str(value).strip()
-    if text.lower() in _UNLIMITED_WORDS:
-        return RLIM_INFINITY
-    if text.isdigit():
-        return int(text)
-    match = _SIZE_RE.match(text)
-    if match is None or not sizes or (not match.group(2) and not match.group(3)):
-        allowed = "a byte count with an optional unit (K, M, G, T)" if sizes else "a whole number"
-        raise ValueError(f"{value!r} is not a limit: expected {allowed} or \"unlimited\"")
-    number, unit = match.group(1), match.group(2).lower()
-    return int(float(number) * (1 << _SIZE_SHIFT[unit])) if "." in number else int(number) << _SIZE_SHIFT[unit]
-
-
-def normalize_config_value(value: int | str | None, *, sizes: bool = False) -> int | Literal["unlimited"] | None:
-    """The ``[limits]`` config form of ``value``: ``None``, a non-negative int, or ``"unlimited"``.
-
-    Used by :class:`llama_guard.config.LimitsConfig`'s validator so that ``memlock = "64M"``
-    reaches the rest of the daemon as ``67108864``. Raises :class:`ValueError`.
-    """
-    if value is None:
-        return None
-    parsed = parse_limit_value(value, sizes=sizes)
-    return "unlimited" if parsed == RLIM_INFINITY else parsed
-
 
 def _order(value: int) -> float:
     """A limit as a comparable number: :data:`RLIM_INFINITY` is +∞."""
@@ -276,7 +228,7 @@ def read_own_limits() -> OwnLimits:
 # --------------------------------------------------------------------------------------------
 
 
-class Action(enum.Enum):
+class LimitAction(enum.Enum):
     """What the plan does with one limit."""
 
     INHERIT = "inherit"  # not configured: the child inherits the daemon's limit
@@ -300,7 +252,7 @@ class LimitDecision:
     configured: int | str | None
     wanted: int | None
     own: Pair
-    action: Action
+    action: LimitAction
     target: Pair | None
     problem: str = ""
     note: str = ""
@@ -359,7 +311,7 @@ def _why_unprivileged(euid: int) -> str:
 def _decide(spec: LimitSpec, raw: int | str | None, own: Pair, privileged: bool, nr_open: int | None,
             euid: int, note: str) -> LimitDecision:
     if raw is None:
-        return LimitDecision(spec, raw, None, own, Action.INHERIT, None, note=note)
+        return LimitDecision(spec, raw, None, own, LimitAction.INHERIT, None, note=note)
     wanted = parse_limit_value(raw, sizes=spec is MEMLOCK)
     reachable = wanted
     problem = ""
@@ -374,15 +326,15 @@ def _decide(spec: LimitSpec, raw: int | str | None, own: Pair, privileged: bool,
                        f"Raise the ceiling with `sysctl -w fs.nr_open={wanted}` (and in /etc/sysctl.d/).")
     hard = own[1]
     if _order(reachable) <= _order(hard):
-        return LimitDecision(spec, raw, wanted, own, Action.SET, (reachable, reachable), problem, note)
+        return LimitDecision(spec, raw, wanted, own, LimitAction.SET, (reachable, reachable), problem, note)
     if privileged:
-        return LimitDecision(spec, raw, wanted, own, Action.RAISE, (reachable, reachable), problem, note)
+        return LimitDecision(spec, raw, wanted, own, LimitAction.RAISE, (reachable, reachable), problem, note)
     # Not privileged: the soft limit may go up to the hard one, no further.
     problem = (f"{spec.name} ({spec.what}): llama-server needs {format_limit(wanted, spec.unit)} but "
                f"llama-guard runs with a hard limit of {format_limit(hard, spec.unit)} and cannot "
                f"raise it ({_why_unprivileged(euid)}); llama-server gets "
                f"{format_limit(hard, spec.unit)}. Raise it with {fix_hint(spec, wanted)}.")
-    return LimitDecision(spec, raw, wanted, own, Action.CAPPED, (hard, hard), problem, note)
+    return LimitDecision(spec, raw, wanted, own, LimitAction.CAPPED, (hard, hard), problem, note)
 
 
 def estimate_server_threads(threads: int | None, threads_batch: int | None, parallel: int,

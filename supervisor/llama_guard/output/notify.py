@@ -1,9 +1,9 @@
 """The sd_notify protocol towards systemd: readiness, status, reload, stop, watchdog.
 
-:class:`Notifier` wraps the ``sdnotify`` package. It reads ``$NOTIFY_SOCKET`` (a path, or
+:class:`SdNotifier` wraps the ``sdnotify`` package. It reads ``$NOTIFY_SOCKET`` (a path, or
 ``@name`` for an abstract socket), ``$WATCHDOG_USEC`` and ``$WATCHDOG_PID`` once, at
 construction. Every method is a no-op when there is no socket, and none of them raises: a
-notification that cannot be sent is counted in :attr:`Notifier.failures`, never an error. Each
+notification that cannot be sent is counted in :attr:`SdNotifier.failures`, never an error. Each
 send waits at most ``send_timeout_s`` for room in the manager's queue.
 
 :func:`child_environ` is the environment for llama-server: without the variables that belong
@@ -50,7 +50,7 @@ def _one_line(text: str) -> str:
 
 class _SdNotifier(sdnotify.SystemdNotifier):  # type: ignore[misc]  # sdnotify is untyped
     """sdnotify's notifier, connected to an explicit address instead of ``os.getenv``, with a
-    send timeout, and raising (``debug=True``) so :class:`Notifier` can count and reconnect."""
+    send timeout, and raising (``debug=True``) so :class:`SdNotifier` can count and reconnect."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.debug = True
@@ -65,7 +65,7 @@ class _SdNotifier(sdnotify.SystemdNotifier):  # type: ignore[misc]  # sdnotify i
         self.socket = sock
 
 
-class Notifier:
+class SdNotifier:
     """Tells systemd how llama-guard is doing (``Type=notify``, ``WatchdogSec=``).
 
     ``environ``: where to read ``NOTIFY_SOCKET``/``WATCHDOG_USEC``/``WATCHDOG_PID`` (default

@@ -71,14 +71,11 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
 from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
-
-if TYPE_CHECKING:
-    from llama_guard.config import ScheduleConfig
 
 __all__ = [
     "Decision",
@@ -348,8 +345,9 @@ def _require_aware(value: datetime, name: str) -> None:
 class PlannedRestarts:
     """The planned-restart schedule, driven by the daemon's loop with an injected wall clock.
 
-    Build it with :meth:`from_config` (or directly); call :meth:`due` about once a second from the
-    daemon loop and act on the :class:`Decision`; call :meth:`next_fire` for ``llama-guard status``.
+    Build it from ``[schedule]`` (``restarts.watcher.planned_restarts``); call :meth:`due` about
+    once a second from the daemon loop and act on the :class:`Decision`; call :meth:`next_fire`
+    for ``llama-guard status``.
     With ``cron=""`` (disabled) every answer is WAIT and :meth:`next_fire` is ``None``.
 
     Parameters (seconds): ``jitter_s`` (≥ 0) delay drawn per fire; ``min_uptime_s`` skip rule;
@@ -388,15 +386,6 @@ class PlannedRestarts:
             start = self.last_handled_wall.astimezone(timezone.utc)
             self._handled_through = start
         self._arm_after(start)
-
-    @classmethod
-    def from_config(cls, config: ScheduleConfig, *, now_wall: datetime, rng: random.Random | None = None,
-                    last_handled_wall: datetime | None = None) -> PlannedRestarts:
-        """Build from ``[schedule]``: restart_cron, timezone, jitter_s, min_uptime_s, misfire_grace_s."""
-        return cls(cron=config.restart_cron, now_wall=now_wall, timezone=config.timezone,
-                   jitter_s=config.jitter_s, min_uptime_s=config.min_uptime_s,
-                   misfire_grace_s=config.misfire_grace_s, rng=rng or random.Random(),
-                   last_handled_wall=last_handled_wall)
 
     # -- queries ---------------------------------------------------------------------------
 

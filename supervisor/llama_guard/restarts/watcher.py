@@ -73,6 +73,7 @@ async def _fetch_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: fl
 
 
 @dataclass
+
 class _Pending:
     """A planned restart between its drain and the new server's READY."""
 
@@ -120,7 +121,7 @@ class ScheduleSource(Source):
     # ------------------------------------------------------------ set-up
 
     def _build_schedule(self, cfg: ScheduleConfig) -> PlannedRestarts:
-        return PlannedRestarts.from_config(cfg, now_wall=self._wall(), rng=self._rng)
+        return planned_restarts(cfg, now_wall=self._wall(), rng=self._rng)
 
     async def start(self, ctx: Context) -> str | None:
         cfg = ctx.config.schedule
@@ -361,3 +362,12 @@ class ScheduleSource(Source):
             "history": self.history.to_json(),
         }
 
+
+def planned_restarts(config: ScheduleConfig, *, now_wall: datetime, rng: random.Random | None = None,
+                     last_handled_wall: datetime | None = None) -> PlannedRestarts:
+    """The planned-restart clock of ``[schedule]``: restart_cron, timezone, jitter_s, min_uptime_s,
+    misfire_grace_s; ``now_wall`` is an aware datetime. Raises ScheduleError on a bad expression."""
+    return PlannedRestarts(cron=config.restart_cron, now_wall=now_wall, timezone=config.timezone,
+                           jitter_s=config.jitter_s, min_uptime_s=config.min_uptime_s,
+                           misfire_grace_s=config.misfire_grace_s, rng=rng or random.Random(),
+                           last_handled_wall=last_handled_wall)
