@@ -28,9 +28,11 @@ def make_notifier() -> ServiceNotifier:
 
 
 def make_sources(config: Config) -> list[Source]:
-    """The optional watchers: limits, GPU, planned restarts."""
+    """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is set)."""
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.limits.watcher import LimitsSource
+    from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
-    return [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]
+    sources: list[Source] = [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]
+    return [*sources, MetricsSource(peers=sources)]
