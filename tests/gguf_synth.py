@@ -55,7 +55,7 @@ Q6_K_BYTES_PER_WEIGHT = 6.5625 / 8
 
 
 def facts_27b(*, arch: str = "qwen2", n_layer: int = 64, n_embd: int = 5120, n_head: int = 40, n_head_kv: int = 8,
-              head_dim: int = 128, n_ff: int = 17408, n_vocab: int = 152064, sliding_window: int = 0,
+              head_dim: int = 128, n_ff: int = 21504, n_vocab: int = 152064, sliding_window: int = 0,
               swa_pattern: int | None = None) -> ModelFacts:
     """A 27B-class model's facts with tensor sizes at Q4_K_M (no file: 16 GB is not written in a test)."""
     per_layer = int((n_embd * (n_head + 2 * n_head_kv) * head_dim + n_head * head_dim * n_embd
