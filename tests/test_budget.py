@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gguf_synth import facts_27b, write_gguf
 from llama_guard.insight.budget import (
     MIB,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fake_nvml import FakeNvml
 from gguf_synth import facts_27b
 from llama_guard.config import Config
