@@ -14,18 +14,22 @@ How llama.cpp places things (``src/llama-model.cpp``, ``src/llama-kv-cache*.cpp`
   type's size (f16 2 B, q8_0 34/32 B, q4_0 18/32 B; ``gguf.GGML_QUANT_SIZES``). A sliding-window layer
   holds ``pad(min(cells, sliding_window + ubatch), 256)`` cells per stream (``llama-kv-cache-iswa.cpp``).
   The KV cache of a layer lives where the layer lives.
-* **Compute buffers** are sized by ggml's graph allocator at load (``graph_reserve`` with a worst-case
-  micro-batch): no closed formula exists. The estimate here is the largest set of f32 activations
-  alive at once for ``ubatch`` tokens: the logits stage ``ubatch × (n_vocab + n_embd) × 4 B``, or a layer
-  stage ``ubatch × (3 n_ff + 4 n_embd + (n_head + 2 n_head_kv) × head_dim) × 4 B`` plus the attention
-  mask ``ubatch × cells × 2 B`` (with flash attention) or the attention scores
-  ``2 × ubatch × cells × n_head × 4 B`` (without), whichever is larger, times :data:`COMPUTE_MARGIN`.
-  Calibrated against the ``compute buffer size`` lines the real llama-server prints
-  (tests/test_budget.py compares with the CPU build; the H200 reference below for CUDA).
-* **CUDA context** (driver context, kernels, cuBLAS workspace, ggml's memory pool): a per-GPU constant
-  :data:`CUDA_OVERHEAD_MIB`. Calibrated on the H200 reference (SmolLM2-135M Q4_1, ``-ngl 99 -c 8192
-  -np 1 -b 512 -ub 256 -ctk q8_0 -ctv q8_0 -fa on``: NVML showed 796 MiB for the server's pid);
-  ``scripts/gpu_insight.py`` measures it again at two context sizes.
+* **Compute buffers** are sized by ggml's graph allocator at load (``sched_reserve``: a worst-case
+  graph of ``ubatch`` tokens with one output per slot, ``n_outputs_max``): no closed formula exists.
+  The estimate here is the largest set of f32 activations alive at once: a layer stage
+  ``ubatch × (3 n_ff + 4 n_embd + (n_head + 2 n_head_kv) × head_dim) × 4 B`` plus the attention mask
+  ``ubatch × cells × 2 B`` (flash attention) or the attention scores ``ubatch × cells × n_head × 4 B``
+  (without), or the logits stage ``slots × (n_vocab + n_embd) × 4 B``, whichever is larger, times
+  :data:`COMPUTE_MARGIN`. Checked against the ``compute buffer size`` line the real llama-server prints
+  with ``--verbose`` (SmolLM2-135M, the reference flags: 11.35 MiB printed, 11.7 MiB estimated;
+  tests/test_budget_real.py compares the CPU build at several settings).
+* **CUDA context** (driver context, loaded kernels, cuBLAS workspace, ggml's CUDA memory pool): a
+  per-GPU constant :data:`CUDA_OVERHEAD_MIB`, not derived from the model. Calibrated on the H200
+  reference (SmolLM2-135M Q4_1, ``-ngl 99 -c 8192 -np 1 -b 512 -ub 256 -ctk q8_0 -ctv q8_0 -fa on``):
+  NVML showed 796 MiB for the server's pid, of which weights + KV cache + compute are ~199 MiB (the
+  same 199 MiB llama.cpp's own ``-fit`` projection prints), leaving ~597 MiB; a bare torch process's
+  CUDA context on the same H200 was ~518 MiB (scripts/README-gpu-e2e.md). Another GPU/driver can
+  differ by a few hundred MiB: ``scripts/gpu_insight.py`` measures it at two context sizes.
 
 All sizes are bytes unless a name says MiB.
 """
@@ -40,11 +44,11 @@ from llama_guard.insight.model_facts import ModelFacts, split_tensors
 
 MIB = 2**20
 CELL_PAD = 256
-COMPUTE_MARGIN = 1.05
+COMPUTE_MARGIN = 1.0
 # The CUDA context and runtime pools of one llama-server process on one GPU, measured, not derived:
-# H200, driver 580, CUDA 13: 796 MiB for the reference run minus the estimated weights, KV cache
-# and compute buffers (see the module docstring and docs/insight.md).
-CUDA_OVERHEAD_MIB = 520
+# H200, driver 580, CUDA 13: 796 MiB for the reference run minus the weights, KV cache and compute
+# buffers (199 MiB) — see the module docstring and docs/insight.md.
+CUDA_OVERHEAD_MIB = 597
 CACHE_CAVEATS = {
     "q8_0": "q8_0 KV cache: about half of f16, quality loss negligible in published perplexity tests",
     "q4_0": "q4_0 KV cache: about a quarter of f16, measurable quality loss (long contexts, reasoning); "
@@ -194,10 +198,11 @@ def compute_bytes(facts: ModelFacts, s: Settings) -> int:
     n_kv = cells * streams if s.kv_unified or streams == 1 else cells
     head_dim = max(facts.key_length, facts.value_length)
     kv_heads = max(facts.n_head_kv) if facts.n_head_kv else facts.n_head
-    logits = ub * (facts.n_vocab + facts.n_embd) * 4
+    # The server asks for the logits of the last token of each sequence only (n_outputs_max = slots).
+    logits = (streams if not s.kv_unified else s.parallel) * (facts.n_vocab + facts.n_embd) * 4
     layer = ub * (3 * facts.n_ff + 4 * facts.n_embd + (facts.n_head + 2 * kv_heads) * head_dim) * 4
     if s.flash_attn == "off":
-        layer += 2 * ub * n_kv * facts.n_head * 4
+        layer += ub * n_kv * facts.n_head * 4  # KQ; the softmax reuses its memory (ggml-alloc in place)
     else:
         layer += ub * n_kv * 2
     return int(max(logits, layer) * COMPUTE_MARGIN)
