@@ -287,11 +287,15 @@ def ladder(facts: ModelFacts, s: Settings, budget: Budget, *, overhead_mib: floa
             break
     if avail is not None and budget.fits is False:
         n_max = min(s.n_gpu_layers, facts.n_layer + 1)
-        best_ngl = _largest(lambda n: after(replace(s, n_gpu_layers=n)), 0, n_max, 1)
+        best_ngl = _largest(lambda n: after(replace(s, n_gpu_layers=n)), 1, n_max, 1)
         if best_ngl is not None and best_ngl < n_max:
             add(f"n_gpu_layers = {best_ngl} (from {s.n_gpu_layers})", replace(s, n_gpu_layers=best_ngl),
                 f"{n_max - best_ngl} layers run on the CPU: generation slows down sharply (each token "
                 "then waits for host memory)")
+        elif best_ngl is None:
+            add(f"n_gpu_layers = 0 (from {s.n_gpu_layers})", replace(s, n_gpu_layers=0),
+                f"not even one layer fits next to the CUDA context (~{overhead_mib:.0f} MiB): "
+                "everything runs on the CPU")
     return steps
 
 
