@@ -17,9 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from harness import ROOT, DaemonRun, base_sections, config_text, free_port, merge, server_pids_of, stop_all
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.real
 
