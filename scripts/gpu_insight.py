@@ -36,6 +36,7 @@ from llama_guard.insight.bench import BenchError, completion, spawned_server  # 
 
 MIB = 2**20
 BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+) MiB")
+PROJECTED = re.compile(r"(\S*)\s*projected to use (\d+) MiB of (device|host) memory")
 
 
 def config_text(binary: str, model: str, port: int, ctx: int, runtime: Path) -> str:
@@ -53,6 +54,8 @@ cache_type_k = "q8_0"
 cache_type_v = "q8_0"
 flash_attn = "on"
 threads = {min(8, os.cpu_count() or 1)}
+# -lv 4: the load log then prints each buffer's size and llama.cpp's own -fit projection.
+extra_args = ["-lv", "4"]
 
 [health]
 load_timeout_s = 300
@@ -143,6 +146,8 @@ def one_context(args: argparse.Namespace, ctx: int, out: Path) -> dict[str, Any]
         row["server_error"] = str(exc)
     text = log.read_text(errors="replace") if log.exists() else ""
     row["server_buffers"] = buffers(text)
+    row["llama_cpp_projection"] = [{"where": m.group(1), "mib": int(m.group(2)), "memory": m.group(3)}
+                                   for m in PROJECTED.finditer(text)]
     measured = (row.get("nvml_after_bench") or {}).get("pid_used_mib")
     if measured and row.get("predicted_total_mib"):
         row["measured_mib"] = measured

@@ -219,7 +219,7 @@ def ceiling_for(config: Config, result: BenchResult, *, nvml_module: Any = None)
     ceiling = Ceiling(bandwidth=gpu.bandwidth, source=source,
                       weights_read=weights_read_bytes(facts, s, gpu=on_gpu),
                       kv_read=kv_read_bytes(facts, s, result.context, layers), context=result.context,
-                      measured=result.eval.median)
+                      measured=result.eval.median, on_gpu=on_gpu)
     out = ceiling.as_dict()
     if on_gpu and layers is not None and len(layers) < facts.n_layer:
         out["note"] = "partial offload: only the GPU's share is counted; the CPU layers are slower still"

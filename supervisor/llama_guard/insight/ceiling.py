@@ -45,6 +45,7 @@ class Ceiling:
     kv_read: int
     context: int
     measured: float | None = None
+    on_gpu: bool = True
 
     @property
     def bytes_per_token(self) -> int:
@@ -87,10 +88,12 @@ class Ceiling:
             return f"{head}; measured {self.measured:,.1f} tokens/s = {eff:.0%} of it: bandwidth-bound"
         per_token_ms = 1e3 / self.measured if self.measured > 0 else float("inf")
         read_ms = 1e3 / ceiling
+        why = ("fixed per-token costs bind (kernel launches per layer, synchronisation, sampling and HTTP on the "
+               "host) — typical of a small model; a bigger model moves toward the ceiling") if self.on_gpu else (
+               "the CPU's arithmetic binds (threads × cores), not memory — or the stated bandwidth is optimistic")
         return (f"{head}; measured {self.measured:,.1f} tokens/s is far below it: not bandwidth-bound. "
                 f"Each token takes {per_token_ms:.2f} ms, of which reading memory needs only {read_ms:.3f} ms: "
-                "fixed per-token costs bind (kernel launches per layer, synchronisation, sampling and HTTP "
-                "on the host) — typical of a small model; a bigger model moves toward the ceiling")
+                f"{why}")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form (bytes, bytes/s, tokens/s)."""
@@ -98,6 +101,7 @@ class Ceiling:
         out.update(bytes_per_token=self.bytes_per_token, ceiling_tokens_per_s=self.tokens_per_s,
                    efficiency=self.efficiency, bandwidth_bound=self.bandwidth_bound,
                    binding_limit=None if self.bandwidth_bound is None else
-                   ("memory bandwidth" if self.bandwidth_bound else "per-token overhead (launch/host)"),
+                   ("memory bandwidth" if self.bandwidth_bound else
+                    "per-token overhead (launch/host)" if self.on_gpu else "CPU compute"),
                    verdict=self.verdict())
         return out
