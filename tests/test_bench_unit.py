@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 
 import pytest
-
 from harness import free_port
 from llama_guard.insight.bench import BenchError, BenchResult, Progress, RunTimings, Spread, describe, run_bench
 from llama_guard.insight.ceiling import Ceiling
