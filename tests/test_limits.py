@@ -16,6 +16,7 @@ import pytest
 from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
 from llama_guard.limits import rlimits as L
 from llama_guard.limits.rlimits import RLIM_INFINITY, LimitAction
+from needs import unavailable
 
 MiB = 1 << 20
 
@@ -339,7 +340,7 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     want = min(hard + 1000, own.nr_open or hard + 1000)
     if want <= hard:
-        pytest.skip("the nofile hard limit already equals fs.nr_open")
+        unavailable("the nofile hard limit already equals fs.nr_open")
     privileged = L.can_raise_hard_limits()
     plan = L.plan_child_limits(_cfg(nofile=want), own, privileged)
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
@@ -362,7 +363,7 @@ def test_kernel_refusal_is_caught_by_verify(sleeper: list[subprocess.Popen[bytes
     own = L.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     if L.can_raise_hard_limits() or own.nr_open is None or hard >= own.nr_open:
-        pytest.skip("needs a process that cannot raise its nofile hard limit")
+        unavailable("needs a process that cannot raise its nofile hard limit")
     plan = L.plan_child_limits(_cfg(nofile=own.nr_open), own, True)  # wrongly privileged
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
     sleeper.append(proc)
@@ -392,9 +393,9 @@ NON_ROOT_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv to become uid 65534")
 def test_non_root_daemon_reports_the_fix() -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        unavailable("needs root and setpriv to become uid 65534")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
     env["PYTHONPATH"] = str(Path(L.__file__).resolve().parents[1])
     out = subprocess.run(
