@@ -56,3 +56,14 @@ def test_required_gpu_missing_is_a_failure_optional_is_a_warning(tmp_path: Path)
     fake2 = FakeNvml()
     fake2.init_error = 12
     assert check_gpu(cfg(tmp_path), nvml_module=fake2)[0].verdict == "WARN"
+
+
+def test_no_offload_on_a_gpu_host_still_counts_the_cuda_context(tmp_path: Path) -> None:
+    # H200: llama-server -ngl 0 -c 512 held 526 MiB (tests/fixtures/h200_vram): a CUDA build keeps its
+    # context and a compute buffer on the GPU even with no layer offloaded.
+    model = write_gguf(tmp_path / "tiny.gguf")
+    config = Config.model_validate({"server": {"model": str(model), "n_gpu_layers": 0},
+                                    "gpu": {"enabled": "auto"}})
+    row = check_vram(config, nvml_module=FakeNvml())[0]
+    assert row.verdict == "OK" and "CUDA context 518" in row.detail and "weights 0" in row.detail
+

@@ -23,13 +23,16 @@ How llama.cpp places things (``src/llama-model.cpp``, ``src/llama-kv-cache*.cpp`
   :data:`COMPUTE_MARGIN`. Checked against the ``compute buffer size`` line the real llama-server prints
   with ``--verbose`` (SmolLM2-135M, the reference flags: 11.35 MiB printed, 11.7 MiB estimated;
   tests/test_budget_real.py compares the CPU build at several settings).
-* **CUDA context** (driver context, loaded kernels, cuBLAS workspace, ggml's CUDA memory pool): a
-  per-GPU constant :data:`CUDA_OVERHEAD_MIB`, not derived from the model. Calibrated on the H200
-  reference (SmolLM2-135M Q4_1, ``-ngl 99 -c 8192 -np 1 -b 512 -ub 256 -ctk q8_0 -ctv q8_0 -fa on``):
-  NVML showed 796 MiB for the server's pid, of which weights + KV cache + compute are ~199 MiB (the
-  same 199 MiB llama.cpp's own ``-fit`` projection prints), leaving ~597 MiB; a bare torch process's
-  CUDA context on the same H200 was ~518 MiB (scripts/README-gpu-e2e.md). Another GPU/driver can
-  differ by a few hundred MiB: ``scripts/gpu_insight.py`` measures it at two context sizes.
+* **CUDA context** (driver context, loaded kernels) :data:`CUDA_CONTEXT_MIB`, which a CUDA build pays
+  even with ``-ngl 0`` (it still reserves a compute buffer on the GPU for offloaded batch work), plus
+  :data:`CUDA_RUNTIME_MIB` (cuBLAS workspace, ggml's CUDA memory pool) once layers run on the GPU:
+  per-GPU constants, not derived from the model. Calibrated on two H200 runs (SmolLM2-135M Q4_1):
+  ``-ngl 0 -c 512`` (526 MiB by NVML for the server's pid; a bare torch process's context: ~518 MiB)
+  and the reference ``-ngl 99 -c 8192 -np 1 -b 512 -ub 256 -ctk q8_0 -ctv q8_0 -fa on`` (790–796 MiB,
+  of which weights + KV cache + compute are 199 MiB, the same figure llama.cpp's own ``-fit``
+  projection prints). Six other flag sets measured there (context 32768, f16 KV cache, flash attention
+  off, micro-batch 1024, 4 slots, -ngl 10) agree within 2 % (tests/test_budget_h200_fixture.py).
+  Another GPU/driver can differ by a few hundred MiB: ``scripts/gpu_insight.py`` measures it.
 
 All sizes are bytes unless a name says MiB.
 """
@@ -45,10 +48,14 @@ from llama_guard.insight.model_facts import ModelFacts, split_tensors
 MIB = 2**20
 CELL_PAD = 256
 COMPUTE_MARGIN = 1.0
-# The CUDA context and runtime pools of one llama-server process on one GPU, measured, not derived:
-# H200, driver 580, CUDA 13: 796 MiB for the reference run minus the weights, KV cache and compute
-# buffers (199 MiB) — see the module docstring and docs/insight.md.
-CUDA_OVERHEAD_MIB = 597
+# Measured, not derived (H200, driver 580, CUDA 13; tests/fixtures/h200_vram/vram_measure.json):
+# the CUDA context any process pays (a torch process: ~518 MiB; llama-server with -ngl 0 -c 512:
+# 526 MiB by NVML minus its ~8 MiB compute buffer), and what running layers on the GPU adds on top
+# (cuBLAS workspace, ggml's CUDA memory pool): the reference run's 790 MiB minus 199 MiB of weights,
+# KV cache and compute buffers minus the context. See the module docstring and docs/insight.md.
+CUDA_CONTEXT_MIB = 518
+CUDA_RUNTIME_MIB = 75
+CUDA_OVERHEAD_MIB = CUDA_CONTEXT_MIB + CUDA_RUNTIME_MIB
 CACHE_CAVEATS = {
     "q8_0": "q8_0 KV cache: about half of f16, quality loss negligible in published perplexity tests",
     "q4_0": "q4_0 KV cache: about a quarter of f16, measurable quality loss (long contexts, reasoning); "
@@ -209,9 +216,11 @@ def compute_bytes(facts: ModelFacts, s: Settings) -> int:
 
 
 def estimate(facts: ModelFacts, s: Settings, *, available: int | None = None, available_source: str = "",
-             overhead_mib: float = CUDA_OVERHEAD_MIB) -> Budget:
+             overhead_mib: float = CUDA_OVERHEAD_MIB, gpu_build: bool = False) -> Budget:
     """The budget of ``s`` for ``facts``. ``available``: VRAM bytes the server may use (free memory,
-    or a stated size); ``overhead_mib``: the per-GPU CUDA constant (0 for a CPU-only estimate)."""
+    or a stated size); ``overhead_mib``: the per-GPU CUDA constant (0 for a CPU-only estimate).
+    With ``n_gpu_layers = 0`` nothing is counted unless ``gpu_build`` (a CUDA build on a host with a
+    GPU), which still takes its CUDA context and a compute buffer."""
     per_layer, input_bytes, output_bytes, embd = split_tensors(facts.tensors)
     if not any(t.name == "output.weight" for t in facts.tensors):
         output_bytes += embd  # tied embeddings: llama.cpp duplicates token_embd as the output layer
@@ -224,8 +233,9 @@ def estimate(facts: ModelFacts, s: Settings, *, available: int | None = None, av
     cells, streams = kv_cells(facts, s)
     return Budget(
         weights_gpu=on_gpu, weights_cpu=everything - on_gpu, kv_cache=kv_gpu, kv_cache_cpu=kv_all - kv_gpu,
-        compute=compute_bytes(facts, s) if offloaded else 0,
-        overhead=int(overhead_mib * MIB) if offloaded else 0,
+        compute=compute_bytes(facts, s) if offloaded or gpu_build else 0,
+        overhead=int(overhead_mib * MIB) if offloaded else
+        int(min(overhead_mib, CUDA_CONTEXT_MIB) * MIB) if gpu_build else 0,
         layers_on_gpu=len(gpu_blocks), n_layer=facts.n_layer, kv_cells=cells * streams,
         available=available, available_source=available_source)
 

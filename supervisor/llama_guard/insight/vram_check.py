@@ -44,11 +44,13 @@ def vram_report(config: Config, gpu: GpuMemoryFacts) -> VramReport:
     except ModelFactsError as exc:
         return VramReport("FAIL", f"cannot read the model's metadata: {exc}")
     settings = Settings.from_server(server)
-    budget = estimate(facts, settings, available=gpu.available, available_source=gpu.available_source)
+    gpu_build = bool(gpu.name)  # NVML sees a GPU: a CUDA build there takes its context even at -ngl 0
+    budget = estimate(facts, settings, available=gpu.available, available_source=gpu.available_source,
+                      gpu_build=gpu_build)
     notes = list(facts.notes)
     if server.flash_attn == "auto":
         notes.append('flash_attn = "auto" counted as on (what the CUDA build picks on recent GPUs)')
-    if server.n_gpu_layers == 0:
+    if server.n_gpu_layers == 0 and not gpu_build:
         return VramReport("OK", f"n_gpu_layers = 0: nothing on the GPU (weights {_mib(budget.weights_cpu)} MiB "
                                 f"and KV cache {_mib(budget.kv_cache_cpu)} MiB in host memory)", budget, notes=notes)
     cache = (server.cache_type_k if server.cache_type_k == server.cache_type_v
