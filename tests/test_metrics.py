@@ -150,3 +150,25 @@ def test_bad_listen_is_a_config_error(tmp_path: Path) -> None:
     path.write_text('[metrics]\nlisten = "localhost:99999"\n')
     with pytest.raises(ConfigError, match=r"metrics\.listen"):
         load_config(path)
+
+
+async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Path) -> None:
+    from llama_guard.output.eventlog import Emitter
+    from llama_guard.wiring import make_sources
+
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
+    emitter = Emitter(min_level="error", fmt="json")
+    metrics = make_sources(cfg, emitter)[-1]
+    assert isinstance(metrics, MetricsSource) and metrics.attached
+    _, ctx, _, _ = make(tmp_path)
+    metrics.ctx = ctx
+    emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
+    emitter.emit("server_line", server_pid=1, line="x")
+    metrics.on_action(ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
+    emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
+    emitter.emit("server_restart", reason="oom")
+    m = scrape(metrics)
+    assert m[("llama_guard_events_total", (("event", "gpu_temperature_high"),))] == 1
+    assert m[("llama_guard_events_total", (("event", "server_oom"),))] == 1
+    assert ("llama_guard_events_total", (("event", "server_line"),)) not in m
+    assert m[("llama_guard_restarts_total", (("cause", "server_oom"),))] == 1

@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config))
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config, emitter))
     return asyncio.run(daemon.run())
 
 

@@ -27,12 +27,17 @@ def make_notifier() -> ServiceNotifier:
     return SdNotifier(unset_environment=True)
 
 
-def make_sources(config: Config) -> list[Source]:
-    """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is set)."""
+def make_sources(config: Config, emitter: Emitter | None = None) -> list[Source]:
+    """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
+    set; it counts every event of ``emitter``)."""
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.limits.watcher import LimitsSource
     from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
     sources: list[Source] = [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]
-    return [*sources, MetricsSource(peers=sources)]
+    metrics = MetricsSource(peers=sources)
+    if emitter is not None:
+        emitter.sinks.append(metrics)
+        metrics.attached = True
+    return [*sources, metrics]

@@ -1,7 +1,8 @@
 """Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset).
 
-:class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`): it counts the policy's
-``Emit`` actions (``on_action``) and reads the live policy state and its peers' snapshots (GPU, limits,
+:class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
+counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions from
+``on_action``), times the phases (``on_action``) and reads the live policy state and its peers' snapshots (GPU, limits,
 planned restarts) when Prometheus scrapes, so the daemon needs nothing but the source in its list.
 Its :meth:`MetricsSource.snapshot` (``status.json``'s ``"metrics"``) keeps restart causes and the
 wall-clock time the server became ready for ``llama-guard status``.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ CAUSE_EVENTS = frozenset({
 THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
                  "power_brake": 0x80}
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
+NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
 
 
 class MetricsSource(Source, Collector):
@@ -59,6 +61,7 @@ class MetricsSource(Source, Collector):
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
         self.listening: tuple[str, int] | None = None
+        self.attached = False  # True once wiring made this source a sink of the emitter
         self._server: Any = None
 
     # -- Source ----------------------------------------------------------------------------------
@@ -76,9 +79,18 @@ class MetricsSource(Source, Collector):
 
     def on_action(self, ctx: Context, action: Action) -> None:
         self._track_phase(ctx)
-        if not isinstance(action, Emit):
-            return
-        name = action.name
+        if isinstance(action, Emit) and not self.attached:
+            self.count(action.name, action.fields)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """:class:`llama_guard.output.eventlog.EventSink`: every emitted event, the policy's and the
+        watchers' own (``gpu_temperature_high`` …); wiring attaches the source to the emitter."""
+        name = str(record.get("event", ""))
+        if name and name not in NOT_COUNTED:
+            self.count(name, record)
+
+    def count(self, name: str, fields: Mapping[str, Any]) -> None:
+        """Count event ``name``; a cause event is remembered for the next ``server_restart``."""
         self.events[name] += 1
         if name in CAUSE_EVENTS:
             self.last_cause = name
@@ -86,11 +98,11 @@ class MetricsSource(Source, Collector):
             self.restarts[self.last_cause or "unknown"] += 1
             self.last_cause = ""
         elif name == "gpu_reset":
-            self.resets[(str(action.fields.get("outcome", "?")), str(action.fields.get("trigger", "")))] += 1
+            self.resets[(str(fields.get("outcome", "?")), str(fields.get("trigger", "")))] += 1
         elif name == "server_ready":
             self.ready_since_wall = time.time()
         for key in WAIT_FIELDS:
-            value = action.fields.get(key)
+            value = fields.get(key)
             if isinstance(value, (int, float)):
                 self.vram_wait = (self.vram_wait[0] + 1, self.vram_wait[1] + float(value))
 
