@@ -174,6 +174,11 @@ TEXT: dict[str, tuple[str, str]] = {
         "planned restart of llama-server",
         "llama-guard restarts llama-server as planned: @REASON@ ([schedule]). Requests in flight\n"
         "finish first (drain)."),
+    "decay_restart": (
+        "restart of a degraded llama-server",
+        "llama-guard restarts llama-server because a decay trigger fired: @REASON@ (see the\n"
+        "decay_detected event before it; [schedule] vram_growth_mib, rss_growth_mib, speed_drop_fraction).\n"
+        "Requests in flight finish first (drain)."),
     "restart_requested": (
         "restart of llama-server requested",
         "A restart of llama-server was requested: @REASON@ (SIGUSR1 or `llama-guard restart`)."),

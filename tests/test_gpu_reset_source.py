@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
-from llama_guard.core.types import Params, ResetDone, initial_state
+from llama_guard.core.types import Params, ResetDone, ResetOutcome, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
 from llama_guard.gpu import watcher as gpu_source
@@ -63,7 +63,7 @@ async def test_not_root_skips_without_running_the_command(tmp_path: Path, monkey
     monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
     src, ctx = make(FakeNvml(), stub(tmp_path), tmp_path)
     done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "skipped" and "not root" in done.reason
+    assert isinstance(done, ResetDone) and done.outcome is ResetOutcome.SKIPPED and "not root" in done.reason
     assert not (tmp_path / "rec").exists()
 
 
@@ -73,7 +73,7 @@ async def test_foreign_process_is_named(tmp_path: Path, monkeypatch: pytest.Monk
     fake.gpus[0].values["processes"] = [(foreign_pid, 1 << 30)]
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "skipped"
+    assert isinstance(done, ResetDone) and done.outcome is ResetOutcome.SKIPPED
     assert done.fields["foreign_pid"] == foreign_pid and done.fields["foreign_name"] == "sleep"
     assert fake.calls["nvmlShutdown"] == 0  # NVML was never released: nothing was about to be reset
 
@@ -86,7 +86,7 @@ async def test_success_releases_nvml_runs_the_command_and_verifies(tmp_path: Pat
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
+    assert isinstance(done, ResetDone) and done.outcome is ResetOutcome.SUCCEEDED, done
     assert "successfully reset" in done.reason and str(done.fields["command"]).endswith("--gpu-reset -i 0")
     assert fake.calls["nvmlShutdown"] == 1 and fake.calls["nvmlInit"] == 2  # released, then re-opened
     assert (tmp_path / "rec").read_text().count("--gpu-reset") == 1
@@ -103,7 +103,7 @@ async def test_lost_gpu_does_not_block_the_reset_on_the_vram_wait(tmp_path: Path
     done = await src.reset(ctx, gone_pid, "test")
     assert isinstance(done, ResetDone)
     # It got as far as running the command; the fake GPU stays lost, so the verification fails.
-    assert done.outcome == "failed" and "does not answer NVML after the reset" in done.reason, done
+    assert done.outcome is ResetOutcome.FAILED and "does not answer NVML after the reset" in done.reason, done
 
 
 async def test_long_failure_output_keeps_its_first_lines() -> None:
@@ -159,7 +159,7 @@ async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_
     fake.gpus[0].values["persistence"] = 1
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
     done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
+    assert isinstance(done, ResetDone) and done.outcome is ResetOutcome.SUCCEEDED, done
     assert counter.read_text() == "2"
     assert fake.persistence_writes == [0, 1]  # off for the retry, then restored
     assert "persistence" in done.fields
@@ -173,5 +173,5 @@ async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, mon
     fake.gpus[0].values["persistence"] = 0
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
     done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "failed" and "In use" in done.reason
+    assert isinstance(done, ResetDone) and done.outcome is ResetOutcome.FAILED and "In use" in done.reason
     assert fake.persistence_writes == []

@@ -18,6 +18,7 @@ from llama_guard.core.types import (
     ExitDaemon,
     Exited,
     GpuFault,
+    GpuFaultKind,
     HealthOk,
     Kill,
     Line,
@@ -26,28 +27,32 @@ from llama_guard.core.types import (
     Probe,
     ResetDone,
     ResetGpu,
+    ResetOutcome,
+    ResetTrigger,
     Spawn,
     Spawned,
     State,
     StopRequest,
     Terminate,
     Tick,
+    XidAction,
     initial_state,
 )
 from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,
            max_restarts=3, restart_window_s=100, stable_after_s=10, stop_grace_s=4, kill_wait_s=2,
-           drain_timeout_s=20, reset_possible=True, reset_on=frozenset({"gpu_lost", "xid", "oom"}),
+           drain_timeout_s=20, reset_possible=True,
+           reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM}),
            max_resets=2, reset_window_s=1000, reset_deadline_s=50)
 
 OOM = "0.01.02.003 E CUDA error: out of memory"
 ILLEGAL = "0.01.02.003 E CUDA error: an illegal memory access was encountered"
-LOST = GpuFault("gpu_lost", "GPU is lost (GPU is lost)")
+LOST = GpuFault(GpuFaultKind.GPU_LOST, "GPU is lost (GPU is lost)")
 
 
 def xid(n: int, action: str) -> GpuFault:
-    return GpuFault("xid", f"Xid {n}: test", action, n)
+    return GpuFault(GpuFaultKind.XID, f"Xid {n}: test", XidAction(action), n)
 
 
 def names(actions: list[Action]) -> list[str]:
@@ -125,7 +130,8 @@ class TestOomReset:
         for t in (6.0, 20.0, 55.0):
             s, acts = decide(s, Tick(), t)
             assert acts == [] and s.phase is Phase.RESETTING
-        s, acts = decide(s, ResetDone("succeeded", "GPU 0 was reset", {"gpu_index": 0, "command": "x"}), 30.0)
+        done = ResetDone(ResetOutcome.SUCCEEDED, "GPU 0 was reset", {"gpu_index": 0, "command": "x"})
+        s, acts = decide(s, done, 30.0)
         reset = emitted(acts, "gpu_reset")
         assert reset.fields["outcome"] == "succeeded" and reset.fields["gpu_index"] == 0
         assert reset.fields["reset_count"] == 1 and "server_oom" in str(reset.fields["trigger"])
@@ -146,7 +152,7 @@ class TestOomReset:
         assert s.phase is Phase.RESETTING and ResetGpu(100, s.reset_reason) in acts
 
     @pytest.mark.parametrize("params", [replace(P, reset_possible=False),
-                                        replace(P, reset_on=frozenset({"gpu_lost", "xid"}))],
+                                        replace(P, reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID}))],
                              ids=["reset-not-possible", "oom-not-in-reset_on"])
     def test_oom_without_reset_restarts_only(self, params: Params) -> None:
         s, acts = stop_for(ready(params=params), line(100, OOM))
@@ -160,12 +166,12 @@ class TestOomReset:
     def test_cuda_error_resets_only_when_configured(self) -> None:
         s, _ = stop_for(ready(), line(100, ILLEGAL))
         assert s.after_stop is AfterStop.FAILURE  # not in the default reset_on
-        s, _ = into_reset(ready(params=replace(P, reset_on=P.reset_on | {"cuda_error"})), line(100, ILLEGAL))
+        s, _ = into_reset(ready(params=replace(P, reset_on=P.reset_on | {ResetTrigger.CUDA_ERROR})), line(100, ILLEGAL))
         assert "server_cuda_error" in s.reset_reason
 
     def test_foreign_process_skips_the_reset_and_restarts_only(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
-        done = ResetDone("skipped", "pid 4242 (python3) holds GPU 0; restarting the server without a reset",
+        done = ResetDone(ResetOutcome.SKIPPED, "pid 4242 (python3) holds GPU 0; restarting the server without a reset",
                          {"gpu_index": 0, "foreign_pid": 4242, "foreign_name": "python3"})
         s, acts = decide(s, done, 6.0)
         reset = emitted(acts, "gpu_reset")
@@ -181,7 +187,7 @@ class TestOomReset:
                                         "the GPU does not answer NVML after the reset (ok)"])
     def test_failed_reset_gives_up_with_exit_69(self, reason: str) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
-        s, acts = decide(s, ResetDone("failed", reason, {"gpu_index": 0}), 7.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.FAILED, reason, {"gpu_index": 0}), 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"]
         assert emitted(acts, "gpu_reset").fields["outcome"] == "failed"
         lost = emitted(acts, "gpu_lost")
@@ -191,7 +197,7 @@ class TestOomReset:
         assert s.phase is Phase.EXITED and not of_type(acts, Spawn)
         # Nothing afterwards brings it back.
         assert decide(s, Tick(), 100.0) == (s, [])
-        assert decide(s, ResetDone("succeeded", "late"), 100.0) == (s, [])
+        assert decide(s, ResetDone(ResetOutcome.SUCCEEDED, "late"), 100.0) == (s, [])
 
     def test_reset_that_never_answers_ends_at_its_deadline(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
@@ -219,7 +225,7 @@ class TestOomReset:
 class TestResetBudget:
     def _second_oom(self, params: Params, second_at: float) -> tuple[State, list[Action]]:
         s, _ = into_reset(ready(params=params), line(100, OOM), now=5.0)
-        s, _ = decide(s, ResetDone("succeeded", "ok"), 6.0)
+        s, _ = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), 6.0)
         s = restart_after_backoff(s, 101, 8.0)
         s, _ = stop_for(s, line(101, OOM), second_at)
         return decide(s, Exited(101, -6), second_at + 0.5)
@@ -241,7 +247,7 @@ class TestResetBudget:
         now = 5.0
         for i in range(2):
             s, _ = into_reset(s, line(s.pid or 0, OOM), now)
-            s, _ = decide(s, ResetDone("succeeded", "ok"), now + 1)
+            s, _ = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), now + 1)
             s = restart_after_backoff(s, 101 + i, now + 5)
             now += 10
         s, _ = stop_for(s, line(s.pid or 0, OOM), now)
@@ -271,33 +277,34 @@ class TestLostAndXid:
         s, acts = stop_for(ready(), LOST)
         assert s.gpu_lost and names(acts) == []
         s, _ = into_reset(ready(), LOST)
-        s, acts = decide(s, ResetDone("succeeded", "ok"), 7.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), 7.0)
         assert emitted(acts, "gpu_reset").fields["trigger"] == LOST.reason
         assert not s.gpu_lost and s.phase is Phase.BACKOFF
 
     def test_xid_79_reset_once_then_escalate_success(self) -> None:
         s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
         assert s.gpu_lost
-        s, _ = decide(s, ResetDone("succeeded", "ok"), 7.0)
+        s, _ = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), 7.0)
         assert s.phase is Phase.BACKOFF and not s.gpu_lost
         restart_after_backoff(s, 101, 10.0)
 
     def test_xid_79_failed_reset_escalates(self) -> None:
         s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
-        s, acts = decide(s, ResetDone("failed", "nvidia-smi exited 255: Unknown Error", {"gpu_index": 0}), 7.0)
+        done = ResetDone(ResetOutcome.FAILED, "nvidia-smi exited 255: Unknown Error", {"gpu_index": 0})
+        s, acts = decide(s, done, 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"]
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
 
     def test_xid_79_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
         s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
-        s, acts = decide(s, ResetDone("skipped", "llama-guard is not root"), 7.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SKIPPED, "llama-guard is not root"), 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"]
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
 
     def test_xid_48_skipped_reset_restarts(self) -> None:
         s, _ = into_reset(ready(), xid(48, "reset"))
         assert not s.gpu_lost
-        s, acts = decide(s, ResetDone("skipped", "pid 7 (x) holds GPU 0"), 7.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SKIPPED, "pid 7 (x) holds GPU 0"), 7.0)
         assert s.phase is Phase.BACKOFF and not of_type(acts, ExitDaemon)
 
     def test_xid_13_restarts_only(self) -> None:
@@ -327,7 +334,7 @@ class TestLostAndXid:
         assert s.phase is Phase.RESETTING and acts == [ResetGpu(None, "Xid 48: test")]
         s, acts = decide(s, Tick(), 7.0)  # the backoff timer (due at 6.0) has no say while resetting
         assert acts == [] and s.phase is Phase.RESETTING
-        s, acts = decide(s, ResetDone("succeeded", "ok"), 8.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), 8.0)
         assert s.phase is Phase.BACKOFF and names(acts) == ["gpu_reset", "server_backoff"]
 
     def test_xid_while_stopping_a_hung_server_upgrades_the_stop_to_a_reset(self) -> None:
@@ -354,7 +361,8 @@ class TestLostAndXid:
         s, acts = decide(s, Exited(100, -15), 5.5)
         assert ExitDaemon(EXIT_OK, "SIGTERM received") in acts and not of_type(acts, ResetGpu)
 
-    @pytest.mark.parametrize("params", [replace(P, reset_on=frozenset({"oom"})), replace(P, reset_possible=False)],
+    @pytest.mark.parametrize("params", [replace(P, reset_on=frozenset({ResetTrigger.OOM})),
+                                        replace(P, reset_possible=False)],
                              ids=["gpu_lost-not-in-reset_on", "reset-not-possible"])
     def test_lost_gpu_without_reset_stops_and_exits_69(self, params: Params) -> None:
         s, acts = stop_for(ready(params=params), LOST)
@@ -389,7 +397,7 @@ class TestDuringReset:
             assert acts == [] and s2.phase is Phase.RESETTING and s2.resets == s.resets
             assert s2.deadline == s.deadline
         s, acts = decide(s, LOST, 6.0)
-        s, acts = decide(s, ResetDone("succeeded", "ok"), 8.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok"), 8.0)
         assert len(s.resets) == 1 and names(acts) == ["gpu_reset", "server_backoff"]
 
     def test_gpu_lost_during_a_reset_that_is_then_skipped_does_not_restart(self) -> None:
@@ -398,7 +406,7 @@ class TestDuringReset:
         s, _ = into_reset(ready(), line(100, OOM))
         s, acts = decide(s, LOST, 6.0)
         assert acts == []
-        s, acts = decide(s, ResetDone("skipped", "llama-guard is not root"), 7.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SKIPPED, "llama-guard is not root"), 7.0)
         assert "gpu_lost" in names(acts)
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
 
@@ -410,7 +418,7 @@ class TestDuringReset:
         assert s.phase is Phase.RESETTING
         s, acts = decide(s, StopRequest("SIGTERM received", immediate=True), 6.5)  # a second signal
         assert not of_type(acts, ExitDaemon) and s.phase is Phase.RESETTING
-        s, acts = decide(s, ResetDone("succeeded", "ok", {"gpu_index": 0}), 9.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.SUCCEEDED, "ok", {"gpu_index": 0}), 9.0)
         assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "succeeded"
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
         assert not of_type(acts, Spawn)
@@ -418,7 +426,7 @@ class TestDuringReset:
     def test_sigterm_during_a_reset_that_fails_still_reports_it(self) -> None:
         s, _ = into_reset(ready(), LOST)
         s, _ = decide(s, StopRequest("SIGTERM received"), 6.0)
-        s, acts = decide(s, ResetDone("failed", "nvidia-smi exited 1"), 9.0)
+        s, acts = decide(s, ResetDone(ResetOutcome.FAILED, "nvidia-smi exited 1"), 9.0)
         assert emitted(acts, "gpu_reset").fields["outcome"] == "failed"
         assert len(of_type(acts, ExitDaemon)) == 1 and s.phase is Phase.EXITED
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.core.types import AfterStop, Emit, Phase, RestartRequest, StartDrain, State, Terminate
+from llama_guard.core.types import AfterStop, Emit, Phase, RestartCause, RestartRequest, StartDrain, State, Terminate
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.watcher import ScheduleSource
 
@@ -106,7 +106,7 @@ async def test_the_fire_posts_one_drained_scheduled_restart() -> None:
     rig.source.tick(rig.ctx)
     [request] = rig.posted
     assert isinstance(request, RestartRequest)
-    assert request.event == "scheduled_restart" and request.drain
+    assert request.cause is RestartCause.SCHEDULE and request.drain
     assert "'30 4 * * *'" in request.reason and "2025-03-10T04:30:00+00:00" in request.reason
     rig.advance(1)
     rig.source.tick(rig.ctx)
@@ -211,10 +211,10 @@ async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     rig.state = replace(rig.state, phase=Phase.READY)
     rig.source.tick(rig.ctx)
     [request] = rig.posted
-    assert request.event == "scheduled_restart" and request.reason.startswith("decay: rss_growth")
+    assert request.cause is RestartCause.DECAY and request.reason.startswith("decay: rss_growth")
     rig.source.tick(rig.ctx)
     assert len(rig.posted) == 1
-    await rig.policy_restarts(100, 101)
+    await rig.policy_restarts(100, 101, event="decay_restart")
     assert rig.event("planned_restart_done")["kind"] == "rss_growth"
 
 

@@ -46,6 +46,8 @@ from llama_guard.core.types import (
     Probe,
     ResetDone,
     ResetGpu,
+    ResetOutcome,
+    ResetTrigger,
     RestartRequest,
     Spawn,
     Spawned,
@@ -125,7 +127,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,
-        reset_on=frozenset(config.recovery.reset_on),
+        reset_on=frozenset(ResetTrigger(t) for t in config.recovery.reset_on),
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
         reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
@@ -425,10 +427,10 @@ class Daemon:
                 try:
                     done: Input = await reset(self.ctx, action.previous_pid, action.reason)
                 except Exception as exc:
-                    done = ResetDone("failed", f"internal error during the reset: {exc!r}")
+                    done = ResetDone(ResetOutcome.FAILED, f"internal error during the reset: {exc!r}")
                 self.queue.put_nowait(done)
                 return
-        self.queue.put_nowait(ResetDone("skipped", "GPU watch is off: a reset cannot be verified"))
+        self.queue.put_nowait(ResetDone(ResetOutcome.SKIPPED, "GPU watch is off: a reset cannot be verified"))
 
     # ------------------------------------------------------------ reload
 

@@ -24,6 +24,7 @@ from llama_guard.core.types import (
     ExitDaemon,
     Exited,
     GpuFault,
+    GpuFaultKind,
     HealthOk,
     Input,
     Kill,
@@ -35,6 +36,9 @@ from llama_guard.core.types import (
     Probe,
     ResetDone,
     ResetGpu,
+    ResetOutcome,
+    ResetTrigger,
+    RestartCause,
     RestartRequest,
     Spawn,
     Spawned,
@@ -44,6 +48,7 @@ from llama_guard.core.types import (
     StopRequest,
     Terminate,
     Tick,
+    XidAction,
     exit_text,
 )
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_GPU_UNRECOVERABLE, EXIT_OK
@@ -59,6 +64,14 @@ def _exit_fields(pid: int, returncode: int | None) -> dict[str, object]:
 
 
 Result = tuple[State, list[Action]]
+
+#: The event that reports a graceful restart of each cause.
+RESTART_EVENT: dict[RestartCause, str] = {
+    RestartCause.OPERATOR: "restart_requested",
+    RestartCause.SCHEDULE: "scheduled_restart",
+    RestartCause.DECAY: "decay_restart",
+    RestartCause.CONFIG_CHANGE: "restart_requested",
+}
 
 _SERVING = (Phase.READY, Phase.DRAINING)
 
@@ -151,14 +164,15 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         new, actions = _exit(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
-        if not event.config_change:
+        if event.cause is not RestartCause.CONFIG_CHANGE:
             # Restarting a load does not make it faster: a plain request waits for READY.
             return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason,
                                                       "ignored": "the server is still loading"})]
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
         new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
-        return new, [Emit(event.event, {"server_pid": state.pid, "reason": event.reason}), *actions]
+        return new, [Emit(RESTART_EVENT[event.cause], {"server_pid": state.pid, "reason": event.reason,
+                                                       "cause": event.cause.value}), *actions]
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
@@ -192,7 +206,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
 def _fault_line(state: State, event: Line, now: float, phase: str) -> Result | None:
     """Stop for a fatal GPU line (OOM, GPU error, abort); None when the line is not fatal."""
     verdict = event.verdict
-    trigger = "oom" if verdict.family is Family.OOM else "cuda_error"
+    trigger = ResetTrigger.OOM if verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
     fault = _fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
@@ -268,8 +282,9 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return state, []
-        emit = Emit(event.event, {"server_pid": pid, "reason": event.reason,
-                                  "uptime_s": now - (state.ready_at or now)})
+        emit = Emit(RESTART_EVENT[event.cause], {"server_pid": pid, "reason": event.reason,
+                                                 "cause": event.cause.value,
+                                                 "uptime_s": now - (state.ready_at or now)})
         if not event.drain:
             new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
             return new, [emit, *actions]
@@ -313,7 +328,7 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
             new = replace(state, pending_event=None, last_failure=reason)
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
-            trigger = "oom" if event.verdict.family is Family.OOM else "cuda_error"
+            trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
             p = state.params
             if new.after_stop is AfterStop.FAILURE and p.reset_possible and trigger in p.reset_on:
                 new = replace(new, after_stop=AfterStop.RESET, reset_reason=reason)
@@ -384,13 +399,13 @@ def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
 def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
     state = replace(state, params=event.params)
     if event.server_changed and state.phase in (*_SERVING, Phase.STARTING):
-        return decide(state, RestartRequest("configuration changed", config_change=True), now)
+        return decide(state, RestartRequest("configuration changed", cause=RestartCause.CONFIG_CHANGE), now)
     return state, []
 
 
 # ---------------------------------------------------------------- GPU faults and the reset
 
-def _stop_for_fault(state: State, now: float, trigger: str, reason: str) -> Result:
+def _stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str) -> Result:
     """Stop after a GPU fault: with a reset afterwards when ``trigger`` is in ``reset_on``."""
     p = state.params
     if p.reset_possible and trigger in p.reset_on:
@@ -400,8 +415,8 @@ def _stop_for_fault(state: State, now: float, trigger: str, reason: str) -> Resu
 
 def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     p = state.params
-    lost = event.kind == "gpu_lost" or event.action == "reset_once_then_escalate"
-    if event.action == "event_only":
+    lost = event.kind is GpuFaultKind.GPU_LOST or event.action is XidAction.RESET_ONCE_THEN_ESCALATE
+    if event.action is XidAction.EVENT_ONLY:
         return state, []
     if state.phase is Phase.RESETTING:
         # Never reset while a reset is running; but remember a loss, so that a reset that is then
@@ -409,12 +424,12 @@ def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         if lost and not state.gpu_lost:
             return replace(state, gpu_lost=True), []
         return state, []
-    if event.action == "restart":
+    if event.action is XidAction.RESTART:
         if state.phase in _SERVING or state.phase is Phase.STARTING:
             new = replace(state, last_failure=event.reason)
             return _stop(new, now, AfterStop.FAILURE, event.reason)
         return state, []
-    trigger = "gpu_lost" if event.kind == "gpu_lost" else "xid"
+    trigger = ResetTrigger.GPU_LOST if event.kind is GpuFaultKind.GPU_LOST else ResetTrigger.XID
     state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason)
     can_reset = p.reset_possible and trigger in p.reset_on
     if state.phase is Phase.STOPPING:
@@ -445,7 +460,8 @@ def _begin_reset(state: State, now: float) -> Result:
     if len(recent) >= p.max_resets:
         reason = (f"{len(recent)} GPU resets within {p.reset_window_s:.0f} s already; "
                   "not resetting again (a reboot is the operator's call)")
-        emit = Emit("gpu_reset", {"outcome": "refused", "reason": reason, "trigger": state.reset_reason})
+        emit = Emit("gpu_reset", {"outcome": ResetOutcome.REFUSED.value, "reason": reason,
+                                  "trigger": state.reset_reason})
         if state.gpu_lost:
             new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
             return new, [emit, *actions]
@@ -458,27 +474,27 @@ def _begin_reset(state: State, now: float) -> Result:
 
 def _on_resetting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, ResetDone):
-        fields = {"outcome": event.outcome, "reason": event.reason, "trigger": state.reset_reason,
+        fields = {"outcome": event.outcome.value, "reason": event.reason, "trigger": state.reset_reason,
                   "reset_count": len(state.resets), **event.fields}
         emit = Emit("gpu_reset", fields)
         if state.after_stop is AfterStop.EXIT:  # a stop request came during the reset
             new, actions = _exit(state, state.exit_code, state.exit_reason or "stopped")
             return new, [emit, *actions]
-        if event.outcome == "succeeded":
+        if event.outcome is ResetOutcome.SUCCEEDED:
             new, actions = _count_failure(replace(state, gpu_lost=False, pid=None), now)
             return new, [emit, *actions]
-        if event.outcome == "skipped" and not state.gpu_lost:
+        if event.outcome is ResetOutcome.SKIPPED and not state.gpu_lost:
             new = replace(state, pid=None, last_failure=f"{state.reset_reason} (reset skipped: {event.reason})")
             new, actions = _count_failure(new, now)
             return new, [emit, *actions]
-        reason = f"GPU reset {event.outcome}: {event.reason}; reboot the host"
+        reason = f"GPU reset {event.outcome.value}: {event.reason}; reboot the host"
         new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
         lost = Emit("gpu_lost", {"reason": reason, "gpu_index": event.fields.get("gpu_index")})
         return new, [emit, lost, *actions]
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         reason = f"the reset did not finish within {state.params.reset_deadline_s:.0f} s; reboot the host"
         new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
-        return new, [Emit("gpu_reset", {"outcome": "timed out", "reason": reason}), *actions]
+        return new, [Emit("gpu_reset", {"outcome": ResetOutcome.TIMED_OUT.value, "reason": reason}), *actions]
     return state, []
 
 

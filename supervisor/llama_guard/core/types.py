@@ -35,6 +35,51 @@ class AfterStop(enum.Enum):
     RESET = "reset"        # reset the GPU (State.reset_reason), then start again
 
 
+class GpuFaultKind(enum.Enum):
+    """What a :class:`GpuFault` reports."""
+
+    GPU_LOST = "gpu_lost"  # NVML lost the GPU (or the kernel says it fell off the bus)
+    XID = "xid"            # an Xid error (NVML event or kernel log)
+
+
+class XidAction(enum.Enum):
+    """What the Xid table (gpu/xid.py, source facts/gpu.md) says to do about an Xid."""
+
+    RESTART = "restart"  # app-level fault: restart the server
+    RESET = "reset"  # stop the server, reset the GPU
+    RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
+    FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
+    EVENT_ONLY = "event_only"  # report, nothing else
+
+
+class ResetTrigger(enum.Enum):
+    """What may lead to a GPU reset (``[recovery].reset_on``)."""
+
+    GPU_LOST = "gpu_lost"
+    XID = "xid"
+    OOM = "oom"
+    CUDA_ERROR = "cuda_error"
+
+
+class ResetOutcome(enum.Enum):
+    """How a GPU reset ended (the ``outcome`` of the ``gpu_reset`` event)."""
+
+    SUCCEEDED = "succeeded"  # the command ran, exited 0, and the GPU answers and is idle
+    SKIPPED = "skipped"      # a precondition failed; nothing was run (the budget is not spent)
+    FAILED = "failed"        # the command failed or timed out, or the GPU did not verify
+    REFUSED = "refused"      # the reset budget of the window is spent
+    TIMED_OUT = "timed out"  # the whole sequence passed its deadline
+
+
+class RestartCause(enum.Enum):
+    """Why a graceful restart is asked for; the policy names the event from it."""
+
+    OPERATOR = "operator"            # SIGUSR1, ``llama-guard restart``
+    SCHEDULE = "schedule"            # the cron schedule
+    DECAY = "decay"                  # a decay trigger (VRAM/RSS growth, speed drop)
+    CONFIG_CHANGE = "config_change"  # a reload changed the server's flags
+
+
 @dataclass(frozen=True)
 class Params:
     """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds."""
@@ -52,7 +97,7 @@ class Params:
     drain_timeout_s: float = 300.0
     require_gpu: bool = False
     reset_possible: bool = False
-    reset_on: frozenset[str] = frozenset({"gpu_lost", "xid", "oom"})
+    reset_on: frozenset[ResetTrigger] = frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM})
     max_resets: int = 2
     reset_window_s: float = 3600.0
     reset_deadline_s: float = 180.0
@@ -97,24 +142,23 @@ class NotOnGpu(Input):
 
 @dataclass(frozen=True)
 class GpuFault(Input):
-    """The GPU is lost (``kind`` "gpu_lost") or reported an Xid (``kind`` "xid").
+    """The GPU is lost (``kind`` GPU_LOST) or reported an Xid (``kind`` XID).
 
-    ``action`` is the Xid table's verdict: "restart", "reset", "reset_once_then_escalate",
-    "follow_recovery_action" or "event_only"; a lost GPU is "reset_once_then_escalate".
+    ``action`` is the Xid table's verdict; a lost GPU is RESET_ONCE_THEN_ESCALATE.
     """
 
-    kind: str
+    kind: GpuFaultKind
     reason: str
-    action: str = "reset_once_then_escalate"
+    action: XidAction = XidAction.RESET_ONCE_THEN_ESCALATE
     xid: int | None = None
 
 
 @dataclass(frozen=True)
 class ResetDone(Input):
-    """The GPU reset sequence ended: ``outcome`` "succeeded", "skipped" (a precondition failed;
-    nothing was reset) or "failed" (the command failed or timed out, or the GPU did not verify)."""
+    """The GPU reset sequence ended: ``outcome`` SUCCEEDED, SKIPPED (a precondition failed;
+    nothing was reset) or FAILED (the command failed or timed out, or the GPU did not verify)."""
 
-    outcome: str
+    outcome: ResetOutcome
     reason: str
     fields: dict[str, object] = field(default_factory=dict)
 
@@ -175,12 +219,12 @@ class StopRequest(Input):
 
 @dataclass(frozen=True)
 class RestartRequest(Input):
-    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a reload."""
+    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a decay
+    trigger, a reload (``cause``; the policy names the event after it)."""
 
     reason: str
-    event: str = "restart_requested"
+    cause: RestartCause = RestartCause.OPERATOR
     drain: bool = True
-    config_change: bool = False
 
 
 @dataclass(frozen=True)

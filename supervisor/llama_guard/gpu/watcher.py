@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from llama_guard.config import Config
-from llama_guard.core.types import GpuFault, Input, ResetDone
+from llama_guard.core.types import GpuFault, GpuFaultKind, Input, ResetDone, ResetOutcome
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
@@ -145,7 +145,7 @@ class GpuSource(Source):
         fields = xid_event_fields(xid, index, source=source, ours=ours, pid=pid, name=name)
         ctx.emit("gpu_xid", **fields)
         info = xid_info(xid, ours)
-        ctx.post(GpuFault("xid", f"Xid {xid}: {info.meaning}", info.action.value, xid))
+        ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {xid}: {info.meaning}", info.action, xid))
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:
@@ -156,7 +156,7 @@ class GpuSource(Source):
                 ctx.emit(name, **fields)
                 if name == "gpu_lost" and not self._lost_reported:
                     self._lost_reported = True
-                    ctx.post(GpuFault("gpu_lost", str(fields.get("reason", "GPU lost"))))
+                    ctx.post(GpuFault(GpuFaultKind.GPU_LOST, str(fields.get("reason", "GPU lost"))))
                 elif name == "gpu_recovered":
                     self._lost_reported = False
                 elif name == "gpu_persistence_off" and ctx.config.gpu.enable_persistence:
@@ -311,10 +311,10 @@ class GpuSource(Source):
         if previous_pid is not None:
             released, waited = await self._wait_released(previous_pid, cfg.gpu.vram_release_timeout_s)
             if not released:
-                return ResetDone("skipped", f"llama-server pid {previous_pid} still holds the GPU after "
+                return ResetDone(ResetOutcome.SKIPPED, f"llama-server pid {previous_pid} still holds the GPU after "
                                             f"{waited:.0f} s", base)
         if os.geteuid() != 0:
-            return ResetDone("skipped", "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
+            return ResetDone(ResetOutcome.SKIPPED, "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
         # Another process may be releasing the GPU right now (e.g. the one that made us run out of
         # memory): give it [recovery].foreign_wait_s before deciding the reset cannot be done.
         deadline = time.monotonic() + cfg.recovery.foreign_wait_s
@@ -326,7 +326,7 @@ class GpuSource(Source):
             await asyncio.sleep(POLL_S)
         if sample is not None and foreign:
             culprit = foreign[0]
-            return ResetDone("skipped", f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
+            return ResetDone(ResetOutcome.SKIPPED, f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
                                         "restarting the server without a reset",
                              {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
         argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
@@ -343,15 +343,15 @@ class GpuSource(Source):
         finally:
             self._resume()
         if outcome != "ok":
-            return ResetDone("failed", detail, base)
+            return ResetDone(ResetOutcome.FAILED, detail, base)
         sample = await self._sample()
         if sample is None:
-            return ResetDone("failed", f"the GPU does not answer NVML after the reset ({detail})", base)
+            return ResetDone(ResetOutcome.FAILED, f"the GPU does not answer NVML after the reset ({detail})", base)
         busy = foreign_processes(sample, {os.getpid()})
         if busy:
-            return ResetDone("failed", f"after the reset pid {busy[0].pid} already holds the GPU", base)
+            return ResetDone(ResetOutcome.FAILED, f"after the reset pid {busy[0].pid} already holds the GPU", base)
         self._lost_reported = False
-        return ResetDone("succeeded", f"{detail}; GPU answers and is idle", base)
+        return ResetDone(ResetOutcome.SUCCEEDED, f"{detail}; GPU answers and is idle", base)
 
     def status_fragment(self) -> str:
         """``GPU 0 61°C 212 W`` from the latest sample, for sd_notify STATUS= (empty when off)."""

@@ -7,22 +7,14 @@ Sources: facts/gpu.md (NVIDIA's Xid catalogue, condensed). Xids arrive two ways:
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llama_guard.core.types import XidAction
 from llama_guard.gpu.nvml import NotSupported, Nvml, NvmlError, XidEventSet
 
-
-class XidAction(enum.Enum):
-    """What the policy should do about an Xid."""
-
-    RESTART = "restart"  # app-level fault: restart the server
-    RESET = "reset"  # stop the server, reset the GPU
-    RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
-    FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
-    EVENT_ONLY = "event_only"  # report, nothing else
+__all__ = ["XID_TABLE", "XidAction", "XidInfo", "run_xid_waiter", "xid_event_fields", "xid_info"]
 
 
 @dataclass(frozen=True)

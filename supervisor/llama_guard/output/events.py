@@ -114,6 +114,7 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("threads_warning", _S.WARNING, "llama-server threads: {reason}"),
         # Planned restarts and configuration.
         EventSpec("scheduled_restart", _S.NOTICE, "planned restart of llama-server: {reason}"),
+        EventSpec("decay_restart", _S.NOTICE, "restart of degraded llama-server pid {server_pid}: {reason}"),
         EventSpec("restart_requested", _S.NOTICE, "restart of llama-server requested: {reason}"),
         EventSpec("scheduled_restart_skipped", _S.INFO, "planned restart skipped: {reason}"),
         EventSpec("scheduled_restart_missed", _S.WARNING, "planned restart missed: {reason}"),

@@ -2,7 +2,7 @@
 
 Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.restarts.cron.PlannedRestarts`
 whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
-whether the policy is READY). A due fire becomes ``RestartRequest(event="scheduled_restart",
+whether the policy is READY). A due fire becomes ``RestartRequest(cause=RestartCause.SCHEDULE,
 drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
 else ``drain_timeout``) and restarts. Skipped and missed fires are reported here
 (``scheduled_restart_skipped`` / ``scheduled_restart_missed``).
@@ -34,7 +34,7 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
+from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartCause, RestartRequest, StartDrain, Terminate
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
@@ -198,8 +198,8 @@ class ScheduleSource(Source):
             self.history.update_last(drained=pending.drained, **self._before_figures())
 
     def _on_emit(self, ctx: Context, name: str, fields: dict[str, object]) -> None:
-        if name in ("scheduled_restart", "restart_requested"):
-            kind = (self._post_kind or "scheduled") if name == "scheduled_restart" else "requested"
+        if name in ("scheduled_restart", "decay_restart", "restart_requested"):
+            kind = (self._post_kind or "scheduled") if name != "restart_requested" else "requested"
             self._post_kind = None
             pid = fields.get("server_pid")
             uptime = fields.get("uptime_s")
@@ -272,7 +272,7 @@ class ScheduleSource(Source):
             _, fired = self._decay
             self._decay = None
             self._post_kind = fired.trigger.value
-            ctx.post(RestartRequest(f"decay: {fired.reason}", event="scheduled_restart", drain=True))
+            ctx.post(RestartRequest(f"decay: {fired.reason}", cause=RestartCause.DECAY, drain=True))
             return None
         if self.schedule is None:
             return None
@@ -287,7 +287,7 @@ class ScheduleSource(Source):
         self._last_decision = dict(decision.fields())
         if decision.restart:
             self._post_kind = "scheduled"
-            ctx.post(RestartRequest(decision.reason, event="scheduled_restart", drain=True))
+            ctx.post(RestartRequest(decision.reason, cause=RestartCause.SCHEDULE, drain=True))
         elif decision.event is not None:
             ctx.emit(decision.event, server_pid=ctx.state.pid, **decision.fields())
         return decision
