@@ -16,6 +16,7 @@ from llama_guard.gpu.nvml import (
     LibraryNotFound,
     NoPermission,
     Nvml,
+    Suspended,
     WatchOff,
     open_gpu,
 )
@@ -229,6 +230,24 @@ def test_session_shut_down_under_us_is_reopened_transparently() -> None:
     nvml.sample()
     fake.driver_reload()  # handles void, NVML uninitialised
     assert nvml.sample().temperature_c == 45
+
+
+def test_suspended_session_stays_released_until_resumed() -> None:
+    from llama_guard.gpu.rules import GpuWatch, WatchSettings, sample_once
+
+    _fake, nvml, clock = make()
+    nvml.sample()
+    inits = nvml.init_count
+    nvml.suspend()
+    assert not nvml.is_open and nvml.suspended
+    with pytest.raises(Suspended):
+        nvml.sample()
+    assert not nvml.is_open and nvml.init_count == inits  # nobody re-opened it
+    # The sampler sees no sample and reports nothing (a suspended session is not a lost GPU).
+    verdict = sample_once(nvml, GpuWatch(WatchSettings()), clock())
+    assert verdict.sample is None and verdict.events == [] and verdict.error is None
+    nvml.resume()
+    assert nvml.sample().temperature_c == 45 and nvml.init_count == inits + 1
 
 
 def test_old_pynvml_without_clocks_event_reasons_falls_back() -> None:

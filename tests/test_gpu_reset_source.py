@@ -31,7 +31,7 @@ def make(fake: FakeNvml, command: list[str], tmp: Path) -> tuple[GpuSource, Cont
     src = GpuSource()
     src.nvml = Nvml(DeviceSelector(), module=fake)
     src.identity = src.nvml.open()
-    src.can_reset = True
+    src._can_reset = True
     events: list[tuple[str, dict[str, object]]] = []
     ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
                   emit=lambda name, **f: events.append((name, f)), post=lambda e: None,

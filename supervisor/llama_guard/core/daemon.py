@@ -182,12 +182,13 @@ class Daemon:
         assert self.ctx is not None
         self.ctx.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    def _for_sources(self, hook: str, *args: Any) -> None:
-        """Call a synchronous hook on every source; a failing source is reported, not fatal."""
+    def _for_sources(self, hook: str, call: Callable[[Source, Context], None]) -> None:
+        """Call the synchronous ``hook`` (named for the report) of every source through ``call``;
+        a failing source is reported, not fatal."""
         assert self.ctx is not None
         for source in self.sources:
             try:
-                getattr(source, hook)(self.ctx, *args)
+                call(source, self.ctx)
             except Exception as exc:
                 self.emitter.emit("config_error", reason=f"{source.name}.{hook} failed: {exc!r}")
 
@@ -214,7 +215,7 @@ class Daemon:
                     self._exit_code = EXIT_CONFIG
                     return EXIT_CONFIG
                 self._aux.append(asyncio.ensure_future(source.run(self.ctx)))
-            self._reset_possible = any(getattr(src, "can_reset", False) for src in self.sources)
+            self._reset_possible = any(src.can_reset for src in self.sources)
             self.state = replace(self.state, params=params_from(self.config, reset_possible=self._reset_possible))
             self.queue.put_nowait(Boot())
             await self._loop()
@@ -251,7 +252,8 @@ class Daemon:
         gen = self._gen
         if isinstance(event, Exited) and gen is not None and gen.server.pid == event.pid:
             self._gen = None
-            self._for_sources("on_exit", event.pid, event.returncode)
+            pid, code = event.pid, event.returncode
+            self._for_sources("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
             await self._end_generation(gen)
         if self.state.phase is not before:
             self._write_status()
@@ -277,7 +279,7 @@ class Daemon:
     # ------------------------------------------------------------ actions
 
     async def _execute(self, action: Action) -> None:
-        self._for_sources("on_action", action)
+        self._for_sources("on_action", lambda src, ctx: src.on_action(ctx, action))
         if isinstance(action, Emit):
             self.emitter.emit(action.name, **action.fields)
         elif isinstance(action, Spawn):
@@ -336,7 +338,7 @@ class Daemon:
                       asyncio.ensure_future(self._watch_health(gen))]
         self._last_pid = server.pid
         self.queue.put_nowait(Spawned(server.pid, tuple(argv)))
-        self._for_sources("on_spawn", server.pid)
+        self._for_sources("on_spawn", lambda src, ctx: src.on_spawn(ctx, server.pid))
 
     def _open_server_log(self) -> TextIO | None:
         path = self.config.log.server_log_file
@@ -369,7 +371,6 @@ class Daemon:
                 self._extend_start_timeout()
             if verdict.family is not Family.HARMLESS:
                 self.queue.put_nowait(Line(pid, verdict, text))
-                self._for_sources("on_line", pid, verdict, text)
         code = await gen.server.wait()
         self.queue.put_nowait(Exited(pid, code))
 
@@ -422,10 +423,9 @@ class Daemon:
         """Hand the reset to the source that can do it; always answers ResetDone."""
         assert self.ctx is not None
         for source in self.sources:
-            reset = getattr(source, "reset", None)
-            if reset is not None and getattr(source, "can_reset", False):
+            if source.can_reset:
                 try:
-                    done: Input = await reset(self.ctx, action.previous_pid, action.reason)
+                    done: Input = await source.reset(self.ctx, action.previous_pid, action.reason)
                 except Exception as exc:
                     done = ResetDone(ResetOutcome.FAILED, f"internal error during the reset: {exc!r}")
                 self.queue.put_nowait(done)
@@ -460,7 +460,7 @@ class Daemon:
         old = self.config
         self.config = new
         self._apply_runtime(old, new)
-        self._for_sources("on_reload", old, new)
+        self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
         note = " ([log].format applies at the next start)" if new.log.format != old.log.format else ""
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
                           changed=",".join(changed),
@@ -506,12 +506,10 @@ class Daemon:
         if self._last_eval_tps is not None and s.phase in (Phase.READY, Phase.DRAINING):
             extra += f", {self._last_eval_tps:.1f} tok/s last request"
         for source in self.sources:
-            fragment = getattr(source, "status_fragment", None)
-            if fragment is not None:
-                with contextlib.suppress(Exception):
-                    text = fragment()
-                    if text:
-                        extra += f", {text}"
+            with contextlib.suppress(Exception):
+                text = source.status_fragment()
+                if text:
+                    extra += f", {text}"
         if s.restarts:
             extra += f", {s.restarts} restarts"
         return f"{s.phase.value}:{pid}{extra}".replace(":,", ",").rstrip(":")

@@ -94,6 +94,10 @@ class Uninitialized(NvmlError):
     """``NVML_ERROR_UNINITIALIZED`` (1): the session went away under us; re-initialised on the next call."""
 
 
+class Suspended(NvmlError):
+    """The session is released on purpose (:meth:`Nvml.suspend`, while a GPU reset runs)."""
+
+
 class DeviceNotFound(NvmlError):
     """The configured uuid / PCI bus id / index names no GPU here (a configuration problem)."""
 
@@ -219,6 +223,7 @@ class Nvml:
         self._unsupported: dict[str, float] = {}  # reading -> monotonic time it was cached
         self._announced: set[str] = set()
         self._ever_found = False
+        self._suspended = False
         self.init_count = 0
 
     # -- session -------------------------------------------------------------------------------
@@ -255,6 +260,8 @@ class Nvml:
         with self._lock:
             if self._initialised and self._identity is not None:
                 return self._identity
+            if self._suspended:
+                raise Suspended("nvmlInit", -1, "NVML is released while the GPU is reset")
             self._raw("nvmlInit")
             self._initialised = True
             self.init_count += 1
@@ -304,9 +311,26 @@ class Nvml:
         self._identity = None
 
     def close(self) -> None:
-        """Release the NVML session (``nvmlShutdown``); never raises. Call before a GPU reset."""
+        """Release the NVML session (``nvmlShutdown``); never raises. The next call opens it again."""
         with self._lock:
             self._release()
+
+    def suspend(self) -> None:
+        """Release the session and keep it released (every call raises :class:`Suspended`) until
+        :meth:`resume`: our own session counts as a user of the GPU, which a reset must not have."""
+        with self._lock:
+            self._release()
+            self._suspended = True
+
+    def resume(self) -> None:
+        """End :meth:`suspend`: the next call opens a fresh session."""
+        with self._lock:
+            self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Whether :meth:`suspend` holds the session released."""
+        return self._suspended
 
     # -- calls on the device handle --------------------------------------------------------------
     def _dev(self, call: str, *args: Any) -> Any:

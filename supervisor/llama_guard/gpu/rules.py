@@ -17,10 +17,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, describe
+import psutil
+
+from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 
 if TYPE_CHECKING:
@@ -131,11 +132,12 @@ class Condition:
         return None
 
 
-def _proc_comm(pid: int) -> str | None:
-    """The process name from ``/proc/<pid>/comm`` (15 characters at most), or None."""
+def process_name(pid: int) -> str | None:
+    """The name of process ``pid`` (psutil: ``/proc/<pid>/comm``, widened from its cmdline when
+    the kernel cut it at 15 characters), or None when it is gone or unreadable."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() or None
-    except OSError:
+        return psutil.Process(pid).name() or None
+    except psutil.Error:
         return None
 
 
@@ -144,7 +146,7 @@ class GpuWatch:
     with :meth:`set_server_pid`. ``proc_name(pid)`` names a foreign process (default: /proc)."""
 
     def __init__(self, settings: WatchSettings | None = None, *,
-                 proc_name: Callable[[int], str | None] = _proc_comm) -> None:
+                 proc_name: Callable[[int], str | None] = process_name) -> None:
         self.settings = st = settings or WatchSettings()
         self._proc_name = proc_name
         self.temperature = Condition(0.0, 0.0, st.reminder_s)
@@ -345,9 +347,12 @@ class SampleVerdict:
 
 def sample_once(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict:
     """Sample ``nvml`` and feed ``watch`` at monotonic ``now`` (s). Never raises an NVML error:
-    a lost GPU comes back as ``gpu_lost`` in ``events`` (once, then reminders) and in ``error``."""
+    a lost GPU comes back as ``gpu_lost`` in ``events`` (once, then reminders) and in ``error``;
+    a session suspended for a reset gives no sample and no events."""
     try:
         sample = nvml.sample()
+    except Suspended:  # released on purpose (a reset runs): nothing to observe
+        return SampleVerdict(None, [], None)
     except NvmlError as exc:
         return SampleVerdict(None, watch.observe_error(exc, now), exc)
     return SampleVerdict(sample, watch.observe(sample, now))

@@ -22,12 +22,19 @@ from typing import Any
 import psutil
 
 from llama_guard.config import Config
-from llama_guard.core.types import GpuFault, GpuFaultKind, Input, ResetDone, ResetOutcome
+from llama_guard.core.types import GpuFault, GpuFaultKind, ResetDone, ResetOutcome
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
-from llama_guard.gpu.rules import SampleVerdict, foreign_processes, sample_once, server_on_gpu, vram_released
+from llama_guard.gpu.rules import (
+    SampleVerdict,
+    foreign_processes,
+    process_name,
+    sample_once,
+    server_on_gpu,
+    vram_released,
+)
 from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields, xid_info
 
 TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
@@ -49,20 +56,22 @@ class GpuSource(Source):
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.off_reason = ""
-        self.can_reset = False
+        self._can_reset = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server_pid: int | None = None
         self._baseline_used: int | None = None
         self._lost_reported = False
-        # While a reset runs our NVML session must stay released: the sampler skips its ticks
-        # (``_paused``, checked under ``_session_lock``) and the Xid waiter drops its event set
-        # (``_xid_halt``; ``_xid_idle`` once it has).
-        self._session_lock = threading.Lock()
-        self._paused = False
+        # While a reset runs our NVML session must stay released: :meth:`Nvml.suspend` keeps the
+        # sampler out, and the Xid waiter drops its event set (``_xid_halt``; ``_xid_idle`` once it has).
         self._xid_halt = threading.Event()
         self._xid_idle = threading.Event()
         self._xid_idle.set()
+
+    @property
+    def can_reset(self) -> bool:
+        """True once the GPU is watched: a reset can then be verified."""
+        return self._can_reset
 
     # ------------------------------------------------------------ start / stop
 
@@ -79,7 +88,7 @@ class GpuSource(Source):
         self.nvml = opened
         self.identity = await asyncio.to_thread(opened.open)
         self.watch = GpuWatch(WatchSettings.from_config(cfg))
-        self.can_reset = True
+        self._can_reset = True
         self._start_threads(ctx)
         return None
 
@@ -165,23 +174,19 @@ class GpuSource(Source):
 
     def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
         """One sampler tick, or None while a reset holds our NVML session released."""
-        with self._session_lock:
-            if self._paused:
-                return None
-            return sample_once(nvml, watch, now)
+        if nvml.suspended:
+            return None
+        return sample_once(nvml, watch, now)
 
     async def _release_session(self) -> None:
-        """Pause the sampler and the Xid waiter and shut our NVML session down (before a reset)."""
+        """Stop the Xid waiter and keep our NVML session released (before a reset)."""
         assert self.nvml is not None
         nvml = self.nvml
 
         def release() -> None:
-            with self._session_lock:
-                self._paused = True
-                self._xid_halt.set()
+            self._xid_halt.set()
             self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
-            with self._session_lock:
-                nvml.close()
+            nvml.suspend()
 
         await asyncio.to_thread(release)
 
@@ -191,9 +196,11 @@ class GpuSource(Source):
         nvml = self.nvml
 
         def set_mode(enabled: bool) -> None:
-            with self._session_lock:
+            nvml.resume()
+            try:
                 nvml.set_persistence(enabled)
-                nvml.close()  # release the session again: it counts as a user too
+            finally:
+                nvml.suspend()  # release the session again: it counts as a user too
 
         try:
             await asyncio.to_thread(set_mode, False)
@@ -209,10 +216,10 @@ class GpuSource(Source):
         return outcome, detail + " (with persistence mode off for the reset)"
 
     def _resume(self) -> None:
-        with self._session_lock:
-            self._paused = False
-            if not self._stop.is_set():
-                self._xid_halt.clear()
+        assert self.nvml is not None
+        self.nvml.resume()
+        if not self._stop.is_set():
+            self._xid_halt.clear()
 
     async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
         """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
@@ -302,7 +309,7 @@ class GpuSource(Source):
 
     # ------------------------------------------------------------ the reset
 
-    async def reset(self, ctx: Context, previous_pid: int | None, reason: str) -> Input:
+    async def reset(self, ctx: Context, previous_pid: int | None, reason: str) -> ResetDone:
         """Reset the GPU; the answer is a :class:`ResetDone`. Never raises."""
         assert self.nvml is not None
         cfg = ctx.config
@@ -326,9 +333,10 @@ class GpuSource(Source):
             await asyncio.sleep(POLL_S)
         if sample is not None and foreign:
             culprit = foreign[0]
-            return ResetDone(ResetOutcome.SKIPPED, f"pid {culprit.pid} ({_comm(culprit.pid)}) holds GPU {index}; "
-                                        "restarting the server without a reset",
-                             {**base, "foreign_pid": culprit.pid, "foreign_name": _comm(culprit.pid)})
+            name = process_name(culprit.pid) or "?"
+            return ResetDone(ResetOutcome.SKIPPED, f"pid {culprit.pid} ({name}) holds GPU {index}; "
+                                                   "restarting the server without a reset",
+                             {**base, "foreign_pid": culprit.pid, "foreign_name": name})
         argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
         base["command"] = " ".join(argv)
         persistence_on = sample is not None and sample.persistence_mode is True
@@ -358,7 +366,7 @@ class GpuSource(Source):
         last = self.watch.last_sample if self.watch is not None else None
         if last is None:
             return ""
-        parts = [f"GPU {last.identity.index}" if getattr(last, "identity", None) else "GPU"]
+        parts = [f"GPU {last.identity.index}"]
         if last.temperature_c is not None:
             parts.append(f"{last.temperature_c}°C")
         if last.power_mw is not None:
@@ -368,7 +376,7 @@ class GpuSource(Source):
     def snapshot(self) -> dict[str, Any] | None:
         if self.watch is None:
             return {"watch": "off", "reason": self.off_reason} if self.off_reason else None
-        last = getattr(self.watch, "last_sample", None)
+        last = self.watch.last_sample
         return {"identity": None if self.identity is None else self.identity.__dict__,
                 "sample": None if last is None else sample_to_dict(last)}
 
@@ -381,14 +389,6 @@ def _pid_gone(pid: int) -> bool:
         return True
     except psutil.Error:
         return False
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8") as handle:
-            return handle.read().strip()
-    except OSError:
-        return "?"
 
 
 async def _run_bounded(argv: list[str], timeout_s: float) -> tuple[str, str]:

@@ -15,7 +15,7 @@ drained restart.
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
 followed through the policy's actions (:meth:`on_action`): the drain's start, a drain timeout,
-the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.restarts.decay.RestartRecord`
+the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.restarts.history.RestartRecord`
 (uptime, drained or timed out, seconds unavailable = SIGTERM → READY, tokens/s and VRAM before)
 is reported as ``planned_restart_done`` when the new server is ready; its "after" figures (the
 new server's baselines) are filled in later and shown by ``llama-guard status``.
@@ -34,10 +34,12 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartCause, RestartRequest, StartDrain, Terminate
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
-from llama_guard.restarts.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
+from llama_guard.restarts.decay import DecayDecision, DecayMonitor
+from llama_guard.restarts.history import RestartHistory, RestartRecord
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
