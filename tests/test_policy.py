@@ -353,7 +353,7 @@ def test_abort_line_before_oom_message_still_leads_to_the_reset() -> None:
     s, acts = decide(s, line(100, "0.01.713.707 E CUDA error: out of memory"), 1.01)
     assert names(acts) == ["server_oom"] and s.after_stop is AfterStop.RESET
     s, acts = decide(s, Exited(100, -6), 1.1)
-    assert s.phase is Phase.RESETTING and any(type(a).__name__ == "ResetGpu" for a in acts)
+    assert s.phase is Phase.RESETTING and any(type(a).__name__ == "InspectGpu" for a in acts)
 
 
 def test_abort_line_then_other_gpu_error_does_not_reset_when_only_oom_resets() -> None:

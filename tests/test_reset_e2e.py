@@ -195,7 +195,7 @@ def test_foreign_process_skips_the_reset_naming_it(gpu_run: MakeRun) -> None:
         reset = run.wait_event("gpu_reset", 20)
         assert reset["outcome"] == "skipped"
         assert reset["foreign_pid"] == foreign.pid and reset["foreign_name"] == "sleep"
-        assert f"pid {foreign.pid} (sleep)" in reset["reason"]
+        assert f"pid {foreign.pid} (sleep, 2048 MiB) holds GPU 0" in reset["reason"] and reset["gpu_index"] == 0
         second = run.wait_event("server_ready", 20, skip=1)["server_pid"]
         assert second != first
         assert run.records() == []  # the command never ran

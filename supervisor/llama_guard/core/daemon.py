@@ -36,6 +36,7 @@ from llama_guard.core.types import (
     Exited,
     HealthOk,
     Input,
+    InspectGpu,
     Kill,
     Line,
     NotifyReady,
@@ -45,10 +46,10 @@ from llama_guard.core.types import (
     Phase,
     Probe,
     ResetDone,
-    ResetGpu,
-    ResetOutcome,
+    ResetFacts,
     ResetTrigger,
     RestartRequest,
+    RunReset,
     Spawn,
     Spawned,
     SpawnFailed,
@@ -132,6 +133,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         reset_window_s=config.recovery.reset_window_s,
         reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
                           + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + 30.0),
+        gpu_index=config.gpu.index,
     )
 
 
@@ -298,7 +300,7 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.tasks.append(asyncio.ensure_future(self._drain(self._gen)))
-        elif isinstance(action, ResetGpu):
+        elif isinstance(action, (InspectGpu, RunReset)):
             self._aux.append(asyncio.ensure_future(self._reset_gpu(action)))
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
@@ -419,18 +421,27 @@ class Daemon:
         if gen.log is not None:
             gen.log.close()
 
-    async def _reset_gpu(self, action: ResetGpu) -> None:
-        """Hand the reset to the source that can do it; always answers ResetDone."""
+    async def _reset_gpu(self, action: InspectGpu | RunReset) -> None:
+        """Hand a reset step to the source that can reset; always answers ResetFacts / ResetDone."""
         assert self.ctx is not None
-        for source in self.sources:
-            if source.can_reset:
-                try:
-                    done: Input = await source.reset(self.ctx, action.previous_pid, action.reason)
-                except Exception as exc:
-                    done = ResetDone(ResetOutcome.FAILED, f"internal error during the reset: {exc!r}")
-                self.queue.put_nowait(done)
-                return
-        self.queue.put_nowait(ResetDone(ResetOutcome.SKIPPED, "GPU watch is off: a reset cannot be verified"))
+        source = next((src for src in self.sources if src.can_reset), None)
+        answer: Input
+        if isinstance(action, InspectGpu):
+            try:
+                if source is None:
+                    raise RuntimeError("GPU watch is off: a reset cannot be verified")
+                answer = await source.inspect_reset(self.ctx, action.previous_pid)
+            except Exception as exc:
+                answer = ResetFacts(None, True, 0.0, (), False, f"cannot inspect the GPU: {exc}")
+        else:
+            try:
+                if source is None:
+                    raise RuntimeError("GPU watch is off")
+                answer = await source.reset(self.ctx, action.gpu_index)
+            except Exception as exc:
+                answer = ResetDone(action.gpu_index, "", None, "", False,
+                                   f"internal error during the reset: {exc!r}")
+        self.queue.put_nowait(answer)
 
     # ------------------------------------------------------------ reload
 

@@ -27,6 +27,7 @@ from llama_guard.core.types import (
     GpuFaultKind,
     HealthOk,
     Input,
+    InspectGpu,
     Kill,
     Line,
     NotifyReady,
@@ -35,11 +36,12 @@ from llama_guard.core.types import (
     Phase,
     Probe,
     ResetDone,
-    ResetGpu,
+    ResetFacts,
     ResetOutcome,
     ResetTrigger,
     RestartCause,
     RestartRequest,
+    RunReset,
     Spawn,
     Spawned,
     SpawnFailed,
@@ -453,48 +455,99 @@ def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     return state, []
 
 
+def _gpu_index(state: State) -> int | None:
+    return state.gpu_index if state.gpu_index is not None else state.params.gpu_index
+
+
 def _begin_reset(state: State, now: float) -> Result:
-    """Enter RESETTING, unless the reset budget of the window is spent."""
+    """Enter RESETTING (inspect the GPU first), unless the reset budget of the window is spent.
+
+    The budget counts only reset commands that ran (:func:`_on_reset_facts`): a skipped reset
+    leaves it untouched.
+    """
     p = state.params
     recent = tuple(t for t in state.resets if now - t < p.reset_window_s)
     if len(recent) >= p.max_resets:
         reason = (f"{len(recent)} GPU resets within {p.reset_window_s:.0f} s already; "
                   "not resetting again (a reboot is the operator's call)")
         emit = Emit("gpu_reset", {"outcome": ResetOutcome.REFUSED.value, "reason": reason,
-                                  "trigger": state.reset_reason})
-        if state.gpu_lost:
-            new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
-            return new, [emit, *actions]
-        new, actions = _count_failure(replace(state, last_failure=state.reset_reason or reason), now)
-        return new, [emit, *actions]
-    new = replace(state, phase=Phase.RESETTING, resets=(*recent, now), deadline=now + p.reset_deadline_s,
+                                  "trigger": state.reset_reason, "gpu_index": _gpu_index(state)})
+        return _after_no_reset(replace(state, resets=recent), now, emit, reason)
+    new = replace(state, phase=Phase.RESETTING, resets=recent, deadline=now + p.reset_deadline_s,
                   after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop)
-    return new, [ResetGpu(state.pid, state.reset_reason)]
+    return new, [InspectGpu(state.pid, state.reset_reason)]
+
+
+def _after_no_reset(state: State, now: float, emit: Emit, reason: str) -> Result:
+    """No reset was run (skipped or refused): a lost GPU escalates (exit 69), anything else
+    restarts the server only (counted as a failure)."""
+    if state.after_stop is AfterStop.EXIT:  # a stop request came meanwhile
+        new, actions = _exit(state, state.exit_code, state.exit_reason or "stopped")
+        return new, [emit, *actions]
+    if state.gpu_lost:
+        why = f"the GPU is lost and was not reset ({reason}); reboot the host"
+        new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, why)
+        return new, [emit, Emit("gpu_lost", {"reason": why, "gpu_index": _gpu_index(state)}), *actions]
+    new = replace(state, pid=None, last_failure=f"{state.reset_reason or reason} (no GPU reset: {reason})")
+    new, actions = _count_failure(new, now)
+    return new, [emit, *actions]
+
+
+def _skip_reason(facts: ResetFacts, previous_pid: int | None) -> tuple[str, dict[str, object]] | None:
+    """Why the reset cannot be run now, with event fields; None when nothing stands in its way."""
+    index = "?" if facts.gpu_index is None else facts.gpu_index
+    if not facts.previous_released:
+        return (f"llama-server pid {previous_pid} still holds GPU {index} after {facts.waited_s:.0f} s",
+                {"server_pid": previous_pid})
+    if not facts.can_run:
+        return facts.cannot_run or "the reset command cannot run here", {}
+    if facts.holders:
+        first = facts.holders[0]
+        mib = "" if first.used_mib is None else f", {first.used_mib} MiB"
+        return (f"pid {first.pid} ({first.name}{mib}) holds GPU {index}; restarting the server without a reset",
+                {"foreign_pid": first.pid, "foreign_name": first.name, "foreign_mib": first.used_mib})
+    return None
+
+
+def _on_reset_facts(state: State, facts: ResetFacts, now: float) -> Result:
+    """Skip, or run the reset command (only a command that runs spends the budget)."""
+    state = replace(state, gpu_index=facts.gpu_index if facts.gpu_index is not None else state.gpu_index)
+    skip = _skip_reason(facts, state.pid)
+    if skip is None and state.after_stop is AfterStop.EXIT:
+        skip = "a stop was requested before the reset command ran", {}
+    if skip is not None:
+        reason, extra = skip
+        emit = Emit("gpu_reset", {"outcome": ResetOutcome.SKIPPED.value, "reason": reason,
+                                  "trigger": state.reset_reason, "gpu_index": _gpu_index(state), **extra})
+        return _after_no_reset(state, now, emit, f"reset skipped: {reason}")
+    new = replace(state, resets=(*state.resets, now))
+    return new, [RunReset(_gpu_index(new), state.reset_reason)]
 
 
 def _on_resetting(state: State, event: Input, now: float) -> Result:
+    if isinstance(event, ResetFacts):
+        return _on_reset_facts(state, event, now)
     if isinstance(event, ResetDone):
-        fields = {"outcome": event.outcome.value, "reason": event.reason, "trigger": state.reset_reason,
-                  "reset_count": len(state.resets), **event.fields}
+        outcome = ResetOutcome.SUCCEEDED if event.ok else ResetOutcome.FAILED
+        fields = {**event.fields, "outcome": outcome.value, "reason": event.detail, "trigger": state.reset_reason,
+                  "reset_count": len(state.resets), "gpu_index": event.gpu_index, "command": event.command,
+                  "exit_status": event.exit_status, "output": event.output}
         emit = Emit("gpu_reset", fields)
         if state.after_stop is AfterStop.EXIT:  # a stop request came during the reset
             new, actions = _exit(state, state.exit_code, state.exit_reason or "stopped")
             return new, [emit, *actions]
-        if event.outcome is ResetOutcome.SUCCEEDED:
+        if outcome is ResetOutcome.SUCCEEDED:
             new, actions = _count_failure(replace(state, gpu_lost=False, pid=None), now)
             return new, [emit, *actions]
-        if event.outcome is ResetOutcome.SKIPPED and not state.gpu_lost:
-            new = replace(state, pid=None, last_failure=f"{state.reset_reason} (reset skipped: {event.reason})")
-            new, actions = _count_failure(new, now)
-            return new, [emit, *actions]
-        reason = f"GPU reset {event.outcome.value}: {event.reason}; reboot the host"
+        reason = f"GPU reset failed: {event.detail}; reboot the host"
         new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
-        lost = Emit("gpu_lost", {"reason": reason, "gpu_index": event.fields.get("gpu_index")})
+        lost = Emit("gpu_lost", {"reason": reason, "gpu_index": event.gpu_index})
         return new, [emit, lost, *actions]
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         reason = f"the reset did not finish within {state.params.reset_deadline_s:.0f} s; reboot the host"
         new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, reason)
-        return new, [Emit("gpu_reset", {"outcome": ResetOutcome.TIMED_OUT.value, "reason": reason}), *actions]
+        return new, [Emit("gpu_reset", {"outcome": ResetOutcome.TIMED_OUT.value, "reason": reason,
+                                        "gpu_index": _gpu_index(state)}), *actions]
     return state, []
 
 

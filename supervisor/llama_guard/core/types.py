@@ -101,6 +101,7 @@ class Params:
     max_resets: int = 2
     reset_window_s: float = 3600.0
     reset_deadline_s: float = 180.0
+    gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -154,13 +155,55 @@ class GpuFault(Input):
 
 
 @dataclass(frozen=True)
-class ResetDone(Input):
-    """The GPU reset sequence ended: ``outcome`` SUCCEEDED, SKIPPED (a precondition failed;
-    nothing was reset) or FAILED (the command failed or timed out, or the GPU did not verify)."""
+class GpuHolder:
+    """A process other than our server holding memory on the GPU: ``pid``, its VRAM in MiB
+    (None when NVML does not say), its name ("?" when unreadable)."""
 
-    outcome: ResetOutcome
-    reason: str
+    pid: int
+    used_mib: int | None
+    name: str
+
+
+@dataclass(frozen=True)
+class ResetFacts(Input):
+    """The answer to :class:`InspectGpu`: what stands between us and a GPU reset (facts only; the
+    policy decides to skip, run, refuse or escalate).
+
+    ``gpu_index``: NVML's index of the GPU (None when unknown). ``previous_released``: the server
+    that was stopped has left the GPU (True when there was none), after ``waited_s`` seconds.
+    ``holders``: other processes still on the GPU after ``[recovery].foreign_wait_s``.
+    ``can_run``: the reset command can run under our credentials; ``cannot_run`` says why not.
+    """
+
+    gpu_index: int | None
+    previous_released: bool
+    waited_s: float
+    holders: tuple[GpuHolder, ...]
+    can_run: bool
+    cannot_run: str = ""
+
+
+@dataclass(frozen=True)
+class ResetDone(Input):
+    """The answer to :class:`RunReset`: what the reset command did (facts; the policy judges).
+
+    ``exit_status`` None when it could not be started or was killed at its timeout;
+    ``output`` what it printed (one line, trimmed); ``verified``: afterwards NVML answers and no
+    process holds the GPU; ``detail`` one line saying all that; ``fields`` extra event fields.
+    """
+
+    gpu_index: int | None
+    command: str
+    exit_status: int | None
+    output: str
+    verified: bool
+    detail: str
     fields: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """The command exited 0 and the GPU verified."""
+        return self.exit_status == 0 and self.verified
 
 
 @dataclass(frozen=True)
@@ -288,11 +331,20 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
-class ResetGpu(Action):
-    """Run the reset sequence (wait for ``previous_pid`` to leave the GPU, check preconditions,
-    reset, verify) and answer ResetDone."""
+class InspectGpu(Action):
+    """Before a reset: wait (bounded) for ``previous_pid`` to leave the GPU and for other
+    processes to let go, then answer :class:`ResetFacts`. Nothing is changed on the GPU."""
 
     previous_pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunReset(Action):
+    """Run the reset command on GPU ``gpu_index`` (our NVML session released meanwhile), verify
+    the GPU, and answer :class:`ResetDone`."""
+
+    gpu_index: int | None
     reason: str
 
 
@@ -333,6 +385,7 @@ class State:
     reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
+    gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import Action, Input, ResetDone, ResetOutcome, State
+from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State
 
 
 @dataclass
@@ -82,9 +82,15 @@ class Source:
         """Whether this source can reset the GPU and verify it afterwards (the policy is told)."""
         return False
 
-    async def reset(self, ctx: Context, previous_pid: int | None, reason: str) -> ResetDone:
-        """Reset the GPU (only called when :attr:`can_reset`); never raises."""
-        return ResetDone(ResetOutcome.SKIPPED, f"{self.name} cannot reset the GPU")
+    async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
+        """What stands in the way of a GPU reset now (only called when :attr:`can_reset`): wait,
+        bounded, for ``previous_pid`` and other processes to leave the GPU; report, decide nothing."""
+        return ResetFacts(None, True, 0.0, (), False, f"{self.name} cannot reset the GPU")
+
+    async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
+        """Run the reset command on GPU ``gpu_index`` and verify it (only called when
+        :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
+        return ResetDone(gpu_index, "", None, "", False, f"{self.name} cannot reset the GPU")
 
     def status_fragment(self) -> str:
         """A short text for sd_notify STATUS= (``GPU 0 61°C 212 W``); empty for nothing."""

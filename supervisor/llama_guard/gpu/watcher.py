@@ -11,7 +11,6 @@ scriptable fake); it is meant for tests and dry runs only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib
 import os
@@ -19,26 +18,23 @@ import threading
 import time
 from typing import Any
 
-import psutil
-
 from llama_guard.config import Config
-from llama_guard.core.types import GpuFault, GpuFaultKind, ResetDone, ResetOutcome
+from llama_guard.core.types import GpuFault, GpuFaultKind, ResetDone, ResetFacts
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
-from llama_guard.gpu.readings import GpuSample, sample_to_dict
+from llama_guard.gpu.readings import sample_to_dict
+from llama_guard.gpu.reset import ResetExecutor
 from llama_guard.gpu.rules import (
     SampleVerdict,
     foreign_processes,
-    process_name,
     sample_once,
     server_on_gpu,
-    vram_released,
 )
 from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields, xid_info
 
 TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
-POLL_S = 0.25  # how often the bounded waits (VRAM release, server on GPU) look again
+POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 
 
 def _module() -> Any:
@@ -55,6 +51,7 @@ class GpuSource(Source):
         self.nvml: Nvml | None = None
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
+        self.executor: ResetExecutor | None = None
         self.off_reason = ""
         self._can_reset = False
         self._stop = threading.Event()
@@ -88,6 +85,7 @@ class GpuSource(Source):
         self.nvml = opened
         self.identity = await asyncio.to_thread(opened.open)
         self.watch = GpuWatch(WatchSettings.from_config(cfg))
+        self.executor = ResetExecutor(opened, halt_xid=self._halt_xid, resume_xid=self._resume_xid)
         self._can_reset = True
         self._start_threads(ctx)
         return None
@@ -178,49 +176,6 @@ class GpuSource(Source):
             return None
         return sample_once(nvml, watch, now)
 
-    async def _release_session(self) -> None:
-        """Stop the Xid waiter and keep our NVML session released (before a reset)."""
-        assert self.nvml is not None
-        nvml = self.nvml
-
-        def release() -> None:
-            self._xid_halt.set()
-            self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
-            nvml.suspend()
-
-        await asyncio.to_thread(release)
-
-    async def _reset_without_persistence(self, argv: list[str], timeout_s: float) -> tuple[str, str]:
-        """Persistence off, the reset command once more, persistence back on (always restored)."""
-        assert self.nvml is not None
-        nvml = self.nvml
-
-        def set_mode(enabled: bool) -> None:
-            nvml.resume()
-            try:
-                nvml.set_persistence(enabled)
-            finally:
-                nvml.suspend()  # release the session again: it counts as a user too
-
-        try:
-            await asyncio.to_thread(set_mode, False)
-        except NvmlError as exc:
-            return "failed", f"the reset needs persistence mode off, which could not be done: {exc}"
-        try:
-            outcome, detail = await _run_bounded(argv, timeout_s)
-        finally:
-            try:
-                await asyncio.to_thread(set_mode, True)
-            except NvmlError as exc:
-                detail = f"{detail}; persistence mode could NOT be restored: {exc}"
-        return outcome, detail + " (with persistence mode off for the reset)"
-
-    def _resume(self) -> None:
-        assert self.nvml is not None
-        self.nvml.resume()
-        if not self._stop.is_set():
-            self._xid_halt.clear()
-
     async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
         """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
         index = fields.get("gpu_index")
@@ -246,40 +201,18 @@ class GpuSource(Source):
         if self.watch is not None and pid == self._server_pid:
             self.watch.set_server_pid(None, ctx.clock())
 
-    async def _sample(self) -> GpuSample | None:
-        if self.nvml is None:
-            return None
-        try:
-            return await asyncio.to_thread(self.nvml.sample)
-        except NvmlError:
-            return None
-
     # ------------------------------------------------------------ what the server needs
 
-    async def _wait_released(self, previous_pid: int, timeout_s: float) -> tuple[bool, float]:
-        start = time.monotonic()
-        deadline = start + timeout_s
-        while True:
-            sample = await self._sample()
-            if sample is not None and vram_released(sample, previous_pid,
-                                                    baseline_used_bytes=self._baseline_used) is not False:
-                return True, time.monotonic() - start
-            if sample is None and _pid_gone(previous_pid):
-                # NVML does not answer (a lost GPU): the process having exited is all we can know.
-                return True, time.monotonic() - start
-            if time.monotonic() >= deadline:
-                return False, time.monotonic() - start
-            await asyncio.sleep(POLL_S)
-
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
-        if self.nvml is None:
+        if self.nvml is None or self.executor is None:
             return None
         cfg = ctx.config.gpu
         if previous_pid is not None:
-            released, waited = await self._wait_released(previous_pid, cfg.vram_release_timeout_s)
+            released, waited = await self.executor.wait_released(previous_pid, cfg.vram_release_timeout_s,
+                                                                 self._baseline_used)
             if not released:
                 ctx.emit("gpu_vram_not_released", gpu_index=cfg.index, waited_s=waited, server_pid=previous_pid)
-        sample = await self._sample()
+        sample = await self.executor.sample()
         if sample is None:
             return "the GPU does not answer NVML; not starting the server onto it"
         if previous_pid is None:
@@ -293,11 +226,11 @@ class GpuSource(Source):
 
     async def ready_check(self, ctx: Context, pid: int) -> str | None:
         cfg: Config = ctx.config
-        if self.nvml is None or cfg.server.n_gpu_layers == 0 or not cfg.gpu.require_server_on_gpu:
+        if self.executor is None or cfg.server.n_gpu_layers == 0 or not cfg.gpu.require_server_on_gpu:
             return None
         deadline = time.monotonic() + cfg.gpu.server_on_gpu_timeout_s
         while True:
-            sample = await self._sample()
+            sample = await self.executor.sample()
             if sample is not None:
                 on = server_on_gpu(sample, pid)
                 if on is None or on:
@@ -307,59 +240,33 @@ class GpuSource(Source):
                         f"within {cfg.gpu.server_on_gpu_timeout_s:.0f} s: it runs on the CPU")
             await asyncio.sleep(POLL_S)
 
-    # ------------------------------------------------------------ the reset
+    # ------------------------------------------------------------ the reset (facts only; the policy decides)
 
-    async def reset(self, ctx: Context, previous_pid: int | None, reason: str) -> ResetDone:
-        """Reset the GPU; the answer is a :class:`ResetDone`. Never raises."""
-        assert self.nvml is not None
-        cfg = ctx.config
-        index = self.identity.index if self.identity is not None else cfg.gpu.index
-        base: dict[str, object] = {"gpu_index": index}
-        if previous_pid is not None:
-            released, waited = await self._wait_released(previous_pid, cfg.gpu.vram_release_timeout_s)
-            if not released:
-                return ResetDone(ResetOutcome.SKIPPED, f"llama-server pid {previous_pid} still holds the GPU after "
-                                            f"{waited:.0f} s", base)
-        if os.geteuid() != 0:
-            return ResetDone(ResetOutcome.SKIPPED, "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
-        # Another process may be releasing the GPU right now (e.g. the one that made us run out of
-        # memory): give it [recovery].foreign_wait_s before deciding the reset cannot be done.
-        deadline = time.monotonic() + cfg.recovery.foreign_wait_s
-        while True:
-            sample = await self._sample()
-            foreign = foreign_processes(sample, {os.getpid()}) if sample is not None else []
-            if not foreign or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(POLL_S)
-        if sample is not None and foreign:
-            culprit = foreign[0]
-            name = process_name(culprit.pid) or "?"
-            return ResetDone(ResetOutcome.SKIPPED, f"pid {culprit.pid} ({name}) holds GPU {index}; "
-                                                   "restarting the server without a reset",
-                             {**base, "foreign_pid": culprit.pid, "foreign_name": name})
-        argv = [word.replace("{index}", str(index)) for word in cfg.recovery.reset_command]
-        base["command"] = " ".join(argv)
-        persistence_on = sample is not None and sample.persistence_mode is True
-        await self._release_session()  # our own NVML session counts as a user of the GPU
-        try:
-            outcome, detail = await _run_bounded(argv, cfg.recovery.reset_timeout_s)
-            if (outcome != "ok" and "in use" in detail.lower() and persistence_on
-                    and cfg.recovery.reset_toggles_persistence):
-                # Persistence mode counts as a user on some drivers: off, one more try, then back on.
-                outcome, detail = await self._reset_without_persistence(argv, cfg.recovery.reset_timeout_s)
-                base["persistence"] = "turned off for the reset, then restored"
-        finally:
-            self._resume()
-        if outcome != "ok":
-            return ResetDone(ResetOutcome.FAILED, detail, base)
-        sample = await self._sample()
-        if sample is None:
-            return ResetDone(ResetOutcome.FAILED, f"the GPU does not answer NVML after the reset ({detail})", base)
-        busy = foreign_processes(sample, {os.getpid()})
-        if busy:
-            return ResetDone(ResetOutcome.FAILED, f"after the reset pid {busy[0].pid} already holds the GPU", base)
-        self._lost_reported = False
-        return ResetDone(ResetOutcome.SUCCEEDED, f"{detail}; GPU answers and is idle", base)
+    async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
+        assert self.executor is not None
+        return await self.executor.inspect(ctx.config, self._index(ctx), previous_pid, self._baseline_used)
+
+    async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
+        assert self.executor is not None
+        done = await self.executor.run(ctx.config, gpu_index)
+        if done.ok:
+            self._lost_reported = False
+        return done
+
+    def _index(self, ctx: Context) -> int:
+        return self.identity.index if self.identity is not None else ctx.config.gpu.index
+
+    async def _halt_xid(self) -> None:
+        """Stop the Xid waiter (it drops its NVML event set) before our session is released."""
+        def halt() -> None:
+            self._xid_halt.set()
+            self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
+
+        await asyncio.to_thread(halt)
+
+    def _resume_xid(self) -> None:
+        if not self._stop.is_set():
+            self._xid_halt.clear()
 
     def status_fragment(self) -> str:
         """``GPU 0 61°C 212 W`` from the latest sample, for sd_notify STATUS= (empty when off)."""
@@ -379,37 +286,3 @@ class GpuSource(Source):
         last = self.watch.last_sample
         return {"identity": None if self.identity is None else self.identity.__dict__,
                 "sample": None if last is None else sample_to_dict(last)}
-
-
-def _pid_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie counts as gone: it holds no GPU context)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
-async def _run_bounded(argv: list[str], timeout_s: float) -> tuple[str, str]:
-    """Run ``argv`` (no shell) within ``timeout_s``; ("ok" | "failed", one-line detail)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
-    except OSError as exc:
-        return "failed", f"cannot run {argv[0]}: {exc.strerror or exc}"
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(proc.wait(), 5.0)
-        return "failed", f"{argv[0]} did not finish within {timeout_s:.0f} s"
-    text = " / ".join(line.strip() for line in out.decode(errors="replace").splitlines() if line.strip())
-    if len(text) > 300:  # nvidia-smi says what happened first, then generic advice
-        text = text[:300] + " ..."
-    if proc.returncode != 0:
-        return "failed", f"{argv[0]} exited {proc.returncode}: {text}"
-    return "ok", text or f"{argv[0]} exited 0"
