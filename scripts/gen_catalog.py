@@ -151,8 +151,17 @@ TEXT: dict[str, tuple[str, str]] = {
     "gpu_xid": (
         "GPU reported an Xid error",
         "GPU @GPU_INDEX@ reported Xid @XID@: @MEANING@.\n\n"
-        "Xid 48/63/64/94/95 concern ECC memory; 79 means the GPU fell off the bus; 13/31/43\n"
-        "are usually application faults. See NVIDIA's Xid documentation."),
+        "Xid 48/63/64/95 concern ECC memory; 79 means the GPU fell off the bus; 13/31/43/45/68/69/94/109\n"
+        "are faults of one application: llama-guard acts on those only when the faulting pid (the\n"
+        "kernel log's pid=) is its server, and says so in the ACTION, OURS and SOURCE fields\n"
+        "(nvml, kmsg, or nvml+kmsg when NVML's event was matched with the kernel line).\n"
+        "See NVIDIA's Xid documentation."),
+    "gpu_xid_unparsed": (
+        "Xid line llama-guard could not read",
+        "The kernel logged an Xid line that llama-guard's parser does not understand:\n"
+        "@LINE@\n\n"
+        "It is reported rather than dropped; nothing was done about it. Please report the line\n"
+        "so that the parser can learn its format."),
     "gpu_reset": (
         "GPU reset",
         "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"

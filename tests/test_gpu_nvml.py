@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml, Seq
+from llama_guard.core.types import XidScope
 from llama_guard.gpu import nvml as nv
 from llama_guard.gpu.nvml import (
     DeviceNotFound,
@@ -22,7 +23,7 @@ from llama_guard.gpu.nvml import (
 )
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import decode_clock_events, sample_from_dict, sample_to_dict
-from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_event_fields, xid_info
+from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_info
 
 
 class Clock:
@@ -300,7 +301,7 @@ def test_xid_waiter_delivers_and_stops() -> None:
             stop.set()
 
     reason = run_xid_waiter(nvml, stop, on_xid, on_error=lambda e: pytest.fail(str(e)), timeout_ms=5)
-    assert (reason, seen, fake.event_sets) == ("stopped", [13, 79], 0)
+    assert (reason, seen, fake.event_sets) == (None, [13, 79], 0)
 
 
 def test_xid_waiter_reports_lost_gpu_and_registers_again() -> None:
@@ -339,18 +340,22 @@ def test_xid_waiter_gives_up_when_not_supported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("xid", "ours", "action"),
-    [(79, None, XidAction.RESET_ONCE_THEN_ESCALATE), (48, None, XidAction.RESET), (119, None, XidAction.RESET),
-     (13, None, XidAction.RESTART), (31, True, XidAction.RESTART), (43, True, XidAction.RESTART),
-     (43, False, XidAction.EVENT_ONLY), (63, None, XidAction.EVENT_ONLY), (92, None, XidAction.EVENT_ONLY),
-     (154, None, XidAction.FOLLOW_RECOVERY_ACTION), (12345, None, XidAction.EVENT_ONLY)],
+    ("xid", "scope", "action"),
+    [(79, XidScope.DEVICE, XidAction.RESET_ONCE_THEN_ESCALATE), (48, XidScope.DEVICE, XidAction.RESET),
+     (119, XidScope.DEVICE, XidAction.RESET), (74, XidScope.DEVICE, XidAction.RESET),
+     (13, XidScope.APP, XidAction.RESTART), (31, XidScope.APP, XidAction.RESTART),
+     (43, XidScope.APP, XidAction.RESTART), (94, XidScope.APP, XidAction.RESTART),
+     (109, XidScope.APP, XidAction.RESTART), (63, XidScope.DEVICE, XidAction.EVENT_ONLY),
+     (92, XidScope.DEVICE, XidAction.EVENT_ONLY), (154, XidScope.DEVICE, XidAction.FOLLOW_RECOVERY_ACTION),
+     (12345, XidScope.DEVICE, XidAction.EVENT_ONLY)],
 )
-def test_xid_table(xid: int, ours: bool | None, action: XidAction) -> None:
-    assert xid_info(xid, ours).action is action
+def test_xid_table(xid: int, scope: XidScope, action: XidAction) -> None:
+    info = xid_info(xid)
+    assert (info.scope, info.action) == (scope, action) and info.source
 
 
-def test_xid_event_fields_render() -> None:
+def test_gpu_xid_event_renders() -> None:
     from llama_guard.output.events import render_message
 
-    fields = xid_event_fields(79, 0, source="nvml")
+    fields = {"gpu_index": 0, "xid": 79, "meaning": "GPU has fallen off the bus"}
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"

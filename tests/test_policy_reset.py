@@ -38,9 +38,12 @@ from llama_guard.core.types import (
     Terminate,
     Tick,
     XidAction,
+    XidOrigin,
     initial_state,
 )
 from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
+from llama_guard.gpu.kmsg import KmsgParser, XidRecord
+from llama_guard.gpu.xid import XidMatcher, xid_info
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,
            max_restarts=3, restart_window_s=100, stable_after_s=10, stop_grace_s=4, kill_wait_s=2,
@@ -53,8 +56,18 @@ ILLEGAL = "0.01.02.003 E CUDA error: an illegal memory access was encountered"
 LOST = GpuFault(GpuFaultKind.GPU_LOST, "GPU is lost (GPU is lost)")
 
 
-def xid(n: int, action: str) -> GpuFault:
-    return GpuFault(GpuFaultKind.XID, f"Xid {n}: test", XidAction(action), n)
+def xid(n: int, action: str, pid: int | None = 100) -> GpuFault:
+    """Xid ``n`` as the GPU watcher posts it: its table row, and the kernel's ``pid=`` (100: the
+    server of :func:`ready`)."""
+    info = xid_info(n)
+    assert info.action is XidAction(action)
+    return GpuFault(GpuFaultKind.XID, f"Xid {n}: test", info.action, n, info.scope, pid, "llama-server",
+                    XidOrigin.KMSG, 0)
+
+
+def but_xid(actions: list[Action]) -> list[Action]:
+    """The actions other than the ``gpu_xid`` report (every Xid is reported)."""
+    return [a for a in actions if not (isinstance(a, Emit) and a.name == "gpu_xid")]
 
 
 def names(actions: list[Action]) -> list[str]:
@@ -363,7 +376,8 @@ class TestLostAndXid:
 
     def test_xid_13_while_backing_off_does_nothing(self) -> None:
         s, _ = decide(ready(), Exited(100, 1), 5.0)
-        assert decide(s, xid(13, "restart"), 5.1) == (s, [])
+        s2, acts = decide(s, xid(13, "restart"), 5.1)
+        assert s2 == s and names(acts) == ["gpu_xid"] and emitted(acts, "gpu_xid").fields["action"] == "event_only"
 
     @pytest.mark.parametrize("phase_state", ["ready", "backoff", "resetting"])
     def test_event_only_xid_changes_nothing(self, phase_state: str) -> None:
@@ -372,13 +386,14 @@ class TestLostAndXid:
             s, _ = decide(s, Exited(100, 1), 5.0)
         elif phase_state == "resetting":
             s, _ = into_reset(s, line(100, OOM))
-        assert decide(s, xid(63, "event_only"), 6.0) == (s, [])
+        s2, acts = decide(s, xid(63, "event_only"), 6.0)
+        assert s2 == s and names(acts) == ["gpu_xid"]
 
     def test_xid_while_backing_off_resets_before_the_next_start(self) -> None:
         s, _ = decide(ready(), Exited(100, 1), 5.0)
         assert s.phase is Phase.BACKOFF
         s, acts = decide(s, xid(48, "reset"), 5.2)
-        assert s.phase is Phase.RESETTING and acts == [InspectGpu(None, "Xid 48: test")]
+        assert s.phase is Phase.RESETTING and but_xid(acts) == [InspectGpu(None, "Xid 48: test")]
         s, acts = decide(s, Tick(), 7.0)  # the backoff timer (due at 6.0) has no say while resetting
         assert acts == [] and s.phase is Phase.RESETTING
         s, acts = run_reset(s, 8.0)
@@ -390,7 +405,7 @@ class TestLostAndXid:
             s, acts = decide(s, Probe(100, health_ok=False, canary_ok=None, busy=False, progressed=False), t)
         assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.FAILURE
         s, acts = decide(s, xid(79, "reset_once_then_escalate"), 6.5)
-        assert acts == [] and s.after_stop is AfterStop.RESET
+        assert but_xid(acts) == [] and s.after_stop is AfterStop.RESET
         s, acts = decide(s, Exited(100, -15), 7.0)
         assert InspectGpu(100, "Xid 79: test") in acts
 
@@ -435,6 +450,95 @@ class TestLostAndXid:
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
 
 
+# ------------------------------------------------------------------------------------------- whose Xid
+
+
+XID31_OTHER = ("NVRM: Xid (PCI:0000:02:00): 31, pid={pid}, name=python3, Ch 00000008, intr 00000000. "
+               "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_8 faulted @ 0x7f00_1c000000. "
+               "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE")
+
+
+def kernel_xid(text: str, *, nvml_first: bool = False) -> GpuFault:
+    """``text`` through the real kernel-log parser and the NVML/kmsg matcher, posted as the GPU
+    watcher posts it."""
+    parser = KmsgParser("0000:02:00.0")
+    [record] = parser.feed(text)
+    assert isinstance(record, XidRecord)
+    matcher = XidMatcher(window_s=2.0)
+    assert record.xid is not None
+    if nvml_first:
+        assert matcher.nvml(record.xid, 10.0) == []  # an application Xid waits for its kernel line
+    [rep] = matcher.kmsg(record, 10.5)
+    info = xid_info(rep.xid)
+    return GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid, info.scope,
+                    rep.pid, rep.name, rep.origin, 0, rep.text)
+
+
+class TestXidOwnership:
+    def test_xid_31_of_another_process_does_not_restart_our_server(self) -> None:
+        # Issue 12 item 6: the kernel line on our GPU names a pid that is not our server.
+        s = ready(pid=100)
+        s2, acts = decide(s, kernel_xid(XID31_OTHER.format(pid=4711)), 5.0)
+        assert s2 == s and s2.phase is Phase.READY and names(acts) == ["gpu_xid"]
+        report = emitted(acts, "gpu_xid").fields
+        assert report["action"] == "event_only" and report["table_action"] == "restart"
+        assert report["ours"] is False and report["xid_pid"] == 4711 and report["source"] == "kmsg"
+
+    @pytest.mark.parametrize("nvml_first", [False, True], ids=["kmsg", "nvml+kmsg"])
+    def test_xid_31_of_our_server_restarts_it(self, nvml_first: bool) -> None:
+        s, acts = decide(ready(pid=100), kernel_xid(XID31_OTHER.format(pid=100), nvml_first=nvml_first), 5.0)
+        assert s.phase is Phase.STOPPING and Terminate(100) in acts and s.after_stop is AfterStop.FAILURE
+        report = emitted(acts, "gpu_xid").fields
+        assert report["ours"] is True and report["source"] == ("nvml+kmsg" if nvml_first else "kmsg")
+
+    @pytest.mark.parametrize("n", [13, 31, 43, 45, 68, 69, 94, 109])
+    def test_every_application_xid_of_another_process_is_reported_only(self, n: int) -> None:
+        s = ready(pid=100)
+        s2, acts = decide(s, xid(n, "restart", pid=4711), 5.0)
+        assert s2 == s and names(acts) == ["gpu_xid"]
+
+    def test_application_xid_from_nvml_alone_is_reported_only(self) -> None:
+        matcher = XidMatcher(window_s=2.0)
+        assert matcher.nvml(31, 10.0) == [] and matcher.next_due() == 12.0
+        [rep] = matcher.due(12.0)
+        assert rep.origin is XidOrigin.NVML and rep.pid is None
+        info = xid_info(31)
+        fault = GpuFault(GpuFaultKind.XID, "Xid 31", info.action, 31, info.scope, None, None, rep.origin, 0)
+        s = ready(pid=100)
+        s2, acts = decide(s, fault, 13.0)
+        assert s2 == s and emitted(acts, "gpu_xid").fields["ours"] is None
+
+    @pytest.mark.parametrize(("n", "action"), [(48, "reset"), (62, "reset"), (64, "reset"), (74, "reset"),
+                                               (95, "reset"), (119, "reset"), (120, "reset"),
+                                               (79, "reset_once_then_escalate")])
+    def test_device_xid_acts_whoever_the_pid(self, n: int, action: str) -> None:
+        s, acts = decide(ready(pid=100), xid(n, action, pid=4711), 5.0)
+        assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.RESET and Terminate(100) in acts
+        assert emitted(acts, "gpu_xid").fields["ours"] is False
+
+
+class TestXidMatcher:
+    def test_device_xid_from_nvml_is_reported_at_once_and_its_kernel_line_is_a_duplicate(self) -> None:
+        m = XidMatcher(window_s=2.0)
+        [rep] = m.nvml(79, 1.0)
+        assert rep.origin is XidOrigin.NVML
+        rec = XidRecord("0000:02:00.0", 79, None, None, "NVRM: Xid ...: 79", True)
+        assert m.kmsg(rec, 1.5) == []
+        assert m.kmsg(rec, 4.0) != []  # a new one, past the window
+
+    def test_kernel_line_first_then_nvml_is_one_report(self) -> None:
+        m = XidMatcher(window_s=2.0)
+        rec = XidRecord("0000:02:00.0", 31, 4711, "python3", "NVRM: Xid ...: 31", False)
+        [rep] = m.kmsg(rec, 1.0)
+        assert (rep.origin, rep.pid, rep.name) == (XidOrigin.KMSG, 4711, "python3")
+        assert m.nvml(31, 1.2) == [] and m.next_due() is None
+
+    def test_without_the_kernel_log_nothing_waits(self) -> None:
+        m = XidMatcher(window_s=2.0, kmsg_on=False)
+        [rep] = m.nvml(31, 1.0)
+        assert rep.origin is XidOrigin.NVML and m.next_due() is None
+
+
 # ------------------------------------------------------------------------------------------- during the reset
 
 
@@ -443,7 +547,7 @@ class TestDuringReset:
         s, _ = into_reset(ready(), line(100, OOM))
         for fault in (LOST, xid(79, "reset_once_then_escalate"), xid(48, "reset"), xid(13, "restart")):
             s2, acts = decide(s, fault, 6.0)
-            assert acts == [] and s2.phase is Phase.RESETTING and s2.resets == s.resets
+            assert but_xid(acts) == [] and s2.phase is Phase.RESETTING and s2.resets == s.resets
             assert s2.deadline == s.deadline
         s, acts = decide(s, LOST, 6.0)
         s, acts = run_reset(s, 8.0)

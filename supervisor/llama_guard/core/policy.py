@@ -51,6 +51,7 @@ from llama_guard.core.types import (
     Terminate,
     Tick,
     XidAction,
+    XidScope,
     exit_text,
 )
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_GPU_UNRECOVERABLE, EXIT_OK
@@ -416,6 +417,33 @@ def _stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str
 
 
 def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
+    if event.kind is not GpuFaultKind.XID:
+        return _act_on_gpu_fault(state, event, now)
+    judged, ours = _judge_xid(state, event)
+    emit = Emit("gpu_xid", {
+        "gpu_index": event.gpu_index, "xid": event.xid, "meaning": event.reason.removeprefix(f"Xid {event.xid}: "),
+        "action": judged.action.value,
+        "table_action": event.action.value, "scope": event.scope.value, "source": event.origin.value,
+        "xid_pid": event.faulting_pid, "xid_name": event.faulting_name, "ours": ours,
+        "server_pid": state.pid, "line": event.line})
+    new, actions = _act_on_gpu_fault(state, judged, now)
+    return new, [emit, *actions]
+
+
+def _judge_xid(state: State, event: GpuFault) -> tuple[GpuFault, bool | None]:
+    """An application Xid acts only when the faulting pid is our server; a device Xid always.
+
+    Returns the fault with the action to take and whether it was ours (None: no pid was named —
+    NVML's event without a matching kernel line; the server's own output then tells whether it
+    was hit, so such an application Xid is reported only).
+    """
+    ours = None if event.faulting_pid is None else event.faulting_pid == state.pid
+    if event.scope is XidScope.APP and ours is not True:
+        return replace(event, action=XidAction.EVENT_ONLY), ours
+    return event, ours
+
+
+def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     p = state.params
     lost = event.kind is GpuFaultKind.GPU_LOST or event.action is XidAction.RESET_ONCE_THEN_ESCALATE
     if event.action is XidAction.EVENT_ONLY:

@@ -52,6 +52,21 @@ class XidAction(enum.Enum):
     EVENT_ONLY = "event_only"  # report, nothing else
 
 
+class XidScope(enum.Enum):
+    """Whom an Xid is about (the Xid table, gpu/xid.py)."""
+
+    APP = "app"        # one application's fault (the process named by the kernel's ``pid=``)
+    DEVICE = "device"  # the GPU itself, whoever was running on it
+
+
+class XidOrigin(enum.Enum):
+    """Which report of an Xid the policy judged."""
+
+    NVML = "nvml"                # NVML's event alone (it carries no pid)
+    KMSG = "kmsg"                # the kernel-log line (``pid=``, ``name=``)
+    NVML_AND_KMSG = "nvml+kmsg"  # NVML's event matched with the kernel-log line of the same Xid
+
+
 class ResetTrigger(enum.Enum):
     """What may lead to a GPU reset (``[recovery].reset_on``)."""
 
@@ -145,13 +160,20 @@ class NotOnGpu(Input):
 class GpuFault(Input):
     """The GPU is lost (``kind`` GPU_LOST) or reported an Xid (``kind`` XID).
 
-    ``action`` is the Xid table's verdict; a lost GPU is RESET_ONCE_THEN_ESCALATE.
+    ``action`` and ``scope`` are the Xid table's row; a lost GPU is RESET_ONCE_THEN_ESCALATE.
+    The policy acts on an APP-scope Xid only when ``faulting_pid`` is its server.
     """
 
     kind: GpuFaultKind
     reason: str
     action: XidAction = XidAction.RESET_ONCE_THEN_ESCALATE
     xid: int | None = None
+    scope: XidScope = XidScope.DEVICE
+    faulting_pid: int | None = None   # the kernel's ``pid=`` (None: NVML alone, or not named)
+    faulting_name: str | None = None  # the kernel's ``name=``
+    origin: XidOrigin = XidOrigin.NVML
+    gpu_index: int | None = None
+    line: str = ""                    # the kernel-log text, when there is one
 
 
 @dataclass(frozen=True)

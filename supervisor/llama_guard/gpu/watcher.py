@@ -22,7 +22,7 @@ from llama_guard.config import Config
 from llama_guard.core.types import GpuFault, GpuFaultKind, ResetDone, ResetFacts
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
-from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg
+from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.readings import sample_to_dict
 from llama_guard.gpu.reset import ResetExecutor
 from llama_guard.gpu.rules import (
@@ -31,10 +31,11 @@ from llama_guard.gpu.rules import (
     sample_once,
     server_on_gpu,
 )
-from llama_guard.gpu.xid import run_xid_waiter, xid_event_fields, xid_info
+from llama_guard.gpu.xid import XidMatcher, XidReport, run_xid_waiter, xid_info
 
 TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
+XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 
 
 def _module() -> Any:
@@ -52,6 +53,7 @@ class GpuSource(Source):
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
+        self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
         self.off_reason = ""
         self._can_reset = False
         self._stop = threading.Event()
@@ -96,7 +98,7 @@ class GpuSource(Source):
         nvml, index = self.nvml, self.identity.index
 
         def on_xid(xid: int) -> None:
-            ctx.loop.call_soon_threadsafe(self._on_xid, ctx, xid, "nvml", None, None, None)
+            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid)
 
         def on_error(exc: NvmlError) -> None:
             return None  # the sampler reports a lost GPU; the waiter re-registers by itself
@@ -110,7 +112,7 @@ class GpuSource(Source):
                     reason = f"the Xid waiter failed: {exc!r}"
                 finally:
                     self._xid_idle.set()  # its event set is freed
-                if reason != "stopped":
+                if reason is not None:
                     ctx.loop.call_soon_threadsafe(
                         functools.partial(ctx.emit, "gpu_watch_off", reason=reason, gpu_index=index))
                     return
@@ -118,6 +120,7 @@ class GpuSource(Source):
                     self._stop.wait(0.1)
 
         reader = open_kmsg(ctx.config.gpu.kmsg_path)
+        self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=not isinstance(reader, KmsgOff))
         if isinstance(reader, KmsgOff):
             ctx.emit("gpu_kmsg_off", reason=reader.message)
         else:
@@ -127,9 +130,7 @@ class GpuSource(Source):
                 while not self._stop.is_set():
                     for line in reader.poll(1.0):
                         for rec in parser.feed(line):
-                            xid = rec.xid if rec.xid is not None else 79
-                            ctx.loop.call_soon_threadsafe(self._on_xid, ctx, xid, "kmsg",
-                                                          rec.is_ours(self._server_pid), rec.pid, rec.name)
+                            ctx.loop.call_soon_threadsafe(self._on_kmsg_record, ctx, rec)
 
             self._threads.append(threading.Thread(target=kmsg_thread, name="kmsg", daemon=True))
         self._threads.append(threading.Thread(target=xid_thread, name="xid-waiter", daemon=True))
@@ -146,13 +147,30 @@ class GpuSource(Source):
 
     # ------------------------------------------------------------ observations
 
-    def _on_xid(self, ctx: Context, xid: int, source: str, ours: bool | None, pid: int | None,
-                name: str | None) -> None:
-        index = self.identity.index if self.identity is not None else None
-        fields = xid_event_fields(xid, index, source=source, ours=ours, pid=pid, name=name)
-        ctx.emit("gpu_xid", **fields)
-        info = xid_info(xid, ours)
-        ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {xid}: {info.meaning}", info.action, xid))
+    def _on_nvml_xid(self, ctx: Context, xid: int) -> None:
+        self._post_xids(ctx, self.xids.nvml(xid, ctx.clock()))
+        due = self.xids.next_due()
+        if due is not None:  # an application Xid waits (bounded) for its kernel line
+            ctx.loop.call_later(max(0.0, due - ctx.clock()) + 0.01, self._flush_xids, ctx)
+
+    def _on_kmsg_record(self, ctx: Context, record: XidRecord | UnparsedXid) -> None:
+        if isinstance(record, UnparsedXid):
+            ctx.emit("gpu_xid_unparsed", gpu_index=self._gpu_index(), line=record.text)
+            return
+        self._post_xids(ctx, self.xids.kmsg(record, ctx.clock()))
+
+    def _flush_xids(self, ctx: Context) -> None:
+        self._post_xids(ctx, self.xids.due(ctx.clock()))
+
+    def _gpu_index(self) -> int | None:
+        return self.identity.index if self.identity is not None else None
+
+    def _post_xids(self, ctx: Context, reports: list[XidReport]) -> None:
+        """Hand each Xid to the policy with its table row; the policy judges whose it is."""
+        for rep in reports:
+            info = xid_info(rep.xid)
+            ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
+                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text))
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:
