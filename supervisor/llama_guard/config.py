@@ -240,6 +240,8 @@ class GpuConfig(_Section):
     throttle_sustain_s: float = Field(30.0, ge=0)
     reminder_interval_s: PositiveFloat = 3600.0
     kmsg_path: str = "/dev/kmsg"
+    expected_vram_mib: int = Field(0, ge=0)
+    vram_wait_timeout_s: PositiveFloat = 300.0
 
 
 class RecoveryConfig(_Section):

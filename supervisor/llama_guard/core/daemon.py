@@ -30,6 +30,7 @@ from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     Action,
     Boot,
+    CheckVram,
     Drained,
     Emit,
     ExitDaemon,
@@ -58,6 +59,7 @@ from llama_guard.core.types import (
     StopRequest,
     Terminate,
     Tick,
+    VramFacts,
     initial_state,
 )
 from llama_guard.core.watcher import Context, Source
@@ -134,6 +136,8 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
                           + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + 30.0),
         gpu_index=config.gpu.index,
+        vram_admission=reset_possible and gpu_wanted,
+        vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
     )
 
 
@@ -302,6 +306,8 @@ class Daemon:
                 self._gen.tasks.append(asyncio.ensure_future(self._drain(self._gen)))
         elif isinstance(action, (InspectGpu, RunReset)):
             self._aux.append(asyncio.ensure_future(self._reset_gpu(action)))
+        elif isinstance(action, CheckVram):
+            self._aux.append(asyncio.ensure_future(self._check_vram()))
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
             self._exit_code = action.code
@@ -420,6 +426,19 @@ class Daemon:
         await gen.probe.aclose()
         if gen.log is not None:
             gen.log.close()
+
+    async def _check_vram(self) -> None:
+        """Ask the sources for the GPU's VRAM facts; always answers VramFacts (empty: unknown)."""
+        assert self.ctx is not None
+        facts: VramFacts | None = None
+        for source in self.sources:
+            try:
+                facts = await source.vram_facts(self.ctx)
+            except Exception as exc:
+                self.emitter.emit("config_error", reason=f"{source.name}.vram_facts failed: {exc!r}")
+            if facts is not None:
+                break
+        self.queue.put_nowait(facts or VramFacts(None, None, None))
 
     async def _reset_gpu(self, action: InspectGpu | RunReset) -> None:
         """Hand a reset step to the source that can reset; always answers ResetFacts / ResetDone."""

@@ -19,6 +19,7 @@ from llama_guard.core.types import (
     Action,
     AfterStop,
     Boot,
+    CheckVram,
     Drained,
     Emit,
     ExitDaemon,
@@ -50,6 +51,7 @@ from llama_guard.core.types import (
     StopRequest,
     Terminate,
     Tick,
+    VramFacts,
     XidAction,
     XidScope,
     exit_text,
@@ -152,7 +154,7 @@ def _fault_event(state: State, verdict: LineClass, text: str) -> tuple[str, dict
 
 def _on_stopped(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Boot):
-        return _spawn(state)
+        return _start(state, now)
     return state, []
 
 
@@ -333,7 +335,10 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
             # whether this fault calls for a reset.
             trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
             p = state.params
-            if new.after_stop is AfterStop.FAILURE and p.reset_possible and trigger in p.reset_on:
+            if (new.after_stop is AfterStop.FAILURE and trigger is ResetTrigger.OOM and p.vram_admission
+                    and state.ready_at is None):  # an OOM while loading: perhaps another process's VRAM
+                new = replace(new, after_stop=AfterStop.VRAM_CHECK, reset_reason=reason)
+            elif new.after_stop is AfterStop.FAILURE and p.reset_possible and trigger in p.reset_on:
                 new = replace(new, after_stop=AfterStop.RESET, reset_reason=reason)
             return new, [Emit(name, fields)]
         return state, []
@@ -363,8 +368,10 @@ def _finish_stop(state: State, now: float) -> Result:
         return _exit(state, state.exit_code, state.exit_reason or "stopped")
     if state.after_stop is AfterStop.RESET:
         return _begin_reset(state, now)
+    if state.after_stop is AfterStop.VRAM_CHECK:
+        return _start(replace(state, pid=None, vram_after_oom=True), now)
     if state.after_stop is AfterStop.RESTART:
-        new, actions = _spawn(replace(state, restarts=state.restarts + 1))
+        new, actions = _start(replace(state, restarts=state.restarts + 1), now)
         return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault}), *actions]
     return _count_failure(state, now)
 
@@ -373,7 +380,7 @@ def _on_backoff(state: State, event: Input, now: float) -> Result:
     due = isinstance(event, Tick) and state.deadline is not None and now >= state.deadline
     if due or isinstance(event, RestartRequest):
         reason = event.reason if isinstance(event, RestartRequest) else f"after {state.last_failure}"
-        new, actions = _spawn(replace(state, restarts=state.restarts + 1))
+        new, actions = _start(replace(state, restarts=state.restarts + 1), now)
         return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures)}),
                      *actions]
     return state, []
@@ -384,7 +391,7 @@ def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.RESETTING:
         # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
         return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
-    if state.phase in (Phase.STOPPED, Phase.BACKOFF):
+    if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = _exit(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
     if state.phase is Phase.STOPPING:
@@ -409,8 +416,11 @@ def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
 # ---------------------------------------------------------------- GPU faults and the reset
 
 def _stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str) -> Result:
-    """Stop after a GPU fault: with a reset afterwards when ``trigger`` is in ``reset_on``."""
+    """Stop after a GPU fault: with a reset afterwards when ``trigger`` is in ``reset_on``; an OOM
+    while loading on a watched GPU first checks whether another process holds the VRAM."""
     p = state.params
+    if trigger is ResetTrigger.OOM and state.phase is Phase.STARTING and p.vram_admission:
+        return _stop(replace(state, reset_reason=reason), now, AfterStop.VRAM_CHECK, reason)
     if p.reset_possible and trigger in p.reset_on:
         return _stop(replace(state, reset_reason=reason), now, AfterStop.RESET, reason)
     return _stop(state, now, AfterStop.FAILURE, reason)
@@ -463,7 +473,7 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason)
     can_reset = p.reset_possible and trigger in p.reset_on
     if state.phase is Phase.STOPPING:
-        if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART):
+        if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK):
             after = AfterStop.RESET if can_reset else AfterStop.EXIT
             code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
             return replace(state, after_stop=after, reset_reason=event.reason, exit_code=code,
@@ -475,7 +485,7 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         # No reset allowed: stop cleanly and do not restart onto a GPU that is not verified.
         return _stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_GPU_UNRECOVERABLE,
                      reason=f"GPU fault and no reset configured: {event.reason}")
-    if state.phase in (Phase.BACKOFF, Phase.STOPPED):
+    if state.phase in (Phase.BACKOFF, Phase.STOPPED, Phase.WAITING_VRAM):
         if can_reset:
             return _begin_reset(replace(state, reset_reason=event.reason), now)
         new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}")
@@ -579,7 +589,82 @@ def _on_resetting(state: State, event: Input, now: float) -> Result:
     return state, []
 
 
+# ---------------------------------------------------------------- VRAM admission
+
+VRAM_ANSWER_S = 10.0  # a VRAM check that does not answer within this is skipped (the start goes on)
+
+
+def _start(state: State, now: float) -> Result:
+    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
+    if not state.params.vram_admission:
+        return _spawn(replace(state, vram_after_oom=False))
+    new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
+                  vram_wait_until=None, vram_short="")
+    return new, [CheckVram()]
+
+
+def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
+    """The ``gpu_vram_wait`` fields when another process holds VRAM this server needs, else None.
+
+    Short: free < need (measured at the last good start, or ``[gpu].expected_vram_mib``); with the
+    need unknown, the server having run out of memory at load is the evidence.
+    """
+    if not facts.holders:
+        return None
+    if facts.need_mib is not None and facts.free_mib is not None:
+        if facts.free_mib >= facts.need_mib:
+            return None
+        missing = f"{facts.need_mib - facts.free_mib} MiB missing (llama-server needs {facts.need_mib} MiB, " \
+                  f"{facts.free_mib} MiB free)"
+    elif state.vram_after_oom:
+        free = "?" if facts.free_mib is None else facts.free_mib
+        missing = f"llama-server ran out of GPU memory at load ({free} MiB free)"
+    else:
+        return None
+    top = max(facts.holders, key=lambda h: h.used_mib or 0)
+    return {"gpu_index": facts.gpu_index, "foreign_pid": top.pid, "foreign_name": top.name,
+            "foreign_mib": top.used_mib, "free_mib": facts.free_mib, "need_mib": facts.need_mib,
+            "missing": missing, "timeout_s": state.params.vram_wait_timeout_s,
+            "holders": ", ".join(f"pid {h.pid} ({h.name}, {h.used_mib} MiB)" for h in facts.holders)}
+
+
+def _admit(state: State, now: float) -> Result:
+    """The VRAM is there (or cannot be judged): start, unless an OOM at load is left unexplained."""
+    if state.vram_after_oom and state.vram_wait_until is None:
+        # The OOM was not another process's doing: what it would have been without the check.
+        p = state.params
+        state = replace(state, vram_after_oom=False)
+        if p.reset_possible and ResetTrigger.OOM in p.reset_on:
+            return _begin_reset(replace(state, after_stop=AfterStop.RESET), now)
+        return _count_failure(state, now)
+    return _spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short=""))
+
+
+def _on_waiting_vram(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    if isinstance(event, VramFacts):
+        short = _vram_shortfall(state, event)
+        if short is None:
+            return _admit(state, now)
+        text = f"{short['holders']}: {short['missing']}"
+        if state.vram_wait_until is None:  # the wait begins: no failure is counted, no reset
+            new = replace(state, vram_wait_until=now + p.vram_wait_timeout_s, deadline=now + p.vram_poll_s,
+                          vram_short=text)
+            return new, [Emit("gpu_vram_wait", short)]
+        return replace(state, deadline=now + p.vram_poll_s, vram_short=text), []
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        if state.vram_wait_until is None:  # the check never answered: go on without it
+            return _admit(state, now)
+        if now >= state.vram_wait_until:
+            reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
+            new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", last_failure=reason)
+            return _count_failure(new, now)
+        return replace(state, deadline=now + p.vram_poll_s), [CheckVram()]
+    return state, []
+
+
 _HANDLERS = {
+    Phase.WAITING_VRAM: _on_waiting_vram,
     Phase.RESETTING: _on_resetting,
     Phase.STOPPED: _on_stopped,
     Phase.STARTING: _on_starting,

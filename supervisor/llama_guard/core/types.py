@@ -24,6 +24,7 @@ class Phase(enum.Enum):
     BACKOFF = "backoff"
     RESETTING = "resetting_gpu"
     EXITED = "exited"
+    WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
 
 
 class AfterStop(enum.Enum):
@@ -33,6 +34,7 @@ class AfterStop(enum.Enum):
     FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
     EXIT = "exit"          # the daemon exits with State.exit_code
     RESET = "reset"        # reset the GPU (State.reset_reason), then start again
+    VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
 
 
 class GpuFaultKind(enum.Enum):
@@ -117,6 +119,9 @@ class Params:
     reset_window_s: float = 3600.0
     reset_deadline_s: float = 180.0
     gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
+    vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
+    vram_wait_timeout_s: float = 300.0  # how long to wait for another process to free VRAM
+    vram_poll_s: float = 1.0  # how often VRAM is looked at again while waiting
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -226,6 +231,18 @@ class ResetDone(Input):
     def ok(self) -> bool:
         """The command exited 0 and the GPU verified."""
         return self.exit_status == 0 and self.verified
+
+
+@dataclass(frozen=True)
+class VramFacts(Input):
+    """The answer to :class:`CheckVram`: the GPU's free VRAM (MiB), what this server needs (MiB:
+    its measured use at the last good start, else ``[gpu].expected_vram_mib``; None when unknown)
+    and the other processes holding VRAM. All None/empty when the GPU cannot be read."""
+
+    gpu_index: int | None
+    free_mib: int | None
+    need_mib: int | None
+    holders: tuple[GpuHolder, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -353,6 +370,11 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
+class CheckVram(Action):
+    """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
+
+
+@dataclass(frozen=True)
 class InspectGpu(Action):
     """Before a reset: wait (bounded) for ``previous_pid`` to leave the GPU and for other
     processes to let go, then answer :class:`ResetFacts`. Nothing is changed on the GPU."""
@@ -408,6 +430,9 @@ class State:
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
+    vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
+    vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
+    vram_short: str = ""  # who holds what is missing, while waiting
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

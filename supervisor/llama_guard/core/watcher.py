@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State
+from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State, VramFacts
 
 
 @dataclass
@@ -81,6 +81,11 @@ class Source:
     def can_reset(self) -> bool:
         """Whether this source can reset the GPU and verify it afterwards (the policy is told)."""
         return False
+
+    async def vram_facts(self, ctx: Context) -> VramFacts | None:
+        """The GPU's free VRAM, what the server needs and who else holds VRAM, for the check before
+        each start (bounded: one reading); None when this source does not watch a GPU."""
+        return None
 
     async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
         """What stands in the way of a GPU reset now (only called when :attr:`can_reset`): wait,

@@ -153,6 +153,7 @@ class GpuWatch:
         self.power = Condition(st.power_sustain_s, st.clear_after_s, st.reminder_s)
         self.throttle = Condition(st.throttle_sustain_s, st.clear_after_s, st.reminder_s)
         self.persistence = Condition(0.0, 0.0, st.reminder_s)
+        self.persistence_step: Step | None = None  # what the last sample did to the persistence condition
         self.lost = Condition(0.0, 0.0, st.reminder_s)
         self._foreign: dict[int, Condition] = {}
         self._server_pid: int | None = None
@@ -246,6 +247,7 @@ class GpuWatch:
         if s.persistence_mode is None:
             return []
         step = self.persistence.update(not s.persistence_mode, s.persistence_mode, now)
+        self.persistence_step = step
         fields = {**base, "advice": "systemctl enable --now nvidia-persistenced"}
         return _step_event(step, "gpu_persistence_off", None, fields)
 
@@ -343,6 +345,8 @@ class SampleVerdict:
     sample: GpuSample | None
     events: list[Event] = field(default_factory=list)
     error: NvmlError | None = None
+    lost: bool = False             # the error says the GPU is lost (LOST_ERRORS)
+    persistence_off: bool = False  # this sample reported persistence mode off (first time or reminder)
 
 
 def sample_once(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict:
@@ -354,5 +358,7 @@ def sample_once(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict:
     except Suspended:  # released on purpose (a reset runs): nothing to observe
         return SampleVerdict(None, [], None)
     except NvmlError as exc:
-        return SampleVerdict(None, watch.observe_error(exc, now), exc)
-    return SampleVerdict(sample, watch.observe(sample, now))
+        return SampleVerdict(None, watch.observe_error(exc, now), exc, lost=isinstance(exc, LOST_ERRORS))
+    watch.persistence_step = None
+    events = watch.observe(sample, now)
+    return SampleVerdict(sample, events, persistence_off=watch.persistence_step in (Step.FIRE, Step.REMIND))

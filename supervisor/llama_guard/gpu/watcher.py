@@ -19,12 +19,13 @@ import time
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import GpuFault, GpuFaultKind, ResetDone, ResetFacts
+from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.readings import sample_to_dict
-from llama_guard.gpu.reset import ResetExecutor
+from llama_guard.gpu.nvml import describe
+from llama_guard.gpu.readings import GpuSample, sample_to_dict
+from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
     SampleVerdict,
     foreign_processes,
@@ -54,6 +55,8 @@ class GpuSource(Source):
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
+        self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
+        self._measured_pid: int | None = None
         self.off_reason = ""
         self._can_reset = False
         self._stop = threading.Event()
@@ -177,16 +180,42 @@ class GpuSource(Source):
             return
         while True:
             result = await asyncio.to_thread(self._tick, self.nvml, self.watch, ctx.clock())
-            for name, fields in (result.events if result is not None else []):
-                ctx.emit(name, **fields)
-                if name == "gpu_lost" and not self._lost_reported:
-                    self._lost_reported = True
-                    ctx.post(GpuFault(GpuFaultKind.GPU_LOST, str(fields.get("reason", "GPU lost"))))
-                elif name == "gpu_recovered":
-                    self._lost_reported = False
-                elif name == "gpu_persistence_off" and ctx.config.gpu.enable_persistence:
-                    await self._enable_persistence(ctx, fields)
+            if result is not None:
+                await self._on_tick(ctx, result)
             await asyncio.sleep(ctx.config.gpu.sample_interval_s)
+
+    async def _on_tick(self, ctx: Context, result: SampleVerdict) -> None:
+        for name, fields in result.events:
+            ctx.emit(name, **fields)
+        if result.lost and result.error is not None and not self._lost_reported:
+            self._lost_reported = True
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, describe(result.error), gpu_index=self._gpu_index()))
+        elif result.sample is not None:
+            self._lost_reported = False
+            self._measure(ctx, result.sample)
+            if result.persistence_off and ctx.config.gpu.enable_persistence:
+                await self._enable_persistence(ctx, {"gpu_index": result.sample.identity.index})
+
+    def _measure(self, ctx: Context, sample: GpuSample) -> None:
+        """The server's VRAM at its first sample once READY: what the next start will need."""
+        pid = self._server_pid
+        if pid is None or self._measured_pid == pid or ctx.state.pid != pid or ctx.state.phase is not Phase.READY:
+            return
+        used = next((p.used_bytes for p in sample.processes or () if p.pid == pid), None)
+        if used:
+            self._measured_mib, self._measured_pid = used // MIB, pid
+
+    async def vram_facts(self, ctx: Context) -> VramFacts | None:
+        if self.executor is None:
+            return None
+        need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
+        sample = await self.executor.sample()
+        index = self._gpu_index()
+        if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
+            return VramFacts(index, None, need)
+        own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
+        free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
+        return VramFacts(index, free, need, holders_of(sample, own))
 
     def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
         """One sampler tick, or None while a reset holds our NVML session released."""
