@@ -156,6 +156,13 @@ TEXT: dict[str, tuple[str, str]] = {
         "kernel log's pid=) is its server, and says so in the ACTION, OURS and SOURCE fields\n"
         "(nvml, kmsg, or nvml+kmsg when NVML's event was matched with the kernel line).\n"
         "See NVIDIA's Xid documentation."),
+    "gpu_vram_wait": (
+        "waiting for another process to free VRAM",
+        "Before starting llama-server, llama-guard found that another process holds the VRAM the\n"
+        "server needs on GPU @GPU_INDEX@: @HOLDERS@; @MISSING@.\n\n"
+        "It waits (at most [gpu].vram_wait_timeout_s = @TIMEOUT_S@ s) and starts the server once\n"
+        "the memory is free. The wait is not counted as a failed start and no GPU reset is done.\n"
+        "The need is the server's own VRAM at its last good start, or [gpu].expected_vram_mib."),
     "gpu_xid_unparsed": (
         "Xid line llama-guard could not read",
         "The kernel logged an Xid line that llama-guard's parser does not understand:\n"

@@ -104,6 +104,8 @@ CATALOG: dict[str, EventSpec] = {
                   "GPU {gpu_index}: pid {foreign_pid} ({foreign_name}) no longer holds VRAM"),
         EventSpec("gpu_recovered", _S.NOTICE, "GPU {gpu_index} answers again: {reason}"),
         EventSpec("gpu_kmsg_off", _S.NOTICE, "{reason}"),
+        EventSpec("gpu_vram_wait", _S.WARNING,
+                  "GPU {gpu_index}: waiting for VRAM before starting llama-server: {holders} hold it; {missing}"),
         EventSpec("gpu_vram_not_released", _S.WARNING,
                   "GPU {gpu_index}: VRAM of the previous server not released after {waited_s:.1f} s"),
         # Limits and resources.
