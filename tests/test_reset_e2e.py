@@ -1,5 +1,5 @@
 """End to end: the real daemon (``python -m llama_guard run``) + the fake llama-server + a fake NVML
-(``tests/fake_pynvml_mod.py`` through ``$LLAMA_GUARD_TEST_NVML_MODULE``) + a stub reset command
+(``tests/fake_pynvml_mod.py``, injected by ``tests/run_with_fake_nvml.py``) + a stub reset command
 (``tests/stub_reset.py``) that records its argv. No GPU is touched.
 
 The reset's preconditions include "we are root" (``nvidia-smi --gpu-reset`` needs it): without root
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 import pytest
-from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import FAKE_NVML_RUN, FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
 
 TESTS = Path(__file__).resolve().parent
 STUB = TESTS / "stub_reset.py"
@@ -77,10 +77,10 @@ def gpu_run(tmp_path: Path) -> Iterator[MakeRun]:
         })
         sections = merge(sections, extra or {})
         pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-        run_env = {"LLAMA_GUARD_TEST_NVML_MODULE": "fake_pynvml_mod", "PYTHONPATH": pythonpath,
+        run_env = {"PYTHONPATH": pythonpath,
                    "FAKE_NVML_SCRIPT": str(script), "FAKE_NVML_STATE": str(tmp_path / "nvml-state.json"),
                    "STUB_RESET_RECORD": str(record), "STUB_RESET_MODE": mode, **(env or {})}
-        run = GpuRun(tmp_path, sections, env=run_env)
+        run = GpuRun(tmp_path, sections, env=run_env, command=FAKE_NVML_RUN)
         run.port, run.script, run.record = port, script, record
         runs.append(run)
         return run

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import FAKE_NVML_RUN, FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
 
 TESTS = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -71,8 +71,9 @@ def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[
                      "reset_timeout_s": 3.0, "foreign_wait_s": 0.5, "max_restarts": 3},
     })
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    run = VramRun(tmp, sections, env={"LLAMA_GUARD_TEST_NVML_MODULE": "fake_pynvml_mod", "PYTHONPATH": pythonpath,
-                                      "FAKE_NVML_SCRIPT": str(script), "STUB_RESET_RECORD": str(record)})
+    run = VramRun(tmp, sections, env={"PYTHONPATH": pythonpath,
+                                      "FAKE_NVML_SCRIPT": str(script), "STUB_RESET_RECORD": str(record)},
+                  command=FAKE_NVML_RUN)
     run.port, run.script, run.record = port, script, record
     runs.append(run)
     return run.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -98,8 +97,8 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
     reset has to be verified), we must be root (``nvidia-smi --gpu-reset``), and
     ``[recovery].reset_command`` must be found. Read-only: NVML is opened and closed, nothing reset.
 
-    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; default ``pynvml``, or the module
-    named by ``$LLAMA_GUARD_TEST_NVML_MODULE``) are for tests. WARN, not FAIL, when a reset is not
+    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; None: the real ``pynvml``) are
+    injectable for tests. WARN, not FAIL, when a reset is not
     possible: the daemon then restarts the server only, and a lost GPU ends it with exit 69.
     """
     rec = config.recovery
@@ -113,8 +112,6 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
     else:
         from llama_guard.gpu import DeviceSelector, open_gpu
 
-        if nvml_module is None:
-            nvml_module = _nvml_test_module()
         selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
         if isinstance(opened, WatchOff):
@@ -158,8 +155,6 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     from llama_guard.gpu import DeviceSelector, open_gpu
     from llama_guard.gpu.rules import driver_in_series
 
-    if nvml_module is None:
-        nvml_module = _nvml_test_module()
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
@@ -209,13 +204,6 @@ def _find_command(command: str, which: Callable[[str], str | None]) -> str | Non
     return which(command)
 
 
-def _nvml_test_module() -> Any:
-    from llama_guard.gpu.watcher import TEST_MODULE_ENV
-
-    name = os.environ.get(TEST_MODULE_ENV, "")
-    return importlib.import_module(name) if name else None
-
-
 def check_port(config: Config) -> CheckResult:
     """Whether ``[server].host:port`` can be bound now (llama-server would fail to start if not).
 
@@ -234,13 +222,13 @@ def check_port(config: Config) -> CheckResult:
     return CheckResult("port", "OK", f"{host}:{config.server.port} is free")
 
 
-def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
-    """Every preflight check, in report order."""
+def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) -> list[CheckResult]:
+    """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
     results.append(check_model(config))
     results.append(check_port(config))
     results += check_limits(config)
-    results += check_gpu(config)
-    results.append(check_reset(config))
+    results += check_gpu(config, nvml_module=nvml_module)
+    results.append(check_reset(config, nvml_module=nvml_module))
     return results

@@ -4,15 +4,14 @@ Everything NVML-related goes through :class:`llama_guard.gpu.Nvml` (the one chok
 NVML calls run in threads; results come back to the loop as events and policy inputs
 (:class:`policy.GpuFault`, the answers of :meth:`ready_check`, :meth:`before_spawn`, :meth:`reset`).
 
-Test hook: ``$LLAMA_GUARD_TEST_NVML_MODULE`` names a module to use instead of ``pynvml`` (a
-scriptable fake); it is meant for tests and dry runs only.
+``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
+tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import os
 import threading
 import time
@@ -34,14 +33,8 @@ from llama_guard.gpu.rules import (
 )
 from llama_guard.gpu.xid import XidMatcher, XidReport, run_xid_waiter, xid_info
 
-TEST_MODULE_ENV = "LLAMA_GUARD_TEST_NVML_MODULE"
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
-
-
-def _module() -> Any:
-    name = os.environ.get(TEST_MODULE_ENV, "")
-    return importlib.import_module(name) if name else None
 
 
 class GpuSource(Source):
@@ -49,7 +42,8 @@ class GpuSource(Source):
 
     name = "gpu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, nvml_module: Any = None) -> None:
+        self._nvml_module = nvml_module
         self.nvml: Nvml | None = None
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
@@ -80,7 +74,7 @@ class GpuSource(Source):
     async def start(self, ctx: Context) -> str | None:
         cfg = ctx.config.gpu
         selector = DeviceSelector(cfg.index, cfg.uuid, cfg.pci_bus_id)
-        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=_module())
+        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=self._nvml_module)
         if not isinstance(opened, Nvml):
             self.off_reason = opened.reason
             ctx.emit("gpu_watch_off", reason=opened.reason)
