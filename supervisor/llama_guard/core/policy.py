@@ -35,6 +35,8 @@ from llama_guard.core.types import (
     NotOnGpu,
     ParamsChanged,
     Phase,
+    PlannedRestart,
+    PlannedStop,
     Probe,
     ResetDone,
     ResetFacts,
@@ -176,8 +178,11 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
         new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
+        planned: list[Action] = [PlannedRestart(state.pid, event.cause, event.reason, 0.0)]
+        if state.pid is not None:
+            planned.append(PlannedStop(state.pid, drained=False))
         return new, [Emit(RESTART_EVENT[event.cause], {"server_pid": state.pid, "reason": event.reason,
-                                                       "cause": event.cause.value}), *actions]
+                                                       "cause": event.cause.value}), *planned, *actions]
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
@@ -282,21 +287,23 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
             new, actions = _stop(state, now, AfterStop.RESTART, state.fault)
             return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
-                                                "reason": state.fault}), *actions]
+                                                "reason": state.fault}), PlannedStop(pid, drained=False), *actions]
         return state, []
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return state, []
+        uptime = now - (state.ready_at or now)
         emit = Emit(RESTART_EVENT[event.cause], {"server_pid": pid, "reason": event.reason,
-                                                 "cause": event.cause.value,
-                                                 "uptime_s": now - (state.ready_at or now)})
+                                                 "cause": event.cause.value, "uptime_s": uptime})
+        planned = PlannedRestart(pid, event.cause, event.reason, uptime)
         if not event.drain:
             new, actions = _stop(state, now, AfterStop.RESTART, event.reason)
-            return new, [emit, *actions]
+            return new, [emit, planned, PlannedStop(pid, drained=False), *actions]
         new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason)
-        return new, [emit, StartDrain(pid)]
+        return new, [emit, planned, StartDrain(pid)]
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
-        return _stop(state, now, AfterStop.RESTART, state.fault)
+        new, actions = _stop(state, now, AfterStop.RESTART, state.fault)
+        return new, [PlannedStop(pid, drained=True), *actions]
     return state, []
 
 

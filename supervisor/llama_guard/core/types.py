@@ -370,6 +370,26 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
+class PlannedRestart(Action):
+    """Observers only (the restart record): a planned restart of server ``pid`` (None while its
+    spawn has not answered) begins, for ``cause``, after ``uptime_s`` seconds of serving."""
+
+    pid: int | None
+    cause: RestartCause
+    reason: str
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class PlannedStop(Action):
+    """Observers only: the server of a planned restart is being stopped now; ``drained`` when its
+    slots went idle first (False: the drain timed out, or there was none)."""
+
+    pid: int
+    drained: bool
+
+
+@dataclass(frozen=True)
 class CheckVram(Action):
     """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
 
