@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml, Seq
+from llama_guard.config import GpuWatchMode
 from llama_guard.core.types import XidScope
 from llama_guard.gpu import nvml as nv
 from llama_guard.gpu.nvml import (
@@ -135,7 +136,7 @@ def test_missing_pynvml_module_is_library_not_found(monkeypatch: pytest.MonkeyPa
 
 def test_enabled_off_never_touches_nvml() -> None:
     fake = FakeNvml()
-    assert isinstance(open_gpu(DeviceSelector(), enabled="off", module=fake), WatchOff)
+    assert isinstance(open_gpu(DeviceSelector(), enabled=GpuWatchMode.OFF, module=fake), WatchOff)
     assert sum(fake.calls.values()) == 0
 
 

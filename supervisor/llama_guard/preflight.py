@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import build_argv, flags_in, resolve_binary
-from llama_guard.config import Config
+from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 GGUF_MAGIC = b"GGUF"
@@ -107,7 +107,7 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
         return CheckResult("gpu reset", "OK", f"GPU resets are off ({why}): restart only")
     reasons: list[str] = []
     gpu_text = ""
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         reasons.append('the GPU watch is off ([gpu].enabled = "off"), so a reset could not be verified')
     else:
         from llama_guard.gpu import DeviceSelector, open_gpu
@@ -150,7 +150,7 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
     would also warn about; nothing is changed on the GPU.
     """
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
     from llama_guard.gpu.rules import driver_in_series
@@ -158,7 +158,7 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
-        verdict = "FAIL" if config.gpu.enabled == "on" else "WARN"
+        verdict = "FAIL" if config.gpu.enabled is GpuWatchMode.ON else "WARN"
         return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
     try:
         sample = opened.sample()
@@ -180,10 +180,10 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
         results.append(CheckResult("persistence", "WARN", "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))
     for proc in sample.processes or ():
-        verdict = "FAIL" if config.gpu.foreign_processes == "refuse" else "WARN"
+        verdict = "FAIL" if config.gpu.foreign_processes is ForeignProcesses.REFUSE else "WARN"
         results.append(CheckResult("gpu process", verdict,
                                    f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
-                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes})"))
+                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes.value})"))
     try:
         model_bytes = Path(config.server.model).stat().st_size
     except OSError:

@@ -22,7 +22,7 @@ import psutil
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, spawn
 from llama_guard.core.policy import decide
 from llama_guard.core.probes import ServerProbe
@@ -116,7 +116,7 @@ EXTEND_TIMEOUT_USEC = 120_000_000
 def params_from(config: Config, *, reset_possible: bool = False) -> Params:
     """The policy's parameters from a validated configuration; ``reset_possible`` when the GPU
     watch is on (a reset can be verified)."""
-    gpu_wanted = config.gpu.enabled != "off" and config.server.n_gpu_layers > 0
+    gpu_wanted = config.gpu.enabled is not GpuWatchMode.OFF and config.server.n_gpu_layers > 0
     return Params(
         load_timeout_s=config.health.load_timeout_s,
         hang_strikes=config.health.hang_strikes,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from llama_guard.config import GpuWatchMode
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
@@ -534,7 +535,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def open_gpu(selector: DeviceSelector, *, enabled: str = "auto", module: Any = None,
+def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,
              clock: Callable[[], float] = time.monotonic) -> Nvml | WatchOff:
     """The daemon's entry point: an opened :class:`Nvml`, or :class:`WatchOff` with the reason.
 
@@ -543,7 +544,7 @@ def open_gpu(selector: DeviceSelector, *, enabled: str = "auto", module: Any = N
     report ``WatchOff.message`` once and carry on. A lost GPU at start is a WatchOff too, with its
     error kept in ``WatchOff.error`` so the caller can tell it from a host without a driver.
     """
-    if enabled == "off":
+    if enabled is GpuWatchMode.OFF:
         return WatchOff("disabled by [gpu].enabled = \"off\"")
     nvml = Nvml(selector, module=module, clock=clock)
     try:

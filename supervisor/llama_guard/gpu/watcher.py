@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from llama_guard.config import Config
+from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
@@ -78,7 +78,7 @@ class GpuSource(Source):
         if not isinstance(opened, Nvml):
             self.off_reason = opened.reason
             ctx.emit("gpu_watch_off", reason=opened.reason)
-            if cfg.enabled == "on":
+            if cfg.enabled is GpuWatchMode.ON:
                 return f"[gpu].enabled = \"on\" but the GPU cannot be watched: {opened.reason}"
             return None
         self.nvml = opened
@@ -260,7 +260,7 @@ class GpuSource(Source):
             self._baseline_used = sample.memory_used_bytes
         own = {os.getpid()} | ({self._server_pid} if self._server_pid else set())
         foreign = foreign_processes(sample, own)
-        if foreign and cfg.foreign_processes == "refuse":
+        if foreign and cfg.foreign_processes is ForeignProcesses.REFUSE:
             culprits = ", ".join(f"pid {p.pid} ({(p.used_bytes or 0) >> 20} MiB)" for p in foreign)
             return f"other processes hold VRAM on GPU {cfg.index}: {culprits} ([gpu].foreign_processes = refuse)"
         return None
