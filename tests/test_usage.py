@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import Config, LimitsConfig
+from llama_guard.limits import own as LO
+from llama_guard.limits import plan as LP
+from llama_guard.limits import readback as LR
 from llama_guard.limits import rlimits as L
 from llama_guard.limits.usage import (
     PIDS_MAX,
@@ -175,8 +178,8 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
 def test_real_fd_use_warns_before_exhaustion(children: list[subprocess.Popen[str]]) -> None:
     """A child under RLIMIT_NOFILE = 64 opens files step by step: limit_low fires while it can
     still open more; resource_exhausted when it is at the limit."""
-    plan = L.plan_child_limits(Config(limits=LimitsConfig(nofile=64)), L.read_own_limits(),
-                               L.can_raise_hard_limits())
+    plan = LP.plan_child_limits(Config(limits=LimitsConfig(nofile=64)), LO.read_own_limits(),
+                               LO.can_raise_hard_limits())
     proc = subprocess.Popen([sys.executable, "-c", FD_CHILD], preexec_fn=plan.preexec, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
     children.append(proc)
@@ -230,7 +233,7 @@ def test_sampler_counts_threads_and_connections(children: list[subprocess.Popen[
     assert sample.fds >= 10
     fd_count = len(os.listdir(f"/proc/{proc.pid}/fd"))
     assert sample.fds == fd_count
-    assert sample.nofile_limit == L.read_limits(proc.pid).soft("RLIMIT_NOFILE")
+    assert sample.nofile_limit == LR.read_limits(proc.pid).soft("RLIMIT_NOFILE")
 
 
 def test_sampler_of_a_process_that_died(children: list[subprocess.Popen[str]]) -> None:
