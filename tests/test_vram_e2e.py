@@ -57,7 +57,7 @@ def make_run(tmp_path: Path) -> Iterator[list[VramRun]]:
 
 
 def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[str, object],
-          env: dict[str, str] | None = None) -> VramRun:
+          env: dict[str, str] | None = None, env_daemon: dict[str, str] | None = None) -> VramRun:
     port = free_port()
     script = tmp / "nvml.json"
     script.write_text(json.dumps({"server_on_gpu": True, **nvml}))
@@ -72,7 +72,8 @@ def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[
     })
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     run = VramRun(tmp, sections, env={"PYTHONPATH": pythonpath,
-                                      "FAKE_NVML_SCRIPT": str(script), "STUB_RESET_RECORD": str(record)},
+                                      "FAKE_NVML_SCRIPT": str(script), "STUB_RESET_RECORD": str(record),
+                                      **(env_daemon or {})},
                   command=FAKE_NVML_RUN)
     run.port, run.script, run.record = port, script, record
     runs.append(run)
@@ -134,3 +135,29 @@ def test_oom_at_load_while_a_foreign_process_holds_the_vram_waits_instead_of_cra
     names = run.names()
     assert "server_backoff" not in names and "crash_loop" not in names and "gpu_reset" not in names
     assert not run.record.exists()  # no reset command ran
+
+
+def test_the_wait_keeps_systemds_start_timeout_ahead(make_run: list[VramRun], tmp_path: Path,
+                                                     foreign: subprocess.Popen[bytes]) -> None:
+    # Under systemd (Type=notify, TimeoutStartSec=5min) a wait for VRAM of up to vram_wait_timeout_s
+    # before the first READY must not be taken for a start that hangs.
+    import socket
+
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as manager:
+        manager.bind(address)
+        manager.settimeout(0.5)
+        run = start(make_run, tmp_path, gpu={"expected_vram_mib": 20_000},
+                    nvml={"processes": [[foreign.pid, 79 * GIB]], "values": HELD},
+                    env_daemon={"NOTIFY_SOCKET": address})
+        run.wait_event("gpu_vram_wait", 20)
+        messages: list[str] = []
+        deadline = time.monotonic() + 11.5
+        while time.monotonic() < deadline:
+            try:
+                messages.append(manager.recv(4096).decode())
+            except TimeoutError:
+                continue
+    extends = [m for m in messages if "EXTEND_TIMEOUT_USEC=" in m]
+    assert len(extends) >= 2, messages  # repeated while the wait lasts (at most every 10 s)
+    assert not any("READY=1" in m for m in messages)

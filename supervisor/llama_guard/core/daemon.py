@@ -268,6 +268,8 @@ class Daemon:
                 self._extend_start_timeout()
         elif self.clock() - self._status_at >= STATUS_REFRESH_S:
             self._write_status()
+        if self.state.phase is Phase.WAITING_VRAM:
+            self._extend_start_timeout()  # a bounded wait for VRAM is no stuck start (TimeoutStartSec)
 
     # ------------------------------------------------------------ signals (enqueue only)
 
