@@ -79,3 +79,17 @@ def test_the_h200_reference_is_within_ten_percent(real_model: Path) -> None:
     b = estimate(facts, s)
     assert b.total / MIB == pytest.approx(796, rel=0.10)
     assert b.layers_on_gpu == 30 and b.weights_cpu > 0  # token_embd stays in host memory
+
+
+def test_the_admission_need_is_ninety_percent_of_the_budget(real_model: Path, tmp_path: Path) -> None:
+    from llama_guard.config import Config
+    from llama_guard.insight.vram_check import estimated_need_mib
+
+    cfg = Config.model_validate({"server": {"model": str(real_model), "n_gpu_layers": 99, "ctx_size": 8192}})
+    need = estimated_need_mib(cfg)
+    total = estimate(read_model_facts(real_model), Settings.from_server(cfg.server), gpu_build=True).total / MIB
+    assert need == int(total * 0.9) and 650 < need < 790  # the H200 reference: 790 MiB by NVML
+    assert estimated_need_mib(Config.model_validate({"server": {"model": str(real_model), "n_gpu_layers": 0}})) is None
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    assert estimated_need_mib(Config.model_validate({"server": {"model": str(bad)}})) is None

@@ -158,7 +158,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
     emitter = Emitter(min_level="error", fmt="json")
-    metrics = make_sources(cfg, emitter)[-1]
+    metrics = make_sources(cfg, emitter=emitter)[-1]
     assert isinstance(metrics, MetricsSource) and metrics.attached
     _, ctx, _, _ = make(tmp_path)
     metrics.ctx = ctx

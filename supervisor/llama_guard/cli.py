@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError, RuntimeConfig, load_config, resolve_config_path
@@ -44,7 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config, emitter))
+    sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
     return asyncio.run(daemon.run())
 
 
@@ -52,7 +54,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from llama_guard.preflight import run_checks
 
     path, config = _load(args)
-    results = run_checks(config, path)
+    results = run_checks(config, path, nvml_module=args.nvml_module)
     worst = EXIT_CONFIG if any(r.verdict == "FAIL" for r in results) else EXIT_OK
     if args.json:
         print(json.dumps({"ok": worst == EXIT_OK, "checks": [
@@ -130,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"llama-guard: bench {label}: {exc}", file=sys.stderr)
             return EXIT_FAILURE
         result.label = label
-        result.ceiling = ceiling_for(cfg, result)
+        result.ceiling = ceiling_for(cfg, result, nvml_module=args.nvml_module)
         if not spawn:
             record(cfg.runtime.dir, result)
         results.append(result)
@@ -199,8 +201,11 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, nvml_module: Any = None) -> int:
+    """Parse ``argv`` and run the verb; ``nvml_module`` is the pynvml module for ``run``, ``check`` and
+    ``bench`` (None: the real ``pynvml``; tests/run_with_fake_nvml.py passes a fake)."""
     args = build_parser().parse_args(argv)
+    args.nvml_module = nvml_module
     try:
         code: int = args.func(args)
     except BrokenPipeError:  # `llama-guard status | head`

@@ -4,8 +4,6 @@ the NVML chokepoint (:mod:`llama_guard.gpu.nvml`, read-only), or from ``[gpu]`` 
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,17 +29,9 @@ class GpuMemoryFacts:
     note: str = ""
 
 
-def _nvml_module() -> Any:
-    from llama_guard.gpu.watcher import TEST_MODULE_ENV
-
-    name = os.environ.get(TEST_MODULE_ENV, "")
-    return importlib.import_module(name) if name else None
-
-
 def gpu_memory_facts(config: Config, *, nvml_module: Any = None, own_pids: tuple[int, ...] = ()) -> GpuMemoryFacts:
     """Free VRAM and bandwidth for ``config``'s GPU. Never raises: an unreachable GPU gives Nones and a
-    ``note``. ``nvml_module`` is a pynvml stand-in for tests (default ``pynvml``, or the module named by
-    ``$LLAMA_GUARD_TEST_NVML_MODULE``)."""
+    ``note``. ``nvml_module`` is a pynvml stand-in for tests (default: the real ``pynvml``)."""
     from llama_guard.gpu import DeviceSelector, open_gpu
     from llama_guard.insight.ceiling import bandwidth_from_bus
 
@@ -61,7 +51,7 @@ def gpu_memory_facts(config: Config, *, nvml_module: Any = None, own_pids: tuple
     if (available is None or bandwidth is None) and gpu.enabled != "off":
         selector = DeviceSelector(gpu.index, gpu.uuid, gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=gpu.enabled,
-                          module=nvml_module if nvml_module is not None else _nvml_module())
+                          module=nvml_module)
         if isinstance(opened, WatchOff):
             note = f"no GPU reading: {opened.reason}"
         else:

@@ -85,3 +85,23 @@ def report_lines(report: VramReport) -> list[tuple[str, str, str]]:
                                             f"(→ {step.total_after / MIB:,.0f} MiB{fits}); {step.caveat}"))
     rows += [("NOTE", "vram budget", note) for note in report.notes]
     return rows
+
+
+# The admission waits for this share of the estimate: the estimate is ±10 %, and a wait that was not
+# needed costs more (a delayed start) than one too short (the start then fails and is retried).
+ADMISSION_SHARE = 0.9
+
+
+def estimated_need_mib(config: Config) -> int | None:
+    """VRAM (MiB) the server of ``config`` is expected to need on a CUDA build, for the VRAM
+    admission before a start when nothing was measured yet: 90 % of :func:`llama_guard.insight.budget.estimate`
+    (CUDA context included). None when the model's metadata cannot be read or nothing is offloaded.
+    Reads only the GGUF header and tensor index (blocking: call it in a thread)."""
+    server = config.server
+    if server.n_gpu_layers == 0:
+        return None
+    try:
+        facts = read_model_facts(server.model)
+    except ModelFactsError:
+        return None
+    return int(estimate(facts, Settings.from_server(server), gpu_build=True).total * ADMISSION_SHARE / MIB)
