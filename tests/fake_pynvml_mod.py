@@ -5,6 +5,10 @@ It wraps one :class:`fake_nvml.FakeNvml` and is scripted by the JSON file named 
 
 * ``"lost": true`` — every device call raises GpuIsLost (15) until it is false again;
 * ``"processes": [[pid, bytes], ...]`` — compute processes on the GPU (e.g. a foreign one);
+  ``[pid, bytes, release_s]`` is one that behaves like a real CUDA process: listed, with its bytes
+  added to ``memory_used``, while it runs and for ``release_s`` seconds after it exited (a zombie
+  counts as exited; the driver takes that long to free its memory), then gone with its memory;
+* ``"call_s": 0.02`` — every NVML call takes that long (a real driver's call is no instant);
 * ``"server_on_gpu": true`` — also list every CHILD of this (the daemon's) process whose
   ``/proc/<pid>/cmdline`` names ``fake_llama_server.py``, so ``ready_check`` sees the server on the GPU;
 * ``"xids": [79, ...]`` — Xid events, delivered once each (the list only grows);
@@ -72,6 +76,21 @@ def _children_running_fake_server() -> list[int]:
     return out
 
 
+_exited_at: dict[int, float] = {}
+
+
+def _releasing(pid: int, release_s: float) -> bool:
+    """Whether a real process ``pid`` is still on the GPU: running, or exited less than ``release_s`` ago."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = "X"
+    if state not in ("Z", "X"):
+        return True
+    gone = _exited_at.setdefault(pid, time.monotonic())
+    return time.monotonic() - gone < release_s
+
+
 def _sync() -> None:
     """Bring the fake in line with the script file."""
     global _xids_delivered
@@ -80,7 +99,16 @@ def _sync() -> None:
     _FAKE.lost = bool(script.get("lost", False))
     for key, value in (script.get("values") or {}).items():
         gpu.values[key] = value
-    procs = [(int(p), None if b is None else int(b)) for p, b in script.get("processes", [])]
+    procs = []
+    base_used = (script.get("values") or {}).get("memory_used", fake_nvml.DEFAULTS["memory_used"])
+    gpu.values["memory_used"] = base_used
+    for entry in script.get("processes", []):
+        pid, used = int(entry[0]), None if entry[1] is None else int(entry[1])
+        if len(entry) > 2:  # a real process: its memory is freed release_s after it exited
+            if not _releasing(pid, float(entry[2])):
+                continue
+            gpu.values["memory_used"] = int(gpu.values["memory_used"]) + (used or 0)
+        procs.append((pid, used))
     if script.get("server_on_gpu"):
         procs += [(pid, SERVER_BYTES) for pid in _children_running_fake_server()]
     gpu.values["processes"] = procs
@@ -106,13 +134,18 @@ def _wrap(name: str) -> Any:
     def call(*args: Any) -> Any:
         global _inits, _shutdowns
         if name == "nvmlEventSetWait_v2":
-            # The fake answers Timeout at once; wait like NVML does (bounded) so the waiter thread
-            # does not spin.
-            with _LOCK:
-                _sync()
-                idle = not _FAKE.xids and not _FAKE.lost
-            if idle:
-                time.sleep(min(int(args[1]), 100) / 1000.0)
+            # The fake answers Timeout at once; block like NVML does: up to the timeout (1 s from
+            # the Xid waiter), returning early when an Xid is due or the GPU is lost.
+            until = time.monotonic() + int(args[1]) / 1000.0
+            while True:
+                with _LOCK:
+                    _sync()
+                    idle = not _FAKE.xids and not _FAKE.lost
+                if not idle or time.monotonic() >= until:
+                    break
+                time.sleep(0.05)
+        else:
+            time.sleep(float(_script().get("call_s", 0.0)))
         with _LOCK:
             _sync()
             result = method(*args)

@@ -171,3 +171,44 @@ def test_gpu_lost_while_waiting_resets() -> None:
     s, _ = decide(booted(), SHORT, 0.1)
     s, acts = decide(s, GpuFault(GpuFaultKind.GPU_LOST, "GPU is lost"), 0.5)
     assert s.phase is Phase.RESETTING and any(isinstance(a, InspectGpu) for a in acts)
+
+
+FAILED_CHECK = VramFacts(None, None, None, error="gpu gave no VRAM facts within 25 s")
+
+
+def test_a_failed_check_during_the_wait_keeps_waiting_and_asks_again() -> None:
+    # A check that failed or timed out (the daemon reported it) is no evidence that the memory is
+    # free: starting would run into the other process's memory.
+    s, _ = decide(booted(), SHORT, 0.1)
+    s, acts = decide(s, FAILED_CHECK, 1.2)
+    assert acts == [] and s.phase is Phase.WAITING_VRAM and s.deadline == pytest.approx(2.2)
+    s, acts = decide(s, Tick(), 2.2)
+    assert acts == [CheckVram()]
+    s, acts = decide(s, FITS, 2.4)
+    assert acts == [Spawn()] and s.failures == ()
+
+
+def test_answers_arriving_faster_than_the_poll_do_not_postpone_the_timeout() -> None:
+    s, _ = decide(booted(), SHORT, 0.1)
+    later = VramFacts(0, 170, 20_000, (GpuHolder(5151, 142_980, "python3"),))
+    t = 0.1
+    while s.phase is Phase.WAITING_VRAM:
+        assert t < 31, "the wait must end at its deadline"
+        t += 0.5  # an answer every half poll: no Tick ever finds the poll's deadline passed
+        s, _ = decide(s, later, t)
+    assert s.phase is Phase.BACKOFF and t == pytest.approx(30.1)
+    # The reason is built from the latest facts, not from those that began the wait.
+    assert "142980 MiB" in s.last_failure and "170 MiB free" in s.last_failure
+
+
+def test_a_timeout_after_failed_checks_says_how_old_its_facts_are() -> None:
+    s, _ = decide(booted(), SHORT, 0.1)
+    t = 0.1
+    while s.phase is Phase.WAITING_VRAM:
+        assert t < 40, "the wait must end"
+        t = s.deadline if s.deadline is not None else t + 1
+        s, acts = decide(s, Tick(), t)
+        if CheckVram() in acts:
+            s, acts = decide(s, FAILED_CHECK, t + 0.1)
+    assert s.phase is Phase.BACKOFF and len(s.failures) == 1
+    assert "pid 5151 (python3" in s.last_failure and "the VRAM checks since then failed" in s.last_failure

@@ -57,12 +57,13 @@ def make_run(tmp_path: Path) -> Iterator[list[VramRun]]:
 
 
 def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[str, object],
-          env: dict[str, str] | None = None, env_daemon: dict[str, str] | None = None) -> VramRun:
+          env: dict[str, str] | None = None, env_daemon: dict[str, str] | None = None,
+          model: Path | None = None) -> VramRun:
     port = free_port()
     script = tmp / "nvml.json"
     script.write_text(json.dumps({"server_on_gpu": True, **nvml}))
     record = tmp / "reset-record.jsonl"
-    sections = merge(base_sections(tmp, str(FAKE_SERVER), str(tmp / "fake.gguf"), port), {
+    sections = merge(base_sections(tmp, str(FAKE_SERVER), str(model or tmp / "fake.gguf"), port), {
         "server": {"n_gpu_layers": 99, "env": {"FAKE_LLAMA_LOAD_S": "0.2", **(env or {})}},
         "health": {"canary": False},
         "gpu": {"enabled": "on", "index": 0, "sample_interval_s": 0.2, "vram_release_timeout_s": 2.0,
@@ -161,3 +162,32 @@ def test_the_wait_keeps_systemds_start_timeout_ahead(make_run: list[VramRun], tm
     extends = [m for m in messages if "EXTEND_TIMEOUT_USEC=" in m]
     assert len(extends) >= 2, messages  # repeated while the wait lasts (at most every 10 s)
     assert not any("READY=1" in m for m in messages)
+
+
+def test_the_wait_admits_once_a_real_foreign_process_exits_and_its_memory_is_freed(
+        make_run: list[VramRun], tmp_path: Path, real_model: Path) -> None:
+    # The H200 run (notes/h200_vram_wait, V1): no [gpu].expected_vram_mib and no good start, so the
+    # need is the estimate from the real GGUF; NVML behaves like the real one: the Xid waiter's
+    # event wait blocks its full second, every call takes time, and the foreign process stays listed
+    # (its memory used) until a while after it exited. It exits unreaped, a zombie, like the hog.
+    hog = subprocess.Popen(["sleep", "300"])
+    try:
+        total = 80 * GIB
+        run = start(make_run, tmp_path, gpu={"vram_wait_timeout_s": 60.0},
+                    nvml={"processes": [[hog.pid, 79 * GIB, 2.0]], "call_s": 0.005,
+                          "values": {"memory_total": total, "memory_used": total - 79 * GIB - 150 * 2**20}},
+                    model=real_model)
+        wait = run.wait_event("gpu_vram_wait", 40)
+        assert wait["foreign_pid"] == hog.pid and wait["free_mib"] == 150
+        assert isinstance(wait["need_mib"], int) and wait["need_mib"] > 150  # the GGUF's estimate
+        time.sleep(3.0)  # several polls while it is held
+        assert "server_starting" not in run.names()
+        hog.kill()  # not reaped: a zombie until the end of the test
+        ready = run.wait_event("server_ready", 30)
+        names = run.names()
+        assert names.count("gpu_vram_wait") == 1 and names.count("server_starting") == 1
+        assert "server_backoff" not in names and "gpu_vram_check_failed" not in names
+        assert ready["server_pid"] in server_pids_of(run.port)
+    finally:
+        hog.kill()
+        hog.wait()

@@ -24,7 +24,7 @@ from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, spawn
-from llama_guard.core.policy import decide
+from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S, decide
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
@@ -169,6 +169,7 @@ class Daemon:
         self._gen: _Generation | None = None
         self._stop_signals = 0
         self._aux: list[asyncio.Task[None]] = []
+        self._vram_check: asyncio.Task[None] | None = None
         self._exit_code: int | None = None
         self._last_pid: int | None = None
         self._last_extend = float("-inf")
@@ -309,7 +310,12 @@ class Daemon:
         elif isinstance(action, (InspectGpu, RunReset)):
             self._aux.append(asyncio.ensure_future(self._reset_gpu(action)))
         elif isinstance(action, CheckVram):
-            self._aux.append(asyncio.ensure_future(self._check_vram()))
+            # One check at a time: a poll still running answers for the ones asked meanwhile (a
+            # slow check must not pile up threads that starve the sampler and the loop).
+            if self._vram_check is None or self._vram_check.done():
+                self._aux = [task for task in self._aux if not task.done()]
+                self._vram_check = asyncio.ensure_future(self._check_vram())
+                self._aux.append(self._vram_check)
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
             self._exit_code = action.code
@@ -430,14 +436,22 @@ class Daemon:
             gen.log.close()
 
     async def _check_vram(self) -> None:
-        """Ask the sources for the GPU's VRAM facts; always answers VramFacts (empty: unknown)."""
+        """Ask the sources for the GPU's VRAM facts; always answers VramFacts (empty: unknown).
+
+        Bounded: a source that fails or does not answer within :data:`VRAM_CHECK_TIMEOUT_S` seconds
+        is reported (``gpu_vram_check_failed``) and the answer carries the reason (``error``)."""
         assert self.ctx is not None
         facts: VramFacts | None = None
         for source in self.sources:
             try:
-                facts = await source.vram_facts(self.ctx)
+                facts = await asyncio.wait_for(source.vram_facts(self.ctx), VRAM_CHECK_TIMEOUT_S)
             except Exception as exc:
-                self.emitter.emit("config_error", reason=f"{source.name}.vram_facts failed: {exc!r}")
+                if isinstance(exc, asyncio.TimeoutError):
+                    reason = f"{source.name} gave no VRAM facts within {VRAM_CHECK_TIMEOUT_S:.0f} s"
+                else:
+                    reason = f"{source.name}.vram_facts failed: {exc!r}"
+                self.emitter.emit("gpu_vram_check_failed", gpu_index=self.config.gpu.index, reason=reason)
+                facts = VramFacts(None, None, None, error=reason)
             if facts is not None:
                 break
         self.queue.put_nowait(facts or VramFacts(None, None, None))

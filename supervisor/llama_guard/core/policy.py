@@ -598,7 +598,11 @@ def _on_resetting(state: State, event: Input, now: float) -> Result:
 
 # ---------------------------------------------------------------- VRAM admission
 
-VRAM_ANSWER_S = 10.0  # a VRAM check that does not answer within this is skipped (the start goes on)
+# A VRAM check that does not answer within this is skipped (the start goes on). The daemon bounds
+# each check below it (VRAM_CHECK_TIMEOUT_S): the first check of a start also reads the model's GGUF
+# for the need estimate, seconds of CPU on a large tokenizer.
+VRAM_ANSWER_S = 30.0
+VRAM_CHECK_TIMEOUT_S = 25.0
 
 
 def _start(state: State, now: float) -> Result:
@@ -606,7 +610,7 @@ def _start(state: State, now: float) -> Result:
     if not state.params.vram_admission:
         return _spawn(replace(state, vram_after_oom=False))
     new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
-                  vram_wait_until=None, vram_short="")
+                  vram_wait_until=None, vram_short="", vram_facts_at=None)
     return new, [CheckVram()]
 
 
@@ -644,28 +648,46 @@ def _admit(state: State, now: float) -> Result:
         if p.reset_possible and ResetTrigger.OOM in p.reset_on:
             return _begin_reset(replace(state, after_stop=AfterStop.RESET), now)
         return _count_failure(state, now)
-    return _spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short=""))
+    return _spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short="", vram_facts_at=None))
+
+
+def _vram_timed_out(state: State, now: float) -> Result:
+    """The wait's deadline passed: a failure, named after the latest facts (and their age when
+    the checks since then failed or did not answer)."""
+    p = state.params
+    reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
+    if state.vram_facts_at is not None and now - state.vram_facts_at > 2 * p.vram_poll_s + 1.0:
+        reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
+    new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", vram_facts_at=None,
+                  last_failure=reason)
+    return _count_failure(new, now)
 
 
 def _on_waiting_vram(state: State, event: Input, now: float) -> Result:
     p = state.params
+    waiting = state.vram_wait_until is not None
     if isinstance(event, VramFacts):
+        if event.error and waiting:  # a failed check (reported) tells nothing: keep waiting
+            if state.vram_wait_until is not None and now >= state.vram_wait_until:
+                return _vram_timed_out(state, now)
+            return replace(state, deadline=now + p.vram_poll_s), []
         short = _vram_shortfall(state, event)
         if short is None:
             return _admit(state, now)
         text = f"{short['holders']}: {short['missing']}"
-        if state.vram_wait_until is None:  # the wait begins: no failure is counted, no reset
+        if not waiting:  # the wait begins: no failure is counted, no reset
             new = replace(state, vram_wait_until=now + p.vram_wait_timeout_s, deadline=now + p.vram_poll_s,
-                          vram_short=text)
+                          vram_short=text, vram_facts_at=now)
             return new, [Emit("gpu_vram_wait", short)]
-        return replace(state, deadline=now + p.vram_poll_s, vram_short=text), []
+        state = replace(state, vram_short=text, vram_facts_at=now)
+        if state.vram_wait_until is not None and now >= state.vram_wait_until:
+            return _vram_timed_out(state, now)
+        return replace(state, deadline=now + p.vram_poll_s), []
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         if state.vram_wait_until is None:  # the check never answered: go on without it
             return _admit(state, now)
         if now >= state.vram_wait_until:
-            reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
-            new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", last_failure=reason)
-            return _count_failure(new, now)
+            return _vram_timed_out(state, now)
         return replace(state, deadline=now + p.vram_poll_s), [CheckVram()]
     return state, []
 

@@ -237,12 +237,15 @@ class ResetDone(Input):
 class VramFacts(Input):
     """The answer to :class:`CheckVram`: the GPU's free VRAM (MiB), what this server needs (MiB:
     its measured use at the last good start, else ``[gpu].expected_vram_mib``; None when unknown)
-    and the other processes holding VRAM. All None/empty when the GPU cannot be read."""
+    and the other processes holding VRAM. All None/empty when the GPU cannot be read; ``error``
+    says why when the check failed or did not answer within its deadline (then already reported
+    as ``gpu_vram_check_failed``)."""
 
     gpu_index: int | None
     free_mib: int | None
     need_mib: int | None
     holders: tuple[GpuHolder, ...] = ()
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -452,7 +455,8 @@ class State:
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
     vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
     vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
-    vram_short: str = ""  # who holds what is missing, while waiting
+    vram_short: str = ""  # who holds what is missing, while waiting (from the latest facts)
+    vram_facts_at: float | None = None  # when vram_short was read (monotonic s)
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -53,6 +53,9 @@ class GpuSource(Source):
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
+        # The estimate of the start being admitted: read once per start (the GGUF read costs seconds
+        # of CPU), not per VRAM poll; shared by the polls while it runs in its thread.
+        self._need_estimate: asyncio.Future[int | None] | None = None
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""
@@ -203,12 +206,33 @@ class GpuSource(Source):
         if used:
             self._measured_mib, self._measured_pid = used // MIB, pid
 
+    async def _estimated_need(self, ctx: Context) -> int | None:
+        """The need estimate (MiB) of the start being admitted, read once per start in a thread;
+        a caller that times out leaves it running for the next poll. Raises what the estimate
+        raised, once (the need is then unknown for this start)."""
+        if self._estimate_need_mib is None:
+            return None
+        if self._need_estimate is None:
+            self._need_estimate = asyncio.ensure_future(asyncio.to_thread(self._estimate_need_mib, ctx.config))
+        estimate = self._need_estimate
+        try:
+            return await asyncio.shield(estimate)
+        except Exception:
+            if estimate.done():  # the estimate itself failed: reported once, unknown for this start
+                self._need_estimate = ctx.loop.create_future()
+                self._need_estimate.set_result(None)
+            raise
+
     async def vram_facts(self, ctx: Context) -> VramFacts | None:
+        """The GPU's free VRAM (MiB), what the server needs (MiB: measured at the last good start,
+        else ``[gpu].expected_vram_mib``, else the GGUF estimate, read once per start) and the other
+        processes holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here:
+        the daemon bounds each call."""
         if self.executor is None:
             return None
         need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
-        if need is None and self._estimate_need_mib is not None:
-            need = await asyncio.to_thread(self._estimate_need_mib, ctx.config)
+        if need is None:
+            need = await self._estimated_need(ctx)
         sample = await self.executor.sample()
         index = self._gpu_index()
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
@@ -241,6 +265,7 @@ class GpuSource(Source):
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
+        self._need_estimate = None  # the next start estimates afresh (the model or config may change)
         if self.watch is not None:
             self.watch.set_server_pid(pid, ctx.clock())
 

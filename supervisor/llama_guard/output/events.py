@@ -106,6 +106,8 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("gpu_kmsg_off", _S.NOTICE, "{reason}"),
         EventSpec("gpu_vram_wait", _S.WARNING,
                   "GPU {gpu_index}: waiting for VRAM before starting llama-server: {holders} hold it; {missing}"),
+        EventSpec("gpu_vram_check_failed", _S.WARNING,
+                  "GPU {gpu_index}: the VRAM check before a start failed: {reason}"),
         EventSpec("gpu_vram_not_released", _S.WARNING,
                   "GPU {gpu_index}: VRAM of the previous server not released after {waited_s:.1f} s"),
         # Limits and resources.
