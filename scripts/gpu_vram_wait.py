@@ -3,14 +3,18 @@
 
 Run on a GPU machine from the repository root (see scripts/README-gpu-e2e.md for how the machine
 is prepared; the same llama-server build and model serve here). A torch process ("the hog")
-holds all but ~150 MiB of VRAM for ``--hold-s`` seconds (30 by default) and then exits, while
+holds all but ~150 MiB of VRAM for ``--hold-s`` seconds (20 by default) and then exits, while
 llama-guard starts a CUDA llama-server. Two runs, each a real ``llama-guard run`` subprocess:
 
-V1. No ``[gpu].expected_vram_mib`` and no earlier good start: the server is started, really runs
-    out of memory at load, and llama-guard must report ``gpu_vram_wait`` (naming the hog's pid and
-    MiB) instead of counting a crash; once the hog exits, the server starts and becomes ready.
-V2. ``[gpu].expected_vram_mib`` set: the admission check before the first start must see the
-    shortfall and wait (``gpu_vram_wait``) without starting the server at all until the hog exits.
+V1. No ``[gpu].expected_vram_mib`` and no earlier good start: the need is the estimate from the
+    model's GGUF (read once per start); the admission check must see the shortfall and report
+    ``gpu_vram_wait`` (naming the hog's pid and MiB) without starting the server; once the hog
+    exits and the driver has freed its memory, the server starts and becomes ready.
+V2. ``[gpu].expected_vram_mib`` set: the same, with that figure as the need.
+
+Bounded: ``[gpu].vram_wait_timeout_s`` is ``--wait-timeout-s`` (90 s), and each run ends within
+:data:`RUN_BUDGET_S` (105 s: the hog's start, the wait, readiness, the daemon's stop), so the whole
+script ends within about 3.5 minutes, under an outer ``timeout 300``.
 
 Expected in both: no ``server_backoff``/``crash_loop``, no reset command run (the reset command is
 ``scripts/stub_gpu_reset.py``, which only records its argv; the GPU is never reset), and
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -34,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+RUN_BUDGET_S = 105.0  # one run, hog start to daemon stop (s); two runs stay well under 4 minutes
 
 HOG = r"""
 import os, sys, time, torch
@@ -48,7 +54,8 @@ print(f"hog pid {os.getpid()} exits after {hold_s:.0f} s", flush=True)
 """
 
 
-def config(tmp: Path, server: str, model: str, port: int, stub: Path, record: Path, expected_mib: int) -> str:
+def config(tmp: Path, server: str, model: str, port: int, stub: Path, record: Path, expected_mib: int,
+           wait_timeout_s: float) -> str:
     return f"""
 [server]
 binary = "{server}"
@@ -76,7 +83,7 @@ require_server_on_gpu = true
 foreign_processes = "warn"
 enable_persistence = false
 expected_vram_mib = {expected_mib}
-vram_wait_timeout_s = 120.0
+vram_wait_timeout_s = {wait_timeout_s}
 
 [recovery]
 backoff_initial_s = 0.5
@@ -109,8 +116,8 @@ def events(log: Path) -> list[dict[str, object]]:
     return out
 
 
-def wait_event(log: Path, name: str, timeout: float) -> dict[str, object] | None:
-    deadline = time.monotonic() + timeout
+def wait_event(log: Path, name: str, deadline: float) -> dict[str, object] | None:
+    """The first event ``name`` in ``log``, or None once time.monotonic() passes ``deadline``."""
     while time.monotonic() < deadline:
         found = [e for e in events(log) if e["event"] == name]
         if found:
@@ -125,12 +132,16 @@ def run(args: argparse.Namespace, out: Path, name: str, port: int, expected_mib:
     record = out / f"{name}_reset_argv.txt"
     cfg = tmp / "llama-guard.toml"
     cfg.write_text(config(tmp, args.server, args.model, port, ROOT / "scripts" / "stub_gpu_reset.py", record,
-                          expected_mib))
+                          expected_mib, args.wait_timeout_s))
     log = out / f"{name}_events.jsonl"
     log.write_text("")
+    budget_end = time.monotonic() + RUN_BUDGET_S
     hog = subprocess.Popen([PY, "-c", HOG, str(args.leave_mib), str(args.hold_s)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert hog.stdout is not None
+    if not select.select([hog.stdout], [], [], 30.0)[0]:  # torch's start, bounded
+        hog.kill()
+        raise SystemExit(f"{name}: the hog did not start within 30 s")
     first = hog.stdout.readline().strip()
     hog_pid = hog.pid
     summary: dict[str, object] = {"hog": first, "hog_pid": hog_pid, "expected_vram_mib": expected_mib}
@@ -139,20 +150,20 @@ def run(args: argparse.Namespace, out: Path, name: str, port: int, expected_mib:
                                   stderr=handle, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=str(ROOT))
     started = time.monotonic()
     try:
-        wait = wait_event(log, "gpu_vram_wait", 120)
+        wait = wait_event(log, "gpu_vram_wait", min(budget_end, time.monotonic() + 30.0))
         summary["vram_wait"] = wait
-        ready = wait_event(log, "server_ready", args.hold_s + 180)
+        ready = wait_event(log, "server_ready", budget_end - 25.0)  # 25 s left to stop
         summary["ready"] = ready
         summary["ready_after_s"] = round(time.monotonic() - started, 2) if ready else None
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:
-            summary["daemon_exit"] = daemon.wait(timeout=60)
+            summary["daemon_exit"] = daemon.wait(timeout=10)
         except subprocess.TimeoutExpired:
             daemon.kill()
             summary["daemon_exit"] = daemon.wait(timeout=10)
         hog.kill()
-        rest = hog.communicate(timeout=30)[0]
+        rest = hog.communicate(timeout=5)[0]
         (out / f"{name}_hog.txt").write_text(first + "\n" + rest)
     names = [str(e["event"]) for e in events(log) if e["event"] not in ("server_line", "server_probe")]
     summary["events"] = names
@@ -162,8 +173,8 @@ def run(args: argparse.Namespace, out: Path, name: str, port: int, expected_mib:
         "no_restart_budget_spent": "server_backoff" not in names and "crash_loop" not in names,
         "no_reset_command_ran": not record.exists(),
         "ready_once_the_memory_is_free": summary["ready"] is not None,
-        # V2 starts only once the memory is free; V1 starts once into the OOM, then once more.
-        "no_start_before_the_memory_is_free": names.count("server_starting") == (1 if expected_mib else 2),
+        # Both start only once the memory is free (V1's need: the GGUF estimate).
+        "no_start_before_the_memory_is_free": names.count("server_starting") == 1,
     }
     return summary
 
@@ -173,7 +184,8 @@ def main() -> int:
     parser.add_argument("--server", required=True, help="a CUDA llama-server binary")
     parser.add_argument("--model", required=True, help="a GGUF model file")
     parser.add_argument("--out", required=True, help="directory for the events and summary.json")
-    parser.add_argument("--hold-s", type=float, default=30.0, help="how long the hog holds the VRAM (s)")
+    parser.add_argument("--hold-s", type=float, default=20.0, help="how long the hog holds the VRAM (s)")
+    parser.add_argument("--wait-timeout-s", type=float, default=90.0, help="[gpu].vram_wait_timeout_s (s)")
     parser.add_argument("--leave-mib", type=int, default=150, help="VRAM the hog leaves free (MiB)")
     parser.add_argument("--expected-vram-mib", type=int, default=2048,
                         help="[gpu].expected_vram_mib of run V2 (MiB; more than --leave-mib)")
