@@ -163,6 +163,14 @@ TEXT: dict[str, tuple[str, str]] = {
         "It waits (at most [gpu].vram_wait_timeout_s = @TIMEOUT_S@ s) and starts the server once\n"
         "the memory is free. The wait is not counted as a failed start and no GPU reset is done.\n"
         "The need is the server's own VRAM at its last good start, or [gpu].expected_vram_mib."),
+    "gpu_vram_check_failed": (
+        "a VRAM check before a start failed",
+        "Before starting llama-server, llama-guard reads GPU @GPU_INDEX@'s free VRAM, who holds it\n"
+        "and what the server needs (NVML, and the model's GGUF for the estimate). That check failed\n"
+        "or gave no answer within its deadline: @REASON@.\n\n"
+        "While waiting for VRAM, the wait goes on and the next check follows a second later;\n"
+        "before a wait, the start goes on unchecked. Repeated, look at NVML (nvidia-smi) and at\n"
+        "the model file."),
     "gpu_xid_unparsed": (
         "Xid line llama-guard could not read",
         "The kernel logged an Xid line that llama-guard's parser does not understand:\n"
