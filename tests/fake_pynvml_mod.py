@@ -8,6 +8,7 @@ It wraps one :class:`fake_nvml.FakeNvml` and is scripted by the JSON file named 
   ``[pid, bytes, release_s]`` is one that behaves like a real CUDA process: listed, with its bytes
   added to ``memory_used``, while it runs and for ``release_s`` seconds after it exited (a zombie
   counts as exited; the driver takes that long to free its memory), then gone with its memory;
+* ``"fail": {"nvmlDeviceGetMemoryInfo": 7, ...}`` — those calls raise that NVML code while listed;
 * ``"call_s": 0.02`` — every NVML call takes that long (a real driver's call is no instant);
 * ``"server_on_gpu": true`` — also list every CHILD of this (the daemon's) process whose
   ``/proc/<pid>/cmdline`` names ``fake_llama_server.py``, so ``ready_check`` sees the server on the GPU;
@@ -77,6 +78,7 @@ def _children_running_fake_server() -> list[int]:
 
 
 _exited_at: dict[int, float] = {}
+_scripted_fails: set[str] = set()
 
 
 def _releasing(pid: int, release_s: float) -> bool:
@@ -112,6 +114,13 @@ def _sync() -> None:
     if script.get("server_on_gpu"):
         procs += [(pid, SERVER_BYTES) for pid in _children_running_fake_server()]
     gpu.values["processes"] = procs
+    fails = {str(call): int(code) for call, code in (script.get("fail") or {}).items()}
+    for call in _scripted_fails - set(fails):
+        _FAKE.heal(call)
+    for call, code in fails.items():
+        _FAKE.fail(call, code)
+    _scripted_fails.clear()
+    _scripted_fails.update(fails)
     xids = [int(x) for x in script.get("xids", [])]
     for x in xids[_xids_delivered:]:
         _FAKE.push_xid(x)

@@ -191,3 +191,20 @@ def test_the_wait_admits_once_a_real_foreign_process_exits_and_its_memory_is_fre
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_a_check_that_fails_while_waiting_is_reported_once_and_the_wait_goes_on(
+        make_run: list[VramRun], tmp_path: Path, foreign: subprocess.Popen[bytes]) -> None:
+    run = start(make_run, tmp_path, gpu={"expected_vram_mib": 20_000, "vram_wait_timeout_s": 60.0},
+                nvml={"processes": [[foreign.pid, 79 * GIB]], "values": HELD})
+    run.wait_event("gpu_vram_wait", 20)
+    run.set_nvml(fail={"nvmlDeviceGetMemoryInfo": 7})  # NVML answers the memory reading with an error
+    failed = run.wait_event("gpu_vram_check_failed", 10)
+    assert failed["gpu_index"] == 0 and "no memory reading" in failed["reason"]
+    time.sleep(3.0)  # several failed polls: no start into the other process's memory, one report
+    names = run.names()
+    assert "server_starting" not in names and names.count("gpu_vram_check_failed") == 1
+    run.set_nvml(fail={}, processes=[], values=FREE)
+    run.wait_event("server_ready", 20)
+    names = run.names()
+    assert names.count("server_starting") == 1 and "server_backoff" not in names

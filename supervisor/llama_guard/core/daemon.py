@@ -170,6 +170,7 @@ class Daemon:
         self._stop_signals = 0
         self._aux: list[asyncio.Task[None]] = []
         self._vram_check: asyncio.Task[None] | None = None
+        self._vram_check_failing = False  # the last VRAM check failed (reported once per run of failures)
         self._exit_code: int | None = None
         self._last_pid: int | None = None
         self._last_extend = float("-inf")
@@ -439,7 +440,8 @@ class Daemon:
         """Ask the sources for the GPU's VRAM facts; always answers VramFacts (empty: unknown).
 
         Bounded: a source that fails or does not answer within :data:`VRAM_CHECK_TIMEOUT_S` seconds
-        is reported (``gpu_vram_check_failed``) and the answer carries the reason (``error``)."""
+        answers facts with an ``error``; the first of a run of failed checks is reported
+        (``gpu_vram_check_failed``), not each poll's."""
         assert self.ctx is not None
         facts: VramFacts | None = None
         for source in self.sources:
@@ -450,10 +452,16 @@ class Daemon:
                     reason = f"{source.name} gave no VRAM facts within {VRAM_CHECK_TIMEOUT_S:.0f} s"
                 else:
                     reason = f"{source.name}.vram_facts failed: {exc!r}"
-                self.emitter.emit("gpu_vram_check_failed", gpu_index=self.config.gpu.index, reason=reason)
                 facts = VramFacts(None, None, None, error=reason)
             if facts is not None:
                 break
+        if facts is not None and facts.error:
+            if not self._vram_check_failing:
+                index = facts.gpu_index if facts.gpu_index is not None else self.config.gpu.index
+                self.emitter.emit("gpu_vram_check_failed", gpu_index=index, reason=facts.error)
+            self._vram_check_failing = True
+        else:
+            self._vram_check_failing = False
         self.queue.put_nowait(facts or VramFacts(None, None, None))
 
     async def _reset_gpu(self, action: InspectGpu | RunReset) -> None:

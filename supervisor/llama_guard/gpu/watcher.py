@@ -236,7 +236,8 @@ class GpuSource(Source):
         sample = await self.executor.sample()
         index = self._gpu_index()
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
-            return VramFacts(index, None, need)
+            why = "NVML gave no sample" if sample is None else "NVML gave no memory reading"
+            return VramFacts(index, None, need, error=why)
         own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
         free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
         return VramFacts(index, free, need, holders_of(sample, own))
