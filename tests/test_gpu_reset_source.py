@@ -222,7 +222,7 @@ async def test_a_failing_need_estimate_is_raised_once_then_unknown(tmp_path: Pat
         raise ValueError("odd GGUF")
 
     src._estimate_need_mib = estimate
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="odd GGUF"):
         await src.vram_facts(ctx)
     facts = await src.vram_facts(ctx)
     assert facts is not None and facts.need_mib is None and facts.error == ""
