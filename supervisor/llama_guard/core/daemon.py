@@ -433,8 +433,9 @@ class Daemon:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
         its own port) to the policy, and keep systemd's start timeout ahead while they move."""
         pid = gen.server.pid
-        moved = sampler.sample()
-        signals = list(moved.signals(self.config.health.progress_cpu_s))
+        threshold = self.config.health.progress_cpu_s
+        moved = sampler.sample(accumulate_below_s=threshold)
+        signals = list(moved.signals(threshold))
         if answered and await asyncio.to_thread(owns_port, pid, self.config.server.port):
             signals.append("http")
         if signals:

@@ -76,11 +76,14 @@ class ProgressSampler:
         self._cpu: float | None = cpu_seconds(pid)
         self._lines = line_count()
 
-    def sample(self) -> ProgressSample:
-        """The deltas since the previous call (or since construction)."""
+    def sample(self, *, accumulate_below_s: float = 0.0) -> ProgressSample:
+        """The deltas since the previous call (or since construction). A CPU delta below
+        ``accumulate_below_s`` seconds keeps the CPU baseline, so that slow but steady CPU use adds
+        up across samples instead of vanishing in each one."""
         cpu = self._cpu_seconds(self.pid)
         delta = None if cpu is None or self._cpu is None else max(0.0, cpu - self._cpu)
-        self._cpu = cpu if cpu is not None else self._cpu
+        if cpu is not None and (delta is None or delta >= accumulate_below_s):
+            self._cpu = cpu
         lines = self._line_count()
         new_lines, self._lines = lines - self._lines, lines
         gpu: bool | None = None
