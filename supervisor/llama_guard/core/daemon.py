@@ -413,13 +413,13 @@ class Daemon:
             await asyncio.sleep(health.startup_poll_s)
         while self.state.phase is Phase.STARTING and self.state.pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
-        sampler.sample()  # the liveness window starts at ready
+        await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while self.state.pid == pid and self.state.phase in (Phase.READY, Phase.DRAINING):
             await asyncio.sleep(health.interval_s)
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
             result = await gen.probe.liveness()
-            moved = sampler.sample()
+            moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
                               canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
@@ -434,7 +434,7 @@ class Daemon:
         its own port) to the policy, and keep systemd's start timeout ahead while they move."""
         pid = gen.server.pid
         threshold = self.config.health.progress_cpu_s
-        moved = sampler.sample(accumulate_below_s=threshold)
+        moved = await asyncio.to_thread(lambda: sampler.sample(accumulate_below_s=threshold))
         signals = list(moved.signals(threshold))
         if answered and await asyncio.to_thread(owns_port, pid, self.config.server.port):
             signals.append("http")
