@@ -17,12 +17,13 @@ from llama_guard.core.types import (
     ExitDaemon,
     Exited,
     HealthOk,
+    InspectGpu,
     Line,
     LoadProgress,
     Params,
     Phase,
     Probe,
-    ResetGpu,
+    ResetTrigger,
     Spawned,
     State,
     Terminate,
@@ -167,7 +168,7 @@ REPRODUCER = [
     "W sched_reserve: compute buffer allocation failed, retrying without pipeline parallelism",
     "I srv    load_model: initializing, n_slots = 1, n_ctx_slot = 50176, kv_unified = 'false'",
 ]
-RESET = replace(P, reset_possible=True, reset_on=frozenset({"oom", "xid", "gpu_lost"}))
+RESET = replace(P, reset_possible=True, reset_on=frozenset({ResetTrigger.OOM, ResetTrigger.XID, ResetTrigger.GPU_LOST}))
 
 
 class TestAllocation:
@@ -178,7 +179,7 @@ class TestAllocation:
         warning = emitted(acts, "server_alloc_recovered")
         assert "cudaMalloc failed" in str(warning.fields["line"])
         assert "pipeline parallelism" in str(warning.fields["recovery"])
-        assert s.phase is Phase.STARTING and not any(isinstance(a, (Terminate, ResetGpu)) for a in acts)
+        assert s.phase is Phase.STARTING and not any(isinstance(a, (Terminate, InspectGpu)) for a in acts)
         s, acts = decide(s, HealthOk(100), 8.0)
         assert names(acts) == ["server_ready"] and s.phase is Phase.READY
 
@@ -194,7 +195,15 @@ class TestAllocation:
         s, _ = feed(s, 100, [*REPRODUCER[:3], "E llama_init_from_model: failed to initialize the context"], 5.0)
         s, acts = decide(s, Exited(100, 1), 5.5)
         assert names(acts)[:2] == ["server_oom", "server_exited"]
-        assert s.phase is Phase.RESETTING and any(isinstance(a, ResetGpu) for a in acts)
+        assert s.phase is Phase.RESETTING and any(isinstance(a, InspectGpu) for a in acts)
+
+    def test_alloc_failure_then_exit_on_a_watched_gpu_first_checks_the_vram(self) -> None:
+        s = started(params=RESET)
+        s = replace(s, params=replace(RESET, vram_admission=True))  # as if the VRAM check had admitted it
+        s, _ = feed(s, 100, REPRODUCER[:3], 5.0)
+        s, acts = decide(s, Exited(100, 1), 5.5)
+        assert names(acts)[:2] == ["server_oom", "server_exited"]
+        assert s.phase is Phase.WAITING_VRAM and s.vram_after_oom
 
     def test_runtime_pool_oom_answered_as_http_500_is_a_warning(self) -> None:
         s = ready(params=RESET)
@@ -225,7 +234,8 @@ PTX = ["/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error",
 
 
 class TestIncompatible:
-    @pytest.mark.parametrize("params", [P, RESET, replace(RESET, reset_on=frozenset({"cuda_error", "oom"}))])
+    @pytest.mark.parametrize("params", [
+        P, RESET, replace(RESET, reset_on=frozenset({ResetTrigger.CUDA_ERROR, ResetTrigger.OOM}))])
     def test_the_issue_reproducer_stops_with_exit_78_and_no_reset(self, params: Params) -> None:
         s, acts = feed(ready(params=params), 100, PTX, 10.0)
         assert "server_gpu_incompatible" in names(acts)
@@ -233,7 +243,7 @@ class TestIncompatible:
         assert "toolchain" in str(event.fields["cause"]) and "driver" in str(event.fields["fix"])
         assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_CONFIG
         s, acts = decide(s, Exited(100, -6), 10.2)
-        assert s.phase is Phase.EXITED and not any(isinstance(a, ResetGpu) for a in acts)
+        assert s.phase is Phase.EXITED and not any(isinstance(a, InspectGpu) for a in acts)
         assert ExitDaemon(EXIT_CONFIG, s.exit_reason) in acts and "fix:" in s.exit_reason
 
     @pytest.mark.parametrize("text", [
