@@ -235,7 +235,7 @@ class ServerConfig(_Section):
                 raise ValueError(f"extra_args[{i}] is {flag!r}: a secret on llama-server's command line shows in "
                                  "events, journald, status.json and ps; put the API key in [server].api_key_file "
                                  "(a file readable by [server].user), and tokens in a file of their own")
-        if self.group and not self.user or self.supplementary_groups and not self.user:
+        if (self.group or self.supplementary_groups) and not self.user:
             raise ValueError("group and supplementary_groups need user")
         if "\0" in self.api_key_file:
             raise ValueError("api_key_file contains a NUL byte")

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from llama_guard.config import Config
+from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFault, Input, ResetDone
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
@@ -217,9 +218,10 @@ class GpuSource(Source):
     async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
         """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
         index = fields.get("gpu_index")
-        if os.geteuid() != 0:
+        if reset_precondition():  # the same credentials: root with CAP_SYS_ADMIN
             ctx.emit("gpu_persistence_off", gpu_index=index,
-                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root")
+                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root "
+                            "with CAP_SYS_ADMIN")
             return
         assert self.nvml is not None
         try:
@@ -313,8 +315,9 @@ class GpuSource(Source):
             if not released:
                 return ResetDone("skipped", f"llama-server pid {previous_pid} still holds the GPU after "
                                             f"{waited:.0f} s", base)
-        if os.geteuid() != 0:
-            return ResetDone("skipped", "llama-guard is not root: nvidia-smi --gpu-reset needs root", base)
+        refusal = reset_precondition()
+        if refusal:
+            return ResetDone("skipped", refusal, base)
         # Another process may be releasing the GPU right now (e.g. the one that made us run out of
         # memory): give it [recovery].foreign_wait_s before deciding the reset cannot be done.
         deadline = time.monotonic() + cfg.recovery.foreign_wait_s

@@ -34,6 +34,7 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.probes import make_client
 from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
@@ -132,7 +133,7 @@ class ScheduleSource(Source):
         self.monitor = DecayMonitor.from_config(cfg)
         self.history = RestartHistory(cfg.history_size)
         if self._metrics_reader is None:
-            self._client = httpx.AsyncClient(trust_env=False)
+            self._client = make_client(ctx.get_api_key)
         return None
 
     async def close(self) -> None:
