@@ -18,7 +18,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 ALL_CAPS = (1 << 41) - 1
-ROOT_CREDS = Credentials(0, 0, (), ALL_CAPS, ALL_CAPS, 0, 0, ALL_CAPS, False)
+RT = Credentials(0, 0, (), ALL_CAPS, ALL_CAPS, 0, 0, ALL_CAPS, False)
 USER = Credentials(1000, 1000, (), 0, 0, 0, 0, ALL_CAPS, False)
 
 
@@ -32,7 +32,7 @@ def which_found(name: str) -> str | None:
 
 def test_possible_when_root_command_found_and_gpu_watched() -> None:
     fake = FakeNvml()
-    r = check_reset(config(), creds=ROOT_CREDS, which=which_found, nvml_module=fake)
+    r = check_reset(config(), creds=RT, which=which_found, nvml_module=fake)
     assert r.verdict == "OK", r
     assert "/usr/bin/nvidia-smi" in r.detail and "GPU 0 (NVIDIA Fake" in r.detail
     assert "nvidia-smi --gpu-reset -i {index}" in r.detail
@@ -47,23 +47,23 @@ def test_not_root_is_named() -> None:
 
 
 def test_missing_command_on_path_is_named() -> None:
-    r = check_reset(config(), creds=ROOT_CREDS, which=lambda _: None, nvml_module=FakeNvml())
+    r = check_reset(config(), creds=RT, which=lambda _: None, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and "'nvidia-smi' was not found on PATH" in r.detail
 
 
 def test_replaced_command_is_looked_up_by_its_path(tmp_path: Path) -> None:
     stub = tmp_path / "reset-stub"
-    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=ROOT_CREDS, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and f"{str(stub)!r} was not found" in r.detail
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
-    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=ROOT_CREDS, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "OK" and str(stub) in r.detail
 
 
 def test_gpu_watch_off_is_named() -> None:
     cfg = Config.model_validate({"gpu": {"enabled": "off"}})
-    r = check_reset(cfg, creds=ROOT_CREDS, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(cfg, creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and "GPU watch is off" in r.detail
 
 
@@ -73,7 +73,7 @@ def test_root_without_the_reset_capability_is_named(cap: str) -> None:
     creds = Credentials(0, 0, (), ALL_CAPS & ~(1 << CAP_NUMBERS[cap]), ALL_CAPS, 0, 0, ALL_CAPS, True)
     r = check_reset(config(), creds=creds, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and f"lacks {cap}" in r.detail and "not root" not in r.detail
-    assert reset_precondition(creds) != "" and reset_precondition(ROOT_CREDS) == ""
+    assert reset_precondition(creds) != "" and reset_precondition(RT) == ""
 
 
 def test_precondition_reads_this_process() -> None:
@@ -88,7 +88,7 @@ def test_precondition_reads_this_process() -> None:
 def test_no_driver_is_named(code: int, words: str) -> None:
     fake = FakeNvml()
     fake.init_error = code
-    r = check_reset(config(), creds=ROOT_CREDS, which=which_found, nvml_module=fake)
+    r = check_reset(config(), creds=RT, which=which_found, nvml_module=fake)
     assert r.verdict == "WARN" and "cannot be watched" in r.detail and words in r.detail
 
 
