@@ -73,11 +73,13 @@ def merge(a: dict[str, dict[str, object]], b: dict[str, dict[str, object]]) -> d
 class DaemonRun:
     """One ``python -m llama_guard run`` process with its stderr (JSON events) in a file."""
 
-    def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None,
+                 *, prefix: list[str] | None = None, log_name: str = "daemon.jsonl"):
+        self.prefix = list(prefix or [])  # e.g. setpriv with the unit's credentials
         self.tmp = tmp
         self.config = tmp / "llama-guard.toml"
         self.config.write_text(config_text(sections))
-        self.log_path = tmp / "daemon.jsonl"
+        self.log_path = tmp / log_name
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
         self.env.update(env or {})
         self.env["PYTHONUNBUFFERED"] = "1"
@@ -85,7 +87,8 @@ class DaemonRun:
 
     def start(self) -> DaemonRun:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_guard", "run", "--config", str(self.config)],
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "llama_guard", "run",
+                                      "--config", str(self.config)],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
                                      cwd=str(ROOT))
         log.close()
