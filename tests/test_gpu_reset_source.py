@@ -1,6 +1,7 @@
 """GpuSource.reset() in-process, on a FakeNvml: the preconditions and the command's answers.
 
-These run without root (``os.geteuid`` is patched where the test needs "root"); the whole sequence
+These run without root (the credentials the reset precondition reads are replaced where a test
+needs "root with CAP_SYS_ADMIN"); the whole sequence
 with the real daemon is in test_reset_e2e.py.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
+from llama_guard.core import privileges
 from llama_guard.core.types import Params, ResetDone, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
@@ -54,12 +56,19 @@ def gone_pid() -> int:
     return proc.pid
 
 
+def as_euid(monkeypatch: pytest.MonkeyPatch, euid: int) -> None:
+    """Decide the reset precondition as for a process with ``euid`` (root: every capability)."""
+    caps = (1 << 41) - 1 if euid == 0 else 0
+    creds = privileges.Credentials(euid, euid, (), caps, caps, 0, 0, (1 << 41) - 1, False)
+    monkeypatch.setattr(gpu_source, "reset_precondition", lambda: privileges.reset_precondition(creds))
+
+
 def stub(tmp: Path) -> list[str]:
     return [sys.executable, str(TESTS / "stub_reset.py"), "--gpu-reset", "-i", "{index}"]
 
 
 async def test_not_root_skips_without_running_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 1000)
+    as_euid(monkeypatch, 1000)
     monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
     src, ctx = make(FakeNvml(), stub(tmp_path), tmp_path)
     done = await src.reset(ctx, None, "test")
@@ -68,7 +77,7 @@ async def test_not_root_skips_without_running_the_command(tmp_path: Path, monkey
 
 
 async def test_foreign_process_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, foreign_pid: int) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    as_euid(monkeypatch, 0)
     fake = FakeNvml()
     fake.gpus[0].values["processes"] = [(foreign_pid, 1 << 30)]
     src, ctx = make(fake, stub(tmp_path), tmp_path)
@@ -80,7 +89,7 @@ async def test_foreign_process_is_named(tmp_path: Path, monkeypatch: pytest.Monk
 
 async def test_success_releases_nvml_runs_the_command_and_verifies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    as_euid(monkeypatch, 0)
     monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
     monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
     fake = FakeNvml()
@@ -95,7 +104,7 @@ async def test_success_releases_nvml_runs_the_command_and_verifies(tmp_path: Pat
 async def test_lost_gpu_does_not_block_the_reset_on_the_vram_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    gone_pid: int) -> None:
     # NVML cannot list processes on a lost GPU; the old server having exited must be enough.
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    as_euid(monkeypatch, 0)
     monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
@@ -129,7 +138,7 @@ async def test_missing_command() -> None:
                                                            (1000, False, "needs llama-guard to run as root")])
 async def test_enable_persistence_only_as_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, euid: int,
                                                expect_call: bool, word: str) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: euid)
+    as_euid(monkeypatch, euid)
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     events: list[tuple[str, dict[str, object]]] = []
@@ -154,7 +163,7 @@ async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_
         "    print('  GPU 00000000:1A:00.0: In use by another client')\n"
         "    sys.exit(255)\n"
         "print('GPU 00000000:1A:00.0 was successfully reset.')\n")
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    as_euid(monkeypatch, 0)
     fake = FakeNvml()
     fake.gpus[0].values["persistence"] = 1
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
@@ -168,7 +177,7 @@ async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_
 async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "reset.py"
     script.write_text("import sys\nprint('GPU 0: In use by another client')\nsys.exit(255)\n")
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+    as_euid(monkeypatch, 0)
     fake = FakeNvml()
     fake.gpus[0].values["persistence"] = 0
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
