@@ -160,7 +160,10 @@ class Daemon:
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
         self.status_file = StatusFile(config.runtime.dir)
         self.lock = RuntimeLock(config.runtime.dir)
-        self._api_key = ""  # [server].api_key_file's key, for our own probes; never emitted
+        # [server].api_key_file's key as last read (start, reload, each spawn) and the one the running
+        # server was started with, which our probes send. Never emitted.
+        self._api_key = ""
+        self._live_key = ""
         self._identity = ServerIdentity(None, None, None, "llama-guard's own user")
         self._gen: _Generation | None = None
         self._stop_signals = 0
@@ -242,7 +245,7 @@ class Daemon:
         self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
                            emit=self.emitter.emit, post=self.queue.put_nowait,
                            post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
-                           get_api_key=lambda: self._api_key)
+                           get_api_key=lambda: self._live_key)
         self._write_status()
         try:
             try:
@@ -368,6 +371,11 @@ class Daemon:
         # the drop to [server].user then takes away.
         hooks = [h for h in (src.preexec() for src in self.sources) if h is not None]
         hooks.append(make_drop(self._identity, os.getpid()))
+        try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
+            self._api_key = await asyncio.to_thread(read_api_key, server_cfg)
+        except ConfigError as exc:
+            self.queue.put_nowait(SpawnFailed(exc.lines[0]))
+            return
 
         def preexec_all() -> None:
             for hook in hooks:
@@ -378,9 +386,10 @@ class Daemon:
         except OSError as exc:
             self.queue.put_nowait(SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}"))
             return
+        self._live_key = self._api_key
         probe = ServerProbe(server_cfg.base_url, timeout_s=self.config.health.timeout_s,
                             canary_timeout_s=self.config.health.canary_timeout_s,
-                            canary=self.config.health.canary, get_key=lambda: self._api_key)
+                            canary=self.config.health.canary, get_key=lambda: self._live_key)
         gen = _Generation(server=server, probe=probe, log=self._open_server_log())
         self._gen = gen
         gen.tasks += [asyncio.ensure_future(self._read_lines(gen)),
@@ -507,7 +516,9 @@ class Daemon:
                                                      "(keeping the running configuration)")
             self.notifier.ready(self.status_line())
             return
-        server_changed = new.server != self.config.server or new.limits != self.config.limits
+        # A new key (same file, new content) reaches llama-server only by a (drained) restart.
+        server_changed = (new.server != self.config.server or new.limits != self.config.limits
+                          or key != self._live_key)
         changed = [name for name in type(new).model_fields if getattr(new, name) != getattr(self.config, name)]
         old = self.config
         self.config = new
