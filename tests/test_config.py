@@ -182,9 +182,14 @@ def test_read_api_key(tmp_path: Path) -> None:
 
     assert read_api_key(ServerConfig()) == ""
     key = tmp_path / "k"
-    key.write_text("\n  first-key  \nsecond\n")
+    key.write_text("# comment\n\nfirst-key\nsecond\n")
     assert read_api_key(ServerConfig(api_key_file=str(key))) == "first-key"
-    key.write_text("\n \n")
+    for bad in (" padded\n", "two words\n", "ok\ntab\there\n", "caf\u00e9\n"):
+        key.write_text(bad)
+        with pytest.raises(ConfigError, match="printable ASCII") as info:
+            read_api_key(ServerConfig(api_key_file=str(key)))
+        assert bad.strip().split()[-1] not in str(info.value)
+    key.write_text("# only a comment\n\n")
     with pytest.raises(ConfigError, match="holds no key"):
         read_api_key(ServerConfig(api_key_file=str(key)))
     with pytest.raises(ConfigError, match="cannot read"):
