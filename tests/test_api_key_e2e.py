@@ -230,3 +230,30 @@ def test_key_not_in_the_journal(private_user_manager_with_journal: tuple[Private
     assert any(e.get("LLAMA_GUARD_EVENT") == "server_starting" for e in entries)
     text = json.dumps(entries)
     assert find_key(key, journal=text) == []
+
+
+def test_new_key_on_reload_restarts_the_server_and_probes_follow(
+        tmp_path: Path, key_file: tuple[Path, str], llama_server_bin: Path, real_model: Path) -> None:
+    """The key file gets a new key and llama-guard is reloaded: llama-server (which read the file at
+    its start) is restarted after draining, and the probes use the new key from then on."""
+    path, old = key_file
+    sections = merge(base_sections(tmp_path, str(llama_server_bin), str(real_model), free_port()), {
+        "server": {"api_key_file": str(path)},
+        "health": {"interval_s": 1.0, "timeout_s": 3.0, "canary_timeout_s": 10.0, "hang_strikes": 3},
+    })
+    run = DaemonRun(tmp_path, sections).start()
+    try:
+        first = int(run.wait_event("server_ready", 60)["server_pid"])
+        new = "lg-" + secrets.token_hex(20)
+        path.write_text(f"# rotated\n{new}\n")
+        run.signal(signal.SIGHUP)
+        run.wait_event("config_reloaded", 30)
+        second = int(run.wait_event("server_ready", 60, skip=1)["server_pid"])
+        assert second != first
+        after = run.wait_event("server_probe", 30, where=lambda e: e["server_pid"] == second)
+        assert after["canary_ok"] is True, after
+        assert "server_hang" not in run.names() and "drain_timeout" not in run.names()
+        text = run.log_path.read_text()
+        assert find_key(old, events=text) == [] and find_key(new, events=text) == []
+    finally:
+        run.stop()
