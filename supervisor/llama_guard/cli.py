@@ -157,7 +157,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "temperature": 0, "ignore_eos": True, "cache_prompt": False}
     speeds: list[float] = []
     print(f"bench: {args.runs} runs of {args.tokens} tokens against {url}", file=sys.stderr)
-    with httpx.Client(base_url=url, timeout=args.timeout, trust_env=False) as client:
+    from llama_guard.config import read_api_key
+    from llama_guard.core.probes import BearerKey
+
+    try:
+        key = read_api_key(config.server)
+    except ConfigError as exc:
+        print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
+        return EXIT_CONFIG
+    with httpx.Client(base_url=url, timeout=args.timeout, trust_env=False, auth=BearerKey(lambda: key)) as client:
         for i in range(args.runs):
             try:
                 resp = client.post("/v1/chat/completions", json=body)
