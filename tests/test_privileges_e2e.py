@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import FAKE_NVML_RUN, ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
 from llama_guard.core.privileges import CAP_NUMBERS, read_credentials, unit_capabilities
 from llama_guard.preflight import _unreachable
 from needs import unavailable
@@ -103,13 +103,13 @@ def test_server_runs_unprivileged_and_the_reset_runs_as_root(
                      "reset_timeout_s": 10.0, "max_resets": 2, "stop_grace_s": 5.0, "reset_on": ["gpu_lost"]},
     })
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"LLAMA_GUARD_TEST_NVML_MODULE": "fake_pynvml_mod", "PYTHONPATH": pythonpath,
-           "FAKE_NVML_SCRIPT": str(script), "FAKE_NVML_STATE": str(tmp_path / "nvml-state.json"),
+    env = {"PYTHONPATH": pythonpath, "FAKE_NVML_SCRIPT": str(script),
+           "FAKE_NVML_STATE": str(tmp_path / "nvml-state.json"),
            "STUB_RESET_RECORD": str(record), "STUB_RESET_SLEEP_S": "0.2"}
-    run = DaemonRun(tmp_path, sections, env=env, prefix=prefix)
+    run = DaemonRun(tmp_path, sections, env=env, prefix=prefix, command=FAKE_NVML_RUN)
 
     # `check` under the same credentials: a reset is possible, and the server user is usable.
-    check = subprocess.run([*prefix, sys.executable, "-m", "llama_guard", "check", "--config", str(run.config)],
+    check = subprocess.run([*prefix, *FAKE_NVML_RUN, "check", "--config", str(run.config)],
                            env=run.env, cwd=str(ROOT), capture_output=True, text=True, timeout=60, check=False)
     reset_line = next(x for x in check.stdout.splitlines() if " gpu reset " in x)
     assert reset_line.startswith("OK") and "possible" in reset_line, check.stdout + check.stderr

@@ -47,7 +47,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config))
+    sources = make_sources(config, nvml_module=args.nvml_module)
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
     return asyncio.run(daemon.run())
 
 
@@ -55,7 +56,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from llama_guard.preflight import run_checks
 
     path, config = _load(args)
-    results = run_checks(config, path)
+    results = run_checks(config, path, nvml_module=args.nvml_module)
     width = max(len(r.name) for r in results)
     worst = EXIT_OK
     for r in results:
@@ -218,8 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, nvml_module: Any = None) -> int:
+    """Parse ``argv`` and run the verb; ``nvml_module`` is the pynvml module for ``run`` and
+    ``check`` (None: the real ``pynvml``; tests/run_with_fake_nvml.py passes a fake)."""
     args = build_parser().parse_args(argv)
+    args.nvml_module = nvml_module
     try:
         code: int = args.func(args)
     except BrokenPipeError:  # `llama-guard status | head`

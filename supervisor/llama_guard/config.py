@@ -8,6 +8,7 @@ file, the key and the reason.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import os
 import re
@@ -53,6 +54,23 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 ResetTrigger = Literal["gpu_lost", "xid", "oom", "cuda_error"]
+
+
+class GpuWatchMode(str, enum.Enum):
+    """``[gpu].enabled``: watch the GPU when one answers NVML, always (else refuse to run), never."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class ForeignProcesses(str, enum.Enum):
+    """``[gpu].foreign_processes``: another process holding VRAM at a start is reported, or refuses it."""
+
+    WARN = "warn"
+    REFUSE = "refuse"
+
+
 DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = ("gpu_lost", "xid", "oom")
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -275,14 +293,14 @@ class HealthConfig(_Section):
 class GpuConfig(_Section):
     """``[gpu]``: which GPU to watch and the thresholds of its events."""
 
-    enabled: Literal["auto", "on", "off"] = "auto"
+    enabled: GpuWatchMode = GpuWatchMode.AUTO
     index: int = Field(0, ge=0)
     uuid: str = ""
     pci_bus_id: str = ""
     sample_interval_s: PositiveFloat = 10.0
     temperature_warn_c: int = Field(85, ge=1, le=150)
     power_warn_fraction: float = Field(0.95, gt=0, le=1.5)
-    foreign_processes: Literal["warn", "refuse"] = "warn"
+    foreign_processes: ForeignProcesses = ForeignProcesses.WARN
     require_server_on_gpu: bool = True
     server_on_gpu_timeout_s: PositiveFloat = 10.0
     vram_release_timeout_s: PositiveFloat = 30.0
@@ -294,6 +312,8 @@ class GpuConfig(_Section):
     throttle_sustain_s: float = Field(30.0, ge=0)
     reminder_interval_s: PositiveFloat = 3600.0
     kmsg_path: str = "/dev/kmsg"
+    expected_vram_mib: int = Field(0, ge=0)
+    vram_wait_timeout_s: PositiveFloat = 300.0
 
 
 class RecoveryConfig(_Section):

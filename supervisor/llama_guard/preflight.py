@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import build_argv, flags_in, resolve_binary
-from llama_guard.config import Config, ConfigError, read_api_key
+from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
 from llama_guard.core.privileges import (
     Credentials,
     identity_problem,
@@ -109,8 +108,8 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
     :func:`llama_guard.core.privileges.reset_precondition`), and ``[recovery].reset_command`` must be
     found. Read-only: NVML is opened and closed, nothing reset.
 
-    ``creds``, ``which`` and ``nvml_module`` (a pynvml stand-in; default ``pynvml``, or the module
-    named by ``$LLAMA_GUARD_TEST_NVML_MODULE``) are for tests. WARN, not FAIL, when a reset is not
+    ``creds``, ``which`` and ``nvml_module`` (a pynvml stand-in; None: the real ``pynvml``) are
+    injectable for tests. WARN, not FAIL, when a reset is not
     possible: the daemon then restarts the server only, and a lost GPU ends it with exit 69.
     """
     rec = config.recovery
@@ -119,13 +118,11 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
         return CheckResult("gpu reset", "OK", f"GPU resets are off ({why}): restart only")
     reasons: list[str] = []
     gpu_text = ""
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         reasons.append('the GPU watch is off ([gpu].enabled = "off"), so a reset could not be verified')
     else:
         from llama_guard.gpu import DeviceSelector, open_gpu
 
-        if nvml_module is None:
-            nvml_module = _nvml_test_module()
         selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
         if isinstance(opened, WatchOff):
@@ -166,17 +163,15 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
     would also warn about; nothing is changed on the GPU.
     """
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
     from llama_guard.gpu.rules import driver_in_series
 
-    if nvml_module is None:
-        nvml_module = _nvml_test_module()
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
-        verdict = "FAIL" if config.gpu.enabled == "on" else "WARN"
+        verdict = "FAIL" if config.gpu.enabled is GpuWatchMode.ON else "WARN"
         return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
     try:
         sample = opened.sample()
@@ -198,10 +193,10 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
         results.append(CheckResult("persistence", "WARN", "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))
     for proc in sample.processes or ():
-        verdict = "FAIL" if config.gpu.foreign_processes == "refuse" else "WARN"
+        verdict = "FAIL" if config.gpu.foreign_processes is ForeignProcesses.REFUSE else "WARN"
         results.append(CheckResult("gpu process", verdict,
                                    f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
-                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes})"))
+                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes.value})"))
     try:
         model_bytes = Path(config.server.model).stat().st_size
     except OSError:
@@ -220,13 +215,6 @@ def _find_command(command: str, which: Callable[[str], str | None]) -> str | Non
     if "/" in command:
         return command if os.path.isfile(command) and os.access(command, os.X_OK) else None
     return which(command)
-
-
-def _nvml_test_module() -> Any:
-    from llama_guard.gpu.watcher import TEST_MODULE_ENV
-
-    name = os.environ.get(TEST_MODULE_ENV, "")
-    return importlib.import_module(name) if name else None
 
 
 def check_port(config: Config) -> CheckResult:
@@ -320,8 +308,8 @@ def check_api_key(config: Config) -> CheckResult:
     return CheckResult("api key", "OK", f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
 
 
-def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
-    """Every preflight check, in report order."""
+def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) -> list[CheckResult]:
+    """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
     results.append(check_model(config))
@@ -329,6 +317,6 @@ def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
     results += check_credentials(config)
     results.append(check_api_key(config))
     results += check_limits(config)
-    results += check_gpu(config)
-    results.append(check_reset(config))
+    results += check_gpu(config, nvml_module=nvml_module)
+    results.append(check_reset(config, nvml_module=nvml_module))
     return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llama_guard.config import Config
 from llama_guard.core.daemon import ServiceNotifier
 from llama_guard.core.watcher import Source
@@ -27,10 +29,11 @@ def make_notifier() -> ServiceNotifier:
     return SdNotifier(unset_environment=True)
 
 
-def make_sources(config: Config) -> list[Source]:
-    """The optional watchers: limits, GPU, planned restarts."""
+def make_sources(config: Config, *, nvml_module: Any = None) -> list[Source]:
+    """The optional watchers: limits, GPU, planned restarts. ``nvml_module``: the pynvml module
+    the GPU watcher uses (None: the real ``pynvml``; tests inject a fake)."""
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.limits.watcher import LimitsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
-    return [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]
+    return [LimitsSource(), gpu := GpuSource(nvml_module=nvml_module), ScheduleSource(peers=[gpu])]
