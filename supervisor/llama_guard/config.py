@@ -314,6 +314,10 @@ class GpuConfig(_Section):
     kmsg_path: str = "/dev/kmsg"
     expected_vram_mib: int = Field(0, ge=0)
     vram_wait_timeout_s: PositiveFloat = 300.0
+    # Memory bandwidth for `bench`'s ceiling, GB/s (1e9 bytes/s); unset = from NVML (bus width x clock).
+    memory_bandwidth_gbs: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # VRAM size for `check`'s budget instead of NVML's free memory, MiB (a stated card; tests).
+    vram_total_mib: int | None = Field(None, gt=0)
 
 
 class RecoveryConfig(_Section):
@@ -442,6 +446,50 @@ class RuntimeConfig(_Section):
         return value
 
 
+class MetricsConfig(_Section):
+    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set).
+
+    ``listen``: ``"PORT"`` (bound to 127.0.0.1), ``"HOST:PORT"`` or ``"[IPv6]:PORT"``; "" = off.
+    """
+
+    listen: str = ""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)  # ValueError names the problem
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` to bind, or None when off."""
+        return parse_listen(self.listen) if self.listen else None
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""
+    text = value.strip()
+    host = "127.0.0.1"
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1:end + 2] != ":":
+            raise ValueError(f"{value!r}: expected [IPv6]:PORT")
+        host, port_text = text[1:end], text[end + 2:]
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    else:
+        port_text = text
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"{value!r}: {host!r} is not an IP address or host name") from None
+    return host, int(port_text)
+
+
 _TOML_PATH: ContextVar[Path | None] = ContextVar("llama_guard_toml_path", default=None)
 
 
@@ -464,6 +512,7 @@ class Config(BaseSettings):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ class CheckResult:
     name: str
     verdict: str
     detail: str
+    data: dict[str, Any] | None = field(default=None, compare=False)
 
 
 def check_binary(config: Config) -> list[CheckResult]:
@@ -157,8 +158,8 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
 
 def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     """The GPU as NVML sees it (read-only): name, driver (against ``[gpu].driver_version``),
-    memory used/total, persistence mode, other processes holding VRAM, and whether the model file
-    alone fits in the free VRAM (a lower bound: the KV cache and compute buffers come on top).
+    memory used/total, persistence mode, other processes holding VRAM (the VRAM budget is
+    :func:`check_vram`).
 
     FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
     would also warn about; nothing is changed on the GPU.
@@ -197,17 +198,6 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
         results.append(CheckResult("gpu process", verdict,
                                    f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
                                    f"([gpu].foreign_processes = {config.gpu.foreign_processes.value})"))
-    try:
-        model_bytes = Path(config.server.model).stat().st_size
-    except OSError:
-        model_bytes = None
-    if model_bytes is not None and used is not None and total is not None and config.server.n_gpu_layers > 0:
-        free = total - used
-        verdict = "OK" if model_bytes < free else "FAIL"
-        results.append(CheckResult("vram budget", verdict,
-                                   f"model file {model_bytes // mib} MiB vs {free // mib} MiB free; the KV cache "
-                                   f"({config.server.ctx_size} tokens, {config.server.cache_type_k}/"
-                                   f"{config.server.cache_type_v}) and compute buffers come on top"))
     return results
 
 
@@ -308,6 +298,19 @@ def check_api_key(config: Config) -> CheckResult:
     return CheckResult("api key", "OK", f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
 
 
+def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
+    """The VRAM budget from the model's GGUF metadata against the GPU's free memory (or
+    ``[gpu].vram_total_mib``), with the operators' ladder when it does not fit
+    (:mod:`llama_guard.insight.vram_check`). The first row carries the budget as ``data``."""
+    from llama_guard.insight.gpu_info import gpu_memory_facts
+    from llama_guard.insight.vram_check import report_lines, vram_report
+
+    report = vram_report(config, gpu_memory_facts(config, nvml_module=nvml_module))
+    rows = report_lines(report)
+    return [CheckResult(name, verdict, detail, report.as_dict() if i == 0 else None)
+            for i, (verdict, name, detail) in enumerate(rows)]
+
+
 def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) -> list[CheckResult]:
     """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", "OK", str(config_path))]
@@ -318,5 +321,6 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     results.append(check_api_key(config))
     results += check_limits(config)
     results += check_gpu(config, nvml_module=nvml_module)
+    results += check_vram(config, nvml_module=nvml_module)
     results.append(check_reset(config, nvml_module=nvml_module))
     return results

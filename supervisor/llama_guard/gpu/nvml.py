@@ -478,6 +478,20 @@ class Nvml:
                 self._release()
                 raise
 
+    def memory_interface(self) -> tuple[int, int]:
+        """``(bus width in bits, max memory clock in MHz)`` (``nvmlDeviceGetMemoryBusWidth``,
+        ``nvmlDeviceGetMaxClockInfo(NVML_CLOCK_MEM)``), for the bandwidth ceiling. Raises like
+        :meth:`sample`, and :class:`NotSupported` when the GPU does not report them."""
+        with self._lock:
+            self.open()
+            try:
+                m = self._load_module()
+                return (int(self._dev("nvmlDeviceGetMemoryBusWidth")),
+                        int(self._dev("nvmlDeviceGetMaxClockInfo", m.NVML_CLOCK_MEM)))
+            except _SESSION_ERRORS:
+                self._release()
+                raise
+
     def set_persistence(self, enabled: bool) -> None:
         """The ONE writing call: set persistence mode (root only). Raises :class:`NoPermission`
         without root. Call it only when ``[gpu].enable_persistence`` is set; never in probes."""

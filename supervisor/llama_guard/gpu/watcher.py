@@ -15,6 +15,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
@@ -43,8 +44,11 @@ class GpuSource(Source):
 
     name = "gpu"
 
-    def __init__(self, *, nvml_module: Any = None) -> None:
+    def __init__(self, *, nvml_module: Any = None,
+                 estimate_need_mib: Callable[[Config], int | None] | None = None) -> None:
         self._nvml_module = nvml_module
+        # Before any good start and without [gpu].expected_vram_mib: the VRAM budget's estimate (wiring).
+        self._estimate_need_mib = estimate_need_mib
         self.nvml: Nvml | None = None
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
@@ -204,6 +208,8 @@ class GpuSource(Source):
         if self.executor is None:
             return None
         need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
+        if need is None and self._estimate_need_mib is not None:
+            need = await asyncio.to_thread(self._estimate_need_mib, ctx.config)
         sample = await self.executor.sample()
         index = self._gpu_index()
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
