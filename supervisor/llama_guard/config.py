@@ -288,6 +288,8 @@ class HealthConfig(_Section):
     canary: bool = True
     canary_timeout_s: PositiveFloat = 30.0
     hang_strikes: int = Field(3, ge=1)
+    load_stall_s: float = Field(60.0, ge=0.0)
+    progress_cpu_s: PositiveFloat = 0.05
 
 
 class GpuConfig(_Section):

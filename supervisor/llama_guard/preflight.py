@@ -71,6 +71,42 @@ def check_model(config: Config) -> CheckResult:
     return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
+# llama-server's warm-up decodes a 2-token batch (BOS, EOS) per slot before it listens: a slot with a
+# smaller context aborts there ("get_sub_batch: failed to add token ..."; measured with ctx_size = 1).
+MIN_SLOT_TOKENS = 2
+
+
+def check_settings(config: Config) -> list[CheckResult]:
+    """The [server] sizes llama-server cannot run, or runs other than configured.
+
+    FAIL: a slot's context (``ctx_size / parallel``) below :data:`MIN_SLOT_TOKENS`, which aborts in
+    warm-up on every start (``parallel`` above ``ctx_size`` included). WARN: a slot's context below
+    ``batch_size`` or ``ubatch_size`` (llama.cpp lowers the batch to the context, and a prompt longer
+    than the slot's context fails). ``ctx_size = 0`` takes the model's training context: OK.
+    """
+    server = config.server
+    if server.ctx_size == 0:
+        return [CheckResult("sizes", "OK", "ctx_size = 0: the model's own context length")]
+    per_slot = server.ctx_size // server.parallel
+    if per_slot < MIN_SLOT_TOKENS:
+        return [CheckResult("sizes", "FAIL",
+                            f"ctx_size = {server.ctx_size} over parallel = {server.parallel} slots leaves "
+                            f"{per_slot} token(s) per slot; llama-server's warm-up needs {MIN_SLOT_TOKENS} and "
+                            f"aborts on every start (get_sub_batch: failed to add token). Raise ctx_size "
+                            f"(e.g. {max(4096, server.parallel * 1024)}) or lower parallel")]
+    results = []
+    for name, value in (("batch_size", server.batch_size), ("ubatch_size", server.ubatch_size)):
+        if per_slot < value:
+            results.append(CheckResult("sizes", "WARN",
+                                       f"a slot's context ({per_slot} tokens = ctx_size {server.ctx_size} / "
+                                       f"parallel {server.parallel}) is smaller than {name} = {value}: llama.cpp "
+                                       f"lowers the batch to the context and longer prompts fail"))
+            break
+    return results or [CheckResult("sizes", "OK", f"{per_slot} tokens of context per slot "
+                                                  f"({server.parallel} slot(s)), batch {server.batch_size}/"
+                                                  f"{server.ubatch_size}")]
+
+
 def check_limits(config: Config) -> list[CheckResult]:
     """The rlimits llama-server would get: configured, the daemon's own, what the child gets.
 
@@ -316,6 +352,7 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
     results.append(check_model(config))
+    results += check_settings(config)
     results.append(check_port(config))
     results += check_credentials(config)
     results.append(check_api_key(config))

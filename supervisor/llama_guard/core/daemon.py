@@ -27,6 +27,7 @@ from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, 
 from llama_guard.core.policy import decide
 from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
 from llama_guard.core.probes import ServerProbe
+from llama_guard.core.progress import ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     Action,
@@ -41,6 +42,7 @@ from llama_guard.core.types import (
     InspectGpu,
     Kill,
     Line,
+    LoadProgress,
     NotifyReady,
     NotOnGpu,
     Params,
@@ -86,6 +88,7 @@ EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
+LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
 
 
 class ServiceNotifier(Protocol):
@@ -139,6 +142,8 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         gpu_index=config.gpu.index,
         vram_admission=reset_possible and gpu_wanted,
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
+        load_stall_s=config.health.load_stall_s,
+        progress_cpu_s=config.health.progress_cpu_s,
     )
 
 
@@ -150,6 +155,7 @@ class _Generation:
     probe: ServerProbe
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log: TextIO | None = None
+    lines: int = 0  # lines printed so far (a progress signal)
 
 
 class Daemon:
@@ -431,6 +437,7 @@ class Daemon:
         """Every line of the server's output: kept, classified, queued; then the exit status."""
         pid = gen.server.pid
         async for text in gen.server.lines():
+            gen.lines += 1
             if gen.log is not None:
                 with contextlib.suppress(OSError):
                     gen.log.write(text + "\n")
@@ -446,13 +453,26 @@ class Daemon:
         code = await gen.server.wait()
         self.queue.put_nowait(Exited(pid, code))
 
+    def _gpu_busy(self, pid: int) -> bool | None:
+        """Our pid's GPU use as the sources see it (the first that can tell); None: unknown."""
+        for source in self.sources:
+            busy = source.gpu_busy(pid)
+            if busy is not None:
+                return busy
+        return None
+
     async def _watch_health(self, gen: _Generation) -> None:
-        """Readiness polling while STARTING, then liveness rounds while the server serves."""
+        """Readiness polling and load-progress sampling while STARTING, then liveness rounds
+        (probes plus progress signals) while the server serves."""
         pid = gen.server.pid
         health = self.config.health
         assert self.ctx is not None
+        sampler = ProgressSampler(pid, lambda: gen.lines, gpu_busy=self._gpu_busy)
+        sampled_at = self.clock()
+        answered = False
         while self.state.pid in (None, pid) and self.state.phase is Phase.STARTING:
-            if await gen.probe.health() and await asyncio.to_thread(owns_port, pid, self.config.server.port):
+            status = await gen.probe.health_status()
+            if status == 200 and await asyncio.to_thread(owns_port, pid, self.config.server.port):
                 for source in self.sources:
                     refusal = await source.ready_check(self.ctx, pid)
                     if refusal:
@@ -460,20 +480,42 @@ class Daemon:
                         return
                 self.queue.put_nowait(HealthOk(pid))
                 break
-            # No extension here: /health 503 is not progress. Server lines are (see _read_lines).
+            answered = answered or status is not None
+            if self.clock() - sampled_at >= LOAD_SAMPLE_S:
+                sampled_at = self.clock()
+                await self._load_progress(gen, sampler, answered)
+                answered = False
             await asyncio.sleep(health.startup_poll_s)
         while self.state.phase is Phase.STARTING and self.state.pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
+        await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while self.state.pid == pid and self.state.phase in (Phase.READY, Phase.DRAINING):
             await asyncio.sleep(health.interval_s)
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
             result = await gen.probe.liveness()
+            moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
+            cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
                               canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
-                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3))
+                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3),
+                              cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
             self.queue.put_nowait(Probe(pid, result.health_ok, result.canary_ok, result.busy,
-                                        result.progressed, result.detail))
+                                        result.progressed, result.detail, cpu_s=moved.cpu_s,
+                                        lines=moved.lines, gpu_busy=moved.gpu_busy))
+
+    async def _load_progress(self, gen: _Generation, sampler: ProgressSampler, answered: bool) -> None:
+        """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
+        its own port) to the policy, and keep systemd's start timeout ahead while they move."""
+        pid = gen.server.pid
+        threshold = self.config.health.progress_cpu_s
+        moved = await asyncio.to_thread(lambda: sampler.sample(accumulate_below_s=threshold))
+        signals = list(moved.signals(threshold))
+        if answered and await asyncio.to_thread(owns_port, pid, self.config.server.port):
+            signals.append("http")
+        if signals:
+            self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
+            self._extend_start_timeout()
 
     async def _drain(self, gen: _Generation) -> None:
         pid = gen.server.pid

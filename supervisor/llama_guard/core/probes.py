@@ -87,13 +87,18 @@ class ServerProbe:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def health(self) -> bool:
-        """True when ``GET /health`` answers 200 within ``timeout_s``."""
+    async def health_status(self) -> int | None:
+        """The HTTP status of ``GET /health`` (200 ready, 503 loading …), or None when nothing
+        answered within ``timeout_s``. Any answer shows the server's HTTP loop is alive."""
         try:
             resp = await self._client.get("/health", timeout=self.timeout_s)
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return None
+        return resp.status_code
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout_s``."""
+        return await self.health_status() == 200
 
     async def slots(self) -> SlotsView | None:
         """``GET /slots`` summarised, or None when unavailable."""

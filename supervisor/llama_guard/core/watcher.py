@@ -99,6 +99,11 @@ class Source:
         :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
         return ResetDone(gpu_index, "", None, "", False, f"{self.name} cannot reset the GPU")
 
+    def gpu_busy(self, pid: int) -> bool | None:
+        """Whether server ``pid`` uses the GPU now (a liveness progress signal, read outside the
+        server's HTTP loop); None when this source cannot tell. Called from a worker thread."""
+        return None
+
     def status_fragment(self) -> str:
         """A short text for sd_notify STATUS= (``GPU 0 61°C 212 W``); empty for nothing."""
         return ""
