@@ -243,6 +243,11 @@ TEXT: dict[str, tuple[str, str]] = {
         "The configuration cannot be used: @REASON@\n\n"
         "At start llama-guard exits with status 78 and systemd does not restart it. On reload the\n"
         "old configuration stays in force. Run `llama-guard check --config FILE`."),
+    "server_unauthenticated": (
+        "llama-server reachable without an API key",
+        "llama-server listens on @HOST@:@PORT@, an address other hosts can reach, and no API key\n"
+        "is configured: anyone who reaches the port can use the model. Set [server].api_key_file\n"
+        "(a file readable by [server].user, one key per line) or listen on 127.0.0.1."),
     "gpu_power_ok": (
         "GPU power draw back to normal",
         "GPU @GPU_INDEX@ draws @GPU_POWER_W@ W again, below its warning level."),

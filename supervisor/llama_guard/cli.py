@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard import __version__
-from llama_guard.config import Config, ConfigError, RuntimeConfig, load_config, resolve_config_path
+from llama_guard.config import Config, ConfigError, RuntimeConfig, load_config, read_api_key, resolve_config_path
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
 
@@ -127,10 +127,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     os.close(fd)
                     stack.enter_context(spawned_server(cfg, Path(log_name)))
                 result = run_bench(url, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
+                                   api_key=read_api_key(cfg.server),
                                    timeout_s=args.timeout, progress=Progress(args.runs, f"{label} "))
         except BenchError as exc:
             print(f"llama-guard: bench {label}: {exc}", file=sys.stderr)
             return EXIT_FAILURE
+        except ConfigError as exc:
+            print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
+            return EXIT_CONFIG
         result.label = label
         result.ceiling = ceiling_for(cfg, result, nvml_module=args.nvml_module)
         if not spawn:

@@ -22,9 +22,10 @@ import psutil
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config
+from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, spawn
 from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S, decide
+from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.progress import ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
@@ -67,7 +68,7 @@ from llama_guard.core.types import (
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.status import StatusFile
+from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 
 
 def owns_port(pid: int, port: int) -> bool:
@@ -172,6 +173,12 @@ class Daemon:
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
         self.status_file = StatusFile(config.runtime.dir)
+        self.lock = RuntimeLock(config.runtime.dir)
+        # [server].api_key_file's key as last read (start, reload, each spawn) and the one the running
+        # server was started with, which our probes send. Never emitted.
+        self._api_key = ""
+        self._live_key = ""
+        self._identity = ServerIdentity(None, None, None, "llama-guard's own user")
         self._gen: _Generation | None = None
         self._stop_signals = 0
         self._aux: list[asyncio.Task[None]] = []
@@ -209,7 +216,43 @@ class Daemon:
     # ------------------------------------------------------------ entry point
 
     async def run(self) -> int:
-        """Supervise until a stop request or a give-up; returns the exit status."""
+        """Supervise until a stop request or a give-up; returns the exit status.
+
+        Refuses (exit 78, no server started) when another daemon holds the runtime directory's
+        lock, when ``[server].api_key_file`` cannot be read, or when llama-server could not be
+        started as ``[server].user``.
+        """
+        try:
+            self.lock.acquire()
+        except (AlreadyRunning, OSError) as exc:
+            reason = str(exc) if isinstance(exc, AlreadyRunning) else (
+                f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
+            self.emitter.emit("config_error", reason=reason)
+            self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
+            return EXIT_CONFIG
+        try:
+            return await self._run_locked()
+        finally:
+            self.lock.release()
+
+    def _prepare(self, config: Config) -> tuple[str, ServerIdentity]:
+        """The API key and llama-server's identity for ``config``. Raises ConfigError."""
+        key = read_api_key(config.server)
+        try:
+            identity = resolve_identity(config.server.user, config.server.group,
+                                        config.server.supplementary_groups)
+            problem = identity_problem(identity)
+        except (ValueError, OSError) as exc:
+            raise ConfigError([f"{self.config_path}: {exc}"]) from None
+        if problem:
+            raise ConfigError([f"{self.config_path}: {problem}"])
+        return key, identity
+
+    def _warn_unauthenticated(self, config: Config) -> None:
+        if not config.server.loopback and not config.server.api_key_file:
+            self.emitter.emit("server_unauthenticated", host=config.server.host, port=config.server.port)
+
+    async def _run_locked(self) -> int:
         loop = asyncio.get_running_loop()
         for sig, handler in ((signal.SIGTERM, self._on_term), (signal.SIGINT, self._on_term),
                              (signal.SIGHUP, self._on_hup), (signal.SIGUSR1, self._on_usr1)):
@@ -218,9 +261,19 @@ class Daemon:
                           daemon_pid=os.getpid())
         self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
                            emit=self.emitter.emit, post=self.queue.put_nowait,
-                           post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop)
+                           post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
+                           get_api_key=lambda: self._live_key)
         self._write_status()
         try:
+            try:
+                self._api_key, self._identity = await asyncio.to_thread(self._prepare, self.config)
+            except ConfigError as exc:
+                for line in exc.lines:
+                    self.emitter.emit("config_error", reason=line)
+                self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=exc.lines[0])
+                self._exit_code = EXIT_CONFIG
+                return EXIT_CONFIG
+            self._warn_unauthenticated(self.config)
             for source in self.sources:
                 refusal = await source.start(self.ctx)
                 if refusal:
@@ -341,20 +394,29 @@ class Daemon:
             if refusal:
                 self.queue.put_nowait(SpawnFailed(refusal, fatal=False))
                 return
+        # The sources' hooks (rlimits) first: raising a hard limit needs the privileges that
+        # the drop to [server].user then takes away.
         hooks = [h for h in (src.preexec() for src in self.sources) if h is not None]
+        hooks.append(make_drop(self._identity, os.getpid()))
+        try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
+            self._api_key = await asyncio.to_thread(read_api_key, server_cfg)
+        except ConfigError as exc:
+            self.queue.put_nowait(SpawnFailed(exc.lines[0]))
+            return
 
         def preexec_all() -> None:
             for hook in hooks:
                 hook()
 
         try:
-            server = await spawn(argv, env, preexec_extra=preexec_all if hooks else None)
+            server = await spawn(argv, env, preexec_extra=preexec_all)
         except OSError as exc:
             self.queue.put_nowait(SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}"))
             return
+        self._live_key = self._api_key
         probe = ServerProbe(server_cfg.base_url, timeout_s=self.config.health.timeout_s,
                             canary_timeout_s=self.config.health.canary_timeout_s,
-                            canary=self.config.health.canary)
+                            canary=self.config.health.canary, get_key=lambda: self._live_key)
         gen = _Generation(server=server, probe=probe, log=self._open_server_log())
         self._gen = gen
         gen.tasks += [asyncio.ensure_future(self._read_lines(gen)),
@@ -536,6 +598,7 @@ class Daemon:
         try:
             new = await asyncio.to_thread(load_config, self.config_path)
             problem = await asyncio.to_thread(self._startable, new)
+            key, identity = await asyncio.to_thread(self._prepare, new)
         except ConfigError as exc:
             for line in exc.lines:
                 self.emitter.emit("config_error", reason=line + " (keeping the running configuration)")
@@ -551,11 +614,16 @@ class Daemon:
                                                      "(keeping the running configuration)")
             self.notifier.ready(self.status_line())
             return
-        server_changed = new.server != self.config.server or new.limits != self.config.limits
+        # A new key (same file, new content) reaches llama-server only by a (drained) restart.
+        server_changed = (new.server != self.config.server or new.limits != self.config.limits
+                          or key != self._live_key)
         changed = [name for name in type(new).model_fields if getattr(new, name) != getattr(self.config, name)]
         old = self.config
         self.config = new
+        self._api_key, self._identity = key, identity
         self._apply_runtime(old, new)
+        if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
+            self._warn_unauthenticated(new)
         self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
         note = " ([log].format applies at the next start)" if new.log.format != old.log.format else ""
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
@@ -586,7 +654,15 @@ class Daemon:
         if new.log.level != old.log.level:
             self.emitter.set_level(new.log.level)
         if new.runtime.dir != old.runtime.dir:
+            lock = RuntimeLock(new.runtime.dir)
+            try:
+                lock.acquire()
+            except (AlreadyRunning, OSError) as exc:
+                self.emitter.emit("config_error", reason=f"[runtime].dir: {exc}; keeping {old.runtime.dir}")
+                return
             self.status_file.remove()
+            self.lock.release()
+            self.lock = lock
             self.status_file = StatusFile(new.runtime.dir)
             self._write_status()
 

@@ -29,6 +29,8 @@ class Context:
     post_threadsafe: Callable[[Input], None]
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop
+    # The API key of [server].api_key_file as last read (start, reload); "" without one.
+    get_api_key: Callable[[], str] = lambda: ""
 
     @property
     def config(self) -> Config:

@@ -138,6 +138,9 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
+        EventSpec("server_unauthenticated", _S.WARNING,
+                  "llama-server listens on {host}:{port}, beyond loopback, without an API key "
+                  "([server].api_key_file)"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,
