@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,3 +109,46 @@ def estimated_need_mib(config: Config) -> int | None:
     except ModelFactsError:
         return None
     return int(estimate(facts, Settings.from_server(server), gpu_build=True).total * ADMISSION_SHARE / MIB)
+
+
+NEED_CHILD_TIMEOUT_S = 30.0
+
+
+def estimated_need_mib_in_child(config: Config, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:
+    """:func:`estimated_need_mib`, computed in a separate Python process (``python -m
+    llama_guard.insight.vram_check``): reading a GGUF's metadata with the ``gguf`` package holds the GIL
+    for seconds (3 s for SmolLM2-135M on 2 cores, most of it the tokenizer arrays), which in the daemon
+    would stall its event loop — watchdog pings and stop requests included — and it adds numpy's memory to
+    the daemon's RSS. Blocking (call it in a thread); None when the child fails, times out (``timeout_s``)
+    or cannot read the model."""
+    server = config.server
+    if server.n_gpu_layers == 0:
+        return None
+    request = json.dumps({"model": str(server.model), "settings": dataclasses.asdict(Settings.from_server(server))})
+    try:
+        done = subprocess.run([sys.executable, "-m", "llama_guard.insight.vram_check"], input=request,
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        answer = json.loads(done.stdout or "null")
+    except ValueError:
+        return None
+    return answer if isinstance(answer, int) and done.returncode == 0 else None
+
+
+def _need_child_main() -> int:
+    """The child of :func:`estimated_need_mib_in_child`: a JSON request on stdin, the MiB (or null) on stdout."""
+    request = json.loads(sys.stdin.read())
+    try:
+        facts = read_model_facts(request["model"])
+    except ModelFactsError:
+        print("null")
+        return 0
+    budget = estimate(facts, Settings(**request["settings"]), gpu_build=True)
+    print(int(budget.total * ADMISSION_SHARE / MIB))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_need_child_main())

@@ -1,0 +1,24 @@
+"""The VRAM need for the admission is computed in a child process (the GGUF read holds the GIL for
+seconds): same answer as in-process, None when the child cannot read the model or runs out of time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_guard.config import Config, ServerConfig
+from llama_guard.insight.vram_check import estimated_need_mib, estimated_need_mib_in_child
+
+
+def test_the_child_gives_the_in_process_answer(real_model: Path) -> None:
+    config = Config(server=ServerConfig(model=str(real_model), n_gpu_layers=99, ctx_size=4096))
+    need = estimated_need_mib_in_child(config)
+    assert need is not None and need == estimated_need_mib(config)
+
+
+def test_an_unreadable_model_or_a_slow_child_gives_none(tmp_path: Path, real_model: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    assert estimated_need_mib_in_child(Config(server=ServerConfig(model=str(bad), n_gpu_layers=99))) is None
+    config = Config(server=ServerConfig(model=str(real_model), n_gpu_layers=99))
+    assert estimated_need_mib_in_child(config, timeout_s=0.01) is None
+    assert estimated_need_mib_in_child(Config(server=ServerConfig(model=str(real_model), n_gpu_layers=0))) is None
