@@ -5,18 +5,18 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
-import subprocess
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_guard.argv import build_argv, flags_in, resolve_binary
+from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
 from llama_guard.config import Config
-from llama_guard.gpu.nvml import NvmlError, WatchOff
+from llama_guard.core.offload import CallTimeout, run_with_deadline
 
 GGUF_MAGIC = b"GGUF"
-HELP_TIMEOUT_S = 20.0
+MODEL_CHECK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,11 @@ def check_binary(config: Config) -> list[CheckResult]:
     if not os.access(binary, os.X_OK):
         return [CheckResult("binary", "FAIL", f"{binary} is not executable")]
     try:
-        out = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
-                             timeout=HELP_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        listed = help_text(binary, HELP_TIMEOUT_S)
+    except OSError as exc:
         return [CheckResult("binary", "FAIL", f"{binary} --help failed: {exc}")]
-    help_text = out.stdout + out.stderr
     results = [CheckResult("binary", "OK", str(binary))]
-    unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in help_text]
+    unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in listed]
     if unknown:
         results.append(CheckResult("flags", "FAIL",
                                    f"{binary} does not know: {' '.join(sorted(set(unknown)))}"))
@@ -51,16 +49,51 @@ def check_binary(config: Config) -> list[CheckResult]:
     return results
 
 
-def check_model(config: Config) -> CheckResult:
-    """The model file exists, is readable and starts with the GGUF magic."""
+def model_problem(path: Path) -> str:
+    """Why ``path`` cannot be llama-server's model ("" when it can): it must be a regular file
+    (``os.stat`` + ``S_ISREG`` before any ``open``, so a FIFO, a directory or a device is refused at
+    once instead of blocking), readable, and start with the 4-byte GGUF magic ``b"GGUF"``.
+
+    The one GGUF check, used by ``llama-guard check`` and by every reload. It still touches the
+    filesystem (a hung network mount can block ``stat``): callers run it with a deadline.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        return f"{path} is {kind}, not a regular file"
+    try:
+        # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() does not wait.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"{path} is not a regular file"
+        magic = os.read(fd, 4)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    if magic != GGUF_MAGIC:
+        return f"{path}: not a GGUF file (magic {magic!r})"
+    return ""
+
+
+def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> CheckResult:
+    """The model file is a regular file, readable, and starts with the GGUF magic
+    (:func:`model_problem`); FAIL when the filesystem does not answer within ``timeout_s``."""
     path = Path(config.server.model)
     try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        return CheckResult("model", "FAIL", f"{path}: {exc.strerror or exc}")
-    if magic != GGUF_MAGIC:
-        return CheckResult("model", "FAIL", f"{path}: not a GGUF file (magic {magic!r})")
+        problem = run_with_deadline(lambda: model_problem(path), timeout_s, f"checking {path}")
+    except CallTimeout as exc:
+        return CheckResult("model", "FAIL", f"{path}: {exc} (a hung filesystem?)")
+    if problem:
+        return CheckResult("model", "FAIL", problem)
     return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
@@ -112,6 +145,7 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
         reasons.append('the GPU watch is off ([gpu].enabled = "off"), so a reset could not be verified')
     else:
         from llama_guard.gpu import DeviceSelector, open_gpu
+        from llama_guard.gpu.nvml import NvmlError, WatchOff
 
         if nvml_module is None:
             nvml_module = _nvml_test_module()
@@ -156,6 +190,7 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     if config.gpu.enabled == "off":
         return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
+    from llama_guard.gpu.nvml import NvmlError, WatchOff
     from llama_guard.gpu.rules import driver_in_series
 
     if nvml_module is None:
