@@ -86,7 +86,11 @@ class ServerProcess:
             return await self.proc.wait()
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
-        loop.add_reader(self.pidfd, lambda: ready.done() or ready.set_result(None))
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self.pidfd, wake)
         try:
             await ready
         finally:
@@ -97,7 +101,9 @@ class ServerProcess:
             if self.proc.returncode is not None:
                 return self.proc.returncode
             try:
-                info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOWAIT)  # type: ignore[attr-defined]
+                # WNOHANG: the pidfd said it exited; never blocks.
+                info = os.waitid(os.P_PIDFD, self.pidfd,  # noqa: ASYNC222
+                                 os.WEXITED | os.WNOWAIT | os.WNOHANG)
             except ChildProcessError:
                 info = None
             if info is not None:

@@ -13,6 +13,7 @@ another lane or the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -78,10 +79,8 @@ class Lane:
             finally:
                 with self._lock:
                     self.in_flight -= 1
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(deliver, ok, result)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
 
         threading.Thread(target=work, name=f"lane-{self.name}", daemon=True).start()
         try:

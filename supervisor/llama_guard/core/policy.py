@@ -114,9 +114,15 @@ def _count_failure(state: State, now: float) -> Result:
         emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
                                    "max_restarts": p.max_restarts, "last_failure": state.last_failure})
         return new, [emit, *actions]
-    wait = state.next_backoff_s
-    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait,
-                  next_backoff_s=min(wait * p.backoff_factor, p.backoff_max_s))
+    if len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s:
+        # The first failure after a stable run (or the first ever) restarts at once; the backoff
+        # starts with the second failure in the window.
+        wait = 0.0
+        following = p.backoff_initial_s
+    else:
+        wait = state.next_backoff_s
+        following = min(wait * p.backoff_factor, p.backoff_max_s)
+    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.last_failure})]
@@ -169,7 +175,13 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, HealthOk) and event.pid == state.pid:
         load_s = now - (state.started_at if state.started_at is not None else now)
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False)
-        return new, [Emit("server_ready", {"server_pid": state.pid, "load_s": load_s}), NotifyReady()]
+        fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+        if event.port_pid is not None and event.port_pid != state.pid:
+            # A wrapper script: the port belongs to a process it forked.
+            fields["port_pid"] = event.port_pid
+            fields["port_owner"] = (f"descendant pid {event.port_pid}"
+                                    f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
+        return new, [Emit("server_ready", fields), NotifyReady()]
     if isinstance(event, Line) and event.pid == state.pid:
         return _on_starting_line(state, event, now)
     if isinstance(event, Exited) and event.pid == state.pid:

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-
 # Errors after which a fresh connection may help: the socket was re-created or went away.
 _RECONNECT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOTCONN, errno.EPIPE, errno.ENOENT})
 

@@ -2,8 +2,10 @@
 
 ``status.json`` is rewritten atomically (write to a temporary file, then rename) on every phase
 change; ``llama-guard.pid`` holds the daemon's pid for ``llama-guard restart``. A runtime
-directory that cannot be written is reported once and otherwise ignored: status is a
-convenience, never a reason to stop supervising.
+directory that cannot be written is reported once (through ``on_error``: the daemon makes it
+the ``status_write_failed`` event) and otherwise ignored: status is a convenience, never a
+reason to stop supervising. Both files are written to a temporary name and renamed, so a full
+disk never leaves an empty or half-written pid file behind.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +28,40 @@ PID_NAME = "llama-guard.pid"
 class StatusFile:
     """Writes ``<dir>/status.json`` and ``<dir>/llama-guard.pid``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, on_error: Callable[[str], None] | None = None) -> None:
+        """``on_error(reason)`` is called once, at the first failed write (default: one stderr line)."""
         self.dir = directory
+        self._on_error = on_error
         self._warned = False
         self._pid_written = False
+
+    def _replace(self, name: str, text: str) -> None:
+        tmp = self.dir / f".{name}.{os.getpid()}"
+        try:
+            tmp.write_text(text)
+            tmp.replace(self.dir / name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
     def write(self, snapshot: dict[str, Any]) -> None:
         """Replace the snapshot atomically; never raises."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not self._pid_written:
-                (self.dir / PID_NAME).write_text(f"{os.getpid()}\n")
+                self._replace(PID_NAME, f"{os.getpid()}\n")
                 self._pid_written = True
-            tmp = self.dir / f".{STATUS_NAME}.{os.getpid()}"
-            tmp.write_text(json.dumps(snapshot, indent=1, default=str) + "\n")
-            tmp.replace(self.dir / STATUS_NAME)
+            self._replace(STATUS_NAME, json.dumps(snapshot, indent=1, default=str) + "\n")
         except OSError as exc:
             if not self._warned:
                 self._warned = True
-                print(f"llama-guard: cannot write status under {self.dir}: {exc.strerror or exc}; "
+                reason = str(exc.strerror or exc)
+                if self._on_error is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_error(reason)
+                        return
+                print(f"llama-guard: cannot write status under {self.dir}: {reason}; "
                       "`llama-guard status` and `llama-guard restart` will not find this daemon",
                       file=sys.stderr)
 
