@@ -64,6 +64,7 @@ from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.status import StatusFile
+from llama_guard.preflight import model_problem
 
 
 def owns_port(pid: int, port: int) -> bool:
@@ -108,6 +109,7 @@ PROC_TIMEOUT_S = 5.0  # a /proc scan (port owner, pipe holders)
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 WATCHER_MAX_FAILURES = 5  # a watcher failing more often than this within WATCHER_WINDOW_S ends the daemon
 WATCHER_WINDOW_S = 300.0
+WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per failure, at most 30 s
 UNKILLABLE_WAIT_S = 30.0  # how long a start waits for a server that outlived SIGKILL to go away
 
 
@@ -253,7 +255,7 @@ class Daemon:
                 now = self.clock()
                 failures = [t for t in failures if now - t < WATCHER_WINDOW_S] + [now]
                 final = len(failures) > WATCHER_MAX_FAILURES
-                delay = min(2.0 ** (len(failures) - 1), 30.0)
+                delay = min(WATCHER_BACKOFF_S * 2.0 ** (len(failures) - 1), 30.0)
                 self.emitter.emit("watcher_failed", watcher=source.name, error=_summary(exc), failures=len(failures),
                                   window_s=WATCHER_WINDOW_S,
                                   action=("it keeps failing: exiting with status 70" if final
@@ -438,6 +440,18 @@ class Daemon:
         binary = resolve_binary(server_cfg.binary)
         if binary is None:
             self.queue.put_nowait(SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found"))
+            return
+        model = Path(server_cfg.model)
+        try:
+            problem = await self.lanes["config"].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
+                                                     f"checking {model}")
+        except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
+            self.emitter.emit("blocking_call_timeout", call=f"checking {model}", timeout_s=MODEL_CHECK_TIMEOUT_S,
+                              effect="the server is not started now")
+            self.queue.put_nowait(SpawnFailed(f"server.model: {exc}", fatal=False))
+            return
+        if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
+            self.queue.put_nowait(SpawnFailed(f"server.model: {problem}"))
             return
         refusal = await self._wait_stale_gone()
         if refusal:
