@@ -639,3 +639,18 @@ def test_server_that_outlives_sigkill_blocks_the_next_start(tmp_path: Path) -> N
         if squatter.poll() is None:
             squatter.kill()
             squatter.wait()
+
+
+def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:
+    """Kind 8: `llama-guard status` imported pydantic, httpx and asyncio (0.22 s) to read one JSON
+    file. Now it imports none of them, with --runtime-dir or with a config file."""
+    config = tmp_path / "lg.toml"
+    config.write_text(f'[runtime]\ndir = "{tmp_path / "run"}"\n')
+    code = ("import sys; from llama_guard.cli import main; main(sys.argv[1:]);"
+            "print(sorted(m for m in ('pydantic', 'httpx', 'asyncio', 'pydantic_settings') if m in sys.modules))")
+    for argv in (["status", "--runtime-dir", str(tmp_path / "run")], ["status", "--config", str(config)],
+                 ["restart", "--config", str(config)]):
+        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=30,
+                             cwd=str(ROOT))
+        assert out.stdout.strip().splitlines()[-1] == "[]", (argv, out.stdout, out.stderr)
+        assert str(tmp_path / "run") in out.stderr  # it looked in the configured directory
