@@ -654,3 +654,45 @@ def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:
                              cwd=str(ROOT))
         assert out.stdout.strip().splitlines()[-1] == "[]", (argv, out.stdout, out.stderr)
         assert str(tmp_path / "run") in out.stderr  # it looked in the configured directory
+
+
+def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kind 3: the kernel-log thread had no handler at all: an exception ended Xid detection from
+    the kernel log silently. Now each failure is watcher_failed, the reader is restarted with
+    backoff, and one that keeps failing makes the GPU watcher task raise (supervised: exit 70)."""
+    from llama_guard.gpu import kmsg
+    from llama_guard.gpu.watcher import KMSG_MAX_FAILURES, GpuSource
+
+    def broken_poll(self: Any, timeout_s: float) -> list[str]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(kmsg.KmsgReader, "poll", broken_poll)
+    log = tmp_path / "kmsg"
+    log.write_text("")
+    path = _config(tmp_path, "/bin/true", tmp_path / "m.gguf",
+                   gpu=f'enabled = "on"\nsample_interval_s = 0.05\nkmsg_path = "{log}"')
+    path.write_text(path.read_text().replace('[gpu]\nenabled = "off"\n', ""))
+    config = load_config(path)
+    emitter = _Recorder()
+    source = GpuSource(module=FakeNvml())
+    source.kmsg_backoff_s = 0.01
+
+    async def go() -> BaseException | None:
+        ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
+                      emit=emitter.emit, post=lambda _: None, post_threadsafe=lambda _: None,
+                      clock=time.monotonic, loop=asyncio.get_running_loop())
+        assert await source.start(ctx) is None
+        try:
+            await asyncio.wait_for(source.run(ctx), 10)
+        except RuntimeError as exc:
+            return exc
+        finally:
+            await source.close()
+        return None
+
+    error = asyncio.run(go())
+    failed = [f for f in emitter.named("watcher_failed") if f["watcher"] == "gpu.kmsg"]
+    assert len(failed) == KMSG_MAX_FAILURES and "Input/output error" in failed[0]["error"]
+    assert "restarting" in failed[0]["action"] and "giving up" in failed[-1]["action"]
+    assert error is not None and "kernel-log reader failed" in str(error)

@@ -57,6 +57,8 @@ class GpuSource(Source):
         self._hung_as_lost_s = hung_as_lost_s
         self.degraded = ""
         """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
+        self.kmsg_backoff_s = 1.0
+        """The first restart delay of a failed kernel-log reader (s); doubled per failure, at most 30 s."""
         self.thread_error: str = ""
         """Set when a watch thread failed for good: the sampler task raises it (supervised)."""
         self.nvml: Nvml | None = None
@@ -151,15 +153,15 @@ class GpuSource(Source):
                     except Exception as exc:
                         failures += 1
                         final = failures >= KMSG_MAX_FAILURES
-                        action = ("giving up on the kernel log" if final
-                                  else f"restarting it in {min(2.0 ** failures, 30.0):.0f} s")
+                        delay = min(self.kmsg_backoff_s * 2.0 ** (failures - 1), 30.0)
+                        action = "giving up on the kernel log" if final else f"restarting it in {delay:.1f} s"
                         ctx.loop.call_soon_threadsafe(functools.partial(
                             ctx.emit, "watcher_failed", watcher="gpu.kmsg", error=f"{type(exc).__name__}: {exc}",
                             failures=failures, window_s=0.0, action=action))
                         if final:
                             self.thread_error = f"the kernel-log reader failed {failures} times: {exc!r}"
                             return
-                        self._stop.wait(min(2.0 ** failures, 30.0))
+                        self._stop.wait(delay)
 
             self._threads.append(threading.Thread(target=kmsg_thread, name="kmsg", daemon=True))
         self._threads.append(threading.Thread(target=xid_thread, name="xid-waiter", daemon=True))
