@@ -2,7 +2,21 @@
 
 Sources (child exit, child output, HTTP probes, signals, timers) put :mod:`policy` inputs on
 one queue; the loop calls :func:`policy.decide` and carries out the actions. Signal handlers
-only enqueue. Every wait has a deadline on ``time.monotonic()``.
+only enqueue (SIGHUP too). Every wait has a deadline on ``time.monotonic()``.
+
+The decision step never awaits I/O: the spawn with its pre-spawn checks (model file, ``--help``,
+the watchers' ``before_spawn`` such as the wait for the old server's VRAM), drains, reloads and
+resets run as tasks that answer through the queue, so watchdog pings and a stop request are
+handled within a loop turn (``MAX_TICK_S``) whatever is waiting. Blocking calls run on
+:class:`~llama_guard.core.offload.Lane` s of their own (``config``, ``probe``, ``proc``) with
+timeouts. Every task is tracked and supervised: a watcher that raises is reported
+(``watcher_failed``) and restarted with backoff, one that keeps failing or a failure in the
+daemon's own tasks ends it with exit 70 (systemd restarts it). A server's exit is learnt from a
+pidfd, not from its output pipe. Towards systemd: ``STOPPING=1`` when a stop begins, and never
+``READY=1`` after it.
+
+Module size: over the ~400-line aim (about 750): the loop, its actions and the reload share the
+daemon's state; the pure parts live in :mod:`.reload`, :mod:`.procs`, :mod:`.offload`, :mod:`.child`.
 """
 
 from __future__ import annotations
@@ -18,8 +32,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-import psutil
-
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
@@ -27,6 +39,7 @@ from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, 
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy import decide
 from llama_guard.core.probes import ServerProbe
+from llama_guard.core.procs import alive, port_listener, port_owner
 from llama_guard.core.reload import reload_report, startable
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
@@ -65,38 +78,6 @@ from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.status import StatusFile
 from llama_guard.preflight import model_problem
-
-
-def owns_port(pid: int, port: int) -> bool:
-    """Whether process ``pid`` listens on TCP ``port`` (psutil; True when it cannot be told), so
-    that another process answering /health on that port is never taken for our server."""
-    try:
-        conns = psutil.Process(pid).net_connections(kind="inet")
-    except psutil.AccessDenied:
-        return True
-    except psutil.Error:
-        return False
-    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
-
-
-def port_owner(pid: int, port: int) -> tuple[int, str] | None:
-    """``(pid, comm)`` of the process among ``pid`` and its descendants that listens on TCP
-    ``port`` (a wrapper script may fork the real llama-server), or None when none of them does.
-    Reads ``/proc`` through psutil (blocking: call it off the loop)."""
-    if owns_port(pid, port):
-        return pid, ""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return None
-    for child in children:
-        if owns_port(child.pid, port):
-            try:
-                return child.pid, child.name()
-            except psutil.Error:
-                return child.pid, ""
-    return None
-
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
@@ -504,17 +485,17 @@ class Daemon:
         port = self.config.server.port
         start = self.clock()
         while True:
-            alive = _alive(pid)
+            running = alive(pid)
             try:
-                holds = await self.lanes["proc"].run(lambda: _port_listener(port), PROC_TIMEOUT_S, "port scan")
+                holds = await self.lanes["proc"].run(lambda: port_listener(port), PROC_TIMEOUT_S, "port scan")
             except (CallTimeout, LaneBusy):
                 holds = 0  # cannot tell: keep waiting
-            if not alive and holds is None:
+            if not running and holds is None:
                 self._stale_pid = None
                 return ""
             waited = self.clock() - start
             if waited >= UNKILLABLE_WAIT_S:
-                what = ", ".join(x for x in ((f"pid {pid} alive" if alive else ""),
+                what = ", ".join(x for x in ((f"pid {pid} alive" if running else ""),
                                              (f"port {port} held by pid {holds}" if holds else "")) if x)
                 self.emitter.emit("server_unkillable", server_pid=pid, waited_s=waited, holds=what)
                 return f"llama-server pid {pid} outlived SIGKILL ({what}); not starting a second server"
@@ -796,23 +777,3 @@ def _summary(exc: BaseException | None) -> str:
         return "?"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still exists as a process that is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _port_listener(port: int) -> int | None:
-    """The pid listening on TCP ``port`` (0 when it cannot be told whose), else None. Blocking."""
-    try:
-        conns = psutil.net_connections(kind="inet")
-    except psutil.Error:
-        return None
-    for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
-            return c.pid or 0
-    return None
