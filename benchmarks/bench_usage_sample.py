@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 
 from llama_guard.config import LimitsConfig
-from llama_guard.limits.rlimits import cgroup_pids, read_limits
+from llama_guard.limits.own import cgroup_pids
+from llama_guard.limits.readback import read_limits
 from llama_guard.limits.usage import UsageSampler, sample_cost_per_hour
 
 CHILD = textwrap.dedent("""

@@ -138,7 +138,8 @@ def test_enabled_off_never_touches_nvml() -> None:
 
 
 def test_real_pynvml_errors_translate_by_code() -> None:
-    pynvml = pytest.importorskip("pynvml")
+    import pynvml
+
     assert isinstance(nv.translate(pynvml.NVMLError(15), "x"), GpuLost)
     assert isinstance(nv.translate(pynvml.NVMLError(9), "x"), DriverNotLoaded)
     assert isinstance(nv.translate(pynvml.NVMLError(3), "x"), nv.NotSupported)

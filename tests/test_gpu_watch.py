@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import pytest
 from fake_nvml import GIB, FakeNvml
 from llama_guard.gpu.nvml import DriverNotLoaded, GpuLost, NotSupported, Nvml
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
@@ -242,8 +241,9 @@ def test_every_event_is_in_the_catalogue_and_renders() -> None:
 
 
 def test_settings_from_config() -> None:
-    cfg = pytest.importorskip("llama_guard.config")
-    gpu = cfg.GpuConfig(temperature_warn_c=80, driver_version="535", reminder_interval_s=120)
+    from llama_guard.config import GpuConfig
+
+    gpu = GpuConfig(temperature_warn_c=80, driver_version="535", reminder_interval_s=120)
     st = WatchSettings.from_config(gpu)
     assert (st.temperature_warn_c, st.driver_version, st.reminder_s) == (80, "535", 120)
 

@@ -13,9 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from llama_guard import config as LC
 from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
+from llama_guard.limits import own as LO
+from llama_guard.limits import plan as LP
+from llama_guard.limits import readback as LR
 from llama_guard.limits import rlimits as L
-from llama_guard.limits.rlimits import RLIM_INFINITY, LimitAction
+from llama_guard.limits.plan import LimitAction
+from llama_guard.limits.rlimits import RLIM_INFINITY
+from needs import unavailable
 
 MiB = 1 << 20
 
@@ -47,7 +53,7 @@ MiB = 1 << 20
     ],
 )
 def test_parse_limit_value(value: int | str, sizes: bool, expected: int) -> None:
-    assert L.parse_limit_value(value, sizes=sizes) == expected
+    assert LC.parse_limit_value(value, sizes=sizes) == expected
 
 
 @pytest.mark.parametrize(
@@ -57,7 +63,7 @@ def test_parse_limit_value(value: int | str, sizes: bool, expected: int) -> None
 )
 def test_parse_limit_value_rejects(value: int | str, sizes: bool) -> None:
     with pytest.raises(ValueError, match=r"limit|negative"):
-        L.parse_limit_value(value, sizes=sizes)
+        LC.parse_limit_value(value, sizes=sizes)
 
 
 def test_config_accepts_units_for_memlock_only() -> None:
@@ -111,10 +117,10 @@ def _cfg(*, mlock: bool = False, threads: int | None = 4, threads_batch: int | N
 
 
 def _own(nofile: tuple[int, int] = (1024, 4096), memlock: tuple[int, int] = (8 * MiB, 8 * MiB),
-         nproc: tuple[int, int] = (10000, 10000), **kw: object) -> L.OwnLimits:
+         nproc: tuple[int, int] = (10000, 10000), **kw: object) -> LO.OwnLimits:
     defaults: dict[str, object] = {"nr_open": 1048576, "cpu_count": 8, "euid": 1000}
     defaults.update(kw)
-    return L.OwnLimits(rlimits={"RLIMIT_NOFILE": nofile, "RLIMIT_MEMLOCK": memlock, "RLIMIT_NPROC": nproc},
+    return LO.OwnLimits(rlimits={"RLIMIT_NOFILE": nofile, "RLIMIT_MEMLOCK": memlock, "RLIMIT_NPROC": nproc},
                        **defaults)  # type: ignore[arg-type]
 
 
@@ -128,7 +134,7 @@ def _own(nofile: tuple[int, int] = (1024, 4096), memlock: tuple[int, int] = (8 *
 def test_within_hard_limit_is_set_either_way(privileged: bool, key: str, name: str, wanted: int,
                                              own_hard: int) -> None:
     cfg = _cfg(**{key: wanted})  # type: ignore[arg-type]
-    plan = L.plan_child_limits(cfg, _own(), privileged)
+    plan = LP.plan_child_limits(cfg, _own(), privileged)
     d = plan.decision(name)
     assert d.action is LimitAction.SET
     assert d.target == (wanted, wanted)
@@ -147,13 +153,13 @@ def test_within_hard_limit_is_set_either_way(privileged: bool, key: str, name: s
 )
 def test_above_hard_limit(key: str, name: str, wanted: int | str, hard: int, fixes: list[str]) -> None:
     cfg = _cfg(**{key: wanted})  # type: ignore[arg-type]
-    root = L.plan_child_limits(cfg, _own(), True).decision(name)
-    want = L.parse_limit_value(wanted, sizes=True)
+    root = LP.plan_child_limits(cfg, _own(), True).decision(name)
+    want = LC.parse_limit_value(wanted, sizes=True)
     assert root.action is LimitAction.RAISE
     assert root.target == (want, want)
     assert not root.problem
 
-    user = L.plan_child_limits(cfg, _own(), False).decision(name)
+    user = LP.plan_child_limits(cfg, _own(), False).decision(name)
     assert user.action is LimitAction.CAPPED
     assert user.target == (hard, hard)  # soft raised to the hard limit: the best reachable
     assert name in user.problem
@@ -165,12 +171,12 @@ def test_above_hard_limit(key: str, name: str, wanted: int | str, hard: int, fix
 
 
 def test_root_without_cap_sys_resource_is_named() -> None:
-    plan = L.plan_child_limits(_cfg(nofile=1048576), _own(euid=0), False)
+    plan = LP.plan_child_limits(_cfg(nofile=1048576), _own(euid=0), False)
     assert "root without CAP_SYS_RESOURCE" in plan.decision("RLIMIT_NOFILE").problem
 
 
 def test_unset_limits_are_inherited() -> None:
-    plan = L.plan_child_limits(_cfg(nofile=None), _own(), True)
+    plan = LP.plan_child_limits(_cfg(nofile=None), _own(), True)
     for d in plan.decisions:
         assert d.action is LimitAction.INHERIT
         assert d.target is None
@@ -180,47 +186,47 @@ def test_unset_limits_are_inherited() -> None:
 
 
 def test_memlock_defaults_to_unlimited_with_mlock() -> None:
-    d = L.plan_child_limits(_cfg(mlock=True), _own(), True).decision("RLIMIT_MEMLOCK")
+    d = LP.plan_child_limits(_cfg(mlock=True), _own(), True).decision("RLIMIT_MEMLOCK")
     assert d.configured == "unlimited"
     assert d.target == (RLIM_INFINITY, RLIM_INFINITY)
     assert "mlock" in d.note
-    explicit = L.plan_child_limits(_cfg(mlock=True, memlock="64M"), _own(), True).decision("RLIMIT_MEMLOCK")
+    explicit = LP.plan_child_limits(_cfg(mlock=True, memlock="64M"), _own(), True).decision("RLIMIT_MEMLOCK")
     assert explicit.target == (64 * MiB, 64 * MiB)
-    assert L.plan_child_limits(_cfg(mlock=False), _own(), True).decision("RLIMIT_MEMLOCK").action \
+    assert LP.plan_child_limits(_cfg(mlock=False), _own(), True).decision("RLIMIT_MEMLOCK").action \
         is LimitAction.INHERIT
 
 
 def test_nofile_is_capped_by_nr_open_even_for_root() -> None:
-    d = L.plan_child_limits(_cfg(nofile="unlimited"), _own(nr_open=524288), True).decision("RLIMIT_NOFILE")
+    d = LP.plan_child_limits(_cfg(nofile="unlimited"), _own(nr_open=524288), True).decision("RLIMIT_NOFILE")
     assert d.target == (524288, 524288)
     assert not d.problem
     assert "nr_open" in d.note
-    d = L.plan_child_limits(_cfg(nofile=2000000), _own(nr_open=1048576), True).decision("RLIMIT_NOFILE")
+    d = LP.plan_child_limits(_cfg(nofile=2000000), _own(nr_open=1048576), True).decision("RLIMIT_NOFILE")
     assert d.target == (1048576, 1048576)
     assert "sysctl -w fs.nr_open=2000000" in d.problem
 
 
 def test_unlimited_hard_limit_allows_any_value() -> None:
     own = _own(nproc=(RLIM_INFINITY, RLIM_INFINITY))
-    d = L.plan_child_limits(_cfg(nproc="unlimited"), own, False).decision("RLIMIT_NPROC")
+    d = LP.plan_child_limits(_cfg(nproc="unlimited"), own, False).decision("RLIMIT_NPROC")
     assert d.action is LimitAction.SET
     assert d.target == (RLIM_INFINITY, RLIM_INFINITY)
 
 
 def test_thread_notes() -> None:
-    plan = L.plan_child_limits(_cfg(threads=16, threads_batch=32), _own(cpu_count=8), True)
+    plan = LP.plan_child_limits(_cfg(threads=16, threads_batch=32), _own(cpu_count=8), True)
     assert any("threads = 16 exceeds the 8 CPUs" in n for n in plan.thread_notes)
     assert any("threads_batch = 32" in n for n in plan.thread_notes)
     # 1 main + 32 compute + max(1+2, 8-1)=7 http + 4 margin
     assert plan.estimated_threads == 44
-    tight = L.plan_child_limits(_cfg(threads=4, nproc=10), _own(cpu_count=8), False)
+    tight = LP.plan_child_limits(_cfg(threads=4, nproc=10), _own(cpu_count=8), False)
     assert any("RLIMIT_NPROC is 10" in n and "about 16 threads" in n and "LimitNPROC=" in n for n in tight.thread_notes)
     # root with CAP_SYS_RESOURCE is not held to RLIMIT_NPROC
-    assert not any("RLIMIT_NPROC" in n for n in L.plan_child_limits(
+    assert not any("RLIMIT_NPROC" in n for n in LP.plan_child_limits(
         _cfg(threads=4, nproc=10), _own(cpu_count=8), True).thread_notes)
-    pids = L.plan_child_limits(_cfg(threads=4), _own(cpu_count=8, pids_max=30, pids_current=20), True)
+    pids = LP.plan_child_limits(_cfg(threads=4), _own(cpu_count=8, pids_max=30, pids_current=20), True)
     assert any("pids.max is 30" in n and "TasksMax=" in n for n in pids.thread_notes)
-    assert L.plan_child_limits(_cfg(threads=4), _own(cpu_count=8), True).thread_notes == ()
+    assert LP.plan_child_limits(_cfg(threads=4), _own(cpu_count=8), True).thread_notes == ()
 
 
 # --------------------------------------------------------------------------- reading
@@ -237,7 +243,7 @@ PROC_LIMITS = textwrap.dedent("""\
 
 
 def test_parse_proc_limits() -> None:
-    assert L.parse_proc_limits(PROC_LIMITS) == {
+    assert LR.parse_proc_limits(PROC_LIMITS) == {
         "RLIMIT_NPROC": (96364, 96364),
         "RLIMIT_NOFILE": (1024, 524288),
         "RLIMIT_MEMLOCK": (8388608, RLIM_INFINITY),
@@ -245,26 +251,26 @@ def test_parse_proc_limits() -> None:
 
 
 def test_read_limits_of_self_matches_getrlimit() -> None:
-    got = L.read_limits(os.getpid())
+    got = LR.read_limits(os.getpid())
     assert got.source == "psutil"
     for spec in L.SPECS:
         assert got.values[spec.name] == resource.getrlimit(spec.resource)
-    assert L.parse_proc_limits(Path("/proc/self/limits").read_text()) == dict(got.values)
+    assert LR.parse_proc_limits(Path("/proc/self/limits").read_text()) == dict(got.values)
 
 
 def test_read_limits_of_missing_pid() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
     with pytest.raises(ProcessLookupError):
-        L.read_limits(proc.pid)
+        LR.read_limits(proc.pid)
 
 
 def test_can_raise_hard_limits_reads_capeff(tmp_path: Path) -> None:
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCapEff:\t000001ffffffffff\n")
-    assert L.can_raise_hard_limits(str(status))
+    assert LO.can_raise_hard_limits(str(status))
     status.write_text("Name:\tx\nCapEff:\t000001fffeffffff\n")  # bit 24 cleared
-    assert not L.can_raise_hard_limits(str(status))
+    assert not LO.can_raise_hard_limits(str(status))
 
 
 def test_cgroup_pids_v2_takes_smallest_up_the_path(tmp_path: Path) -> None:
@@ -277,7 +283,7 @@ def test_cgroup_pids_v2_takes_smallest_up_the_path(tmp_path: Path) -> None:
     (leaf / "pids.max").write_text("max\n")
     (leaf / "pids.current").write_text("17\n")
     (root / "system.slice" / "pids.max").write_text("500\n")
-    assert L.cgroup_pids(42, root=str(root), proc=str(tmp_path / "proc")) == (500, 17)
+    assert LO.cgroup_pids(42, root=str(root), proc=str(tmp_path / "proc")) == (500, 17)
 
 
 def test_cgroup_pids_v1(tmp_path: Path) -> None:
@@ -288,8 +294,8 @@ def test_cgroup_pids_v1(tmp_path: Path) -> None:
     leaf.mkdir(parents=True)
     (leaf / "pids.max").write_text("64\n")
     (leaf / "pids.current").write_text("3\n")
-    assert L.cgroup_pids(7, root=str(tmp_path / "cg"), proc=str(tmp_path / "proc")) == (64, 3)
-    assert L.cgroup_pids(8, root=str(tmp_path / "cg"), proc=str(tmp_path / "proc")) == (None, None)
+    assert LO.cgroup_pids(7, root=str(tmp_path / "cg"), proc=str(tmp_path / "proc")) == (64, 3)
+    assert LO.cgroup_pids(8, root=str(tmp_path / "cg"), proc=str(tmp_path / "proc")) == (None, None)
 
 
 # --------------------------------------------------------------------------- a real child
@@ -305,15 +311,15 @@ def sleeper() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _proc_limits(pid: int) -> dict[str, tuple[int, int]]:
-    return L.parse_proc_limits(Path(f"/proc/{pid}/limits").read_text())
+    return LR.parse_proc_limits(Path(f"/proc/{pid}/limits").read_text())
 
 
 def test_apply_in_real_child_lowering(sleeper: list[subprocess.Popen[bytes]]) -> None:
-    own = L.read_own_limits()
+    own = LO.read_own_limits()
     nofile_hard = own.rlimits["RLIMIT_NOFILE"][1]
     want_nofile = min(4096, nofile_hard)
     cfg = _cfg(nofile=want_nofile, memlock="1M", nproc=5000)
-    plan = L.plan_child_limits(cfg, own, L.can_raise_hard_limits())
+    plan = LP.plan_child_limits(cfg, own, LO.can_raise_hard_limits())
     assert plan.problems == ()
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
     sleeper.append(proc)
@@ -321,10 +327,10 @@ def test_apply_in_real_child_lowering(sleeper: list[subprocess.Popen[bytes]]) ->
     assert got["RLIMIT_NOFILE"] == (want_nofile, want_nofile)
     assert got["RLIMIT_MEMLOCK"] == (MiB, MiB)
     assert got["RLIMIT_NPROC"] == (5000, 5000)
-    back = L.read_limits(proc.pid)
+    back = LR.read_limits(proc.pid)
     assert dict(back.values) == got
-    assert L.verify_applied(plan, back) == []
-    rows = {r["limit"]: r for r in L.limits_report(plan, back)}
+    assert LR.verify_applied(plan, back) == []
+    rows = {r["limit"]: r for r in LR.limits_report(plan, back)}
     assert rows["RLIMIT_MEMLOCK"]["effective"] == "1 MiB (1048576 bytes) / 1 MiB (1048576 bytes)"
     # The daemon's own limits are untouched.
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == own.rlimits["RLIMIT_NOFILE"]
@@ -335,13 +341,13 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
 
     On a host whose root lacks CAP_SYS_RESOURCE (a container) this exercises the refusal for real.
     """
-    own = L.read_own_limits()
+    own = LO.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     want = min(hard + 1000, own.nr_open or hard + 1000)
     if want <= hard:
-        pytest.skip("the nofile hard limit already equals fs.nr_open")
-    privileged = L.can_raise_hard_limits()
-    plan = L.plan_child_limits(_cfg(nofile=want), own, privileged)
+        unavailable("the nofile hard limit already equals fs.nr_open")
+    privileged = LO.can_raise_hard_limits()
+    plan = LP.plan_child_limits(_cfg(nofile=want), own, privileged)
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
     sleeper.append(proc)
     got = _proc_limits(proc.pid)["RLIMIT_NOFILE"]
@@ -353,20 +359,20 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
         assert got == (hard, hard)
         (problem,) = plan.problems
         assert f"LimitNOFILE={want}" in problem
-    assert L.verify_applied(plan, L.read_limits(proc.pid)) == []
+    assert LR.verify_applied(plan, LR.read_limits(proc.pid)) == []
 
 
 def test_kernel_refusal_is_caught_by_verify(sleeper: list[subprocess.Popen[bytes]]) -> None:
     """A plan that believed it was privileged (user namespace case): the child still starts, and
     reading back names the limit that was not raised."""
-    own = L.read_own_limits()
+    own = LO.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
-    if L.can_raise_hard_limits() or own.nr_open is None or hard >= own.nr_open:
-        pytest.skip("needs a process that cannot raise its nofile hard limit")
-    plan = L.plan_child_limits(_cfg(nofile=own.nr_open), own, True)  # wrongly privileged
+    if LO.can_raise_hard_limits() or own.nr_open is None or hard >= own.nr_open:
+        unavailable("needs a process that cannot raise its nofile hard limit")
+    plan = LP.plan_child_limits(_cfg(nofile=own.nr_open), own, True)  # wrongly privileged
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
     sleeper.append(proc)
-    (text,) = L.verify_applied(plan, L.read_limits(proc.pid))
+    (text,) = LR.verify_applied(plan, LR.read_limits(proc.pid))
     assert "RLIMIT_NOFILE" in text
     assert f"hard {hard}" in text
     assert "LimitNOFILE=" in text
@@ -374,27 +380,27 @@ def test_kernel_refusal_is_caught_by_verify(sleeper: list[subprocess.Popen[bytes
 
 NON_ROOT_SCRIPT = textwrap.dedent("""
     import json, subprocess, resource
-    from llama_guard.limits import rlimits as L
+    from llama_guard.limits import own as LO, plan as LP, readback as LR
     from llama_guard.config import Config, LimitsConfig
-    own = L.read_own_limits()
+    own = LO.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     want = min(hard * 2, own.nr_open)
-    plan = L.plan_child_limits(Config(limits=LimitsConfig(nofile=want)), own, L.can_raise_hard_limits())
+    plan = LP.plan_child_limits(Config(limits=LimitsConfig(nofile=want)), own, LO.can_raise_hard_limits())
     child = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
     try:
-        back = L.read_limits(child.pid)
+        back = LR.read_limits(child.pid)
     finally:
         child.kill(); child.wait()
-    print(json.dumps({"euid": own.euid, "privileged": L.can_raise_hard_limits(), "hard": hard, "want": want,
+    print(json.dumps({"euid": own.euid, "privileged": LO.can_raise_hard_limits(), "hard": hard, "want": want,
                       "action": plan.decision("RLIMIT_NOFILE").action.value, "problems": list(plan.problems),
                       "child": back.values["RLIMIT_NOFILE"], "source": back.source,
-                      "verify": L.verify_applied(plan, back)}))
+                      "verify": LR.verify_applied(plan, back)}))
 """)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv to become uid 65534")
 def test_non_root_daemon_reports_the_fix() -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        unavailable("needs root and setpriv to become uid 65534")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
     env["PYTHONPATH"] = str(Path(L.__file__).resolve().parents[1])
     out = subprocess.run(
@@ -418,7 +424,7 @@ def test_non_root_daemon_reports_the_fix() -> None:
 
 def test_apply_in_child_ignores_errors() -> None:
     """A refused setting must not stop the exec (the parent reports it instead)."""
-    bad = L.LimitPlan(decisions=(), settings=((resource.RLIMIT_NOFILE, (10, 5)),))  # soft > hard: EINVAL
+    bad = LP.LimitPlan(decisions=(), settings=((resource.RLIMIT_NOFILE, (10, 5)),))  # soft > hard: EINVAL
     out = subprocess.run(["sh", "-c", "echo started"], preexec_fn=bad.preexec, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "started"

@@ -34,6 +34,7 @@ import httpx
 import psutil
 import pytest
 from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all
+from needs import unavailable
 
 pytestmark = pytest.mark.real
 
@@ -111,14 +112,8 @@ def _as_nobody() -> list[str]:
         return []  # already unprivileged
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        _unavailable("setpriv (util-linux) is needed to run the daemon as nobody")
+        unavailable("setpriv (util-linux) is needed to run the daemon as nobody")
     return [str(setpriv), "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
-
-
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(why)
-    pytest.skip(why)
 
 
 def _readable_by(prefix: list[str], *paths: Path) -> bool:
@@ -137,7 +132,7 @@ def _python_for(prefix: list[str]) -> tuple[list[str], dict[str, str]]:
                             capture_output=True, check=False).returncode == 0
         if ok:
             return python, env
-    _unavailable(f"no Python that uid {NOBODY} can run llama_guard with")
+    unavailable(f"no Python that uid {NOBODY} can run llama_guard with")
     raise AssertionError  # unreachable
 
 
@@ -192,7 +187,7 @@ def test_configured_limits_are_the_servers_effective_limits(daemon: Callable[...
     own_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
     own_memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if own_nofile[1] < 4096 or own_memlock[1] < MiB:
-        _unavailable(f"needs hard limits nofile >= 4096 and memlock >= 1 MiB (have {own_nofile}, {own_memlock})")
+        unavailable(f"needs hard limits nofile >= 4096 and memlock >= 1 MiB (have {own_nofile}, {own_memlock})")
     run = daemon({"limits": {"nofile": 4096, "memlock": "1M", "sample_interval_s": 0.2}}).start()
     pid = run.wait_event("server_ready", 60)["server_pid"]
 

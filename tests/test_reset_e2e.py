@@ -21,12 +21,12 @@ from typing import Any, Protocol
 import httpx
 import pytest
 from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from needs import unavailable
 
 TESTS = Path(__file__).resolve().parent
 STUB = TESTS / "stub_reset.py"
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the GPU reset's precondition 'we are root' needs root"),
-              pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 
 class GpuRun(DaemonRun):
@@ -58,6 +58,8 @@ class MakeRun(Protocol):
 
 @pytest.fixture
 def gpu_run(tmp_path: Path) -> Iterator[MakeRun]:
+    if os.geteuid() != 0:
+        unavailable("the GPU reset's precondition 'we are root' needs root")
     runs: list[GpuRun] = []
 
     def make(fault: str = "", mode: str = "ok", *, nvml: dict[str, object] | None = None,

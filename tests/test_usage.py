@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from llama_guard.config import Config, LimitsConfig
 from llama_guard.core.server_log import classify_line
+from llama_guard.limits import own as LO
+from llama_guard.limits import plan as LP
+from llama_guard.limits import readback as LR
 from llama_guard.limits import rlimits as L
 from llama_guard.limits.usage import (
     PIDS_MAX,
@@ -159,7 +162,7 @@ MLOCK_LINES = [
 
 
 def test_mlock_lines_give_one_event_naming_memlock_and_its_value() -> None:
-    limits = L.ProcessLimits(4242, {"RLIMIT_MEMLOCK": (8 << 20, 8 << 20)}, "/proc/4242/limits")
+    limits = LR.ProcessLimits(4242, {"RLIMIT_MEMLOCK": (8 << 20, 8 << 20)}, "/proc/4242/limits")
     t = _tracker()
     events = []
     for line in MLOCK_LINES:
@@ -182,7 +185,7 @@ def test_mlock_lines_give_one_event_naming_memlock_and_its_value() -> None:
 
 def test_thread_creation_failure_names_nproc_and_tasksmax() -> None:
     line = "what():  Resource temporarily unavailable"
-    limits = L.read_limits(os.getpid())
+    limits = LR.read_limits(os.getpid())
     ev = exhausted_from_line(classify_line(line), line, os.getpid(), limits)
     assert ev.fields["limit"] == "RLIMIT_NPROC"
     soft = limits.values["RLIMIT_NPROC"][0]
@@ -234,8 +237,8 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
 def test_real_fd_use_warns_before_exhaustion(children: list[subprocess.Popen[str]]) -> None:
     """A child under RLIMIT_NOFILE = 64 opens files step by step: limit_low fires while it can
     still open more; resource_exhausted when it is at the limit."""
-    plan = L.plan_child_limits(Config(limits=LimitsConfig(nofile=64)), L.read_own_limits(),
-                               L.can_raise_hard_limits())
+    plan = LP.plan_child_limits(Config(limits=LimitsConfig(nofile=64)), LO.read_own_limits(),
+                               LO.can_raise_hard_limits())
     proc = subprocess.Popen([sys.executable, "-c", FD_CHILD], preexec_fn=plan.preexec, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
     children.append(proc)
@@ -289,7 +292,7 @@ def test_sampler_counts_threads_and_connections(children: list[subprocess.Popen[
     assert sample.fds >= 10
     fd_count = len(os.listdir(f"/proc/{proc.pid}/fd"))
     assert sample.fds == fd_count
-    assert sample.nofile_limit == L.read_limits(proc.pid).soft("RLIMIT_NOFILE")
+    assert sample.nofile_limit == LR.read_limits(proc.pid).soft("RLIMIT_NOFILE")
 
 
 def test_sampler_of_a_process_that_died(children: list[subprocess.Popen[str]]) -> None:

@@ -105,7 +105,9 @@ def check_limits(config: Config) -> list[CheckResult]:
     same user under the same limits. A limit the server would get less of than configured is
     WARN with the fix, as is each thread note (``--threads`` vs CPUs, RLIMIT_NPROC, ``pids.max``).
     """
-    from llama_guard.limits.rlimits import can_raise_hard_limits, limits_report, plan_child_limits, read_own_limits
+    from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
+    from llama_guard.limits.plan import plan_child_limits
+    from llama_guard.limits.readback import limits_report
 
     try:
         plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())

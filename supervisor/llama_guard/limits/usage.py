@@ -32,17 +32,9 @@ from typing import Any
 import psutil
 
 from llama_guard.core.server_log import Family, LineClass
-from llama_guard.limits.rlimits import (
-    NOFILE,
-    NPROC,
-    RLIM_INFINITY,
-    SPEC_BY_NAME,
-    ProcessLimits,
-    cgroup_pids,
-    fix_hint,
-    format_limit,
-    read_limits,
-)
+from llama_guard.limits.own import cgroup_pids
+from llama_guard.limits.readback import ProcessLimits, read_limits
+from llama_guard.limits.rlimits import NOFILE, NPROC, RLIM_INFINITY, SPEC_BY_NAME, fix_hint, format_limit
 
 PIDS_MAX = "pids.max"
 """The name used in events for the cgroup task limit (systemd ``TasksMax=``)."""

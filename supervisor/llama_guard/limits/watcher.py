@@ -15,17 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from llama_guard.core.watcher import Context, Source
-from llama_guard.limits.rlimits import (
-    LimitPlan,
-    ProcessLimits,
-    can_raise_hard_limits,
-    format_limit,
-    limits_report,
-    plan_child_limits,
-    read_limits,
-    read_own_limits,
-    verify_applied,
-)
+from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
+from llama_guard.limits.plan import LimitPlan, plan_child_limits
+from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
+from llama_guard.limits.rlimits import format_limit
 from llama_guard.limits.usage import UsageSampler, UsageTracker
 
 
