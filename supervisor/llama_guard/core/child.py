@@ -207,7 +207,11 @@ def pipe_holders(inode: int, exclude: frozenset[int] = frozenset()) -> list[tupl
 
 
 async def kill_and_reap(server: ServerProcess, timeout_s: float = 5.0) -> None:
-    """SIGKILL the group and wait (bounded) for the exit; for the daemon's last-resort cleanup."""
+    """SIGKILL the group and wait (bounded) for the exit; for the daemon's last-resort cleanup.
+    Waits for the exit status (set by asyncio's child watcher), not for the output pipe to close:
+    a process that escaped the group may hold it."""
     server.signal_group(signal.SIGKILL)
-    with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-        await asyncio.wait_for(server.proc.wait(), timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while server.proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.01)
