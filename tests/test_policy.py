@@ -181,6 +181,18 @@ class TestServingFaults:
         s, _ = decide(s, Exited(102, 1), 7.5)
         assert s.deadline == pytest.approx(9.5)  # 2 s: doubled
 
+    def test_first_failure_after_a_stable_run_restarts_at_once_despite_earlier_failures(self) -> None:
+        s = replace(ready(now=1.0), failures=(0.5,), next_backoff_s=4.0)
+        s, _ = decide(s, Tick(), 70.0)  # stayed ready past stable_after_s
+        assert s.stable
+        s, acts = decide(s, Exited(100, -9), 80.0)
+        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(80.0)
+        assert emitted(acts, "server_backoff").fields["backoff_s"] == 0.0
+        s, _ = decide(s, Tick(), 80.0)
+        s, _ = decide(s, Spawned(101), 80.0)
+        s, _ = decide(s, Exited(101, 1), 80.5)  # the next one (not stable) backs off
+        assert s.deadline == pytest.approx(81.5)
+
     def test_backoff_is_capped(self) -> None:
         s = replace(ready(), next_backoff_s=4.0)
         s, _ = decide(s, Exited(100, 1), 5.0)

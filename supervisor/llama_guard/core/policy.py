@@ -114,9 +114,9 @@ def _count_failure(state: State, now: float) -> Result:
         emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
                                    "max_restarts": p.max_restarts, "last_failure": state.last_failure})
         return new, [emit, *actions]
-    if len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s:
-        # The first failure after a stable run (or the first ever) restarts at once; the backoff
-        # starts with the second failure in the window.
+    if state.stable or (len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s):
+        # A server that had run stably (or the first failure in the window) restarts at once; the
+        # backoff starts with the next failure.
         wait = 0.0
         following = p.backoff_initial_s
     else:
