@@ -102,6 +102,13 @@ def quiet_stop(daemon: DaemonRun) -> None:
         daemon.proc.wait(timeout=10)
 
 
+def record(rows: list[tuple[str, dict[str, float]]], name: str, values: dict[str, float]) -> None:
+    """Keep a row for the table, and print it now (a long soak shows its progress)."""
+    rows.append((name, values))
+    print(f"  {name}: fds {values['fds']:.0f}, threads {values['threads']:.0f}, zombies {values['zombies']:.0f}, "
+          f"RSS {values['rss_mib']:.1f} MiB", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=200, help="kill -9 cycles (default 200; the issue's soak: 1000)")
@@ -134,24 +141,24 @@ def main() -> int:
         try:
             pid = tail.wait({"server_ready"}, 120)["server_pid"]
             time.sleep(0.5)
-            rows.append(("start (first server ready)", resources(daemon.pid)))
+            record(rows, "start (first server ready)", resources(daemon.pid))
             for i in range(args.kills):
                 t0 = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 pid = tail.wait({"server_ready"}, 120, where=lambda e, old=pid: e["server_pid"] != old)["server_pid"]
                 ready_s.append(time.monotonic() - t0)
                 if i + 1 == args.kills // 2:
-                    rows.append((f"after {i + 1} kills", resources(daemon.pid)))
+                    record(rows, f"after {i + 1} kills", resources(daemon.pid))
             time.sleep(0.5)
-            rows.append((f"after {args.kills} kills", resources(daemon.pid)))
+            record(rows, f"after {args.kills} kills", resources(daemon.pid))
             for i in range(args.hups):
                 os.kill(daemon.pid, signal.SIGHUP)
                 answer = tail.wait(set(answers), 30)
                 answers[answer["event"]] += 1
                 if i + 1 == args.hups // 2:
-                    rows.append((f"after {i + 1} SIGHUPs", resources(daemon.pid)))
+                    record(rows, f"after {i + 1} SIGHUPs", resources(daemon.pid))
             time.sleep(0.5)
-            rows.append((f"end: after {args.hups} SIGHUPs", resources(daemon.pid)))
+            record(rows, f"end: after {args.hups} SIGHUPs", resources(daemon.pid))
         finally:
             quiet_stop(daemon)
     width = max(len(name) for name, _ in rows)
