@@ -151,8 +151,24 @@ TEXT: dict[str, tuple[str, str]] = {
     "gpu_xid": (
         "GPU reported an Xid error",
         "GPU @GPU_INDEX@ reported Xid @XID@: @MEANING@.\n\n"
-        "Xid 48/63/64/94/95 concern ECC memory; 79 means the GPU fell off the bus; 13/31/43\n"
-        "are usually application faults. See NVIDIA's Xid documentation."),
+        "Xid 48/63/64/95 concern ECC memory; 79 means the GPU fell off the bus; 13/31/43/45/68/69/94/109\n"
+        "are faults of one application: llama-guard acts on those only when the faulting pid (the\n"
+        "kernel log's pid=) is its server, and says so in the ACTION, OURS and SOURCE fields\n"
+        "(nvml, kmsg, or nvml+kmsg when NVML's event was matched with the kernel line).\n"
+        "See NVIDIA's Xid documentation."),
+    "gpu_vram_wait": (
+        "waiting for another process to free VRAM",
+        "Before starting llama-server, llama-guard found that another process holds the VRAM the\n"
+        "server needs on GPU @GPU_INDEX@: @HOLDERS@; @MISSING@.\n\n"
+        "It waits (at most [gpu].vram_wait_timeout_s = @TIMEOUT_S@ s) and starts the server once\n"
+        "the memory is free. The wait is not counted as a failed start and no GPU reset is done.\n"
+        "The need is the server's own VRAM at its last good start, or [gpu].expected_vram_mib."),
+    "gpu_xid_unparsed": (
+        "Xid line llama-guard could not read",
+        "The kernel logged an Xid line that llama-guard's parser does not understand:\n"
+        "@LINE@\n\n"
+        "It is reported rather than dropped; nothing was done about it. Please report the line\n"
+        "so that the parser can learn its format."),
     "gpu_reset": (
         "GPU reset",
         "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"
@@ -174,6 +190,11 @@ TEXT: dict[str, tuple[str, str]] = {
         "planned restart of llama-server",
         "llama-guard restarts llama-server as planned: @REASON@ ([schedule]). Requests in flight\n"
         "finish first (drain)."),
+    "decay_restart": (
+        "restart of a degraded llama-server",
+        "llama-guard restarts llama-server because a decay trigger fired: @REASON@ (see the\n"
+        "decay_detected event before it; [schedule] vram_growth_mib, rss_growth_mib, speed_drop_fraction).\n"
+        "Requests in flight finish first (drain)."),
     "restart_requested": (
         "restart of llama-server requested",
         "A restart of llama-server was requested: @REASON@ (SIGUSR1 or `llama-guard restart`)."),

@@ -14,6 +14,9 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
 - ``ignore_term``: ready, ignores SIGTERM (the supervisor must escalate to SIGKILL).
 - ``ready_line_no_health``: prints "listening" but /health stays 503.
 
+``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
+test creates it when another process is made to hold the GPU's memory, and removes it with that).
+
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
@@ -31,6 +34,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FAULT = os.environ.get("FAKE_LLAMA_FAULT", "")
+_OOM_WHILE = os.environ.get("FAKE_LLAMA_OOM_WHILE", "")
+if _OOM_WHILE and os.path.exists(_OOM_WHILE):
+    FAULT = "oom_at_load"
 LOAD_S = float(os.environ.get("FAKE_LLAMA_LOAD_S", "0.2"))
 MARKS = os.environ.get("FAKE_LLAMA_MARKS", "")
 T0 = time.monotonic()

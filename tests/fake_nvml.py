@@ -34,6 +34,7 @@ NVML_VOLATILE_ECC = 0
 NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
 nvmlEventTypeXidCriticalError = 0x8
+NVML_CLOCK_MEM = 2
 
 GIB = 1024**3
 
@@ -78,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     "pcie_gen": 5,
     "pcie_width": 16,
     "pstate": 0,
+    "mem_bus_width_bits": 6016,  # the H200 reading of facts/gpu.md
+    "mem_clock_max_mhz": 3201,
 }
 
 
@@ -273,6 +276,13 @@ class FakeNvml:
         self._enter("nvmlDeviceGetMemoryInfo", h)
         used, total = h.gpu.get("memory_used"), h.gpu.get("memory_total")
         return _Obj({"used": used, "total": total, "free": total - used})
+
+    def nvmlDeviceGetMemoryBusWidth(self, h: Handle) -> int:
+        return int(self._read("nvmlDeviceGetMemoryBusWidth", h, "mem_bus_width_bits"))
+
+    def nvmlDeviceGetMaxClockInfo(self, h: Handle, clock: int) -> int:
+        assert clock == NVML_CLOCK_MEM, clock
+        return int(self._read("nvmlDeviceGetMaxClockInfo", h, "mem_clock_max_mhz"))
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: Handle) -> list[_Obj]:
         procs = self._read("nvmlDeviceGetComputeRunningProcesses", h, "processes")

@@ -1,4 +1,4 @@
-"""A module-level fake ``pynvml`` for the daemon SUBPROCESS: ``LLAMA_GUARD_TEST_NVML_MODULE=fake_pynvml_mod``.
+"""A module-level fake ``pynvml`` for the daemon SUBPROCESS, injected by tests/run_with_fake_nvml.py.
 
 It wraps one :class:`fake_nvml.FakeNvml` and is scripted by the JSON file named in
 ``$FAKE_NVML_SCRIPT``, re-read on every call, so a test can change it while the daemon runs:

@@ -17,6 +17,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
+# The CLI with tests/fake_pynvml_mod.py injected as the pynvml module (a DaemonRun ``command``).
+FAKE_NVML_RUN = [sys.executable, str(Path(__file__).resolve().parent / "run_with_fake_nvml.py")]
 
 
 def free_port() -> int:
@@ -73,7 +75,8 @@ def merge(a: dict[str, dict[str, object]], b: dict[str, dict[str, object]]) -> d
 class DaemonRun:
     """One ``python -m llama_guard run`` process with its stderr (JSON events) in a file."""
 
-    def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None,
+                 *, command: list[str] | None = None):
         self.tmp = tmp
         self.config = tmp / "llama-guard.toml"
         self.config.write_text(config_text(sections))
@@ -82,10 +85,11 @@ class DaemonRun:
         self.env.update(env or {})
         self.env["PYTHONUNBUFFERED"] = "1"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.command = command or [sys.executable, "-m", "llama_guard"]  # e.g. FAKE_NVML_RUN
 
     def start(self) -> DaemonRun:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_guard", "run", "--config", str(self.config)],
+        self.proc = subprocess.Popen([*self.command, "run", "--config", str(self.config)],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
                                      cwd=str(ROOT))
         log.close()

@@ -29,7 +29,7 @@ from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all, 
 from llama_guard.config import load_config
 from llama_guard.core import daemon as daemon_mod
 from llama_guard.core.daemon import Daemon
-from llama_guard.core.types import GpuFault, Input, StopRequest
+from llama_guard.core.types import GpuFault, GpuFaultKind, Input, StopRequest
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.gpu.nvml import Nvml, NvmlHung
@@ -269,7 +269,7 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
     config = load_config(path)
     emitter = _Recorder()
     posted: list[Input] = []
-    source = GpuSource(module=fake, nvml_call_timeout_s=0.3, hung_as_lost_s=1.0)
+    source = GpuSource(nvml_module=fake, nvml_call_timeout_s=0.3, hung_as_lost_s=1.0)
 
     async def go() -> float:
         ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
@@ -291,7 +291,7 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
     timeouts = emitter.named("gpu_nvml_timeout")
     assert len(timeouts) == 1 and timeouts[0]["call"] == "nvmlDeviceGetPowerUsage"
     faults = [p for p in posted if isinstance(p, GpuFault)]
-    assert len(faults) == 1 and faults[0].kind == "gpu_lost" and "nvmlDeviceGetPowerUsage" in faults[0].reason
+    assert len(faults) == 1 and faults[0].kind is GpuFaultKind.GPU_LOST and "nvmlDeviceGetPowerUsage" in faults[0].reason
     assert source.degraded and (source.snapshot() or {})["watch"].startswith("degraded")
     assert close_s < 3.0
     fake.unhang("nvmlDeviceGetPowerUsage")
@@ -675,7 +675,7 @@ def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watc
     path.write_text(path.read_text().replace('[gpu]\nenabled = "off"\n', ""))
     config = load_config(path)
     emitter = _Recorder()
-    source = GpuSource(module=FakeNvml())
+    source = GpuSource(nvml_module=FakeNvml())
     source.kmsg_backoff_s = 0.01
 
     async def go() -> BaseException | None:

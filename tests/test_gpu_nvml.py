@@ -7,6 +7,8 @@ import threading
 
 import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml, Seq
+from llama_guard.config import GpuWatchMode
+from llama_guard.core.types import XidScope
 from llama_guard.gpu import nvml as nv
 from llama_guard.gpu.nvml import (
     DeviceNotFound,
@@ -16,12 +18,13 @@ from llama_guard.gpu.nvml import (
     LibraryNotFound,
     NoPermission,
     Nvml,
+    Suspended,
     WatchOff,
     open_gpu,
 )
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import decode_clock_events, sample_from_dict, sample_to_dict
-from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_event_fields, xid_info
+from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_info
 
 
 class Clock:
@@ -133,7 +136,7 @@ def test_missing_pynvml_module_is_library_not_found(monkeypatch: pytest.MonkeyPa
 
 def test_enabled_off_never_touches_nvml() -> None:
     fake = FakeNvml()
-    assert isinstance(open_gpu(DeviceSelector(), enabled="off", module=fake), WatchOff)
+    assert isinstance(open_gpu(DeviceSelector(), enabled=GpuWatchMode.OFF, module=fake), WatchOff)
     assert sum(fake.calls.values()) == 0
 
 
@@ -232,6 +235,24 @@ def test_session_shut_down_under_us_is_reopened_transparently() -> None:
     assert nvml.sample().temperature_c == 45
 
 
+def test_suspended_session_stays_released_until_resumed() -> None:
+    from llama_guard.gpu.rules import GpuWatch, WatchSettings, sample_once
+
+    _fake, nvml, clock = make()
+    nvml.sample()
+    inits = nvml.init_count
+    nvml.suspend()
+    assert not nvml.is_open and nvml.suspended
+    with pytest.raises(Suspended):
+        nvml.sample()
+    assert not nvml.is_open and nvml.init_count == inits  # nobody re-opened it
+    # The sampler sees no sample and reports nothing (a suspended session is not a lost GPU).
+    verdict = sample_once(nvml, GpuWatch(WatchSettings()), clock())
+    assert verdict.sample is None and verdict.events == [] and verdict.error is None
+    nvml.resume()
+    assert nvml.sample().temperature_c == 45 and nvml.init_count == inits + 1
+
+
 def test_old_pynvml_without_clocks_event_reasons_falls_back() -> None:
     fake, nvml, _ = make()
     fake.nvmlDeviceGetCurrentClocksEventReasons = None  # type: ignore[assignment,method-assign]
@@ -282,7 +303,7 @@ def test_xid_waiter_delivers_and_stops() -> None:
             stop.set()
 
     reason = run_xid_waiter(nvml, stop, on_xid, on_error=lambda e: pytest.fail(str(e)), timeout_ms=5)
-    assert (reason, seen, fake.event_sets) == ("stopped", [13, 79], 0)
+    assert (reason, seen, fake.event_sets) == (None, [13, 79], 0)
 
 
 def test_xid_waiter_reports_lost_gpu_and_registers_again() -> None:
@@ -321,18 +342,22 @@ def test_xid_waiter_gives_up_when_not_supported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("xid", "ours", "action"),
-    [(79, None, XidAction.RESET_ONCE_THEN_ESCALATE), (48, None, XidAction.RESET), (119, None, XidAction.RESET),
-     (13, None, XidAction.RESTART), (31, True, XidAction.RESTART), (43, True, XidAction.RESTART),
-     (43, False, XidAction.EVENT_ONLY), (63, None, XidAction.EVENT_ONLY), (92, None, XidAction.EVENT_ONLY),
-     (154, None, XidAction.FOLLOW_RECOVERY_ACTION), (12345, None, XidAction.EVENT_ONLY)],
+    ("xid", "scope", "action"),
+    [(79, XidScope.DEVICE, XidAction.RESET_ONCE_THEN_ESCALATE), (48, XidScope.DEVICE, XidAction.RESET),
+     (119, XidScope.DEVICE, XidAction.RESET), (74, XidScope.DEVICE, XidAction.RESET),
+     (13, XidScope.APP, XidAction.RESTART), (31, XidScope.APP, XidAction.RESTART),
+     (43, XidScope.APP, XidAction.RESTART), (94, XidScope.APP, XidAction.RESTART),
+     (109, XidScope.APP, XidAction.RESTART), (63, XidScope.DEVICE, XidAction.EVENT_ONLY),
+     (92, XidScope.DEVICE, XidAction.EVENT_ONLY), (154, XidScope.DEVICE, XidAction.FOLLOW_RECOVERY_ACTION),
+     (12345, XidScope.DEVICE, XidAction.EVENT_ONLY)],
 )
-def test_xid_table(xid: int, ours: bool | None, action: XidAction) -> None:
-    assert xid_info(xid, ours).action is action
+def test_xid_table(xid: int, scope: XidScope, action: XidAction) -> None:
+    info = xid_info(xid)
+    assert (info.scope, info.action) == (scope, action) and info.source
 
 
-def test_xid_event_fields_render() -> None:
+def test_gpu_xid_event_renders() -> None:
     from llama_guard.output.events import render_message
 
-    fields = xid_event_fields(79, 0, source="nvml")
+    fields = {"gpu_index": 0, "xid": 79, "meaning": "GPU has fallen off the bus"}
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"

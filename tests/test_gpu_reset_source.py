@@ -15,23 +15,26 @@ from pathlib import Path
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
-from llama_guard.core.types import Params, ResetDone, initial_state
+from llama_guard.core.types import GpuHolder, Params, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
 from llama_guard.gpu import watcher as gpu_source
-from llama_guard.gpu.watcher import GpuSource, _run_bounded
+from llama_guard.gpu.reset import ResetExecutor, run_bounded
+from llama_guard.gpu.watcher import GpuSource
 
 TESTS = Path(__file__).resolve().parent
 
 
-def make(fake: FakeNvml, command: list[str], tmp: Path) -> tuple[GpuSource, Context]:
+def make(fake: FakeNvml, command: list[str], tmp: Path, *, euid: int = 0) -> tuple[GpuSource, Context]:
     cfg = Config.model_validate({"gpu": {"vram_release_timeout_s": 1.0},
                                  "recovery": {"reset_command": command, "reset_timeout_s": 2.0,
                                               "foreign_wait_s": 0.3}})
     src = GpuSource()
     src.nvml = Nvml(DeviceSelector(), module=fake)
     src.identity = src.nvml.open()
-    src.can_reset = True
+    src.executor = ResetExecutor(src.nvml, halt_xid=src._halt_xid, resume_xid=src._resume_xid,
+                                 euid=lambda: euid, poll_s=0.05)
+    src._can_reset = True
     events: list[tuple[str, dict[str, object]]] = []
     ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
                   emit=lambda name, **f: events.append((name, f)), post=lambda e: None,
@@ -58,71 +61,80 @@ def stub(tmp: Path) -> list[str]:
     return [sys.executable, str(TESTS / "stub_reset.py"), "--gpu-reset", "-i", "{index}"]
 
 
-async def test_not_root_skips_without_running_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 1000)
+async def test_not_root_is_reported_as_a_fact_and_nothing_runs(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
-    src, ctx = make(FakeNvml(), stub(tmp_path), tmp_path)
-    done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "skipped" and "not root" in done.reason
-    assert not (tmp_path / "rec").exists()
+    fake = FakeNvml()
+    src, ctx = make(fake, stub(tmp_path), tmp_path, euid=1000)
+    facts = await src.inspect_reset(ctx, None)
+    assert facts.can_run is False and "uid 1000, not root" in facts.cannot_run
+    assert facts.gpu_index == 0 and facts.previous_released and facts.holders == ()
+    assert not (tmp_path / "rec").exists() and fake.calls["nvmlShutdown"] == 0
 
 
-async def test_foreign_process_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, foreign_pid: int) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
+async def test_foreign_process_is_named_with_its_mib(tmp_path: Path, foreign_pid: int) -> None:
     fake = FakeNvml()
     fake.gpus[0].values["processes"] = [(foreign_pid, 1 << 30)]
     src, ctx = make(fake, stub(tmp_path), tmp_path)
-    done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "skipped"
-    assert done.fields["foreign_pid"] == foreign_pid and done.fields["foreign_name"] == "sleep"
+    facts = await src.inspect_reset(ctx, None)
+    assert facts.can_run and facts.holders == (GpuHolder(foreign_pid, 1024, "sleep"),)
     assert fake.calls["nvmlShutdown"] == 0  # NVML was never released: nothing was about to be reset
+
+
+async def test_previous_server_still_on_the_gpu_is_reported(tmp_path: Path, foreign_pid: int) -> None:
+    fake = FakeNvml()
+    fake.gpus[0].values["processes"] = [(foreign_pid, 1 << 30)]
+    src, ctx = make(fake, stub(tmp_path), tmp_path)
+    facts = await src.inspect_reset(ctx, foreign_pid)  # "our" old server that does not leave
+    assert facts.previous_released is False and facts.waited_s >= 1.0
 
 
 async def test_success_releases_nvml_runs_the_command_and_verifies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
     monkeypatch.setenv("STUB_RESET_RECORD", str(tmp_path / "rec"))
     monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
-    done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
-    assert "successfully reset" in done.reason and str(done.fields["command"]).endswith("--gpu-reset -i 0")
+    done = await src.reset(ctx, 0)
+    assert done.ok and done.exit_status == 0 and done.verified, done
+    assert "successfully reset" in done.output and done.command.endswith("--gpu-reset -i 0")
     assert fake.calls["nvmlShutdown"] == 1 and fake.calls["nvmlInit"] == 2  # released, then re-opened
     assert (tmp_path / "rec").read_text().count("--gpu-reset") == 1
+    assert not src.nvml.suspended  # type: ignore[union-attr]
 
 
 async def test_lost_gpu_does_not_block_the_reset_on_the_vram_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    gone_pid: int) -> None:
     # NVML cannot list processes on a lost GPU; the old server having exited must be enough.
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
     monkeypatch.setenv("STUB_RESET_SLEEP_S", "0")
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     fake.lose_gpu()
-    done = await src.reset(ctx, gone_pid, "test")
-    assert isinstance(done, ResetDone)
-    # It got as far as running the command; the fake GPU stays lost, so the verification fails.
-    assert done.outcome == "failed" and "does not answer NVML after the reset" in done.reason, done
+    facts = await src.inspect_reset(ctx, gone_pid)
+    assert facts.previous_released and facts.waited_s < 1.0
+    done = await src.reset(ctx, 0)
+    # The command ran; the fake GPU stays lost, so the verification fails.
+    assert done.exit_status == 0 and not done.verified and not done.ok
+    assert "does not answer NVML after the reset" in done.detail, done
 
 
 async def test_long_failure_output_keeps_its_first_lines() -> None:
     code = ("print('The following GPUs could not be reset:');"
             "print('  GPU 00000000:1A:00.0: In use by another client');"
             "print('advice ' * 200); raise SystemExit(3)")
-    outcome, detail = await _run_bounded([sys.executable, "-c", code], 10.0)
-    assert outcome == "failed" and "exited 3" in detail
-    assert "In use by another client" in detail and len(detail) < 450
+    status, output, detail = await run_bounded([sys.executable, "-c", code], 10.0)
+    assert status == 3 and "exited 3" in detail
+    assert "In use by another client" in output and len(output) < 450
 
 
 async def test_command_past_its_timeout_is_killed() -> None:
-    outcome, detail = await _run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
-    assert outcome == "failed" and "did not finish within" in detail
+    status, _, detail = await run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert status is None and "did not finish within" in detail
 
 
 async def test_missing_command() -> None:
-    outcome, detail = await _run_bounded(["/nonexistent/nvidia-smi", "--gpu-reset"], 1.0)
-    assert outcome == "failed" and "cannot run /nonexistent/nvidia-smi" in detail
+    status, _, detail = await run_bounded(["/nonexistent/nvidia-smi", "--gpu-reset"], 1.0)
+    assert status is None and "cannot run /nonexistent/nvidia-smi" in detail
 
 
 @pytest.mark.parametrize(("euid", "expect_call", "word"), [(0, True, "enabled by llama-guard"),
@@ -154,12 +166,11 @@ async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_
         "    print('  GPU 00000000:1A:00.0: In use by another client')\n"
         "    sys.exit(255)\n"
         "print('GPU 00000000:1A:00.0 was successfully reset.')\n")
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
     fake = FakeNvml()
     fake.gpus[0].values["persistence"] = 1
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
-    done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "succeeded", done
+    done = await src.reset(ctx, 0)
+    assert done.ok, done
     assert counter.read_text() == "2"
     assert fake.persistence_writes == [0, 1]  # off for the retry, then restored
     assert "persistence" in done.fields
@@ -168,10 +179,9 @@ async def test_in_use_with_persistence_on_retries_once_with_persistence_off_and_
 async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "reset.py"
     script.write_text("import sys\nprint('GPU 0: In use by another client')\nsys.exit(255)\n")
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: 0)
     fake = FakeNvml()
     fake.gpus[0].values["persistence"] = 0
     src, ctx = make(fake, [sys.executable, str(script)], tmp_path)
-    done = await src.reset(ctx, None, "test")
-    assert isinstance(done, ResetDone) and done.outcome == "failed" and "In use" in done.reason
+    done = await src.reset(ctx, 0)
+    assert done.exit_status == 255 and not done.ok and "In use" in done.output
     assert fake.persistence_writes == []

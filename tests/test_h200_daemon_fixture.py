@@ -13,7 +13,7 @@ from typing import Any
 
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import Boot, Exited, Line, Params, Phase, ResetGpu, Spawned, initial_state
+from llama_guard.core.types import Boot, Exited, InspectGpu, Line, Params, Phase, ResetTrigger, Spawned, initial_state
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "h200_daemon"
 
@@ -38,7 +38,7 @@ def test_real_oom_lines_lead_to_server_oom_and_the_reset() -> None:
     assert Family.OOM in families and Family.GPU_ABORT in families
     # On the H200 the abort line came before the message: the policy must still choose the reset.
     assert families.index(Family.GPU_ABORT) < families.index(Family.OOM)
-    state = initial_state(Params(reset_possible=True, reset_on=frozenset({"oom"})))
+    state = initial_state(Params(reset_possible=True, reset_on=frozenset({ResetTrigger.OOM})))
     state, _ = decide(state, Boot(), 0.0)
     state, _ = decide(state, Spawned(first), 0.0)
     emitted = []
@@ -48,7 +48,7 @@ def test_real_oom_lines_lead_to_server_oom_and_the_reset() -> None:
     assert emitted.count("server_oom") == 1
     state, actions = decide(state, Exited(first, -15), 2.0)
     assert state.phase is Phase.RESETTING
-    assert any(isinstance(a, ResetGpu) and a.previous_pid == first for a in actions)
+    assert any(isinstance(a, InspectGpu) and a.previous_pid == first for a in actions)
 
 
 def test_real_run_a_server_was_ready_only_on_the_gpu_and_foreign_process_reported() -> None:

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, KmsgReader, XidRecord, open_kmsg, strip_prefix
+from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, KmsgReader, UnparsedXid, XidRecord, open_kmsg, strip_prefix
 
 OURS = "00000000:02:00.0"  # NVML's spelling of our GPU
 
 
-def parse(lines: list[str], pci: str | None = OURS) -> list[XidRecord]:
+def parse(lines: list[str], pci: str | None = OURS) -> list[XidRecord | UnparsedXid]:
     p = KmsgParser(pci)
     return [r for line in lines for r in p.feed(line)]
 
@@ -95,13 +95,34 @@ def test_strip_prefix() -> None:
     assert strip_prefix("NVRM: bare") == "NVRM: bare"
 
 
-def test_is_ours_by_pid_then_name() -> None:
-    (rec,) = parse(["NVRM: Xid (PCI:0000:02:00): 43, pid=4242, name=llama-server, Ch 00000010"])
-    assert rec.is_ours(4242) is True
-    assert rec.is_ours(1) is False
-    assert rec.is_ours(None) is True
-    (anon,) = parse(["NVRM: Xid (0000:02:00): 13, Graphics SM Warp Exception"])
-    assert anon.is_ours(4242) is None
+@pytest.mark.parametrize(
+    ("line", "gi", "ci"),
+    [("NVRM: Xid (PCI:0000:02:00 GPU-I:05): 94, pid=4242, name=llama-server, Contained: CE User Channel (0x9). "
+      "RST: No, D-RST: No", 5, None),
+     ("[ 77.1] NVRM: Xid (PCI:0000:02:00 GPU-I:05 GPU-CI:00): 94, pid=4242, name=llama-server, Contained: "
+      "CE User Channel (0x9). RST: No, D-RST: No", 5, 0),
+     ("4,9,1,-;NVRM: Xid (PCI:0000:02:00 GPU-I:0c): 31, pid=4242, name=llama-server, Ch 00000008", 12, None)],
+)
+def test_mig_xid_lines_parse(line: str, gi: int, ci: int | None) -> None:
+    # Issue 12 item 7: the kernel writes MIG attributes inside the parentheses.
+    (rec,) = parse([line])
+    assert isinstance(rec, XidRecord) and rec.pci == "0000:02:00.0" and rec.pid == 4242
+    assert rec.name == "llama-server" and (rec.gpu_instance, rec.compute_instance) == (gi, ci)
+
+
+def test_mig_xid_of_another_gpu_is_still_filtered() -> None:
+    assert parse(["NVRM: Xid (PCI:0000:03:00 GPU-I:05): 94, pid=1, name=x, Contained"]) == []
+
+
+@pytest.mark.parametrize("line", [
+    "NVRM: Xid (PCI:0000:02:00): fault without a number",
+    "NVRM: Xid (PCI:0000:02:00 GPU-I:05",
+    "NVRM: Xid (PCI:zz:zz): 79, pid=1, name=x",
+    "[ 5.5] NVRM: Xid [GPU 0000:02:00]: 79 a future format",
+])
+def test_xid_lines_that_do_not_parse_come_back_raw(line: str) -> None:
+    (rec,) = parse([line])
+    assert isinstance(rec, UnparsedXid) and rec.text == strip_prefix(line)
 
 
 # ---- the reader ------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from llama_guard.core.types import (
     ParamsChanged,
     Phase,
     Probe,
+    ResetTrigger,
+    RestartCause,
     RestartRequest,
     Spawn,
     Spawned,
@@ -326,9 +328,14 @@ class TestPlannedRestart:
         assert s.phase is Phase.STARTING and acts[-1] == Spawn() and s.failures == ()
 
     def test_drain_timeout_restarts_anyway(self) -> None:
-        s, _ = decide(ready(), RestartRequest("nightly", event="scheduled_restart"), 5.0)
+        s, acts = decide(ready(), RestartRequest("nightly", cause=RestartCause.SCHEDULE), 5.0)
+        assert names(acts) == ["scheduled_restart"]
         s, acts = decide(s, Tick(), 25.0)
         assert "drain_timeout" in names(acts) and Terminate(100) in acts
+
+    def test_decay_restart_is_its_own_event(self) -> None:
+        _s, acts = decide(ready(), RestartRequest("decay: rss_growth", cause=RestartCause.DECAY), 5.0)
+        assert names(acts) == ["decay_restart"]
 
     def test_fault_while_draining_is_still_a_fault(self) -> None:
         s, _ = decide(ready(), RestartRequest("SIGUSR1"), 5.0)
@@ -357,18 +364,18 @@ def test_exit_text() -> None:
 
 def test_abort_line_before_oom_message_still_leads_to_the_reset() -> None:
     # Seen on the H200: "<path>/ggml-cuda.cu:109: CUDA error" came before "CUDA error: out of memory".
-    p = replace(P, reset_possible=True, reset_on=frozenset({"oom"}))
+    p = replace(P, reset_possible=True, reset_on=frozenset({ResetTrigger.OOM}))
     s = started(params=p)
     s, acts = decide(s, line(100, "/src/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error"), 1.0)
     assert s.phase is Phase.STOPPING and Terminate(100) in acts
     s, acts = decide(s, line(100, "0.01.713.707 E CUDA error: out of memory"), 1.01)
     assert names(acts) == ["server_oom"] and s.after_stop is AfterStop.RESET
     s, acts = decide(s, Exited(100, -6), 1.1)
-    assert s.phase is Phase.RESETTING and any(type(a).__name__ == "ResetGpu" for a in acts)
+    assert s.phase is Phase.RESETTING and any(type(a).__name__ == "InspectGpu" for a in acts)
 
 
 def test_abort_line_then_other_gpu_error_does_not_reset_when_only_oom_resets() -> None:
-    p = replace(P, reset_possible=True, reset_on=frozenset({"oom"}))
+    p = replace(P, reset_possible=True, reset_on=frozenset({ResetTrigger.OOM}))
     s = started(params=p)
     s, _ = decide(s, line(100, "/src/ggml-cuda.cu:109: CUDA error"), 1.0)
     s, acts = decide(s, line(100, "CUDA error: an illegal memory access was encountered"), 1.01)

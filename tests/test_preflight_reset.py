@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeNvml
-from harness import ROOT, config_text
+from harness import FAKE_NVML_RUN, ROOT, config_text
 from llama_guard.config import Config
 from llama_guard.preflight import check_reset, run_checks
 
@@ -84,11 +84,12 @@ def test_resets_switched_off(recovery: dict[str, object], why: str) -> None:
     assert r.verdict == "OK" and "off" in r.detail and why in r.detail
 
 
-def test_run_checks_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLAMA_GUARD_TEST_NVML_MODULE", "fake_pynvml_mod")
+def test_run_checks_reports_it() -> None:
+    import fake_pynvml_mod
+
     cfg = Config.model_validate({"server": {"binary": "/bin/true", "model": "/nonexistent.gguf"},
                                  "recovery": {"reset_command": ["/nonexistent/reset", "{index}"]}})
-    rows = {r.name: r for r in run_checks(cfg, Path("x.toml"))}
+    rows = {r.name: r for r in run_checks(cfg, Path("x.toml"), nvml_module=fake_pynvml_mod)}
     assert rows["gpu reset"].verdict == "WARN"
     assert "'/nonexistent/reset' was not found" in rows["gpu reset"].detail
 
@@ -100,9 +101,7 @@ def test_cli_check_prints_it(tmp_path: Path, llama_server_bin: Path) -> None:
         "recovery": {"reset_command": [sys.executable, str(TESTS / "stub_reset.py"), "-i", "{index}"]},
     }))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
-    env.update(LLAMA_GUARD_TEST_NVML_MODULE="fake_pynvml_mod",
-               PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p))
-    out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(cfg)], env=env,
+    out = subprocess.run([*FAKE_NVML_RUN, "check", "--config", str(cfg)], env=env,
                          cwd=str(ROOT), capture_output=True, text=True, timeout=60, check=False)
     line = next((x for x in out.stdout.splitlines() if " gpu reset " in x), None)
     assert line is not None, out.stdout + out.stderr

@@ -1,5 +1,5 @@
 """End to end: the real daemon (``python -m llama_guard run``) + the fake llama-server + a fake NVML
-(``tests/fake_pynvml_mod.py`` through ``$LLAMA_GUARD_TEST_NVML_MODULE``) + a stub reset command
+(``tests/fake_pynvml_mod.py``, injected by ``tests/run_with_fake_nvml.py``) + a stub reset command
 (``tests/stub_reset.py``) that records its argv. No GPU is touched.
 
 The reset's preconditions include "we are root" (``nvidia-smi --gpu-reset`` needs it): without root
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 import pytest
-from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import FAKE_NVML_RUN, FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
 from needs import unavailable
 
 TESTS = Path(__file__).resolve().parent
@@ -81,10 +81,10 @@ def gpu_run(tmp_path: Path) -> Iterator[MakeRun]:
         })
         sections = merge(sections, extra or {})
         pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-        run_env = {"LLAMA_GUARD_TEST_NVML_MODULE": "fake_pynvml_mod", "PYTHONPATH": pythonpath,
+        run_env = {"PYTHONPATH": pythonpath,
                    "FAKE_NVML_SCRIPT": str(script), "FAKE_NVML_STATE": str(tmp_path / "nvml-state.json"),
                    "STUB_RESET_RECORD": str(record), "STUB_RESET_MODE": mode, **(env or {})}
-        run = GpuRun(tmp_path, sections, env=run_env)
+        run = GpuRun(tmp_path, sections, env=run_env, command=FAKE_NVML_RUN)
         run.port, run.script, run.record = port, script, record
         runs.append(run)
         return run
@@ -199,7 +199,7 @@ def test_foreign_process_skips_the_reset_naming_it(gpu_run: MakeRun) -> None:
         reset = run.wait_event("gpu_reset", 20)
         assert reset["outcome"] == "skipped"
         assert reset["foreign_pid"] == foreign.pid and reset["foreign_name"] == "sleep"
-        assert f"pid {foreign.pid} (sleep)" in reset["reason"]
+        assert f"pid {foreign.pid} (sleep, 2048 MiB) holds GPU 0" in reset["reason"] and reset["gpu_index"] == 0
         second = run.wait_event("server_ready", 20, skip=1)["server_pid"]
         assert second != first
         assert run.records() == []  # the command never ran
@@ -236,3 +236,55 @@ def test_server_not_listed_on_the_gpu_is_not_ready(gpu_run: MakeRun) -> None:
     unavailable = run.wait_event("server_gpu_unavailable", 20)
     assert "never appeared on GPU 0" in unavailable["cause"]
     assert "server_ready" not in run.names()
+
+
+XID31 = ("NVRM: Xid (PCI:0000:02:00): 31, pid={pid}, name={name}, Ch 00000008, intr 00000000. MMU Fault: "
+         "ENGINE GRAPHICS GPCCLIENT_T1_8 faulted @ 0x7f00_1c000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE")
+
+
+def kmsg_run(gpu_run: MakeRun, tmp: Path) -> tuple[GpuRun, Path]:
+    kmsg = tmp / "kmsg"
+    kmsg.write_text("6,1,0,-;an old line\n")
+    return gpu_run(extra={"gpu": {"kmsg_path": str(kmsg)}}).start(), kmsg
+
+
+def test_xid_31_of_another_process_does_not_restart_our_server(gpu_run: MakeRun, tmp_path: Path) -> None:
+    # Issue 12 item 6, end to end: NVML's event (no pid) and the kernel line naming another pid.
+    foreign = subprocess.Popen(["sleep", "60"])
+    try:
+        run, kmsg = kmsg_run(gpu_run, tmp_path)
+        server = run.wait_event("server_ready", 20)["server_pid"]
+        run.set_nvml(xids=[31])
+        time.sleep(0.3)  # NVML's event first: an application Xid waits for its kernel line
+        with kmsg.open("a") as handle:
+            handle.write("3,900,1,-;" + XID31.format(pid=foreign.pid, name="python3") + "\n")
+        xid = run.wait_event("gpu_xid", 10)
+        assert xid["xid"] == 31 and xid["xid_pid"] == foreign.pid and xid["ours"] is False
+        assert xid["action"] == "event_only" and xid["source"] == "nvml+kmsg"
+        time.sleep(3.0)  # past the matching window: nothing else comes of it
+        assert [e["event"] for e in run.events()].count("gpu_xid") == 1
+        assert "server_stopped" not in run.names() and "server_restart" not in run.names()
+        assert server in server_pids_of(run.port)
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_xid_31_of_our_server_restarts_it(gpu_run: MakeRun, tmp_path: Path) -> None:
+    run, kmsg = kmsg_run(gpu_run, tmp_path)
+    server = run.wait_event("server_ready", 20)["server_pid"]
+    with kmsg.open("a") as handle:
+        handle.write(XID31.format(pid=server, name="python3") + "\n")
+    xid = run.wait_event("gpu_xid", 10)
+    assert xid["ours"] is True and xid["action"] == "restart" and xid["source"] == "kmsg"
+    run.wait_event("server_ready", 20, skip=1)
+    assert run.records() == []  # an application fault restarts the server, no GPU reset
+
+
+def test_unparsable_xid_line_is_reported_raw(gpu_run: MakeRun, tmp_path: Path) -> None:
+    run, kmsg = kmsg_run(gpu_run, tmp_path)
+    run.wait_event("server_ready", 20)
+    line = "NVRM: Xid (PCI:0000:02:00): a format from the future"
+    with kmsg.open("a") as handle:
+        handle.write(f"[ 99.0] {line}\n")
+    assert run.wait_event("gpu_xid_unparsed", 10)["line"] == line

@@ -299,4 +299,4 @@ def test_schedule_fires_during_a_completion_and_waits_for_it(planned: Planned) -
     assert ("scheduled", True) in kinds
     text = subprocess.run([sys.executable, "-m", "llama_guard", "status", "--config", str(run.config)],
                           capture_output=True, text=True, timeout=30, check=True).stdout
-    assert "planned_restarts" in text
+    assert "next planned restart" in text and "last planned restart" in text

@@ -9,7 +9,22 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.core.types import AfterStop, Emit, Phase, RestartRequest, StartDrain, State, Terminate
+from llama_guard.core.policy import decide
+from llama_guard.core.types import (
+    AfterStop,
+    Drained,
+    Exited,
+    HealthOk,
+    Input,
+    NotifyReady,
+    Phase,
+    Probe,
+    RestartCause,
+    RestartRequest,
+    Spawned,
+    State,
+    Tick,
+)
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.watcher import ScheduleSource
 
@@ -61,7 +76,13 @@ class Rig:
     def serve(self, pid: int) -> None:
         """The policy spawned ``pid`` and it became READY."""
         self.source.on_spawn(self.ctx, pid)
-        self.state = replace(self.state, phase=Phase.READY, pid=pid)
+        self.state = replace(self.state, phase=Phase.READY, pid=pid, started_at=self.mono, ready_at=self.mono)
+
+    def play(self, event: Input) -> None:
+        """Feed ``event`` to the real policy and hand its actions to the source, as the daemon does."""
+        self.state, actions = decide(self.state, event, self.mono)
+        for action in actions:
+            self.source.on_action(self.ctx, action)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.emitted]
@@ -76,24 +97,24 @@ class Rig:
             await asyncio.sleep(0)
         await asyncio.gather(*self.source._tasks)
 
-    async def policy_restarts(self, old: int, new: int, *, event: str = "scheduled_restart",
+    async def policy_restarts(self, old: int, new: int, *, cause: RestartCause = RestartCause.SCHEDULE,
                               drain_timeout: bool = False, unavailable_s: float = 4.0) -> None:
-        """Play the policy's actions for one drained restart of ``old`` into ``new``."""
-        on = self.source.on_action
-        self.state = replace(self.state, phase=Phase.DRAINING)
-        on(self.ctx, Emit(event, {"server_pid": old, "reason": "why", "uptime_s": 50.0}))
-        on(self.ctx, StartDrain(old))
+        """One drained restart of ``old`` into ``new`` through the real policy."""
+        self.play(RestartRequest("why", cause=cause))
         await self.settle()
         if drain_timeout:
-            on(self.ctx, Emit("drain_timeout", {"server_pid": old, "drain_timeout_s": 1.0}))
-        self.state = replace(self.state, phase=Phase.STOPPING, after_stop=AfterStop.RESTART)
-        on(self.ctx, Terminate(old))
+            self.advance(self.state.params.drain_timeout_s)
+            self.play(Tick())
+        else:
+            self.play(Drained(old))
+        assert self.state.phase is Phase.STOPPING
+        self.play(Exited(old, 0))
         self.source.on_exit(self.ctx, old, 0)
         self.advance(unavailable_s)
-        self.state = replace(self.state, phase=Phase.STARTING, pid=None)
+        self.play(Spawned(new))
         self.source.on_spawn(self.ctx, new)
-        self.state = replace(self.state, phase=Phase.READY, pid=new)
-        on(self.ctx, Emit("server_ready", {"server_pid": new, "load_s": 1.0}))
+        self.play(HealthOk(new))
+        assert self.state.phase is Phase.READY
         await self.settle()
 
 
@@ -106,7 +127,7 @@ async def test_the_fire_posts_one_drained_scheduled_restart() -> None:
     rig.source.tick(rig.ctx)
     [request] = rig.posted
     assert isinstance(request, RestartRequest)
-    assert request.event == "scheduled_restart" and request.drain
+    assert request.cause is RestartCause.SCHEDULE and request.drain
     assert "'30 4 * * *'" in request.reason and "2025-03-10T04:30:00+00:00" in request.reason
     rig.advance(1)
     rig.source.tick(rig.ctx)
@@ -152,7 +173,7 @@ async def test_a_drained_restart_is_recorded_with_its_figures() -> None:
     rig = await Rig(decay_warmup_s=0.0, speed_window_tokens=100).start()
     rig.serve(100)
     rig.texts = [metrics(0, 0.0)]
-    rig.source.on_action(rig.ctx, Emit("server_ready", {"server_pid": 100}))
+    rig.source.on_action(rig.ctx, NotifyReady())
     await rig.settle()  # the window starts when the server is ready
     rig.advance(11)
     rig.source.tick(rig.ctx)
@@ -160,7 +181,7 @@ async def test_a_drained_restart_is_recorded_with_its_figures() -> None:
     await rig.policy_restarts(100, 101, unavailable_s=4.2)
     done = rig.event("planned_restart_done")
     assert done["kind"] == "scheduled" and done["outcome"] == "drained" and done["drained"] is True
-    assert done["server_pid"] == 101 and done["uptime_s"] == 50.0
+    assert done["server_pid"] == 101 and done["uptime_s"] == 11.0
     assert done["unavailable_s"] == pytest.approx(4.2)
     assert done["tokens_per_s_before"] == pytest.approx(100.0)
     assert "100.0 tokens/s → ?" in done["summary"]
@@ -177,7 +198,7 @@ async def test_a_drained_restart_is_recorded_with_its_figures() -> None:
 async def test_a_drain_timeout_and_a_requested_restart_are_recorded() -> None:
     rig = await Rig().start()
     rig.serve(100)
-    await rig.policy_restarts(100, 101, event="restart_requested", drain_timeout=True)
+    await rig.policy_restarts(100, 101, cause=RestartCause.OPERATOR, drain_timeout=True)
     done = rig.event("planned_restart_done")
     assert done["kind"] == "requested" and done["outcome"] == "drain_timeout" and done["drained"] is False
     assert "tokens_per_s_before" not in done  # nothing measured: left out, not zero
@@ -186,10 +207,12 @@ async def test_a_drain_timeout_and_a_requested_restart_are_recorded() -> None:
 async def test_a_fault_while_draining_is_not_called_drained() -> None:
     rig = await Rig().start()
     rig.serve(100)
-    on = rig.source.on_action
-    on(rig.ctx, Emit("restart_requested", {"server_pid": 100, "reason": "x", "uptime_s": 5.0}))
-    rig.state = replace(rig.state, phase=Phase.STOPPING, after_stop=AfterStop.FAILURE)
-    on(rig.ctx, Terminate(100))
+    rig.play(RestartRequest("x"))
+    for _ in range(rig.state.params.hang_strikes):  # it hangs while draining: stopped as a fault
+        rig.play(Probe(100, health_ok=False, canary_ok=None, busy=False, progressed=False))
+    assert rig.state.phase is Phase.STOPPING and rig.state.after_stop is AfterStop.FAILURE
+    rig.play(Exited(100, -15))
+    rig.source.on_exit(rig.ctx, 100, -15)
     assert rig.source.history.last() is not None and rig.source.history.last().drained is False  # type: ignore[union-attr]
 
 
@@ -211,10 +234,10 @@ async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     rig.state = replace(rig.state, phase=Phase.READY)
     rig.source.tick(rig.ctx)
     [request] = rig.posted
-    assert request.event == "scheduled_restart" and request.reason.startswith("decay: rss_growth")
+    assert request.cause is RestartCause.DECAY and request.reason.startswith("decay: rss_growth")
     rig.source.tick(rig.ctx)
     assert len(rig.posted) == 1
-    await rig.policy_restarts(100, 101)
+    await rig.policy_restarts(100, 101, cause=RestartCause.DECAY)
     assert rig.event("planned_restart_done")["kind"] == "rss_growth"
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import Config, LimitsConfig
-from llama_guard.core.server_log import classify_line
 from llama_guard.limits import own as LO
 from llama_guard.limits import plan as LP
 from llama_guard.limits import readback as LR
@@ -23,7 +22,6 @@ from llama_guard.limits.usage import (
     UsageSample,
     UsageSampler,
     UsageTracker,
-    exhausted_from_line,
     sample_cost_per_hour,
 )
 from llama_guard.output.events import CATALOG, render_message
@@ -150,63 +148,6 @@ def test_events_are_in_the_catalogue_and_render() -> None:
         assert "RLIMIT_NOFILE" in text
         assert "?" not in text, text
     assert render_message("limit_low", events[0].fields) == "RLIMIT_NOFILE use 85 of 100 (85%)"
-
-
-# --------------------------------------------------------------------------- server lines
-
-MLOCK_LINES = [
-    "warning: failed to mlock 73400320-byte buffer (after previously locking 0 bytes): "
-    "Cannot allocate memory",
-    "Try increasing RLIMIT_MEMLOCK ('ulimit -l' as root).",
-]
-
-
-def test_mlock_lines_give_one_event_naming_memlock_and_its_value() -> None:
-    limits = LR.ProcessLimits(4242, {"RLIMIT_MEMLOCK": (8 << 20, 8 << 20)}, "/proc/4242/limits")
-    t = _tracker()
-    events = []
-    for line in MLOCK_LINES:
-        events += t.on_line(classify_line(line), line, 4242, limits, now=0)
-    (ev,) = events
-    assert ev.name == "resource_exhausted"
-    assert ev.fields["limit"] == "RLIMIT_MEMLOCK"
-    assert ev.fields["server_pid"] == 4242
-    assert ev.fields["limit_value"] == "8 MiB (8388608 bytes)"
-    assert "8 MiB" in ev.fields["reason"]
-    assert "/proc/4242/limits" in ev.fields["reason"]
-    assert ev.fields["config_problem"] is True
-    assert "LimitMEMLOCK=infinity" in ev.fields["fix"]
-    assert render_message(ev.name, ev.fields).startswith("RLIMIT_MEMLOCK exhausted: failed to mlock")
-    # A later repeat past line_repeat_s reports again; another pid is its own key.
-    assert t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=10) == []
-    assert len(t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4243, None, now=10)) == 1
-    assert len(t.on_line(classify_line(MLOCK_LINES[0]), MLOCK_LINES[0], 4242, limits, now=4000)) == 1
-
-
-def test_thread_creation_failure_names_nproc_and_tasksmax() -> None:
-    line = "what():  Resource temporarily unavailable"
-    limits = LR.read_limits(os.getpid())
-    ev = exhausted_from_line(classify_line(line), line, os.getpid(), limits)
-    assert ev.fields["limit"] == "RLIMIT_NPROC"
-    soft = limits.values["RLIMIT_NPROC"][0]
-    assert ev.fields["limit_value"] == L.format_limit(soft, "processes")
-    assert "TasksMax" in ev.fields["reason"]
-    assert "LimitNPROC=infinity" in ev.fields["fix"]
-
-
-def test_too_many_open_files_line_and_unknown_limits() -> None:
-    line = "accept: Too many open files"
-    ev = exhausted_from_line(classify_line(line), line, 7, None)
-    assert ev.fields["limit"] == "RLIMIT_NOFILE"
-    assert ev.fields["limit_value"] == "unknown"
-    assert "unknown" in ev.fields["reason"]
-    assert "LimitNOFILE=1048576" in ev.fields["fix"]
-
-
-def test_other_families_are_ignored() -> None:
-    t = _tracker()
-    line = "CUDA error: out of memory"
-    assert t.on_line(classify_line(line), line, 1, None, now=0) == []
 
 
 # --------------------------------------------------------------------------- real processes

@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import sys
-import time
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=make_sources(config))
+    sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
     return asyncio.run(daemon.run())
 
 
@@ -65,86 +66,37 @@ def cmd_check(args: argparse.Namespace) -> int:
     from llama_guard.preflight import run_checks
 
     path, config = _load(args)
-    results = run_checks(config, path)
+    results = run_checks(config, path, nvml_module=args.nvml_module)
+    worst = EXIT_CONFIG if any(r.verdict == "FAIL" for r in results) else EXIT_OK
+    if args.json:
+        print(json.dumps({"ok": worst == EXIT_OK, "checks": [
+            {"name": r.name, "verdict": r.verdict, "detail": r.detail, **({"data": r.data} if r.data else {})}
+            for r in results]}, indent=2))
+        return worst
     width = max(len(r.name) for r in results)
-    worst = EXIT_OK
     for r in results:
         print(f"{r.verdict:<5} {r.name:<{width}}  {r.detail}")
-        if r.verdict == "FAIL":
-            worst = EXIT_CONFIG
     return worst
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from llama_guard.output.status import read_pid, read_status
+    from llama_guard.output.status_view import EXIT_NOT_RUNNING, document, exit_code, render
 
     runtime_dir = _runtime_dir(args)
     pid = read_pid(runtime_dir)
     snap = read_status(runtime_dir)
     if pid is None or snap is None:
+        if args.json:
+            print(json.dumps({"schema": 1, "running": False, "ready": False, "runtime_dir": str(runtime_dir)}))
         print(f"llama-guard is not running (nothing live under {runtime_dir})", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_NOT_RUNNING
+    doc = document(snap)
     if args.json:
-        print(json.dumps(snap, indent=2))
-        return EXIT_OK
-    age = time.time() - float(snap.get("updated", time.time()))
-    print(f"llama-guard pid {pid}: {snap.get('status')}  (snapshot {age:.0f} s old)")
-    print(f"  server: {snap.get('base_url')}  pid {snap.get('server_pid') or '- (none running now)'}")
-    print(f"  restarts: {snap.get('restarts')}  last failure: {snap.get('last_failure') or '-'}")
-    for key in ("gpu", "limits", "planned_restarts"):
-        if key == "limits" and isinstance(snap.get(key), dict) and snap[key].get("rows"):
-            _print_limits(snap[key])
-        elif snap.get(key):
-            print(f"  {key}: {json.dumps(snap[key])}")
-    events = snap.get("events") or []
-    if events:
-        print("  recent events:")
-        for ev in events:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ev["time"])))
-            print(f"    {stamp} {ev['event']}: {ev['message']}")
-    return EXIT_OK
-
-
-_LIMIT_USE = {"RLIMIT_NOFILE": ("fds", "nofile_limit", "open fds"),
-              "RLIMIT_NPROC": ("threads", "nproc_limit", "threads")}
-
-
-def _use_text(limit: str, usage: dict[str, Any]) -> str:
-    """``12 open fds (0.3% of 4096)`` for a limit with a sampled use, else ``-``."""
-    if limit not in _LIMIT_USE or usage.get(_LIMIT_USE[limit][0]) is None:
-        return "-"
-    key, limit_key, what = _LIMIT_USE[limit]
-    used, value = usage[key], usage.get(limit_key)
-    text = f"{used} {what}"
-    if isinstance(value, int) and value > 0:  # RLIM_INFINITY is -1
-        text += f" ({100.0 * used / value:.1f}% of {value})"
-    if limit == "RLIMIT_NOFILE" and usage.get("connections") is not None:
-        text += f", {usage['connections']} connections"
-    return text
-
-
-def _print_limits(limits: dict[str, Any]) -> None:
-    """The ``limits`` snapshot as a table: configured, llama-guard's own, applied, effective, use."""
-    usage: dict[str, Any] = limits.get("usage") or {}
-    header = ("limit", "configured", "llama-guard (soft / hard)", "applied (soft / hard)",
-              "effective (soft / hard)", "in use")
-    table = [header] + [(r.get("limit", "?"), r.get("configured", "-"), r.get("daemon", "-"),
-                         r.get("planned", "-"), r.get("effective", "-"), _use_text(r.get("limit", ""), usage))
-                        for r in limits["rows"]]
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
-    print("  limits:")
-    for row in table:
-        print("    " + "  ".join(f"{cell!s:<{w}}" for cell, w in zip(row, widths, strict=True)).rstrip())
-    source = next((r.get("source") for r in limits["rows"] if r.get("source") not in (None, "-")), None)
-    notes = []
-    if source:
-        notes.append(f"effective = read back from the server ({source})")
-    if usage.get("pids_max") is not None:
-        notes.append(f"cgroup tasks {usage.get('pids_current')} of pids.max {usage['pids_max']}")
-    if not usage:
-        notes.append("no use sampled yet ([limits].sample_interval_s)")
-    if notes:
-        print("    " + "; ".join(notes))
+        print(json.dumps({**doc, "running": True}, indent=2, default=str))
+    else:
+        print("\n".join(render(doc)))
+    return exit_code(snap)
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
@@ -161,31 +113,57 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import statistics
+    import contextlib
 
-    import httpx
+    from llama_guard.config import ConfigError, load_config
+    from llama_guard.insight.bench import BenchError, Progress, ceiling_for, describe, record, run_bench, spawned_server
 
-    _, config = _load(args)
-    url = args.url or config.server.base_url
-    body = {"messages": [{"role": "user", "content": args.prompt}], "max_tokens": args.tokens,
-            "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-    speeds: list[float] = []
-    print(f"bench: {args.runs} runs of {args.tokens} tokens against {url}", file=sys.stderr)
-    with httpx.Client(base_url=url, timeout=args.timeout, trust_env=False) as client:
-        for i in range(args.runs):
-            try:
-                resp = client.post("/v1/chat/completions", json=body)
-                resp.raise_for_status()
-                timings = resp.json().get("timings", {})
-            except (httpx.HTTPError, ValueError) as exc:
-                print(f"llama-guard: bench request {i + 1} failed: {exc}", file=sys.stderr)
-                return EXIT_FAILURE
-            speed = float(timings.get("predicted_per_second", 0.0))
-            speeds.append(speed)
-            print(f"  run {i + 1}/{args.runs}: {timings.get('predicted_n')} tokens, {speed:.1f} tokens/s "
-                  f"(prompt {float(timings.get('prompt_per_second', 0.0)):.1f} tokens/s)", file=sys.stderr)
-    print(f"median eval speed: {statistics.median(speeds):.1f} tokens/s "
-          f"(min {min(speeds):.1f}, max {max(speeds):.1f}, n={len(speeds)})")
+    path, config = _load(args)
+    configs = [(path, config)]
+    if args.compare:
+        other = Path(args.compare)
+        try:
+            configs.append((other, load_config(other)))
+        except ConfigError as exc:
+            for line in exc.lines:
+                print(f"llama-guard: config error: {line}", file=sys.stderr)
+            return EXIT_CONFIG
+    spawn = args.spawn or bool(args.compare)
+    results = []
+    for cfg_path, cfg in configs:
+        url = args.url if args.url and not spawn else cfg.server.base_url
+        label = cfg_path.name
+        print(f"bench {label}: warm-up + {args.runs} runs of {args.tokens} tokens against {url}"
+              f"{' (server started for the bench)' if spawn else ''}", file=sys.stderr)
+        try:
+            with contextlib.ExitStack() as stack:
+                if spawn:
+                    fd, log_name = tempfile.mkstemp(prefix="llama-guard-bench-", suffix=".log")
+                    os.close(fd)
+                    stack.enter_context(spawned_server(cfg, Path(log_name)))
+                result = run_bench(url, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
+                                   timeout_s=args.timeout, progress=Progress(args.runs, f"{label} "))
+        except BenchError as exc:
+            print(f"llama-guard: bench {label}: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        result.label = label
+        result.ceiling = ceiling_for(cfg, result, nvml_module=args.nvml_module)
+        if not spawn:
+            record(cfg.runtime.dir, result)
+        results.append(result)
+    if args.json:
+        out: dict[str, object] = {"results": [r.as_dict() for r in results]}
+        if len(results) == 2:
+            out["ratio_eval"] = results[1].eval.median / results[0].eval.median
+            out["ratio_prompt"] = results[1].prompt.median / results[0].prompt.median
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    for r in results:
+        print("\n".join(describe(r)))
+    if len(results) == 2:
+        a, b = results
+        print(f"{b.label} ÷ {a.label}: eval {b.eval.median / a.eval.median:.3f}×, "
+              f"prompt {b.prompt.median / a.prompt.median:.3f}×")
     return EXIT_OK
 
 
@@ -206,26 +184,43 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("run", "run the daemon in the foreground (what systemd starts)").set_defaults(func=cmd_run)
-    add("check", "preflight: config, binary and flags, model, GPU, limits").set_defaults(func=cmd_check)
-    p = add("status", "what the running daemon sees now")
-    p.add_argument("--json", action="store_true", help="print the raw snapshot")
+    p = add("check", "preflight: config, binary and flags, model, GPU, limits, VRAM budget")
+    p.add_argument("--json", action="store_true", help="machine-readable result (the VRAM budget under data)")
+    p.set_defaults(func=cmd_check)
+    p = add("status", "what the running daemon sees now (exit 0 ready, 1 not ready, 3 not running)")
+    p.add_argument("--json", action="store_true", help="the snapshot as a versioned document (schema 1)")
     p.add_argument("--runtime-dir", help="the daemon's [runtime].dir")
     p.set_defaults(func=cmd_status)
     p = add("restart", "ask the running daemon for a graceful server restart (SIGUSR1)")
     p.add_argument("--runtime-dir", help="the daemon's [runtime].dir")
     p.set_defaults(func=cmd_restart)
-    p = add("bench", "generation speed: median eval tokens/s of N completions")
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--tokens", type=int, default=128)
+    p = add("bench", "generation speed: median eval tokens/s of N completions, against the bandwidth ceiling")
+    p.add_argument("--runs", type=_positive, default=10, help="measured runs after one warm-up (default 10)")
+    p.add_argument("--tokens", type=_positive, default=256, help="tokens generated per run (default 256)")
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--url", help="server URL (default: from [server])")
+    p.add_argument("--spawn", action="store_true", help="start a server from the config for the bench (its port "
+                                                        "must be free) instead of measuring the running one")
+    p.add_argument("--compare", metavar="OTHER.toml", help="bench this config, then OTHER.toml (each on a server "
+                                                           "started for it, one after the other) and print the ratio")
+    p.add_argument("--json", action="store_true", help="machine-readable result")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
+
+
+def main(argv: Sequence[str] | None = None, *, nvml_module: Any = None) -> int:
+    """Parse ``argv`` and run the verb; ``nvml_module`` is the pynvml module for ``run``, ``check`` and
+    ``bench`` (None: the real ``pynvml``; tests/run_with_fake_nvml.py passes a fake)."""
     args = build_parser().parse_args(argv)
+    args.nvml_module = nvml_module
     try:
         code: int = args.func(args)
     except BrokenPipeError:  # `llama-guard status | head`

@@ -8,6 +8,7 @@ file, the key and the reason.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import os
 import re
@@ -59,6 +60,23 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 ResetTrigger = Literal["gpu_lost", "xid", "oom", "cuda_error"]
+
+
+class GpuWatchMode(str, enum.Enum):
+    """``[gpu].enabled``: watch the GPU when one answers NVML, always (else refuse to run), never."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class ForeignProcesses(str, enum.Enum):
+    """``[gpu].foreign_processes``: another process holding VRAM at a start is reported, or refuses it."""
+
+    WARN = "warn"
+    REFUSE = "refuse"
+
+
 DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = ("gpu_lost", "xid", "oom")
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -227,14 +245,14 @@ class HealthConfig(_Section):
 class GpuConfig(_Section):
     """``[gpu]``: which GPU to watch and the thresholds of its events."""
 
-    enabled: Literal["auto", "on", "off"] = "auto"
+    enabled: GpuWatchMode = GpuWatchMode.AUTO
     index: int = Field(0, ge=0)
     uuid: str = ""
     pci_bus_id: str = ""
     sample_interval_s: PositiveFloat = 10.0
     temperature_warn_c: int = Field(85, ge=1, le=150)
     power_warn_fraction: float = Field(0.95, gt=0, le=1.5)
-    foreign_processes: Literal["warn", "refuse"] = "warn"
+    foreign_processes: ForeignProcesses = ForeignProcesses.WARN
     require_server_on_gpu: bool = True
     server_on_gpu_timeout_s: PositiveFloat = 10.0
     vram_release_timeout_s: PositiveFloat = 30.0
@@ -246,6 +264,12 @@ class GpuConfig(_Section):
     throttle_sustain_s: float = Field(30.0, ge=0)
     reminder_interval_s: PositiveFloat = 3600.0
     kmsg_path: str = "/dev/kmsg"
+    expected_vram_mib: int = Field(0, ge=0)
+    vram_wait_timeout_s: PositiveFloat = 300.0
+    # Memory bandwidth for `bench`'s ceiling, GB/s (1e9 bytes/s); unset = from NVML (bus width x clock).
+    memory_bandwidth_gbs: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # VRAM size for `check`'s budget instead of NVML's free memory, MiB (a stated card; tests).
+    vram_total_mib: int | None = Field(None, gt=0)
 
 
 class RecoveryConfig(_Section):
@@ -374,6 +398,50 @@ class RuntimeConfig(_Section):
         return value
 
 
+class MetricsConfig(_Section):
+    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set).
+
+    ``listen``: ``"PORT"`` (bound to 127.0.0.1), ``"HOST:PORT"`` or ``"[IPv6]:PORT"``; "" = off.
+    """
+
+    listen: str = ""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)  # ValueError names the problem
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` to bind, or None when off."""
+        return parse_listen(self.listen) if self.listen else None
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""
+    text = value.strip()
+    host = "127.0.0.1"
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1:end + 2] != ":":
+            raise ValueError(f"{value!r}: expected [IPv6]:PORT")
+        host, port_text = text[1:end], text[end + 2:]
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    else:
+        port_text = text
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"{value!r}: {host!r} is not an IP address or host name") from None
+    return host, int(port_text)
+
+
 _TOML_PATH: ContextVar[Path | None] = ContextVar("llama_guard_toml_path", default=None)
 
 
@@ -396,6 +464,7 @@ class Config(BaseSettings):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
-from llama_guard.config import Config
+from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.offload import CallTimeout, run_with_deadline
+from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 GGUF_MAGIC = b"GGUF"
 MODEL_CHECK_TIMEOUT_S = 10.0
@@ -26,6 +26,7 @@ class CheckResult:
     name: str
     verdict: str
     detail: str
+    data: dict[str, Any] | None = field(default=None, compare=False)
 
 
 def check_binary(config: Config) -> list[CheckResult]:
@@ -133,8 +134,8 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
     reset has to be verified), we must be root (``nvidia-smi --gpu-reset``), and
     ``[recovery].reset_command`` must be found. Read-only: NVML is opened and closed, nothing reset.
 
-    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; default ``pynvml``, or the module
-    named by ``$LLAMA_GUARD_TEST_NVML_MODULE``) are for tests. WARN, not FAIL, when a reset is not
+    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; None: the real ``pynvml``) are
+    injectable for tests. WARN, not FAIL, when a reset is not
     possible: the daemon then restarts the server only, and a lost GPU ends it with exit 69.
     """
     rec = config.recovery
@@ -143,14 +144,11 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
         return CheckResult("gpu reset", "OK", f"GPU resets are off ({why}): restart only")
     reasons: list[str] = []
     gpu_text = ""
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         reasons.append('the GPU watch is off ([gpu].enabled = "off"), so a reset could not be verified')
     else:
         from llama_guard.gpu import DeviceSelector, open_gpu
-        from llama_guard.gpu.nvml import NvmlError, WatchOff
 
-        if nvml_module is None:
-            nvml_module = _nvml_test_module()
         selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
         if isinstance(opened, WatchOff):
@@ -183,24 +181,21 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
 
 def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     """The GPU as NVML sees it (read-only): name, driver (against ``[gpu].driver_version``),
-    memory used/total, persistence mode, other processes holding VRAM, and whether the model file
-    alone fits in the free VRAM (a lower bound: the KV cache and compute buffers come on top).
+    memory used/total, persistence mode, other processes holding VRAM (the VRAM budget is
+    :func:`check_vram`).
 
     FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
     would also warn about; nothing is changed on the GPU.
     """
-    if config.gpu.enabled == "off":
+    if config.gpu.enabled is GpuWatchMode.OFF:
         return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
-    from llama_guard.gpu.nvml import NvmlError, WatchOff
     from llama_guard.gpu.rules import driver_in_series
 
-    if nvml_module is None:
-        nvml_module = _nvml_test_module()
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
-        verdict = "FAIL" if config.gpu.enabled == "on" else "WARN"
+        verdict = "FAIL" if config.gpu.enabled is GpuWatchMode.ON else "WARN"
         return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
     try:
         sample = opened.sample()
@@ -222,21 +217,10 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
         results.append(CheckResult("persistence", "WARN", "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))
     for proc in sample.processes or ():
-        verdict = "FAIL" if config.gpu.foreign_processes == "refuse" else "WARN"
+        verdict = "FAIL" if config.gpu.foreign_processes is ForeignProcesses.REFUSE else "WARN"
         results.append(CheckResult("gpu process", verdict,
                                    f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
-                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes})"))
-    try:
-        model_bytes = Path(config.server.model).stat().st_size
-    except OSError:
-        model_bytes = None
-    if model_bytes is not None and used is not None and total is not None and config.server.n_gpu_layers > 0:
-        free = total - used
-        verdict = "OK" if model_bytes < free else "FAIL"
-        results.append(CheckResult("vram budget", verdict,
-                                   f"model file {model_bytes // mib} MiB vs {free // mib} MiB free; the KV cache "
-                                   f"({config.server.ctx_size} tokens, {config.server.cache_type_k}/"
-                                   f"{config.server.cache_type_v}) and compute buffers come on top"))
+                                   f"([gpu].foreign_processes = {config.gpu.foreign_processes.value})"))
     return results
 
 
@@ -244,13 +228,6 @@ def _find_command(command: str, which: Callable[[str], str | None]) -> str | Non
     if "/" in command:
         return command if os.path.isfile(command) and os.access(command, os.X_OK) else None
     return which(command)
-
-
-def _nvml_test_module() -> Any:
-    from llama_guard.gpu.watcher import TEST_MODULE_ENV
-
-    name = os.environ.get(TEST_MODULE_ENV, "")
-    return importlib.import_module(name) if name else None
 
 
 def check_port(config: Config) -> CheckResult:
@@ -271,13 +248,31 @@ def check_port(config: Config) -> CheckResult:
     return CheckResult("port", "OK", f"{host}:{config.server.port} is free")
 
 
-def run_checks(config: Config, config_path: Path) -> list[CheckResult]:
-    """Every preflight check, in report order."""
+def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
+    """The VRAM budget from the model's GGUF metadata against the GPU's free memory (or
+    ``[gpu].vram_total_mib``), with the operators' ladder when it does not fit
+    (:mod:`llama_guard.insight.vram_check`). The first row carries the budget as ``data``."""
+    from llama_guard.insight.gpu_info import gpu_memory_facts
+    from llama_guard.insight.vram_check import report_lines, vram_report
+
+    report = vram_report(config, gpu_memory_facts(config, nvml_module=nvml_module))
+    rows = report_lines(report)
+    return [CheckResult(name, verdict, detail, report.as_dict() if i == 0 else None)
+            for i, (verdict, name, detail) in enumerate(rows)]
+
+
+def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) -> list[CheckResult]:
+    """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
-    results.append(check_model(config))
+    model = check_model(config)
+    results.append(model)
     results.append(check_port(config))
     results += check_limits(config)
-    results += check_gpu(config)
-    results.append(check_reset(config))
+    results += check_gpu(config, nvml_module=nvml_module)
+    if model.verdict == "FAIL":  # never read a FIFO, a directory or a hung file for its metadata
+        results.append(CheckResult("vram budget", "WARN", "not estimated: the model file failed its check"))
+    else:
+        results += check_vram(config, nvml_module=nvml_module)
+    results.append(check_reset(config, nvml_module=nvml_module))
     return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llama_guard.config import Config
 from llama_guard.core.daemon import ServiceNotifier
 from llama_guard.core.watcher import Source
@@ -29,10 +31,20 @@ def make_notifier() -> ServiceNotifier:
     return SdNotifier(unset_environment=True)
 
 
-def make_sources(config: Config) -> list[Source]:
-    """The optional watchers: limits, GPU, planned restarts."""
+def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | None = None) -> list[Source]:
+    """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
+    set; it counts every event of ``emitter``). ``nvml_module``: the pynvml module the GPU watcher
+    uses (None: the real ``pynvml``; tests inject a fake)."""
     from llama_guard.gpu.watcher import GpuSource
+    from llama_guard.insight.vram_check import estimated_need_mib
     from llama_guard.limits.watcher import LimitsSource
+    from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
-    return [LimitsSource(), gpu := GpuSource(), ScheduleSource(peers=[gpu])]
+    gpu = GpuSource(nvml_module=nvml_module, estimate_need_mib=estimated_need_mib)
+    sources: list[Source] = [LimitsSource(), gpu, ScheduleSource(peers=[gpu])]
+    metrics = MetricsSource(peers=sources)
+    if emitter is not None:
+        emitter.sinks.append(metrics)
+        metrics.attached = True
+    return [*sources, metrics]

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TextIO
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, pipe_holders, spawn
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy import decide
@@ -46,12 +46,14 @@ from llama_guard.core.types import (
     Action,
     AfterStop,
     Boot,
+    CheckVram,
     Drained,
     Emit,
     ExitDaemon,
     Exited,
     HealthOk,
     Input,
+    InspectGpu,
     Kill,
     Line,
     NotifyReady,
@@ -61,8 +63,10 @@ from llama_guard.core.types import (
     Phase,
     Probe,
     ResetDone,
-    ResetGpu,
+    ResetFacts,
+    ResetTrigger,
     RestartRequest,
+    RunReset,
     Spawn,
     Spawned,
     SpawnFailed,
@@ -71,6 +75,7 @@ from llama_guard.core.types import (
     StopRequest,
     Terminate,
     Tick,
+    VramFacts,
     initial_state,
 )
 from llama_guard.core.watcher import Context, Source
@@ -91,6 +96,7 @@ EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may t
 WATCHER_MAX_FAILURES = 5  # a watcher failing more often than this within WATCHER_WINDOW_S ends the daemon
 WATCHER_WINDOW_S = 300.0
 WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per failure, at most 30 s
+VRAM_FACTS_TIMEOUT_S = 30.0  # the VRAM admission's facts (an NVML sample, the model's GGUF metadata)
 UNKILLABLE_WAIT_S = 30.0  # how long a start waits for a server that outlived SIGKILL to go away
 
 
@@ -128,7 +134,7 @@ EXTEND_TIMEOUT_USEC = 120_000_000
 def params_from(config: Config, *, reset_possible: bool = False) -> Params:
     """The policy's parameters from a validated configuration; ``reset_possible`` when the GPU
     watch is on (a reset can be verified)."""
-    gpu_wanted = config.gpu.enabled != "off" and config.server.n_gpu_layers > 0
+    gpu_wanted = config.gpu.enabled is not GpuWatchMode.OFF and config.server.n_gpu_layers > 0
     return Params(
         load_timeout_s=config.health.load_timeout_s,
         hang_strikes=config.health.hang_strikes,
@@ -142,11 +148,14 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,
-        reset_on=frozenset(config.recovery.reset_on),
+        reset_on=frozenset(ResetTrigger(t) for t in config.recovery.reset_on),
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
         reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
                           + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + 30.0),
+        gpu_index=config.gpu.index,
+        vram_admission=reset_possible and gpu_wanted,
+        vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
     )
 
 
@@ -257,12 +266,13 @@ class Daemon:
         assert self.ctx is not None
         self.ctx.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    def _for_sources(self, hook: str, *args: Any) -> None:
-        """Call a synchronous hook on every source; a failing source is reported, not fatal."""
+    def _for_sources(self, hook: str, call: Callable[[Source, Context], None]) -> None:
+        """Call the synchronous ``hook`` (named for the report) of every source through ``call``;
+        a failing source is reported, not fatal."""
         assert self.ctx is not None
         for source in self.sources:
             try:
-                getattr(source, hook)(self.ctx, *args)
+                call(source, self.ctx)
             except Exception as exc:
                 self.emitter.emit("config_error", reason=f"{source.name}.{hook} failed: {exc!r}")
 
@@ -289,7 +299,7 @@ class Daemon:
                     self._exit_code = EXIT_CONFIG
                     return EXIT_CONFIG
                 self._task(self._supervise_watcher(source), f"watcher {source.name}")
-            self._reset_possible = any(getattr(src, "can_reset", False) for src in self.sources)
+            self._reset_possible = any(src.can_reset for src in self.sources)
             self.state = replace(self.state, params=params_from(self.config, reset_possible=self._reset_possible))
             self.queue.put_nowait(Boot())
             await self._loop()
@@ -337,7 +347,8 @@ class Daemon:
         gen = self._gen
         if isinstance(event, Exited) and gen is not None and gen.server.pid == event.pid:
             self._gen = None
-            self._for_sources("on_exit", event.pid, event.returncode)
+            pid, code = event.pid, event.returncode
+            self._for_sources("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
             self._task(self._end_generation(gen), "end of a server")
         if self.state.phase is not before:
             self._write_status()
@@ -346,6 +357,8 @@ class Daemon:
                 self._extend_start_timeout()
         elif self.clock() - self._status_at >= STATUS_REFRESH_S:
             self._write_status()
+        if self.state.phase is Phase.WAITING_VRAM:
+            self._extend_start_timeout()  # a bounded wait for VRAM is no stuck start (TimeoutStartSec)
 
     def _send_stopping(self) -> None:
         """``STOPPING=1`` once, when a stop of the daemon begins; no ``READY=1`` after it."""
@@ -373,7 +386,7 @@ class Daemon:
     # ------------------------------------------------------------ actions
 
     def _execute(self, action: Action) -> None:
-        self._for_sources("on_action", action)
+        self._for_sources("on_action", lambda src, ctx: src.on_action(ctx, action))
         if isinstance(action, Emit):
             self.emitter.emit(action.name, **action.fields)
         elif isinstance(action, Spawn):
@@ -395,8 +408,10 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.tasks.append(self._task(self._drain(self._gen), "drain"))
-        elif isinstance(action, ResetGpu):
+        elif isinstance(action, (InspectGpu, RunReset)):
             self._task(self._reset_gpu(action), "GPU reset")
+        elif isinstance(action, CheckVram):
+            self._task(self._check_vram(), "VRAM check")
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
             self._exit_code = action.code
@@ -474,7 +489,7 @@ class Daemon:
                       self._task(self._watch_exit(gen), "exit watch")]
         self._last_pid = server.pid
         self.queue.put_nowait(Spawned(server.pid, tuple(argv)))
-        self._for_sources("on_spawn", server.pid)
+        self._for_sources("on_spawn", lambda src, ctx: src.on_spawn(ctx, server.pid))
 
     async def _wait_stale_gone(self) -> str:
         """Before a start: a server that outlived SIGKILL must be gone and its port free, else no
@@ -532,7 +547,6 @@ class Daemon:
                 self._extend_start_timeout()
             if verdict.family is not Family.HARMLESS:
                 self.queue.put_nowait(Line(pid, verdict, text))
-                self._for_sources("on_line", pid, verdict, text)
 
     async def _watch_health(self, gen: _Generation) -> None:
         """Readiness polling while STARTING, then liveness rounds while the server serves."""
@@ -618,19 +632,43 @@ class Daemon:
             gen.log.close()
         gen.server.close_pidfd()
 
-    async def _reset_gpu(self, action: ResetGpu) -> None:
-        """Hand the reset to the source that can do it; always answers ResetDone."""
+    async def _check_vram(self) -> None:
+        """Ask the sources for the GPU's VRAM facts; always answers VramFacts (empty: unknown)."""
         assert self.ctx is not None
+        facts: VramFacts | None = None
         for source in self.sources:
-            reset = getattr(source, "reset", None)
-            if reset is not None and getattr(source, "can_reset", False):
-                try:
-                    done: Input = await reset(self.ctx, action.previous_pid, action.reason)
-                except Exception as exc:
-                    done = ResetDone("failed", f"internal error during the reset: {exc!r}")
-                self.queue.put_nowait(done)
-                return
-        self.queue.put_nowait(ResetDone("skipped", "GPU watch is off: a reset cannot be verified"))
+            try:  # bounded: the estimate reads the model file (a FIFO, a hung mount never answer)
+                facts = await asyncio.wait_for(source.vram_facts(self.ctx), VRAM_FACTS_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.emitter.emit("blocking_call_timeout", call=f"{source.name}.vram_facts",
+                                  timeout_s=VRAM_FACTS_TIMEOUT_S, effect="VRAM admission without its facts")
+            except Exception as exc:
+                self.emitter.emit("config_error", reason=f"{source.name}.vram_facts failed: {exc!r}")
+            if facts is not None:
+                break
+        self.queue.put_nowait(facts or VramFacts(None, None, None))
+
+    async def _reset_gpu(self, action: InspectGpu | RunReset) -> None:
+        """Hand a reset step to the source that can reset; always answers ResetFacts / ResetDone."""
+        assert self.ctx is not None
+        source = next((src for src in self.sources if src.can_reset), None)
+        answer: Input
+        if isinstance(action, InspectGpu):
+            try:
+                if source is None:
+                    raise RuntimeError("GPU watch is off: a reset cannot be verified")
+                answer = await source.inspect_reset(self.ctx, action.previous_pid)
+            except Exception as exc:
+                answer = ResetFacts(None, True, 0.0, (), False, f"cannot inspect the GPU: {exc}")
+        else:
+            try:
+                if source is None:
+                    raise RuntimeError("GPU watch is off")
+                answer = await source.reset(self.ctx, action.gpu_index)
+            except Exception as exc:
+                answer = ResetDone(action.gpu_index, "", None, "", False,
+                                   f"internal error during the reset: {exc!r}")
+        self.queue.put_nowait(answer)
 
     # ------------------------------------------------------------ reload
 
@@ -681,7 +719,7 @@ class Daemon:
         report = reload_report(old, new)
         self.config = new
         self._apply_runtime(old, new)
-        self._for_sources("on_reload", old, new)
+        self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
                           changed=",".join(report.changed), applied=",".join(report.applied),
                           server_restart=",".join(report.server_restart),
@@ -713,12 +751,10 @@ class Daemon:
         if self._last_eval_tps is not None and s.phase in (Phase.READY, Phase.DRAINING):
             extra += f", {self._last_eval_tps:.1f} tok/s last request"
         for source in self.sources:
-            fragment = getattr(source, "status_fragment", None)
-            if fragment is not None:
-                with contextlib.suppress(Exception):
-                    text = fragment()
-                    if text:
-                        extra += f", {text}"
+            with contextlib.suppress(Exception):
+                text = source.status_fragment()
+                if text:
+                    extra += f", {text}"
         if s.restarts:
             extra += f", {s.restarts} restarts"
         return f"{s.phase.value}:{pid}{extra}".replace(":,", ",").rstrip(":")

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from llama_guard.core.prometheus import MetricsError, parse_metrics
+
 # Prometheus counters of llama-server (--metrics) that move while it decodes.
 PROGRESS_COUNTERS = ("llamacpp:n_decode_total", "llamacpp:tokens_predicted_total",
                      "llamacpp:prompt_tokens_total")
@@ -39,18 +41,13 @@ class LivenessRound:
 
 
 def parse_counters(text: str, names: tuple[str, ...] = PROGRESS_COUNTERS) -> dict[str, float]:
-    """The values of ``names`` in Prometheus text exposition ``text`` (absent names left out)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in names:
-            try:
-                out[parts[0]] = float(parts[1])
-            except ValueError:
-                continue
-    return out
+    """The values of ``names`` in Prometheus text exposition ``text`` (absent names left out;
+    malformed text gives none)."""
+    try:
+        values = parse_metrics(text)
+    except MetricsError:
+        return {}
+    return {name: values[name] for name in names if name in values}
 
 
 class ServerProbe:

@@ -24,6 +24,7 @@ class Phase(enum.Enum):
     BACKOFF = "backoff"
     RESETTING = "resetting_gpu"
     EXITED = "exited"
+    WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
 
 
 class AfterStop(enum.Enum):
@@ -33,6 +34,67 @@ class AfterStop(enum.Enum):
     FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
     EXIT = "exit"          # the daemon exits with State.exit_code
     RESET = "reset"        # reset the GPU (State.reset_reason), then start again
+    VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
+
+
+class GpuFaultKind(enum.Enum):
+    """What a :class:`GpuFault` reports."""
+
+    GPU_LOST = "gpu_lost"  # NVML lost the GPU (or the kernel says it fell off the bus)
+    XID = "xid"            # an Xid error (NVML event or kernel log)
+
+
+class XidAction(enum.Enum):
+    """What the Xid table (gpu/xid.py, source facts/gpu.md) says to do about an Xid."""
+
+    RESTART = "restart"  # app-level fault: restart the server
+    RESET = "reset"  # stop the server, reset the GPU
+    RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
+    FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
+    EVENT_ONLY = "event_only"  # report, nothing else
+
+
+class XidScope(enum.Enum):
+    """Whom an Xid is about (the Xid table, gpu/xid.py)."""
+
+    APP = "app"        # one application's fault (the process named by the kernel's ``pid=``)
+    DEVICE = "device"  # the GPU itself, whoever was running on it
+
+
+class XidOrigin(enum.Enum):
+    """Which report of an Xid the policy judged."""
+
+    NVML = "nvml"                # NVML's event alone (it carries no pid)
+    KMSG = "kmsg"                # the kernel-log line (``pid=``, ``name=``)
+    NVML_AND_KMSG = "nvml+kmsg"  # NVML's event matched with the kernel-log line of the same Xid
+
+
+class ResetTrigger(enum.Enum):
+    """What may lead to a GPU reset (``[recovery].reset_on``)."""
+
+    GPU_LOST = "gpu_lost"
+    XID = "xid"
+    OOM = "oom"
+    CUDA_ERROR = "cuda_error"
+
+
+class ResetOutcome(enum.Enum):
+    """How a GPU reset ended (the ``outcome`` of the ``gpu_reset`` event)."""
+
+    SUCCEEDED = "succeeded"  # the command ran, exited 0, and the GPU answers and is idle
+    SKIPPED = "skipped"      # a precondition failed; nothing was run (the budget is not spent)
+    FAILED = "failed"        # the command failed or timed out, or the GPU did not verify
+    REFUSED = "refused"      # the reset budget of the window is spent
+    TIMED_OUT = "timed out"  # the whole sequence passed its deadline
+
+
+class RestartCause(enum.Enum):
+    """Why a graceful restart is asked for; the policy names the event from it."""
+
+    OPERATOR = "operator"            # SIGUSR1, ``llama-guard restart``
+    SCHEDULE = "schedule"            # the cron schedule
+    DECAY = "decay"                  # a decay trigger (VRAM/RSS growth, speed drop)
+    CONFIG_CHANGE = "config_change"  # a reload changed the server's flags
 
 
 @dataclass(frozen=True)
@@ -52,10 +114,14 @@ class Params:
     drain_timeout_s: float = 300.0
     require_gpu: bool = False
     reset_possible: bool = False
-    reset_on: frozenset[str] = frozenset({"gpu_lost", "xid", "oom"})
+    reset_on: frozenset[ResetTrigger] = frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM})
     max_resets: int = 2
     reset_window_s: float = 3600.0
     reset_deadline_s: float = 180.0
+    gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
+    vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
+    vram_wait_timeout_s: float = 300.0  # how long to wait for another process to free VRAM
+    vram_poll_s: float = 1.0  # how often VRAM is looked at again while waiting
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -97,26 +163,86 @@ class NotOnGpu(Input):
 
 @dataclass(frozen=True)
 class GpuFault(Input):
-    """The GPU is lost (``kind`` "gpu_lost") or reported an Xid (``kind`` "xid").
+    """The GPU is lost (``kind`` GPU_LOST) or reported an Xid (``kind`` XID).
 
-    ``action`` is the Xid table's verdict: "restart", "reset", "reset_once_then_escalate",
-    "follow_recovery_action" or "event_only"; a lost GPU is "reset_once_then_escalate".
+    ``action`` and ``scope`` are the Xid table's row; a lost GPU is RESET_ONCE_THEN_ESCALATE.
+    The policy acts on an APP-scope Xid only when ``faulting_pid`` is its server.
     """
 
-    kind: str
+    kind: GpuFaultKind
     reason: str
-    action: str = "reset_once_then_escalate"
+    action: XidAction = XidAction.RESET_ONCE_THEN_ESCALATE
     xid: int | None = None
+    scope: XidScope = XidScope.DEVICE
+    faulting_pid: int | None = None   # the kernel's ``pid=`` (None: NVML alone, or not named)
+    faulting_name: str | None = None  # the kernel's ``name=``
+    origin: XidOrigin = XidOrigin.NVML
+    gpu_index: int | None = None
+    line: str = ""                    # the kernel-log text, when there is one
+
+
+@dataclass(frozen=True)
+class GpuHolder:
+    """A process other than our server holding memory on the GPU: ``pid``, its VRAM in MiB
+    (None when NVML does not say), its name ("?" when unreadable)."""
+
+    pid: int
+    used_mib: int | None
+    name: str
+
+
+@dataclass(frozen=True)
+class ResetFacts(Input):
+    """The answer to :class:`InspectGpu`: what stands between us and a GPU reset (facts only; the
+    policy decides to skip, run, refuse or escalate).
+
+    ``gpu_index``: NVML's index of the GPU (None when unknown). ``previous_released``: the server
+    that was stopped has left the GPU (True when there was none), after ``waited_s`` seconds.
+    ``holders``: other processes still on the GPU after ``[recovery].foreign_wait_s``.
+    ``can_run``: the reset command can run under our credentials; ``cannot_run`` says why not.
+    """
+
+    gpu_index: int | None
+    previous_released: bool
+    waited_s: float
+    holders: tuple[GpuHolder, ...]
+    can_run: bool
+    cannot_run: str = ""
 
 
 @dataclass(frozen=True)
 class ResetDone(Input):
-    """The GPU reset sequence ended: ``outcome`` "succeeded", "skipped" (a precondition failed;
-    nothing was reset) or "failed" (the command failed or timed out, or the GPU did not verify)."""
+    """The answer to :class:`RunReset`: what the reset command did (facts; the policy judges).
 
-    outcome: str
-    reason: str
+    ``exit_status`` None when it could not be started or was killed at its timeout;
+    ``output`` what it printed (one line, trimmed); ``verified``: afterwards NVML answers and no
+    process holds the GPU; ``detail`` one line saying all that; ``fields`` extra event fields.
+    """
+
+    gpu_index: int | None
+    command: str
+    exit_status: int | None
+    output: str
+    verified: bool
+    detail: str
     fields: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """The command exited 0 and the GPU verified."""
+        return self.exit_status == 0 and self.verified
+
+
+@dataclass(frozen=True)
+class VramFacts(Input):
+    """The answer to :class:`CheckVram`: the GPU's free VRAM (MiB), what this server needs (MiB:
+    its measured use at the last good start, else ``[gpu].expected_vram_mib``; None when unknown)
+    and the other processes holding VRAM. All None/empty when the GPU cannot be read."""
+
+    gpu_index: int | None
+    free_mib: int | None
+    need_mib: int | None
+    holders: tuple[GpuHolder, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,12 +305,12 @@ class StopRequest(Input):
 
 @dataclass(frozen=True)
 class RestartRequest(Input):
-    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a reload."""
+    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a decay
+    trigger, a reload (``cause``; the policy names the event after it)."""
 
     reason: str
-    event: str = "restart_requested"
+    cause: RestartCause = RestartCause.OPERATOR
     drain: bool = True
-    config_change: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,11 +374,45 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
-class ResetGpu(Action):
-    """Run the reset sequence (wait for ``previous_pid`` to leave the GPU, check preconditions,
-    reset, verify) and answer ResetDone."""
+class PlannedRestart(Action):
+    """Observers only (the restart record): a planned restart of server ``pid`` (None while its
+    spawn has not answered) begins, for ``cause``, after ``uptime_s`` seconds of serving."""
+
+    pid: int | None
+    cause: RestartCause
+    reason: str
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class PlannedStop(Action):
+    """Observers only: the server of a planned restart is being stopped now; ``drained`` when its
+    slots went idle first (False: the drain timed out, or there was none)."""
+
+    pid: int
+    drained: bool
+
+
+@dataclass(frozen=True)
+class CheckVram(Action):
+    """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
+
+
+@dataclass(frozen=True)
+class InspectGpu(Action):
+    """Before a reset: wait (bounded) for ``previous_pid`` to leave the GPU and for other
+    processes to let go, then answer :class:`ResetFacts`. Nothing is changed on the GPU."""
 
     previous_pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunReset(Action):
+    """Run the reset command on GPU ``gpu_index`` (our NVML session released meanwhile), verify
+    the GPU, and answer :class:`ResetDone`."""
+
+    gpu_index: int | None
     reason: str
 
 
@@ -293,6 +453,10 @@ class State:
     reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
+    gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
+    vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
+    vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
+    vram_short: str = ""  # who holds what is missing, while waiting
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.server_log import LineClass
-from llama_guard.core.types import Action, Input, State
+from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State, VramFacts
 
 
 @dataclass
@@ -71,15 +70,36 @@ class Source:
         """After /health 200: None if the server may be called ready, else the reason it may not."""
         return None
 
-    def on_line(self, ctx: Context, pid: int, verdict: LineClass, text: str) -> None:
-        """A classified (non-harmless) server line."""
-
     def on_action(self, ctx: Context, action: Action) -> None:
         """The daemon is about to carry out the policy's ``action`` (an event to emit, a stop, a
         drain …); ``ctx.state`` is already the state that asked for it. Observe only."""
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         """A validated configuration replaced ``old``."""
+
+    @property
+    def can_reset(self) -> bool:
+        """Whether this source can reset the GPU and verify it afterwards (the policy is told)."""
+        return False
+
+    async def vram_facts(self, ctx: Context) -> VramFacts | None:
+        """The GPU's free VRAM, what the server needs and who else holds VRAM, for the check before
+        each start (bounded: one reading); None when this source does not watch a GPU."""
+        return None
+
+    async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
+        """What stands in the way of a GPU reset now (only called when :attr:`can_reset`): wait,
+        bounded, for ``previous_pid`` and other processes to leave the GPU; report, decide nothing."""
+        return ResetFacts(None, True, 0.0, (), False, f"{self.name} cannot reset the GPU")
+
+    async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
+        """Run the reset command on GPU ``gpu_index`` and verify it (only called when
+        :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
+        return ResetDone(gpu_index, "", None, "", False, f"{self.name} cannot reset the GPU")
+
+    def status_fragment(self) -> str:
+        """A short text for sd_notify STATUS= (``GPU 0 61°C 212 W``); empty for nothing."""
+        return ""
 
     def snapshot(self) -> dict[str, Any] | None:
         """What ``llama-guard status`` should show for this source."""

@@ -7,12 +7,15 @@ text (``[  12.345678] text``). Lines recognised (facts/gpu.md), across driver ge
     NVRM: Xid (PCI:0000:02:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
     NVRM: Xid (PCI:0000:3b:00): 31, pid=2345, name=python3, channel 0x00000012, intr 00000000. MMU Fault ...
     NVRM: Xid (0000:02:00): 13, Graphics SM Warp Exception ...          (older: no pid/name, no "PCI:")
+    NVRM: Xid (PCI:0000:02:00 GPU-I:05): 94, pid=1234, name=llama-server, Contained: ...  (MIG)
+    NVRM: Xid (PCI:0000:02:00 GPU-I:05 GPU-CI:00): 94, ...              (MIG, with compute instance)
     NVRM: GPU 0000:02:00.0: GPU has fallen off the bus.                 (no Xid number)
     NVRM: The NVIDIA GPU 0000:b3:00.0                                   (three-line form, no Xid number)
     NVRM: (PCI ID: 10de:26b5) installed in this system has
     NVRM: fallen off the bus and is not responding to commands.
 
-Reading /dev/kmsg needs CAP_SYSLOG when ``kernel.dmesg_restrict=1``; an unreadable log is a
+Any ``NVRM: Xid`` line that does not parse comes back as :class:`UnparsedXid` (reported with the
+raw line, never dropped). Reading /dev/kmsg needs CAP_SYSLOG when ``kernel.dmesg_restrict=1``; an unreadable log is a
 :class:`KmsgOff` value the daemon reports once (NVML's Xid events still work).
 """
 
@@ -29,7 +32,11 @@ from llama_guard.gpu.pci import normalise_pci
 
 _KMSG_PREFIX = re.compile(r"^\d+,\d+,\d+,[^;]*;")
 _DMESG_PREFIX = re.compile(r"^\[\s*\d+\.\d+\]\s?")
-_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\)(?:[^:]*)?: (?P<xid>\d+),?\s*(?P<rest>.*)$")
+# The bus id, then (on a MIG-partitioned GPU) attributes up to ")": "GPU-I:05", "GPU-CI:00" ...
+_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)(?P<attrs>\s[^)]*)?\)[^:]*: "
+                  r"(?P<xid>\d+),?\s*(?P<rest>.*)$")
+_GPU_I = re.compile(r"\bGPU-I:(?P<gi>[0-9a-fA-F]+)")
+_GPU_CI = re.compile(r"\bGPU-CI:(?P<ci>[0-9a-fA-F]+)")
 _PID = re.compile(r"\bpid=(?:'?<unknown>'?|(?P<pid>\d+))")
 _NAME = re.compile(r"\bname=(?P<name><unknown>|[^,]+?)(?:,|$)")
 _FELL_ONE_LINE = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*fallen off the bus")
@@ -52,14 +59,15 @@ class XidRecord:
     name: str | None
     text: str
     fallen_off_bus: bool
+    gpu_instance: int | None = None      # MIG: the ``GPU-I:`` attribute (hex)
+    compute_instance: int | None = None  # MIG: the ``GPU-CI:`` attribute (hex)
 
-    def is_ours(self, server_pid: int | None, server_comm: str = "llama-server") -> bool | None:
-        """Whether the faulting process is our server (by pid, else by name); None when unknown."""
-        if self.pid is not None and server_pid is not None:
-            return self.pid == server_pid
-        if self.name is not None:
-            return self.name == server_comm[:15]
-        return None
+
+@dataclass(frozen=True)
+class UnparsedXid:
+    """An ``NVRM: Xid`` line the parser could not read: ``text`` is the message as it came."""
+
+    text: str
 
 
 def strip_prefix(line: str) -> str:
@@ -69,7 +77,8 @@ def strip_prefix(line: str) -> str:
 
 
 class KmsgParser:
-    """Fed kernel-log lines one at a time; returns the :class:`XidRecord` s for ``pci_bus_id``.
+    """Fed kernel-log lines one at a time; returns the :class:`XidRecord` s for ``pci_bus_id`` (and
+    an :class:`UnparsedXid` for any ``NVRM: Xid`` line it cannot read, whatever its GPU).
 
     ``pci_bus_id`` in any spelling; None keeps every GPU's records. Stateful only for the
     three-line fallen-off-the-bus message.
@@ -82,7 +91,7 @@ class KmsgParser:
     def _ours(self, pci: str | None) -> bool:
         return pci is not None and (self.pci is None or pci == self.pci)
 
-    def feed(self, line: str) -> list[XidRecord]:
+    def feed(self, line: str) -> list[XidRecord | UnparsedXid]:
         """Parse one line (kmsg record, dmesg line or bare text); kmsg continuation lines
         (starting with a space, e.g. `` SUBSYSTEM=pci``) are ignored."""
         if line.startswith(" ") and "=" in line and "NVRM" not in line:
@@ -90,7 +99,7 @@ class KmsgParser:
         text = strip_prefix(line)
         if "NVRM:" not in text:
             return []
-        out: list[XidRecord] = []
+        out: list[XidRecord | UnparsedXid] = []
         if self._pending is not None:
             pending_pci, lines = self._pending
             lines.append(text)
@@ -111,8 +120,16 @@ class KmsgParser:
                 pid = int(pid_m["pid"]) if pid_m and pid_m["pid"] else None
                 name = name_m["name"].strip() if name_m else None
                 xid = int(match["xid"])
+                attrs = match["attrs"] or ""
+                gi, ci = _GPU_I.search(attrs), _GPU_CI.search(attrs)
                 out.append(XidRecord(xid_pci, xid, pid, None if name == "<unknown>" else name, text,
-                                     xid == 79 or "fallen off the bus" in rest))
+                                     xid == 79 or "fallen off the bus" in rest,
+                                     int(gi["gi"], 16) if gi else None, int(ci["ci"], 16) if ci else None))
+            elif xid_pci is None:
+                out.append(UnparsedXid(text))
+            return out
+        if "NVRM: Xid" in text:
+            out.append(UnparsedXid(text))
             return out
         match = _FELL_ONE_LINE.search(text) or _FELL_START.search(text)
         if match:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from llama_guard.config import GpuWatchMode
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
@@ -110,6 +111,10 @@ class UnknownError(NvmlError):
 
 class Uninitialized(NvmlError):
     """``NVML_ERROR_UNINITIALIZED`` (1): the session went away under us; re-initialised on the next call."""
+
+
+class Suspended(NvmlError):
+    """The session is released on purpose (:meth:`Nvml.suspend`, while a GPU reset runs)."""
 
 
 class DeviceNotFound(NvmlError):
@@ -301,6 +306,7 @@ class Nvml:
         self._unsupported: dict[str, float] = {}  # reading -> monotonic time it was cached
         self._announced: set[str] = set()
         self._ever_found = False
+        self._suspended = False
         self.init_count = 0
 
     # -- session -------------------------------------------------------------------------------
@@ -346,6 +352,8 @@ class Nvml:
         with self._lock:
             if self._initialised and self._identity is not None:
                 return self._identity
+            if self._suspended:
+                raise Suspended("nvmlInit", -1, "NVML is released while the GPU is reset")
             self._raw("nvmlInit")
             self._initialised = True
             self.init_count += 1
@@ -395,9 +403,26 @@ class Nvml:
         self._identity = None
 
     def close(self) -> None:
-        """Release the NVML session (``nvmlShutdown``); never raises. Call before a GPU reset."""
+        """Release the NVML session (``nvmlShutdown``); never raises. The next call opens it again."""
         with self._lock:
             self._release()
+
+    def suspend(self) -> None:
+        """Release the session and keep it released (every call raises :class:`Suspended`) until
+        :meth:`resume`: our own session counts as a user of the GPU, which a reset must not have."""
+        with self._lock:
+            self._release()
+            self._suspended = True
+
+    def resume(self) -> None:
+        """End :meth:`suspend`: the next call opens a fresh session."""
+        with self._lock:
+            self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Whether :meth:`suspend` holds the session released."""
+        return self._suspended
 
     # -- calls on the device handle --------------------------------------------------------------
     def _dev(self, call: str, *args: Any) -> Any:
@@ -544,6 +569,20 @@ class Nvml:
                 self._release()
                 raise
 
+    def memory_interface(self) -> tuple[int, int]:
+        """``(bus width in bits, max memory clock in MHz)`` (``nvmlDeviceGetMemoryBusWidth``,
+        ``nvmlDeviceGetMaxClockInfo(NVML_CLOCK_MEM)``), for the bandwidth ceiling. Raises like
+        :meth:`sample`, and :class:`NotSupported` when the GPU does not report them."""
+        with self._lock:
+            self.open()
+            try:
+                m = self._load_module()
+                return (int(self._dev("nvmlDeviceGetMemoryBusWidth")),
+                        int(self._dev("nvmlDeviceGetMaxClockInfo", m.NVML_CLOCK_MEM)))
+            except _SESSION_ERRORS:
+                self._release()
+                raise
+
     def set_persistence(self, enabled: bool) -> None:
         """The ONE writing call: set persistence mode (root only). Raises :class:`NoPermission`
         without root. Call it only when ``[gpu].enable_persistence`` is set; never in probes."""
@@ -601,7 +640,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def open_gpu(selector: DeviceSelector, *, enabled: str = "auto", module: Any = None,
+def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,
              clock: Callable[[], float] = time.monotonic,
              call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> Nvml | WatchOff:
     """The daemon's entry point: an opened :class:`Nvml`, or :class:`WatchOff` with the reason.
@@ -611,7 +650,7 @@ def open_gpu(selector: DeviceSelector, *, enabled: str = "auto", module: Any = N
     report ``WatchOff.message`` once and carry on. A lost GPU at start is a WatchOff too, with its
     error kept in ``WatchOff.error`` so the caller can tell it from a host without a driver.
     """
-    if enabled == "off":
+    if enabled is GpuWatchMode.OFF:
         return WatchOff("disabled by [gpu].enabled = \"off\"")
     nvml = Nvml(selector, module=module, clock=clock, call_timeout_s=call_timeout_s)
     try:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, describe
+import psutil
+
+from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 
 if TYPE_CHECKING:
@@ -131,11 +132,12 @@ class Condition:
         return None
 
 
-def _proc_comm(pid: int) -> str | None:
-    """The process name from ``/proc/<pid>/comm`` (15 characters at most), or None."""
+def process_name(pid: int) -> str | None:
+    """The name of process ``pid`` (psutil: ``/proc/<pid>/comm``, widened from its cmdline when
+    the kernel cut it at 15 characters), or None when it is gone or unreadable."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() or None
-    except OSError:
+        return psutil.Process(pid).name() or None
+    except psutil.Error:
         return None
 
 
@@ -144,13 +146,14 @@ class GpuWatch:
     with :meth:`set_server_pid`. ``proc_name(pid)`` names a foreign process (default: /proc)."""
 
     def __init__(self, settings: WatchSettings | None = None, *,
-                 proc_name: Callable[[int], str | None] = _proc_comm) -> None:
+                 proc_name: Callable[[int], str | None] = process_name) -> None:
         self.settings = st = settings or WatchSettings()
         self._proc_name = proc_name
         self.temperature = Condition(0.0, 0.0, st.reminder_s)
         self.power = Condition(st.power_sustain_s, st.clear_after_s, st.reminder_s)
         self.throttle = Condition(st.throttle_sustain_s, st.clear_after_s, st.reminder_s)
         self.persistence = Condition(0.0, 0.0, st.reminder_s)
+        self.persistence_step: Step | None = None  # what the last sample did to the persistence condition
         self.lost = Condition(0.0, 0.0, st.reminder_s)
         self._foreign: dict[int, Condition] = {}
         self._server_pid: int | None = None
@@ -244,6 +247,7 @@ class GpuWatch:
         if s.persistence_mode is None:
             return []
         step = self.persistence.update(not s.persistence_mode, s.persistence_mode, now)
+        self.persistence_step = step
         fields = {**base, "advice": "systemctl enable --now nvidia-persistenced"}
         return _step_event(step, "gpu_persistence_off", None, fields)
 
@@ -341,13 +345,20 @@ class SampleVerdict:
     sample: GpuSample | None
     events: list[Event] = field(default_factory=list)
     error: NvmlError | None = None
+    lost: bool = False             # the error says the GPU is lost (LOST_ERRORS)
+    persistence_off: bool = False  # this sample reported persistence mode off (first time or reminder)
 
 
 def sample_once(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict:
     """Sample ``nvml`` and feed ``watch`` at monotonic ``now`` (s). Never raises an NVML error:
-    a lost GPU comes back as ``gpu_lost`` in ``events`` (once, then reminders) and in ``error``."""
+    a lost GPU comes back as ``gpu_lost`` in ``events`` (once, then reminders) and in ``error``;
+    a session suspended for a reset gives no sample and no events."""
     try:
         sample = nvml.sample()
+    except Suspended:  # released on purpose (a reset runs): nothing to observe
+        return SampleVerdict(None, [], None)
     except NvmlError as exc:
-        return SampleVerdict(None, watch.observe_error(exc, now), exc)
-    return SampleVerdict(sample, watch.observe(sample, now))
+        return SampleVerdict(None, watch.observe_error(exc, now), exc, lost=isinstance(exc, LOST_ERRORS))
+    watch.persistence_step = None
+    events = watch.observe(sample, now)
+    return SampleVerdict(sample, events, persistence_off=watch.persistence_step in (Step.FIRE, Step.REMIND))

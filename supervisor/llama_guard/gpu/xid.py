@@ -1,90 +1,154 @@
-"""Xid errors: what each means, what to do about it, and a blocking NVML waiter for a thread.
+"""Xid errors: the table of what each means, whom it is about and what to do, the matching of
+NVML's Xid events with kernel-log lines, and a blocking NVML waiter for a thread.
 
-Sources: facts/gpu.md (NVIDIA's Xid catalogue, condensed). Xids arrive two ways: NVML events
-(:func:`run_xid_waiter`, here) and kernel-log lines (:mod:`llama_guard.gpu.kmsg`); both end in
-:func:`classify`, which gives the policy an :class:`XidAction`.
+Xids arrive two ways: NVML events (:func:`run_xid_waiter`: the Xid number only, no pid) and
+kernel-log lines (:mod:`llama_guard.gpu.kmsg`: ``pid=``/``name=`` of the faulting process).
+:class:`XidMatcher` pairs them: an application-scope Xid from NVML waits (bounded) for the kernel
+line of the same Xid so that the policy can tell whether the faulting process is our server.
+
+Source of the table: /work/shared/facts/gpu.md (NVIDIA's Xid catalogue, condensed) and the Xid
+list of issue 12: each row says its scope (one application's fault vs the device's), its action,
+and where that comes from.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llama_guard.core.types import XidAction, XidOrigin, XidScope
+from llama_guard.gpu.kmsg import XidRecord
 from llama_guard.gpu.nvml import NotSupported, Nvml, NvmlError, XidEventSet
 
-
-class XidAction(enum.Enum):
-    """What the policy should do about an Xid."""
-
-    RESTART = "restart"  # app-level fault: restart the server
-    RESET = "reset"  # stop the server, reset the GPU
-    RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
-    FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
-    EVENT_ONLY = "event_only"  # report, nothing else
+__all__ = ["XID_TABLE", "XidAction", "XidInfo", "XidMatcher", "XidReport", "run_xid_waiter", "xid_info"]
 
 
 @dataclass(frozen=True)
 class XidInfo:
-    """One row of the Xid table."""
+    """One row of the Xid table: ``scope`` APP acts only for our server's own faults."""
 
     xid: int
     meaning: str
     action: XidAction
+    scope: XidScope
+    source: str = "facts/gpu.md"
 
 
-_A = XidAction
+_A, _S = XidAction, XidScope
+_APP = "facts/gpu.md: app-level fault of the process named by pid=/name="
 XID_TABLE: dict[int, XidInfo] = {
     info.xid: info
     for info in (
-        XidInfo(13, "graphics engine exception", _A.RESTART),
-        XidInfo(31, "GPU memory page fault (MMU fault)", _A.RESTART),
-        XidInfo(43, "GPU stopped processing (channel reset)", _A.RESTART),
-        XidInfo(94, "contained ECC error", _A.RESTART),
-        XidInfo(48, "double-bit ECC error", _A.RESET),
-        XidInfo(62, "internal micro-controller halt", _A.RESET),
-        XidInfo(64, "ECC page retirement or row remapping failure", _A.RESET),
-        XidInfo(95, "uncontained ECC error", _A.RESET),
-        XidInfo(119, "GSP RPC timeout", _A.RESET),
-        XidInfo(120, "GSP error", _A.RESET),
-        XidInfo(79, "GPU has fallen off the bus", _A.RESET_ONCE_THEN_ESCALATE),
-        XidInfo(63, "ECC page retirement or row remap recording (pending)", _A.EVENT_ONLY),
-        XidInfo(92, "high single-bit ECC error rate", _A.EVENT_ONLY),
-        XidInfo(154, "GPU recovery action changed", _A.FOLLOW_RECOVERY_ACTION),
+        XidInfo(13, "graphics engine exception", _A.RESTART, _S.APP, _APP),
+        XidInfo(31, "GPU memory page fault (MMU fault)", _A.RESTART, _S.APP, _APP),
+        XidInfo(43, "GPU stopped processing (channel reset)", _A.RESTART, _S.APP, _APP),
+        XidInfo(45, "preemptive cleanup after a previous error (channel removed)", _A.RESTART, _S.APP, _APP),
+        XidInfo(68, "video decoder (NVDEC) exception", _A.RESTART, _S.APP, _APP),
+        XidInfo(69, "graphics engine class error", _A.RESTART, _S.APP, _APP),
+        XidInfo(94, "contained ECC error", _A.RESTART, _S.APP, _APP),
+        XidInfo(109, "context switch timeout", _A.RESTART, _S.APP, _APP),
+        XidInfo(48, "double-bit ECC error", _A.RESET, _S.DEVICE),
+        XidInfo(62, "internal micro-controller halt", _A.RESET, _S.DEVICE),
+        XidInfo(64, "ECC page retirement or row remapping failure", _A.RESET, _S.DEVICE),
+        XidInfo(74, "NVLink error", _A.RESET, _S.DEVICE, "issue 12 item 6 (device-level)"),
+        XidInfo(95, "uncontained ECC error", _A.RESET, _S.DEVICE),
+        XidInfo(119, "GSP RPC timeout", _A.RESET, _S.DEVICE),
+        XidInfo(120, "GSP error", _A.RESET, _S.DEVICE),
+        XidInfo(79, "GPU has fallen off the bus", _A.RESET_ONCE_THEN_ESCALATE, _S.DEVICE),
+        XidInfo(63, "ECC page retirement or row remap recording (pending)", _A.EVENT_ONLY, _S.DEVICE),
+        XidInfo(92, "high single-bit ECC error rate", _A.EVENT_ONLY, _S.DEVICE),
+        XidInfo(154, "GPU recovery action changed", _A.FOLLOW_RECOVERY_ACTION, _S.DEVICE),
     )
 }
 
-#: Xids that are about the application only when the faulting process is ours.
-_OURS_ONLY = {43}
+
+def xid_info(xid: int) -> XidInfo:
+    """The table row for ``xid``; an unlisted Xid is event-only (device scope: reported, never acted on)."""
+    return XID_TABLE.get(xid, XidInfo(xid, "unlisted Xid", XidAction.EVENT_ONLY, XidScope.DEVICE, "not listed"))
 
 
-def xid_info(xid: int, ours: bool | None = None) -> XidInfo:
-    """The table row for ``xid``; unknown Xids are event-only. ``ours`` (from the kernel log's
-    ``pid=``/``name=``) downgrades an app-level fault of someone else's process to event-only."""
-    info = XID_TABLE.get(xid, XidInfo(xid, "unlisted Xid", XidAction.EVENT_ONLY))
-    if xid in _OURS_ONLY and ours is False:
-        return XidInfo(xid, info.meaning + " (another process)", XidAction.EVENT_ONLY)
-    return info
+@dataclass(frozen=True)
+class XidReport:
+    """One Xid ready for the policy: which report(s) it came from and the faulting process, if named."""
+
+    xid: int
+    origin: XidOrigin
+    pid: int | None = None
+    name: str | None = None
+    text: str = ""
 
 
-def xid_event_fields(xid: int, gpu_index: int | None, *, source: str, ours: bool | None = None,
-                     pid: int | None = None, name: str | None = None) -> dict[str, object]:
-    """Fields of the ``gpu_xid`` event for ``xid`` (``source``: ``"nvml"`` or ``"kmsg"``)."""
-    info = xid_info(xid, ours)
-    return {"gpu_index": gpu_index, "xid": xid, "meaning": info.meaning, "action": info.action.value,
-            "source": source, "xid_pid": pid, "xid_name": name, "ours": ours}
+class XidMatcher:
+    """Pairs NVML Xid events with kernel-log records of the same Xid (pure; monotonic seconds).
+
+    * An NVML event of an APP-scope Xid is held up to ``window_s`` for its kernel line (the pid);
+      with the kernel log off (``kmsg_on`` False) or a DEVICE-scope Xid it is reported at once.
+    * A kernel record is reported at once; if an NVML event of that Xid is held, they are reported
+      together (``nvml+kmsg``).
+    * The second report of one Xid (NVML after kmsg, or kmsg after NVML's was reported) within
+      ``window_s`` is a duplicate and is dropped.
+    """
+
+    def __init__(self, *, window_s: float = 2.0, kmsg_on: bool = True) -> None:
+        self.window_s = window_s
+        self.kmsg_on = kmsg_on
+        self._held: list[tuple[float, int]] = []            # (deadline, xid) of NVML events waiting
+        self._reported: list[tuple[float, int, XidOrigin]] = []  # (time, xid, origin) reported lately
+
+    def _recent(self, now: float) -> None:
+        self._reported = [r for r in self._reported if now - r[0] < self.window_s]
+
+    def _seen(self, xid: int, origin: XidOrigin) -> bool:
+        return any(x == xid and o is origin for _, x, o in self._reported)
+
+    def nvml(self, xid: int, now: float) -> list[XidReport]:
+        """An NVML Xid event at ``now``: the reports to hand on (possibly none yet)."""
+        self._recent(now)
+        if self._seen(xid, XidOrigin.KMSG):
+            return []  # the kernel line came first and was reported
+        if not self.kmsg_on or xid_info(xid).scope is XidScope.DEVICE:
+            self._reported.append((now, xid, XidOrigin.NVML))
+            return [XidReport(xid, XidOrigin.NVML)]
+        self._held.append((now + self.window_s, xid))
+        return []
+
+    def kmsg(self, record: XidRecord, now: float) -> list[XidReport]:
+        """A kernel-log record at ``now`` (a fallen-off-the-bus message without a number is Xid 79)."""
+        self._recent(now)
+        xid = record.xid if record.xid is not None else 79
+        held = next((h for h in self._held if h[1] == xid), None)
+        if held is not None:
+            self._held.remove(held)
+            self._reported.append((now, xid, XidOrigin.KMSG))
+            return [XidReport(xid, XidOrigin.NVML_AND_KMSG, record.pid, record.name, record.text)]
+        if self._seen(xid, XidOrigin.NVML):
+            return []  # NVML's event was already acted on (a device-scope Xid)
+        self._reported.append((now, xid, XidOrigin.KMSG))
+        return [XidReport(xid, XidOrigin.KMSG, record.pid, record.name, record.text)]
+
+    def due(self, now: float) -> list[XidReport]:
+        """Held NVML events whose kernel line did not come within the window: reported without a pid."""
+        out = [XidReport(xid, XidOrigin.NVML) for deadline, xid in self._held if now >= deadline]
+        self._held = [h for h in self._held if now < h[0]]
+        self._reported += [(now, r.xid, XidOrigin.NVML) for r in out]
+        return out
+
+    def next_due(self) -> float | None:
+        """When :meth:`due` has something next (monotonic seconds), or None."""
+        return min((d for d, _ in self._held), default=None)
 
 
 def run_xid_waiter(nvml: Nvml, stop: threading.Event, on_xid: Callable[[int], None], *,
                    on_error: Callable[[NvmlError], None], timeout_ms: int = 1000,
-                   retry_s: float = 5.0) -> str:
+                   retry_s: float = 5.0) -> str | None:
     """Block on NVML Xid events until ``stop`` is set; run it in its own thread.
 
     Calls ``on_xid(xid)`` for every critical Xid, ``on_error(exc)`` for a failure (the set is then
     dropped and registered again after ``retry_s``, since a driver reload invalidates it). Waits at
     most ``timeout_ms`` per NVML call so ``stop`` is seen within that time; NVML's Timeout is normal.
-    Returns why it ended: ``"stopped"`` or ``"xid events not supported: ..."`` (said once by the caller).
+    Returns None when ``stop`` ended it, else why it gave up (``"xid events not supported: ..."``,
+    said once by the caller).
     """
     event_set: XidEventSet | None = None
     try:
@@ -104,7 +168,7 @@ def run_xid_waiter(nvml: Nvml, stop: threading.Event, on_xid: Callable[[int], No
                 continue
             if xid is not None:
                 on_xid(xid)
-        return "stopped"
+        return None
     finally:
         if event_set is not None:
             event_set.close()

@@ -1,4 +1,4 @@
-"""The server's use of its limits: sampling, hysteresis, and the server's own limit lines.
+"""The server's use of its limits: sampling and hysteresis.
 
 * :class:`UsageSampler` reads one :class:`UsageSample` of the running llama-server: open file
   descriptors (psutil ``num_fds``: a listing of ``/proc/<pid>/fd``), threads (``num_threads``:
@@ -7,9 +7,8 @@
 * :class:`UsageTracker` is pure: fed ``(sample, now)`` it returns the events to emit —
   ``limit_low`` past ``warn_fraction`` (once, re-armed only below ``rearm_fraction``, repeated
   every ``reminder_s`` while it lasts), ``limit_ok`` when it falls back below the re-arm mark,
-  ``resource_exhausted`` when a limit is reached. Fed a classified server line
-  (:class:`~llama_guard.core.server_log.LineClass` of family ``RESOURCE_LIMIT``) it returns one
-  ``resource_exhausted`` naming the limit and the pid's current value of it.
+  ``resource_exhausted`` when a limit is reached. (The server's own limit lines are reported by
+  the policy, from :func:`~llama_guard.core.server_log.classify_line`.)
 
 Which numbers are compared:
 
@@ -31,10 +30,9 @@ from typing import Any
 
 import psutil
 
-from llama_guard.core.server_log import Family, LineClass
 from llama_guard.limits.own import cgroup_pids
 from llama_guard.limits.readback import ProcessLimits, read_limits
-from llama_guard.limits.rlimits import NOFILE, NPROC, RLIM_INFINITY, SPEC_BY_NAME, fix_hint, format_limit
+from llama_guard.limits.rlimits import NOFILE, NPROC, RLIM_INFINITY, SPEC_BY_NAME, fix_hint
 
 PIDS_MAX = "pids.max"
 """The name used in events for the cgroup task limit (systemd ``TasksMax=``)."""
@@ -167,19 +165,15 @@ class UsageTracker:
     ``warn_fraction``: ``limit_low`` when used/limit reaches it. ``rearm_fraction``: the
     warning re-arms (and ``limit_ok`` is returned) only once use falls below it.
     ``reminder_s``: while use stays past ``warn_fraction``, ``limit_low`` again (with
-    ``reminder=True``) every this many seconds. ``line_repeat_s``: the same limit line of the
-    same pid yields ``resource_exhausted`` at most once per this many seconds (the mlock warning
-    and its "Try increasing RLIMIT_MEMLOCK" hint are one event). A sample of a new pid resets
-    the state (a restarted server).
+    ``reminder=True``) every this many seconds. A sample of a new pid resets the state (a
+    restarted server).
     """
 
     warn_fraction: float = 0.8
     rearm_fraction: float = 0.7
     reminder_s: float = 3600.0
-    line_repeat_s: float = 3600.0
     pid: int | None = None
     _watch: dict[str, _Watch] = field(default_factory=dict)
-    _lines: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.rearm_fraction < self.warn_fraction <= 1:
@@ -190,7 +184,7 @@ class UsageTracker:
     def from_config(cls, limits: Any) -> UsageTracker:
         """A tracker from ``[limits]`` (:class:`~llama_guard.config.LimitsConfig`)."""
         return cls(warn_fraction=limits.warn_fraction, rearm_fraction=limits.rearm_at,
-                   reminder_s=limits.reminder_interval_s, line_repeat_s=limits.reminder_interval_s)
+                   reminder_s=limits.reminder_interval_s)
 
     def _switch_pid(self, pid: int) -> None:
         if pid != self.pid:
@@ -239,57 +233,10 @@ class UsageTracker:
                 watch.warned = watch.exhausted = False
         return events
 
-    def on_line(self, line_class: LineClass, line: str, pid: int, limits: ProcessLimits | None,
-                now: float) -> list[UsageEvent]:
-        """``resource_exhausted`` for a server line classified as ``Family.RESOURCE_LIMIT``.
-
-        ``limits`` are the pid's limits read now (:func:`~llama_guard.limits.rlimits.read_limits`; a
-        dead pid's are unknown: pass ``None``). Other families, a line without a known limit,
-        and a repeat within ``line_repeat_s`` return ``[]``. The fields name the limit
-        (``limit``), its current soft/hard value (``limit_value``, ``limit_hard``), the line,
-        the fix, and ``config_problem=True``: restarting does not help.
-        """
-        if line_class.family is not Family.RESOURCE_LIMIT or line_class.limit not in SPEC_BY_NAME:
-            return []
-        key = (pid, line_class.limit)
-        last = self._lines.get(key)
-        if last is not None and now - last < self.line_repeat_s:
-            return []
-        self._lines[key] = now
-        return [exhausted_from_line(line_class, line, pid, limits)]
-
 
 def _grow(value: int) -> int:
     """A suggested new value for a limit that ran out: at least double, at least 65536."""
     return max(value * 2, 65536)
-
-
-def exhausted_from_line(line_class: LineClass, line: str, pid: int,
-                        limits: ProcessLimits | None) -> UsageEvent:
-    """The ``resource_exhausted`` event for one classified limit line of llama-server ``pid``.
-
-    Pure. ``line_class.limit`` is ``"RLIMIT_MEMLOCK"``, ``"RLIMIT_NPROC"`` or
-    ``"RLIMIT_NOFILE"``; raises KeyError for another. For RLIMIT_NPROC the reason also names
-    the cgroup task limit (``TasksMax=``), which fails thread creation the same way.
-    """
-    spec = SPEC_BY_NAME[line_class.limit]
-    pair = limits.values.get(spec.name) if limits is not None else None
-    soft, hard = pair if pair is not None else (None, None)
-    shown = format_limit(soft, spec.unit) if soft is not None else "unknown"
-    shown_hard = format_limit(hard, spec.unit) if hard is not None else "unknown"
-    current = (f"{format_limit(soft, spec.unit)} (hard {format_limit(hard, spec.unit)}, "
-               f"from {limits.source})" if limits is not None and soft is not None else "unknown")
-    reason = f"{line_class.cause}; llama-server pid {pid} runs with {spec.name} = {current}"
-    if spec is NPROC:
-        reason += " (or the cgroup's pids.max / TasksMax= was reached)"
-    suggested = _SUGGESTED[spec.name]
-    if spec is NOFILE and soft is not None and soft != RLIM_INFINITY:
-        suggested = max(_grow(soft), suggested)
-    return UsageEvent("resource_exhausted", {
-        "server_pid": pid, "limit": spec.name, "limit_value": shown,
-        "limit_hard": shown_hard, "reason": reason, "line": line.rstrip("\n"),
-        "source": "server line", "config_problem": True, "fix": _fix(spec.name, suggested),
-    })
 
 
 def sample_cost_per_hour(sample_s: float, interval_s: float) -> float:

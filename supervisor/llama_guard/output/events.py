@@ -96,6 +96,7 @@ CATALOG: dict[str, EventSpec] = {
                   "GPU driver {driver_version} is outside the configured series {expected}"),
         EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
         EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
+        EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
         EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
         EventSpec("gpu_power_ok", _S.INFO, "GPU {gpu_index} power back to {gpu_power_w:.0f} W"),
         EventSpec("gpu_throttle_ok", _S.INFO, "GPU {gpu_index} is no longer throttled"),
@@ -103,6 +104,8 @@ CATALOG: dict[str, EventSpec] = {
                   "GPU {gpu_index}: pid {foreign_pid} ({foreign_name}) no longer holds VRAM"),
         EventSpec("gpu_recovered", _S.NOTICE, "GPU {gpu_index} answers again: {reason}"),
         EventSpec("gpu_kmsg_off", _S.NOTICE, "{reason}"),
+        EventSpec("gpu_vram_wait", _S.WARNING,
+                  "GPU {gpu_index}: waiting for VRAM before starting llama-server: {holders} hold it; {missing}"),
         EventSpec("gpu_vram_not_released", _S.WARNING,
                   "GPU {gpu_index}: VRAM of the previous server not released after {waited_s:.1f} s"),
         # Limits and resources.
@@ -114,6 +117,7 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("threads_warning", _S.WARNING, "llama-server threads: {reason}"),
         # Planned restarts and configuration.
         EventSpec("scheduled_restart", _S.NOTICE, "planned restart of llama-server: {reason}"),
+        EventSpec("decay_restart", _S.NOTICE, "restart of degraded llama-server pid {server_pid}: {reason}"),
         EventSpec("restart_requested", _S.NOTICE, "restart of llama-server requested: {reason}"),
         EventSpec("scheduled_restart_skipped", _S.INFO, "planned restart skipped: {reason}"),
         EventSpec("scheduled_restart_missed", _S.WARNING, "planned restart missed: {reason}"),

@@ -297,7 +297,7 @@ class Decision:
 
     @property
     def restart(self) -> bool:
-        """True when the daemon should send ``RestartRequest(reason, event="scheduled_restart")``."""
+        """True when the daemon should send ``RestartRequest(reason, cause=RestartCause.SCHEDULE)``."""
         return self.outcome is Outcome.RESTART
 
     @property

@@ -1,4 +1,4 @@
-"""Measured decay of a long-running llama-server, and the record of planned restarts.
+"""Measured decay of a long-running llama-server (the record of planned restarts: :mod:`.history`).
 
 Pure trackers, fed by the daemon's samplers with an injected monotonic clock (seconds):
 
@@ -34,8 +34,7 @@ Caveat: speed depends on load — longer contexts and more parallel slots lower 
 The comparison is the server against its own early self over windows of thousands of tokens, and
 needs ``confirm`` consecutive slow windows; it is opt-in for that reason.
 
-Prometheus text is parsed with ``prometheus_client.parser`` (the reference parser; it handles the
-``llamacpp:`` colon names, HELP/TYPE lines, exponents, labels and escapes).
+Prometheus text is parsed by :func:`llama_guard.core.prometheus.parse_metrics`.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from prometheus_client.parser import text_string_to_metric_families
+from llama_guard.core.prometheus import MetricsError, parse_metrics
 
 if TYPE_CHECKING:
     from llama_guard.config import ScheduleConfig
@@ -61,8 +58,6 @@ __all__ = [
     "DecayMonitor",
     "GrowthTracker",
     "MetricsError",
-    "RestartHistory",
-    "RestartRecord",
     "SpeedTracker",
     "Trigger",
     "parse_metrics",
@@ -72,29 +67,6 @@ __all__ = [
 TOKENS_PREDICTED = "llamacpp:tokens_predicted_total"
 TOKENS_PREDICTED_SECONDS = "llamacpp:tokens_predicted_seconds_total"
 _MAX_ERROR_FRACTION = 0.01
-
-
-class MetricsError(ValueError):
-    """``/metrics`` text that cannot be parsed, or lacks a counter llama-guard needs."""
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Parse Prometheus text exposition into ``{sample name: value}``.
-
-    Unlabelled samples are keyed by their name (``llamacpp:tokens_predicted_total``); labelled
-    ones by ``name{k="v",...}`` with labels sorted. Raises :class:`MetricsError` on malformed text.
-    """
-    out: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                key = sample.name
-                if sample.labels:
-                    key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
-                out[key] = float(sample.value)
-    except (ValueError, TypeError, IndexError) as exc:  # the parser's error types for bad input
-        raise MetricsError(f"cannot parse /metrics text: {exc}") from exc
-    return out
 
 
 def predicted_counters(metrics: Mapping[str, float]) -> tuple[float, float]:
@@ -400,108 +372,3 @@ class DecayMonitor:
             "rss_mib": self.rss.last_mib, "rss_baseline_mib": self.rss.baseline_mib,
             "tokens_per_s": self.speed.last_window_tps, "tokens_per_s_baseline": self.speed.baseline_tps,
         }
-
-
-# --------------------------------------------------------------------------------------------
-# The record of planned restarts
-
-
-@dataclass(frozen=True)
-class RestartRecord:
-    """One planned restart (schedule, decay trigger, SIGUSR1) with before/after figures.
-
-    ``kind``: ``scheduled``, ``vram_growth``, ``rss_growth``, ``speed_drop``, ``requested``…;
-    ``requested_at``: aware wall-clock time of the request; ``uptime_s``: the old server's age;
-    ``drained``: True if it drained, False if ``drain_timeout_s`` ran out, None while pending;
-    ``unavailable_s``: from the stop of the old server to READY of the new one (None while pending);
-    ``tokens_per_s_*``: generation speed (tokens/s) just before (the old process's last window)
-    and after (the new process's baseline window); ``vram_mib_*``: the server's VRAM just before
-    (last sample) and after (the new baseline).
-    """
-
-    kind: str
-    reason: str
-    requested_at: datetime
-    uptime_s: float
-    drained: bool | None = None
-    unavailable_s: float | None = None
-    tokens_per_s_before: float | None = None
-    tokens_per_s_after: float | None = None
-    vram_mib_before: float | None = None
-    vram_mib_after: float | None = None
-
-    @property
-    def outcome(self) -> str:
-        """``drained``, ``drain_timeout`` or ``pending``."""
-        return {True: "drained", False: "drain_timeout", None: "pending"}[self.drained]
-
-    def summary(self) -> str:
-        """One human line with the before → after figures (``?`` for unknown)."""
-        def fmt(value: float | None, unit: str) -> str:
-            return "?" if value is None else f"{value:.1f} {unit}"
-        parts = []
-        if self.tokens_per_s_before is not None or self.tokens_per_s_after is not None:
-            parts.append(f"{fmt(self.tokens_per_s_before, 'tokens/s')} → {fmt(self.tokens_per_s_after, 'tokens/s')}")
-        if self.vram_mib_before is not None or self.vram_mib_after is not None:
-            parts.append(f"VRAM {fmt(self.vram_mib_before, 'MiB')} → {fmt(self.vram_mib_after, 'MiB')}")
-        return ", ".join(parts) or "no speed or VRAM figures yet"
-
-    def fields(self) -> dict[str, object]:
-        """Event fields for ``planned_restart_done`` (JSON-able; None values omitted)."""
-        data = {k: v for k, v in self.to_dict().items() if v is not None}
-        data["outcome"] = self.outcome
-        data["summary"] = self.summary()
-        return data
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict (``requested_at`` in ISO 8601) for the status snapshot."""
-        data = asdict(self)
-        data["requested_at"] = self.requested_at.isoformat()
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RestartRecord:
-        """Inverse of :meth:`to_dict`. Raises ``KeyError``/``ValueError``/``TypeError`` on bad data."""
-        values = dict(data)
-        values["requested_at"] = datetime.fromisoformat(str(values["requested_at"]))
-        return cls(**values)
-
-
-class RestartHistory:
-    """The last ``size`` planned restarts, oldest first (a ring). Not thread-safe; one loop owns it."""
-
-    def __init__(self, size: int = 10, records: Iterable[RestartRecord] = ()) -> None:
-        if size < 1:
-            raise ValueError("size must be >= 1")
-        self._ring: deque[RestartRecord] = deque(records, maxlen=size)
-
-    def begin(self, record: RestartRecord) -> None:
-        """Add the record of a restart that is starting (drain begun); the oldest falls out."""
-        self._ring.append(record)
-
-    def update_last(self, **changes: Any) -> RestartRecord | None:
-        """Fill in the latest record (e.g. ``drained=True``, ``unavailable_s=4.2``,
-        ``tokens_per_s_after=…``); returns it, or None if the history is empty.
-        Raises ``TypeError`` for an unknown field."""
-        if not self._ring:
-            return None
-        updated = replace(self._ring[-1], **changes)
-        self._ring[-1] = updated
-        return updated
-
-    def last(self) -> RestartRecord | None:
-        """The latest record, if any."""
-        return self._ring[-1] if self._ring else None
-
-    def records(self) -> list[RestartRecord]:
-        """All records, oldest first."""
-        return list(self._ring)
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """JSON-able list for the status snapshot."""
-        return [record.to_dict() for record in self._ring]
-
-    @classmethod
-    def from_json(cls, items: Iterable[Mapping[str, Any]], size: int = 10) -> RestartHistory:
-        """Inverse of :meth:`to_json`."""
-        return cls(size, (RestartRecord.from_dict(item) for item in items))

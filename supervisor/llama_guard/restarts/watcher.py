@@ -2,7 +2,7 @@
 
 Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.restarts.cron.PlannedRestarts`
 whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
-whether the policy is READY). A due fire becomes ``RestartRequest(event="scheduled_restart",
+whether the policy is READY). A due fire becomes ``RestartRequest(cause=RestartCause.SCHEDULE,
 drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
 else ``drain_timeout``) and restarts. Skipped and missed fires are reported here
 (``scheduled_restart_skipped`` / ``scheduled_restart_missed``).
@@ -14,11 +14,13 @@ counters. A trigger past its opt-in bound reports ``decay_detected`` and asks fo
 drained restart.
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
-followed through the policy's actions (:meth:`on_action`): the drain's start, a drain timeout,
-the SIGTERM to the old server, READY of the new one. The :class:`~llama_guard.restarts.decay.RestartRecord`
-(uptime, drained or timed out, seconds unavailable = SIGTERM → READY, tokens/s and VRAM before)
-is reported as ``planned_restart_done`` when the new server is ready; its "after" figures (the
-new server's baselines) are filled in later and shown by ``llama-guard status``.
+followed through the policy's typed actions (:meth:`on_action`): ``PlannedRestart`` (it begins),
+``StartDrain``, ``PlannedStop`` (the old server is stopped, drained or not), ``NotifyReady`` (the
+new one is ready); a crash while draining is seen by :meth:`on_exit`. The record
+(:class:`~llama_guard.restarts.history.RestartRecord`: uptime, drained or timed out, seconds
+unavailable = SIGTERM → READY, tokens/s and VRAM before) is reported as ``planned_restart_done``
+when the new server is ready; its "after" figures (the new server's baselines) are filled in
+later and shown by ``llama-guard status``.
 """
 
 from __future__ import annotations
@@ -34,14 +36,28 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.core.types import Action, AfterStop, Emit, Phase, RestartRequest, StartDrain, Terminate
+from llama_guard.core.prometheus import MetricsError
+from llama_guard.core.types import (
+    Action,
+    NotifyReady,
+    Phase,
+    PlannedRestart,
+    PlannedStop,
+    RestartCause,
+    RestartRequest,
+    StartDrain,
+)
 from llama_guard.core.watcher import Context, Source
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
-from llama_guard.restarts.decay import DecayDecision, DecayMonitor, MetricsError, RestartHistory, RestartRecord
+from llama_guard.restarts.decay import DecayDecision, DecayMonitor
+from llama_guard.restarts.history import RestartHistory, RestartRecord
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
 MIB = 1024 * 1024
+#: The restart record's ``kind`` for each cause (a decay restart records its trigger instead).
+_KIND = {RestartCause.SCHEDULE: "scheduled", RestartCause.DECAY: "decay", RestartCause.OPERATOR: "requested",
+         RestartCause.CONFIG_CHANGE: "requested"}
 
 __all__ = ["SAMPLE_INTERVAL_S", "TICK_S", "ScheduleSource", "read_anon_rss_mib"]
 
@@ -109,7 +125,7 @@ class ScheduleSource(Source):
         self._pid: int | None = None
         self._start_wall: datetime | None = None
         self._start_mono: float | None = None
-        self._post_kind: str | None = None       # the kind of the restart we asked for, until it is reported
+        self._post_kind: str | None = None       # the decay trigger we asked a restart for, until it begins
         self._pending: _Pending | None = None
         self._after_pid: int | None = None       # the server whose baselines are the last record's "after"
         self._decay: tuple[int, DecayDecision] | None = None  # a fired trigger waiting for READY
@@ -181,48 +197,42 @@ class ScheduleSource(Source):
             self.history.update_last(drained=False)
 
     def on_action(self, ctx: Context, action: Action) -> None:
-        if isinstance(action, Emit):
-            self._on_emit(ctx, action.name, action.fields)
+        """Follow a planned restart through the policy's typed actions (never event names)."""
+        if isinstance(action, PlannedRestart):
+            self._begin(ctx, action)
         elif isinstance(action, StartDrain):
             if self._pending is not None and self._pending.pid == action.pid:
                 self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
-        elif isinstance(action, Terminate):
+        elif isinstance(action, PlannedStop):
             pending = self._pending
             if pending is None or pending.pid != action.pid or pending.stop_mono is not None:
                 return
             pending.stop_mono = ctx.clock()
-            if ctx.state.after_stop is not AfterStop.RESTART:
-                pending.drained = False  # stopped for a fault while draining, not by the drain
-            elif pending.drained is None:
-                pending.drained = True
-            self.history.update_last(drained=pending.drained, **self._before_figures())
+            pending.drained = action.drained
+            self.history.update_last(drained=action.drained, **self._before_figures())
+        elif isinstance(action, NotifyReady):
+            self._on_ready(ctx, ctx.state.pid)
 
-    def _on_emit(self, ctx: Context, name: str, fields: dict[str, object]) -> None:
-        if name in ("scheduled_restart", "restart_requested"):
-            kind = (self._post_kind or "scheduled") if name == "scheduled_restart" else "requested"
-            self._post_kind = None
-            pid = fields.get("server_pid")
-            uptime = fields.get("uptime_s")
-            self.history.begin(RestartRecord(
-                kind=kind, reason=str(fields.get("reason", "")), requested_at=self._wall(),
-                uptime_s=float(uptime) if isinstance(uptime, (int, float)) else 0.0,
-                tokens_per_s_before=self.monitor.speed.last_window_tps,
-                vram_mib_before=self.monitor.vram.last_mib))
-            self._pending = _Pending(pid=pid if isinstance(pid, int) else None)
-            self._after_pid = None
-        elif name == "drain_timeout":
-            if self._pending is not None and self._pending.pid == fields.get("server_pid"):
-                self._pending.drained = False
-        elif name == "server_ready":
-            pending = self._pending
-            if pending is not None and pending.stop_mono is not None and fields.get("server_pid") != pending.pid:
-                self._pending = None
-                record = self.history.update_last(unavailable_s=round(ctx.clock() - pending.stop_mono, 3))
-                if record is not None:
-                    ctx.emit("planned_restart_done", server_pid=fields.get("server_pid"), **record.fields())
-                pid = fields.get("server_pid")
-                self._after_pid = pid if isinstance(pid, int) else None
-            self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
+    def _begin(self, ctx: Context, action: PlannedRestart) -> None:
+        kind = _KIND[action.cause]
+        if action.cause is RestartCause.DECAY and self._post_kind is not None:
+            kind = self._post_kind  # the trigger that fired: vram_growth, rss_growth, speed_drop
+        self._post_kind = None
+        self.history.begin(RestartRecord(
+            kind=kind, reason=action.reason, requested_at=self._wall(), uptime_s=action.uptime_s,
+            tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
+        self._pending = _Pending(pid=action.pid)
+        self._after_pid = None
+
+    def _on_ready(self, ctx: Context, pid: int | None) -> None:
+        pending = self._pending
+        if pending is not None and pending.stop_mono is not None and pid != pending.pid:
+            self._pending = None
+            record = self.history.update_last(unavailable_s=round(ctx.clock() - pending.stop_mono, 3))
+            if record is not None:
+                ctx.emit("planned_restart_done", server_pid=pid, **record.fields())
+            self._after_pid = pid
+        self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
 
     def _before_figures(self) -> dict[str, float | None]:
         return {"tokens_per_s_before": self.monitor.speed.last_window_tps,
@@ -272,7 +282,7 @@ class ScheduleSource(Source):
             _, fired = self._decay
             self._decay = None
             self._post_kind = fired.trigger.value
-            ctx.post(RestartRequest(f"decay: {fired.reason}", event="scheduled_restart", drain=True))
+            ctx.post(RestartRequest(f"decay: {fired.reason}", cause=RestartCause.DECAY, drain=True))
             return None
         if self.schedule is None:
             return None
@@ -286,8 +296,7 @@ class ScheduleSource(Source):
             return decision
         self._last_decision = dict(decision.fields())
         if decision.restart:
-            self._post_kind = "scheduled"
-            ctx.post(RestartRequest(decision.reason, event="scheduled_restart", drain=True))
+            ctx.post(RestartRequest(decision.reason, cause=RestartCause.SCHEDULE, drain=True))
         elif decision.event is not None:
             ctx.emit(decision.event, server_pid=ctx.state.pid, **decision.fields())
         return decision

@@ -1,0 +1,252 @@
+"""Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset).
+
+:class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
+counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions from
+``on_action``), times the phases (``on_action``) and reads the live policy state and its peers' snapshots (GPU, limits,
+planned restarts) when Prometheus scrapes, so the daemon needs nothing but the source in its list.
+Its :meth:`MetricsSource.snapshot` (``status.json``'s ``"metrics"``) keeps restart causes and the
+wall-clock time the server became ready for ``llama-guard status``.
+
+Names follow Prometheus conventions: ``llama_guard_`` prefix, units in names (``_seconds``, ``_bytes``,
+``_celsius``, ``_watts``), counters end in ``_total``. See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from llama_guard.core.types import Action, Emit, Phase
+from llama_guard.core.watcher import Context, Source
+
+# Events that are the cause of the next server restart (the fault, or the plan).
+CAUSE_EVENTS = frozenset({
+    "server_exited", "server_oom", "server_cuda_error", "server_hang", "server_load_timeout",
+    "server_gpu_unavailable", "gpu_lost", "gpu_xid", "scheduled_restart", "restart_requested",
+    "decay_detected", "config_reloaded", "resource_exhausted",
+})
+THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
+                 "power_brake": 0x80}
+WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
+NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
+
+
+class MetricsSource(Source, Collector):
+    """Counts events, times phases, and exports everything on scrape. ``peers``: the other sources
+    (their ``snapshot()`` gives GPU, limits and planned-restart figures); ``bench_dir`` where
+    ``llama-guard bench`` records its last result (default ``[runtime].dir``)."""
+
+    name = "metrics"
+
+    def __init__(self, peers: Sequence[Source] = (), *, serve: bool = True) -> None:
+        self.peers = list(peers)
+        self.serve = serve
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.ctx: Context | None = None
+        self.events: Counter[str] = Counter()
+        self.restarts: Counter[str] = Counter()
+        self.resets: Counter[tuple[str, str]] = Counter()
+        self.phase_time: dict[str, tuple[int, float]] = {}  # phase -> (count, sum seconds) of finished stays
+        self.vram_wait: tuple[int, float] = (0, 0.0)
+        self.last_cause = ""
+        self._phase: Phase | None = None
+        self._phase_since = 0.0
+        self.ready_since_wall: float | None = None
+        self.listening: tuple[str, int] | None = None
+        self.attached = False  # True once wiring made this source a sink of the emitter
+        self._server: Any = None
+
+    # -- Source ----------------------------------------------------------------------------------
+    async def start(self, ctx: Context) -> str | None:
+        self.ctx = ctx
+        self._phase, self._phase_since = ctx.state.phase, ctx.clock()
+        address = ctx.config.metrics.address
+        if address is not None and self.serve:
+            try:
+                self._server, _thread = start_http_server(address[1], addr=address[0], registry=self.registry)
+            except OSError as exc:
+                return f"[metrics].listen = {ctx.config.metrics.listen!r}: cannot listen: {exc.strerror or exc}"
+            self.listening = (address[0], int(self._server.server_address[1]))
+        return None
+
+    def on_action(self, ctx: Context, action: Action) -> None:
+        self._track_phase(ctx)
+        if isinstance(action, Emit) and not self.attached:
+            self.count(action.name, action.fields)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """:class:`llama_guard.output.eventlog.EventSink`: every emitted event, the policy's and the
+        watchers' own (``gpu_temperature_high`` …); wiring attaches the source to the emitter."""
+        name = str(record.get("event", ""))
+        if name and name not in NOT_COUNTED:
+            self.count(name, record)
+
+    def count(self, name: str, fields: Mapping[str, Any]) -> None:
+        """Count event ``name``; a cause event is remembered for the next ``server_restart``."""
+        self.events[name] += 1
+        if name in CAUSE_EVENTS:
+            self.last_cause = name
+        elif name == "server_restart":
+            self.restarts[self.last_cause or "unknown"] += 1
+            self.last_cause = ""
+        elif name == "gpu_reset":
+            self.resets[(str(fields.get("outcome", "?")), str(fields.get("trigger", "")))] += 1
+        elif name == "server_ready":
+            self.ready_since_wall = time.time()
+        for key in WAIT_FIELDS:
+            value = fields.get(key)
+            if isinstance(value, (int, float)):
+                self.vram_wait = (self.vram_wait[0] + 1, self.vram_wait[1] + float(value))
+
+    def _track_phase(self, ctx: Context) -> None:
+        phase, now = ctx.state.phase, ctx.clock()
+        if phase is not self._phase:
+            if self._phase is not None:
+                count, total = self.phase_time.get(self._phase.value, (0, 0.0))
+                self.phase_time[self._phase.value] = (count + 1, total + max(0.0, now - self._phase_since))
+            if self._phase is Phase.READY:
+                self.ready_since_wall = None
+            self._phase, self._phase_since = phase, now
+
+    def snapshot(self) -> dict[str, Any] | None:
+        return {"listen": None if self.listening is None else f"{self.listening[0]}:{self.listening[1]}",
+                "ready_since": self.ready_since_wall, "restarts_by_cause": dict(self.restarts),
+                "resets": [{"outcome": o, "trigger": t, "count": n} for (o, t), n in self.resets.items()],
+                "events": dict(self.events)}
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # -- Collector -------------------------------------------------------------------------------
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        ctx = self.ctx
+        if ctx is None:
+            return
+        state, now = ctx.state, ctx.clock()
+        phase = GaugeMetricFamily("llama_guard_phase", "1 for the daemon's current phase", labels=["phase"])
+        for p in Phase:
+            phase.add_metric([p.value], 1.0 if p is state.phase else 0.0)
+        yield phase
+        yield GaugeMetricFamily("llama_guard_server_ready", "1 while llama-server is ready", value=float(
+            state.phase is Phase.READY))
+        since = GaugeMetricFamily("llama_guard_ready_duration_seconds", "seconds since the server became ready "
+                                  "(0 when not ready)", value=max(0.0, now - state.ready_at)
+                                  if state.phase is Phase.READY and state.ready_at is not None else 0.0)
+        yield since
+        yield GaugeMetricFamily("llama_guard_phase_duration_seconds", "seconds in the current phase",
+                                value=max(0.0, now - self._phase_since))
+        restarts = CounterMetricFamily("llama_guard_restarts", "server restarts by the cause that led to them",
+                                       labels=["cause"])
+        for cause, n in sorted(self.restarts.items()):
+            restarts.add_metric([cause], float(n))
+        yield restarts
+        resets = CounterMetricFamily("llama_guard_gpu_resets", "GPU reset attempts by outcome and trigger",
+                                     labels=["outcome", "trigger"])
+        for (outcome, trigger), n in sorted(self.resets.items()):
+            resets.add_metric([outcome, trigger], float(n))
+        yield resets
+        events = CounterMetricFamily("llama_guard_events", "health events emitted, by name", labels=["event"])
+        for name, n in sorted(self.events.items()):
+            events.add_metric([name], float(n))
+        yield events
+        budget_left = GaugeMetricFamily("llama_guard_gpu_reset_budget_remaining",
+                                        "GPU resets still allowed in [recovery].reset_window_s")
+        window = ctx.config.recovery.reset_window_s
+        used = sum(1 for t in state.resets if now - t <= window)
+        budget_left.add_metric([], float(max(0, ctx.config.recovery.max_resets - used)))
+        yield budget_left
+        yield GaugeMetricFamily("llama_guard_gpu_lost", "1 while the GPU is lost", value=float(state.gpu_lost))
+        phases = SummaryMetricFamily("llama_guard_phase_seconds", "finished stays in each phase (draining = "
+                                     "drain duration, resetting_gpu = reset, starting = load)", labels=["phase"])
+        for name, (count, total) in sorted(self.phase_time.items()):
+            phases.add_metric([name], count_value=count, sum_value=total)
+        yield phases
+        yield SummaryMetricFamily("llama_guard_vram_wait_seconds", "waits for the previous server's VRAM",
+                                  count_value=self.vram_wait[0], sum_value=self.vram_wait[1])
+        yield from self._peer_metrics()
+        yield from self._bench_metrics(ctx.config.runtime.dir)
+
+    def _peer_snapshot(self, name: str) -> dict[str, Any] | None:
+        for peer in self.peers:
+            if peer.name == name:
+                try:
+                    return peer.snapshot()
+                except Exception:
+                    return None
+        return None
+
+    def _peer_metrics(self) -> Iterator[Any]:
+        gpu = self._peer_snapshot("gpu") or {}
+        sample = gpu.get("sample") or {}
+        labels = ["gpu"]
+        gpu_id = [str((sample.get("identity") or {}).get("index", ""))]
+        for metric, key, scale, text in (
+                ("llama_guard_gpu_temperature_celsius", "temperature_c", 1.0, "GPU temperature"),
+                ("llama_guard_gpu_power_watts", "power_mw", 1e-3, "GPU power draw"),
+                ("llama_guard_gpu_power_limit_watts", "power_limit_mw", 1e-3, "enforced power limit"),
+                ("llama_guard_gpu_memory_used_bytes", "memory_used_bytes", 1.0, "VRAM used (all processes)"),
+                ("llama_guard_gpu_memory_total_bytes", "memory_total_bytes", 1.0, "VRAM total")):
+            if isinstance(sample.get(key), (int, float)):
+                yield _gauge(metric, text, labels, gpu_id, sample[key] * scale)
+        reasons = sample.get("clock_event_reasons")
+        if isinstance(reasons, int):
+            fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",
+                                    labels=["gpu", "reason"])
+            for reason, bit in THROTTLE_BITS.items():
+                fam.add_metric([*gpu_id, reason], float(bool(reasons & bit)))
+            yield fam
+        limits = self._peer_snapshot("limits") or {}
+        usage = limits.get("usage") or {}
+        fam = GaugeMetricFamily("llama_guard_rlimit_used", "the server's use of a limited resource",
+                                labels=["limit"])
+        lim = GaugeMetricFamily("llama_guard_rlimit_soft", "the server's soft limit (-1 unlimited)",
+                                labels=["limit"])
+        for limit, used_key, limit_key in (("RLIMIT_NOFILE", "fds", "nofile_limit"),
+                                           ("RLIMIT_NPROC", "threads", "nproc_limit")):
+            if isinstance(usage.get(used_key), (int, float)):
+                fam.add_metric([limit], float(usage[used_key]))
+            if isinstance(usage.get(limit_key), (int, float)):
+                lim.add_metric([limit], float(usage[limit_key]))
+        yield fam
+        yield lim
+
+    def _bench_metrics(self, runtime_dir: Path) -> Iterator[Any]:
+        from llama_guard.insight.bench import read_recorded
+
+        bench = read_recorded(runtime_dir)
+        if not bench:
+            return
+        for metric, key, text in (("llama_guard_bench_eval_tokens_per_second", "eval_tokens_per_s",
+                                   "last bench: median eval (generation) speed"),
+                                  ("llama_guard_bench_prompt_tokens_per_second", "prompt_tokens_per_s",
+                                   "last bench: median prompt (prefill) speed")):
+            value = (bench.get(key) or {}).get("median")
+            if isinstance(value, (int, float)):
+                yield GaugeMetricFamily(metric, text, value=float(value))
+        ceiling = bench.get("ceiling") or {}
+        if isinstance(ceiling.get("ceiling_tokens_per_s"), (int, float)):
+            yield GaugeMetricFamily("llama_guard_bench_ceiling_tokens_per_second",
+                                    "last bench: bandwidth ceiling", value=float(ceiling["ceiling_tokens_per_s"]))
+        if isinstance(bench.get("finished"), (int, float)):
+            yield GaugeMetricFamily("llama_guard_bench_timestamp_seconds", "when the last bench finished (Unix time)",
+                                    value=float(bench["finished"]))
+
+
+def _gauge(name: str, text: str, labels: list[str], values: list[str], value: float) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, text, labels=labels)
+    fam.add_metric(values, float(value))
+    return fam

@@ -1,0 +1,174 @@
+"""The metrics watcher: events counted by cause, phases timed, peers' readings exported, the text
+parsed back with prometheus_client.parser (the daemon-level test is in test_insight_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
+from llama_guard.core.types import Emit, Phase, Spawn, State
+from llama_guard.core.watcher import Context, Source
+from llama_guard.output.metrics import MetricsSource
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Peer(Source):
+    def __init__(self, name: str, snap: dict[str, Any]) -> None:
+        self.name, self.snap = name, snap
+
+    def snapshot(self) -> dict[str, Any] | None:
+        return self.snap
+
+
+def make(tmp: Path, listen: str = "",
+         peers: list[Source] | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp)}, "metrics": {"listen": listen}})
+    holder = {"state": State()}
+    clock = Clock()
+    ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
+                  post=lambda i: None, post_threadsafe=lambda i: None, clock=clock,
+                  loop=asyncio.get_event_loop_policy().get_event_loop())
+    return MetricsSource(peers=peers or []), ctx, holder, clock
+
+
+def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(source.registry).decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None:
+    gpu = Peer("gpu", {"sample": {"identity": {"index": 0}, "temperature_c": 61, "power_mw": 250_000,
+                                  "power_limit_mw": 700_000, "memory_used_bytes": 5 * 2**30,
+                                  "memory_total_bytes": 80 * 2**30, "clock_event_reasons": 0x20}})
+    limits = Peer("limits", {"usage": {"fds": 40, "nofile_limit": 4096, "threads": 9, "nproc_limit": -1}})
+    src, ctx, holder, clock = make(tmp_path, peers=[gpu, limits])
+    assert await src.start(ctx) is None
+    holder["state"] = replace(holder["state"], phase=Phase.STARTING)
+    src.on_action(ctx, Spawn())
+    clock.now += 2.5
+    holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
+    src.on_action(ctx, Emit("server_ready", {"server_pid": 1}))
+    clock.now += 30
+    for cause in ("server_oom", "server_hang", "server_oom"):
+        src.on_action(ctx, Emit(cause, {}))
+        src.on_action(ctx, Emit("server_restart", {"reason": "x"}))
+    src.on_action(ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
+    src.on_action(ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
+    m = scrape(src)
+    assert m[("llama_guard_restarts_total", (("cause", "server_oom"),))] == 2
+    assert m[("llama_guard_restarts_total", (("cause", "server_hang"),))] == 1
+    assert m[("llama_guard_gpu_resets_total", (("outcome", "succeeded"), ("trigger", "oom")))] == 1
+    assert m[("llama_guard_phase", (("phase", "ready"),))] == 1
+    assert m[("llama_guard_phase", (("phase", "stopped"),))] == 0
+    assert m[("llama_guard_server_ready", ())] == 1
+    assert m[("llama_guard_ready_duration_seconds", ())] == pytest.approx(30)
+    assert m[("llama_guard_phase_seconds_sum", (("phase", "starting"),))] == pytest.approx(2.5)
+    assert m[("llama_guard_vram_wait_seconds_sum", ())] == 4.0
+    assert m[("llama_guard_gpu_temperature_celsius", (("gpu", "0"),))] == 61
+    assert m[("llama_guard_gpu_power_watts", (("gpu", "0"),))] == 250
+    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "sw_thermal")))] == 1
+    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "hw_slowdown")))] == 0
+    assert m[("llama_guard_rlimit_used", (("limit", "RLIMIT_NOFILE"),))] == 40
+    assert m[("llama_guard_gpu_reset_budget_remaining", ())] == 2  # state.resets is empty here
+    snap = src.snapshot()
+    assert snap is not None and snap["restarts_by_cause"] == {"server_oom": 2, "server_hang": 1}
+
+
+async def test_bench_figures_exported_when_recorded(tmp_path: Path) -> None:
+    src, ctx, _, _ = make(tmp_path)
+    await src.start(ctx)
+    assert not any(k[0].startswith("llama_guard_bench") for k in scrape(src))
+    (tmp_path / "bench.json").write_text(json.dumps({"eval_tokens_per_s": {"median": 123.4},
+                                                     "prompt_tokens_per_s": {"median": 456.0},
+                                                     "ceiling": {"ceiling_tokens_per_s": 900.0},
+                                                     "finished": 1.7e9}))
+    m = scrape(src)
+    assert m[("llama_guard_bench_eval_tokens_per_second", ())] == 123.4
+    assert m[("llama_guard_bench_ceiling_tokens_per_second", ())] == 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_served_only_when_listen_is_set_and_bound_to_loopback(tmp_path: Path) -> None:
+    off, ctx, _, _ = make(tmp_path)
+    await off.start(ctx)
+    assert off.listening is None and off.snapshot()["listen"] is None  # type: ignore[index]
+    port = free_port()
+    on, ctx2, _, _ = make(tmp_path, listen=str(port))
+    assert await on.start(ctx2) is None
+    try:
+        assert on.listening == ("127.0.0.1", port)
+        async with httpx.AsyncClient() as client:
+            body = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
+        assert "llama_guard_phase" in body
+        busy, ctx3, _, _ = make(tmp_path, listen=str(port))
+        reason = await busy.start(ctx3)
+        assert reason is not None and "cannot listen" in reason
+    finally:
+        await on.close()
+
+
+def test_listen_values() -> None:
+    assert parse_listen("9466") == ("127.0.0.1", 9466)
+    assert parse_listen("0.0.0.0:9466") == ("0.0.0.0", 9466)
+    assert parse_listen("[::1]:9466") == ("::1", 9466)
+    assert MetricsConfig().address is None
+    for bad in ("0", "70000", "host:", "[::1]9466", "bad host:1", "abc"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_listen(bad)
+
+
+def test_bad_listen_is_a_config_error(tmp_path: Path) -> None:
+    from llama_guard.config import load_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('[metrics]\nlisten = "localhost:99999"\n')
+    with pytest.raises(ConfigError, match=r"metrics\.listen"):
+        load_config(path)
+
+
+async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Path) -> None:
+    from llama_guard.output.eventlog import Emitter
+    from llama_guard.wiring import make_sources
+
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
+    emitter = Emitter(min_level="error", fmt="json")
+    metrics = make_sources(cfg, emitter=emitter)[-1]
+    assert isinstance(metrics, MetricsSource) and metrics.attached
+    _, ctx, _, _ = make(tmp_path)
+    metrics.ctx = ctx
+    emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
+    emitter.emit("server_line", server_pid=1, line="x")
+    metrics.on_action(ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
+    emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
+    emitter.emit("server_restart", reason="oom")
+    m = scrape(metrics)
+    assert m[("llama_guard_events_total", (("event", "gpu_temperature_high"),))] == 1
+    assert m[("llama_guard_events_total", (("event", "server_oom"),))] == 1
+    assert ("llama_guard_events_total", (("event", "server_line"),)) not in m
+    assert m[("llama_guard_restarts_total", (("cause", "server_oom"),))] == 1
