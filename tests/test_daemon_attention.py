@@ -291,7 +291,8 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
     timeouts = emitter.named("gpu_nvml_timeout")
     assert len(timeouts) == 1 and timeouts[0]["call"] == "nvmlDeviceGetPowerUsage"
     faults = [p for p in posted if isinstance(p, GpuFault)]
-    assert len(faults) == 1 and faults[0].kind is GpuFaultKind.GPU_LOST and "nvmlDeviceGetPowerUsage" in faults[0].reason
+    assert len(faults) == 1 and faults[0].kind is GpuFaultKind.GPU_LOST
+    assert "nvmlDeviceGetPowerUsage" in faults[0].reason
     assert source.degraded and (source.snapshot() or {})["watch"].startswith("degraded")
     assert close_s < 3.0
     fake.unhang("nvmlDeviceGetPowerUsage")
