@@ -1,7 +1,9 @@
 #!/bin/sh
 # Install llama-guard on a systemd host: a virtualenv under /opt/llama-guard, the configuration
-# in /etc/llama-guard, the units in /etc/systemd/system, the journal message catalog, and a
-# system user llama-guard in the video and render groups.
+# in /etc/llama-guard, the units in /etc/systemd/system, the journal message catalog, and the
+# unprivileged system user llama-server (groups video, render) that llama-guard starts
+# llama-server as. llama-guard itself runs as root with a bounded capability set (GPU resets;
+# see docs/systemd.md).
 #
 #   sudo deploy/install.sh                 # from a checkout of llama-guard
 #   sudo PYTHON=python3.11 deploy/install.sh
@@ -16,7 +18,8 @@ PREFIX=${PREFIX:-/opt/llama-guard}
 PYTHON=${PYTHON:-python3}
 DESTDIR=${DESTDIR:-}
 SKIP_VENV=${SKIP_VENV:-}
-USER_NAME=llama-guard
+# [server].user / group of etc/llama-guard.toml (a test checks they agree).
+SERVER_USER=llama-server
 
 say() { printf 'install.sh: %s\n' "$*"; }
 die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -31,18 +34,19 @@ if [ -z "$DESTDIR" ]; then
     for g in video render; do
         getent group "$g" >/dev/null || { say "creating group $g"; groupadd --system "$g"; }
     done
-    if ! getent passwd "$USER_NAME" >/dev/null; then
-        say "creating system user $USER_NAME"
-        useradd --system --user-group --home-dir /var/lib/llama-guard --no-create-home \
-            --shell /usr/sbin/nologin --groups video,render --comment "llama-guard" "$USER_NAME"
+    if ! getent passwd "$SERVER_USER" >/dev/null; then
+        say "creating system user $SERVER_USER (llama-server runs as it, without capabilities)"
+        useradd --system --user-group --home-dir /nonexistent --no-create-home \
+            --shell /usr/sbin/nologin --groups video,render --comment "llama-server under llama-guard" \
+            "$SERVER_USER"
     else
-        usermod --append --groups video,render "$USER_NAME"
+        usermod --append --groups video,render "$SERVER_USER"
     fi
-    OWNER="root:$USER_NAME"
-    STATE_OWNER="$USER_NAME:$USER_NAME"
+    OWNER="root:root"
+    SERVER_READS="root:$SERVER_USER"
 else
     OWNER=""
-    STATE_OWNER=""
+    SERVER_READS=""
 fi
 
 own() {  # own OWNER PATH: chown when installing for real
@@ -62,8 +66,10 @@ install -d -m 0755 "$DESTDIR$PREFIX/share/doc/llama-guard"
 install -m 0644 "$SRC/docs/systemd.md" "$DESTDIR$PREFIX/share/doc/llama-guard/systemd.md"
 
 # --- configuration -------------------------------------------------------------------------
+# The directory is searchable by $SERVER_USER (for an api_key_file here, root:$SERVER_USER 0640);
+# the config itself is root's only.
 install -d -m 0750 "$DESTDIR/etc/llama-guard"
-own "$OWNER" "$DESTDIR/etc/llama-guard"
+own "$SERVER_READS" "$DESTDIR/etc/llama-guard"
 if [ -e "$DESTDIR/etc/llama-guard/llama-guard.toml" ]; then
     say "keeping /etc/llama-guard/llama-guard.toml; the shipped one is llama-guard.toml.dist"
     install -m 0640 "$SRC/etc/llama-guard.toml" "$DESTDIR/etc/llama-guard/llama-guard.toml.dist"
@@ -72,8 +78,10 @@ else
     install -m 0640 "$SRC/etc/llama-guard.toml" "$DESTDIR/etc/llama-guard/llama-guard.toml"
     own "$OWNER" "$DESTDIR/etc/llama-guard/llama-guard.toml"
 fi
-install -d -m 0750 "$DESTDIR/var/lib/llama-guard"
-own "$STATE_OWNER" "$DESTDIR/var/lib/llama-guard"
+# State: root's; models readable by $SERVER_USER.
+install -d -m 0755 "$DESTDIR/var/lib/llama-guard"
+install -d -m 0750 "$DESTDIR/var/lib/llama-guard/models"
+own "$SERVER_READS" "$DESTDIR/var/lib/llama-guard/models"
 
 # --- units and journal catalog -------------------------------------------------------------
 install -d -m 0755 "$DESTDIR/etc/systemd/system" "$DESTDIR/usr/local/lib/systemd/catalog"
@@ -91,7 +99,9 @@ fi
 
 cat <<MSG
 install.sh: done. Next:
-  1. put the model in place and edit /etc/llama-guard/llama-guard.toml ([server].binary, model)
+  1. put the model in /var/lib/llama-guard/models (readable by $SERVER_USER) and edit
+     /etc/llama-guard/llama-guard.toml ([server].binary, model; api_key_file for a non-loopback host:
+     install -m 0640 -o root -g $SERVER_USER KEYFILE /etc/llama-guard/api-key)
   2. $PREFIX/bin/llama-guard check --config /etc/llama-guard/llama-guard.toml
   3. systemctl enable --now llama-guard
      (one per GPU instead: /etc/llama-guard/N.toml and systemctl enable --now llama-guard@N)

@@ -48,7 +48,8 @@ TEXT: dict[str, tuple[str, str]] = {
         "llama-server pid @SERVER_PID@ answers /health after @LOAD_S@ s and serves requests."),
     "server_exited": (
         "llama-server exited unexpectedly",
-        "llama-server pid @SERVER_PID@ exited: @EXIT_TEXT@. llama-guard restarts it with backoff.\n\n"
+        "llama-server pid @SERVER_PID@ exited: @EXIT_TEXT@. llama-guard restarts it with backoff.\n"
+        "Its last error line (if any): @LAST_ERROR@\n\n"
         "A SIGKILL nobody sent is usually the kernel's OOM killer (host RAM): check\n"
         "`journalctl -k | grep -i oom`. A SIGSEGV or SIGABRT: the server's last lines are in\n"
         "`journalctl -u llama-guard LLAMA_SERVER_LINE=1`."),
@@ -74,9 +75,31 @@ TEXT: dict[str, tuple[str, str]] = {
         "(/dev/nvidia*) and that the llama-guard user is in the video/render groups."),
     "server_hang": (
         "llama-server is not responding",
-        "llama-server pid @SERVER_PID@ failed @FAILURES@ probes while no request made progress\n"
-        "(@REASON@). llama-guard stops it (SIGTERM, then SIGKILL) and starts it again.\n\n"
+        "llama-server pid @SERVER_PID@ failed @FAILURES@ probes with no sign of progress: no CPU\n"
+        "time of its processes, no output line, no token counter moving (@REASON@). A probe that\n"
+        "times out while the server makes progress does not count. llama-guard stops it\n"
+        "(SIGTERM, then SIGKILL) and starts it again.\n\n"
         "Repeated hangs: check GPU health events and the server's last lines."),
+    "server_load_stalled": (
+        "llama-server froze while loading",
+        "llama-server pid @SERVER_PID@ showed no sign of progress for @STALLED_S@ s while loading: no\n"
+        "output line, no CPU time of its processes and no answer on /health (not even 503).\n"
+        "llama-guard stops it and starts it again ([health].load_stall_s; a load that progresses\n"
+        "gets its full load_timeout_s).\n\n"
+        "Repeated stalls: a stuck CUDA initialisation (check `nvidia-smi` and `journalctl -k` for\n"
+        "Xid events) or a hung network filesystem holding the model file."),
+    "server_alloc_recovered": (
+        "llama-server recovered from a failed GPU allocation",
+        "llama-server pid @SERVER_PID@ reported a failed allocation:\n@LINE@\n"
+        "and recovered (@RECOVERY@). Nothing was stopped or reset. It runs with less headroom:\n"
+        "if it repeats, lower [server].ctx_size, batch_size/ubatch_size or n_gpu_layers, or\n"
+        "check for other processes on the GPU (nvidia-smi)."),
+    "server_gpu_incompatible": (
+        "llama-server cannot run on this GPU or driver",
+        "llama-server pid @SERVER_PID@ reported:\n@LINE@\n\n"
+        "This is a fixed property of the binary, the driver or the card (@CAUSE@): no restart or\n"
+        "GPU reset can fix it, so llama-guard exits with status 78 and systemd does not restart it.\n"
+        "Fix: @FIX@. Then restart the unit."),
     "server_load_timeout": (
         "llama-server did not become ready in time",
         "llama-server pid @SERVER_PID@ was not ready within @LOAD_TIMEOUT_S@ s. llama-guard stops\n"
@@ -93,6 +116,8 @@ TEXT: dict[str, tuple[str, str]] = {
     "server_boot_failure": (
         "llama-server cannot start: configuration",
         "llama-server refused to start for a configuration reason: @CAUSE@\n\n"
+        "This includes a server that fails the same way before it is ready on consecutive starts\n"
+        "(the same last error line, e.g. an abort in warm-up with a context too small): @LINE@\n\n"
         "Restarting cannot help: llama-guard exits with status 78 and systemd does not restart\n"
         "it. Fix /etc/llama-guard/llama-guard.toml (flags, model path, port), run\n"
         "`llama-guard check`, then `systemctl restart llama-guard`."),
@@ -241,6 +266,11 @@ TEXT: dict[str, tuple[str, str]] = {
         "status file cannot be written",
         "llama-guard cannot write its status or pid file under @RUNTIME_DIR@: @REASON@\n\n"
         "`llama-guard status` and `llama-guard restart` will not find this daemon. Fix [runtime].dir."),
+    "server_unauthenticated": (
+        "llama-server reachable without an API key",
+        "llama-server listens on @HOST@:@PORT@, an address other hosts can reach, and no API key\n"
+        "is configured: anyone who reaches the port can use the model. Set [server].api_key_file\n"
+        "(a file readable by [server].user, one key per line) or listen on 127.0.0.1."),
     "gpu_power_ok": (
         "GPU power draw back to normal",
         "GPU @GPU_INDEX@ draws @GPU_POWER_W@ W again, below its warning level."),

@@ -13,6 +13,13 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
 - ``gpu_unavailable``: the "no usable GPU" lines, then a normal (CPU) start.
 - ``ignore_term``: ready, ignores SIGTERM (the supervisor must escalate to SIGKILL).
 - ``ready_line_no_health``: prints "listening" but /health stays 503.
+- ``busy_http``: ready, then for ``$FAKE_LLAMA_BUSY_S`` seconds (default 40) one big batch holds the
+  HTTP loop (as reported for the ik_llama.cpp fork): ``/slots``, ``/metrics`` and completions wait
+  until it ends, ``/health`` still answers, and a thread burns CPU the whole time.
+- ``ptx_unsupported``: ready, then every request prints the "provided PTX was compiled with an
+  unsupported toolchain" abort block (issue 12's reproducer) and aborts (SIGABRT).
+- ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
+  llama.cpp's "retrying without pipeline parallelism", then a normal start.
 
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
@@ -42,6 +49,8 @@ MARKS = os.environ.get("FAKE_LLAMA_MARKS", "")
 T0 = time.monotonic()
 READY = threading.Event()
 WEDGED = threading.Event()
+BUSY_S = float(os.environ.get("FAKE_LLAMA_BUSY_S", "40"))
+BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
 
@@ -78,6 +87,19 @@ def cuda_block(message: str) -> None:
     raw("[New LWP 4242]\n#0  0x00007f2a in __GI___wait4 () at ../sysdeps/unix/sysv/linux/wait4.c:30")
 
 
+def burn_cpu(until: float) -> None:
+    """Spin (CPU time) until monotonic ``until``, as a prompt batch does."""
+    x = 0
+    while time.monotonic() < until:
+        x = (x * 31 + 7) % 1000003
+
+
+def wait_busy() -> None:
+    """While the busy batch runs, the HTTP loop's other endpoints wait for it (busy_http)."""
+    while time.monotonic() < BUSY_UNTIL[0]:
+        time.sleep(0.05)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -93,6 +115,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path != "/health":
+            wait_busy()
         if self.path == "/health":
             if READY.is_set():
                 self.reply(200, {"status": "ok"})
@@ -115,6 +139,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
         self.rfile.read(length)
+        wait_busy()
+        if FAULT == "ptx_unsupported":
+            raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error\nggml_cuda_compute_forward: SCALE failed\n"
+                "CUDA error: the provided PTX was compiled with an unsupported toolchain.")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
         if FAULT == "oom_runtime":
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
             cuda_block("out of memory")
@@ -156,6 +186,13 @@ def main(argv: list[str]) -> int:
         log("E", "", "llama_model_load: error loading model: unable to allocate CUDA0 buffer")
         log("E", "srv ", "llama_server: exiting due to model loading error")
         return 1
+    if FAULT == "alloc_recovered":
+        log("E", "", "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 51748.72 MiB on device 1: "
+                     "cudaMalloc failed: out of memory")
+        log("E", "", "ggml_gallocr_reserve_n_impl: failed to allocate CUDA1 buffer of size 54262464512")
+        log("E", "", "graph_reserve: failed to allocate compute buffers")
+        log("W", "", "sched_reserve: compute buffer allocation failed, retrying without pipeline parallelism")
+        log("I", "srv ", "  load_model: initializing, n_slots = 1, n_ctx_slot = 50176, kv_unified = 'false'")
     if FAULT == "oom_abort_at_load":
         time.sleep(LOAD_S)
         log("E", "", "CUDA error: out of memory")
@@ -171,6 +208,10 @@ def main(argv: list[str]) -> int:
     log("I", "srv ", f"llama_server: listening on http://{host}:{port}")
     if FAULT != "ready_line_no_health":
         READY.set()
+    if FAULT == "busy_http":
+        BUSY_UNTIL[0] = time.monotonic() + BUSY_S
+        log("I", "slot", "launch_slot_: id  0 | task 0 | processing task (one batch holds the HTTP loop)")
+        threading.Thread(target=burn_cpu, args=(BUSY_UNTIL[0],), daemon=True).start()
     while True:  # SIGTERM (default action) ends the process, as it does llama-server's HTTP loop
         time.sleep(3600)
 

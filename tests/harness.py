@@ -76,7 +76,8 @@ class DaemonRun:
     """One ``python -m llama_guard run`` process with its stderr (JSON events) in a file."""
 
     def __init__(self, tmp: Path, sections: dict[str, dict[str, object]], env: dict[str, str] | None = None,
-                 *, command: list[str] | None = None):
+                 *, command: list[str] | None = None, prefix: list[str] | None = None):
+        self.prefix = list(prefix or [])  # e.g. setpriv with the unit's credentials
         self.tmp = tmp
         self.config = tmp / "llama-guard.toml"
         self.config.write_text(config_text(sections))
@@ -89,7 +90,7 @@ class DaemonRun:
 
     def start(self) -> DaemonRun:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([*self.command, "run", "--config", str(self.config)],
+        self.proc = subprocess.Popen([*self.prefix, *self.command, "run", "--config", str(self.config)],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
                                      cwd=str(ROOT))
         log.close()

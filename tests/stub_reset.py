@@ -10,6 +10,7 @@ Appends one JSON line to ``$STUB_RESET_RECORD``: its argv and what the fake NVML
 * ``fail``: prints nvidia-smi's "could not be reset" text, exits 1;
 * ``hang``: sleeps far past any reset timeout.
 
+Each record also has ``credentials``: the euid and capability masks it ran with.
 ``$STUB_RESET_SLEEP_S`` (default 0.5) is how long it takes, so the daemon has time to misbehave.
 """
 
@@ -30,6 +31,13 @@ def nvml_state() -> object:
         return None
 
 
+def credentials() -> dict[str, object]:
+    """Who this command runs as: effective uid and the capability masks of /proc/self/status."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {"euid": os.geteuid(), "cap_eff": int(fields["CapEff"].strip(), 16),
+            "cap_amb": int(fields["CapAmb"].strip(), 16), "no_new_privs": fields.get("NoNewPrivs", "").strip()}
+
+
 def main(argv: list[str]) -> int:
     mode = os.environ.get("STUB_RESET_MODE", "ok")
     start_state = nvml_state()
@@ -41,7 +49,8 @@ def main(argv: list[str]) -> int:
     if record:
         with open(record, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"argv": argv, "mode": mode, "nvml_at_start": start_state,
-                                     "nvml_at_end": end_state, "pid": os.getpid()}) + "\n")
+                                     "nvml_at_end": end_state, "pid": os.getpid(),
+                                     "credentials": credentials()}) + "\n")
     index = argv[argv.index("-i") + 1] if "-i" in argv[:-1] else "?"
     if mode == "fail":
         print("The following GPUs could not be reset:")

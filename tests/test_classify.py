@@ -15,13 +15,32 @@ CASES: list[tuple[str, Family, str]] = [
     # OOM at run time and at load, several devices and sizes
     ("CUDA error: out of memory", Family.OOM, ""),
     ("HIP error: out of memory", Family.OOM, ""),
-    ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: cudaMalloc failed: "
-     "out of memory", Family.OOM, ""),
-    ("alloc_tensor_range: failed to allocate CUDA0 buffer of size 9663676416", Family.OOM, "CUDA0"),
-    ("ggml_gallocr_reserve_n_impl: failed to allocate ROCm0 buffer of size 1048576", Family.OOM, "ROCm0"),
-    ("graph_reserve: failed to allocate compute buffers", Family.OOM, ""),
     ("llama_init_from_model: failed to allocate buffer for kv cache", Family.OOM, "KV cache"),
-    ("llama_model_load: error loading model: unable to allocate CUDA1 buffer", Family.OOM, "CUDA1"),
+    # allocation failures llama.cpp may recover from (judged by what the process does next)
+    ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: cudaMalloc failed: "
+     "out of memory", Family.ALLOC_FAILED, ""),
+    ("alloc_tensor_range: failed to allocate CUDA0 buffer of size 9663676416", Family.ALLOC_FAILED, "CUDA0"),
+    ("ggml_gallocr_reserve_n_impl: failed to allocate ROCm0 buffer of size 1048576", Family.ALLOC_FAILED,
+     "ROCm0"),
+    ("graph_reserve: failed to allocate compute buffers", Family.ALLOC_FAILED, ""),
+    ("llama_model_load: error loading model: unable to allocate CUDA1 buffer", Family.ALLOC_FAILED, "CUDA1"),
+    ("W sched_reserve: compute buffer allocation failed, retrying without pipeline parallelism",
+     Family.ALLOC_RECOVERED, "without pipeline parallelism"),
+    # faults no restart can fix (binary, driver, card), with the fix in ``limit``
+    ("CUDA error: the provided PTX was compiled with an unsupported toolchain.", Family.GPU_INCOMPATIBLE, "PTX"),
+    ("CUDA error: no kernel image is available for execution on the device", Family.GPU_INCOMPATIBLE,
+     "architecture"),
+    ("ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version",
+     Family.GPU_UNAVAILABLE, "insufficient"),
+    ("CUDA error: CUDA driver version is insufficient for CUDA runtime version", Family.GPU_INCOMPATIBLE,
+     "driver"),
+    ("cudaGetDeviceCount: system has unsupported display driver / cuda driver combination",
+     Family.GPU_INCOMPATIBLE, "display driver"),
+    # other error and abort lines (they name why a server exited)
+    ("/src/llama-context.cpp:1009: GGML_ASSERT(n_tokens_all <= cparams.n_batch) failed", Family.ERROR,
+     "n_tokens_all"),
+    ("terminate called after throwing an instance of 'std::runtime_error'", Family.ERROR, "exception"),
+    ("decode: failed to find a memory slot for batch of size 1", Family.ERROR, ""),
     # fatal GPU runtime errors
     ("CUDA error: an illegal memory access was encountered", Family.GPU_FATAL, "illegal memory access"),
     ("CUDA error: unspecified launch failure", Family.GPU_FATAL, "unspecified launch failure"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,80 @@ def test_cli_exits_78_with_one_clear_line(tmp_path: Path, verb: str) -> None:
     assert out.stderr.strip().splitlines() == [
         f"llama-guard: config error: {path}: server.port: Input should be a valid integer, "
         "unable to parse string as an integer (got 'x')"]
+
+
+SECRET = "sk-lg-0123456789abcdef"
+
+
+@pytest.mark.parametrize("extra", [
+    ["--api-key", SECRET], [f"--api-key={SECRET}"], ["--hf-token", SECRET], [f"--hf-token={SECRET}"],
+    ["-hft", SECRET], ["--no-webui", "--api-key", SECRET],
+])
+def test_secret_flags_in_extra_args_are_refused(tmp_path: Path, extra: list[str]) -> None:
+    path = write(tmp_path, f'[server]\nextra_args = {json.dumps(extra)}\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "api_key_file" in text and SECRET not in text, text
+
+
+@pytest.mark.parametrize("name", ["LLAMA_API_KEY", "HF_TOKEN", "LLAMA_ARG_API_KEY", "HUGGING_FACE_HUB_TOKEN",
+                                  "OPENAI_APIKEY", "MY_SECRET", "DB_PASSWORD", "llama_api_key"])
+def test_secret_env_names_are_refused(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, f'[server.env]\n{name} = "{SECRET}"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert name in text and "api_key_file" in text and SECRET not in text, text
+
+
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "KEYBOARD"])
+def test_ordinary_env_names_pass(tmp_path: Path, name: str) -> None:
+    assert load_config(write(tmp_path, f'[server.env]\n{name} = "1"\n')).server.env == {name: "1"}
+
+
+def test_api_key_file_is_a_typed_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="api_key_file"):
+        load_config(write(tmp_path, '[server]\nextra_args = ["--api-key-file", "/etc/k"]\n'))
+    c = load_config(write(tmp_path, '[server]\napi_key_file = "/etc/llama-guard/api-key"\n'))
+    argv = build_argv(c.server)
+    assert argv[argv.index("--api-key-file") + 1] == "/etc/llama-guard/api-key"
+
+
+def test_read_api_key(tmp_path: Path) -> None:
+    from llama_guard.config import ServerConfig, read_api_key
+
+    assert read_api_key(ServerConfig()) == ""
+    key = tmp_path / "k"
+    key.write_text("# comment\n\nfirst-key\nsecond\n")
+    assert read_api_key(ServerConfig(api_key_file=str(key))) == "first-key"
+    for bad in (" padded\n", "two words\n", "ok\ntab\there\n", "caf\u00e9\n"):
+        key.write_text(bad)
+        with pytest.raises(ConfigError, match="printable ASCII") as info:
+            read_api_key(ServerConfig(api_key_file=str(key)))
+        assert bad.strip().split()[-1] not in str(info.value)
+    key.write_text("# only a comment\n\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        read_api_key(ServerConfig(api_key_file=str(key)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_api_key(ServerConfig(api_key_file=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize(("server", "words"), [
+    ({"user": "bad name"}, "not a user/group name"), ({"group": "video"}, "need user"),
+    ({"supplementary_groups": ["video"]}, "need user"), ({"user": "x", "supplementary_groups": ["a b"]}, "not a group"),
+])
+def test_bad_accounts(tmp_path: Path, server: dict[str, object], words: str) -> None:
+    from harness import config_text
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(write(tmp_path, config_text({"server": server})))
+
+
+@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                                ("127.0.0.2", True), ("0.0.0.0", False), ("::", False),
+                                                ("10.0.0.5", False), ("gpu-box.example", False)])
+def test_loopback(host: str, loopback: bool) -> None:
+    from llama_guard.config import ServerConfig
+
+    assert ServerConfig(host=host).loopback is loopback

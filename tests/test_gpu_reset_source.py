@@ -1,6 +1,7 @@
 """GpuSource.reset() in-process, on a FakeNvml: the preconditions and the command's answers.
 
-These run without root (``os.geteuid`` is patched where the test needs "root"); the whole sequence
+These run without root (the credentials the reset precondition reads are replaced where a test
+needs "root with CAP_SYS_ADMIN"); the whole sequence
 with the real daemon is in test_reset_e2e.py.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
+from llama_guard.core import privileges
 from llama_guard.core.types import GpuHolder, Params, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
@@ -25,6 +27,12 @@ from llama_guard.gpu.watcher import GpuSource
 TESTS = Path(__file__).resolve().parent
 
 
+def creds_of(euid: int) -> privileges.Credentials:
+    """Credentials of a process with ``euid`` (root: every capability; others: none)."""
+    caps = (1 << 41) - 1 if euid == 0 else 0
+    return privileges.Credentials(euid, euid, (), caps, caps, 0, 0, (1 << 41) - 1, False)
+
+
 def make(fake: FakeNvml, command: list[str], tmp: Path, *, euid: int = 0) -> tuple[GpuSource, Context]:
     cfg = Config.model_validate({"gpu": {"vram_release_timeout_s": 1.0},
                                  "recovery": {"reset_command": command, "reset_timeout_s": 2.0,
@@ -33,7 +41,7 @@ def make(fake: FakeNvml, command: list[str], tmp: Path, *, euid: int = 0) -> tup
     src.nvml = Nvml(DeviceSelector(), module=fake)
     src.identity = src.nvml.open()
     src.executor = ResetExecutor(src.nvml, halt_xid=src._halt_xid, resume_xid=src._resume_xid,
-                                 euid=lambda: euid, poll_s=0.05)
+                                 credentials=lambda: creds_of(euid), poll_s=0.05)
     src._can_reset = True
     events: list[tuple[str, dict[str, object]]] = []
     ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
@@ -141,7 +149,7 @@ async def test_missing_command() -> None:
                                                            (1000, False, "needs llama-guard to run as root")])
 async def test_enable_persistence_only_as_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, euid: int,
                                                expect_call: bool, word: str) -> None:
-    monkeypatch.setattr(gpu_source.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(gpu_source, "reset_precondition", lambda: privileges.reset_precondition(creds_of(euid)))
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     events: list[tuple[str, dict[str, object]]] = []

@@ -11,9 +11,15 @@ import pytest
 from fake_nvml import FakeNvml
 from harness import FAKE_NVML_RUN, ROOT, config_text
 from llama_guard.config import Config
+from llama_guard.core.privileges import CAP_NUMBERS, RESET_CAPABILITIES, Credentials, reset_precondition
 from llama_guard.preflight import check_reset, run_checks
 
 TESTS = Path(__file__).resolve().parent
+
+
+ALL_CAPS = (1 << 41) - 1
+RT = Credentials(0, 0, (), ALL_CAPS, ALL_CAPS, 0, 0, ALL_CAPS, False)
+USER = Credentials(1000, 1000, (), 0, 0, 0, 0, ALL_CAPS, False)
 
 
 def config(**recovery: object) -> Config:
@@ -26,7 +32,7 @@ def which_found(name: str) -> str | None:
 
 def test_possible_when_root_command_found_and_gpu_watched() -> None:
     fake = FakeNvml()
-    r = check_reset(config(), euid=0, which=which_found, nvml_module=fake)
+    r = check_reset(config(), creds=RT, which=which_found, nvml_module=fake)
     assert r.verdict == "OK", r
     assert "/usr/bin/nvidia-smi" in r.detail and "GPU 0 (NVIDIA Fake" in r.detail
     assert "nvidia-smi --gpu-reset -i {index}" in r.detail
@@ -34,45 +40,62 @@ def test_possible_when_root_command_found_and_gpu_watched() -> None:
 
 
 def test_not_root_is_named() -> None:
-    r = check_reset(config(), euid=1000, which=which_found, nvml_module=FakeNvml())
-    assert r.verdict == "WARN" and "not running as root" in r.detail
+    r = check_reset(config(), creds=USER, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and "uid 1000, not root" in r.detail
     assert "not found" not in r.detail and "cannot be watched" not in r.detail
     assert "exit 69" in r.detail
 
 
 def test_missing_command_on_path_is_named() -> None:
-    r = check_reset(config(), euid=0, which=lambda _: None, nvml_module=FakeNvml())
+    r = check_reset(config(), creds=RT, which=lambda _: None, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and "'nvidia-smi' was not found on PATH" in r.detail
 
 
 def test_replaced_command_is_looked_up_by_its_path(tmp_path: Path) -> None:
     stub = tmp_path / "reset-stub"
-    r = check_reset(config(reset_command=[str(stub), "{index}"]), euid=0, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and f"{str(stub)!r} was not found" in r.detail
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
-    r = check_reset(config(reset_command=[str(stub), "{index}"]), euid=0, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(config(reset_command=[str(stub), "{index}"]), creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "OK" and str(stub) in r.detail
 
 
 def test_gpu_watch_off_is_named() -> None:
     cfg = Config.model_validate({"gpu": {"enabled": "off"}})
-    r = check_reset(cfg, euid=0, which=which_found, nvml_module=FakeNvml())
+    r = check_reset(cfg, creds=RT, which=which_found, nvml_module=FakeNvml())
     assert r.verdict == "WARN" and "GPU watch is off" in r.detail
+
+
+@pytest.mark.parametrize("cap", RESET_CAPABILITIES)
+def test_root_without_the_reset_capability_is_named(cap: str) -> None:
+    """Root with a bounded capability set that lacks what the reset needs: not possible, and why."""
+    creds = Credentials(0, 0, (), ALL_CAPS & ~(1 << CAP_NUMBERS[cap]), ALL_CAPS, 0, 0, ALL_CAPS, True)
+    r = check_reset(config(), creds=creds, which=which_found, nvml_module=FakeNvml())
+    assert r.verdict == "WARN" and f"lacks {cap}" in r.detail and "not root" not in r.detail
+    assert reset_precondition(creds) != "" and reset_precondition(RT) == ""
+
+
+def test_precondition_reads_this_process() -> None:
+    """Without arguments the precondition is decided from /proc/self/status as it is now."""
+    status = Path("/proc/self/status").read_text()
+    eff = int(next(x for x in status.splitlines() if x.startswith("CapEff:")).split()[1], 16)
+    possible = os.geteuid() == 0 and all(eff >> CAP_NUMBERS[c] & 1 for c in RESET_CAPABILITIES)
+    assert (reset_precondition() == "") is possible
 
 
 @pytest.mark.parametrize(("code", "words"), [(9, "kernel driver not loaded"), (12, "library not found")])
 def test_no_driver_is_named(code: int, words: str) -> None:
     fake = FakeNvml()
     fake.init_error = code
-    r = check_reset(config(), euid=0, which=which_found, nvml_module=fake)
+    r = check_reset(config(), creds=RT, which=which_found, nvml_module=fake)
     assert r.verdict == "WARN" and "cannot be watched" in r.detail and words in r.detail
 
 
 def test_every_reason_at_once() -> None:
     fake = FakeNvml()
     fake.lose_gpu()
-    r = check_reset(config(), euid=1000, which=lambda _: None, nvml_module=fake)
+    r = check_reset(config(), creds=USER, which=lambda _: None, nvml_module=fake)
     assert r.verdict == "WARN"
     assert "GPU is lost" in r.detail and "root" in r.detail and "not found" in r.detail
 
@@ -80,7 +103,7 @@ def test_every_reason_at_once() -> None:
 @pytest.mark.parametrize(("recovery", "why"), [({"reset_on": []}, "reset_on is empty"),
                                                ({"max_resets": 0}, "max_resets = 0")])
 def test_resets_switched_off(recovery: dict[str, object], why: str) -> None:
-    r = check_reset(config(**recovery), euid=1000, which=lambda _: None, nvml_module=FakeNvml())
+    r = check_reset(config(**recovery), creds=USER, which=lambda _: None, nvml_module=FakeNvml())
     assert r.verdict == "OK" and "off" in r.detail and why in r.detail
 
 
@@ -108,4 +131,4 @@ def test_cli_check_prints_it(tmp_path: Path, llama_server_bin: Path) -> None:
     if os.geteuid() == 0:
         assert line.startswith("OK") and sys.executable in line and "NVIDIA Fake" in line, line
     else:
-        assert line.startswith("WARN") and "not running as root" in line, line
+        assert line.startswith("WARN") and "not root" in line, line

@@ -9,7 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from llama_guard.config import RecoveryConfig
+import tomllib
+from llama_guard.config import RecoveryConfig, load_config
+from llama_guard.core.privileges import (
+    CAP_NUMBERS,
+    DAEMON_CAPABILITIES,
+    RESET_CAPABILITIES,
+    Credentials,
+    ServerIdentity,
+    identity_problem,
+    reset_precondition,
+    unit_capabilities,
+)
 from llama_guard.output.events import CATALOG
 from systemd_fixtures import require
 
@@ -113,8 +124,10 @@ def test_unit_contract(unit: Path) -> None:
     assert "StartLimitBurst" in unit_section
     env = " ".join(svc["Environment"])
     assert "OMP_NUM_THREADS=8" in env
-    assert one("User") == "llama-guard"
-    assert set(one("SupplementaryGroups").split()) == {"video", "render"}
+    # llama-guard runs as root (no User=); llama-server's account is [server].user (see below).
+    assert svc.get("User", ["root"])[-1] in ("root", "0")
+    assert "SupplementaryGroups" not in svc
+    assert one("RuntimeDirectoryMode") == "0700"
     # Hardening that leaves the GPU, GPU reset and /dev/kmsg.
     assert one("NoNewPrivileges") == "yes"
     assert one("ProtectSystem") == "strict"
@@ -123,8 +136,7 @@ def test_unit_contract(unit: Path) -> None:
     assert "char-nvidia-frontend rw" in allowed
     assert "char-nvidia-uvm rw" in allowed
     assert "/dev/kmsg r" in allowed
-    assert "CAP_SYSLOG" in one("AmbientCapabilities")
-    assert "CAP_SYS_ADMIN" in one("AmbientCapabilities")
+    assert one("AmbientCapabilities") == ""  # nothing passes through exec to llama-server
     for forbidden in ("PrivateDevices", "ProtectKernelLogs", "MemoryDenyWriteExecute"):
         assert forbidden not in svc, f"{forbidden}= would break the GPU or /dev/kmsg"
     if "@" in unit.name:
@@ -137,6 +149,52 @@ def test_unit_contract(unit: Path) -> None:
             "/opt/llama-guard/bin/llama-guard run --config /etc/llama-guard/llama-guard.toml")
         assert "CUDA_VISIBLE_DEVICES=0" in env
         assert one("RuntimeDirectory") == "llama-guard"
+
+
+def unit_credentials(unit: Path) -> Credentials:
+    """The credentials llama-guard gets from ``unit``: its User= (root when absent) and the
+    bounding set, which systemd gives a root service as its effective and permitted sets."""
+    caps = unit_capabilities(unit.read_text())
+    user = (caps["User"] or ["root"])[-1]
+    uid = 0 if user in ("root", "0") else 1000
+    mask = 0
+    for name in caps["CapabilityBoundingSet"]:
+        mask |= 1 << CAP_NUMBERS[name]
+    ambient = 0
+    for name in caps["AmbientCapabilities"]:
+        ambient |= 1 << CAP_NUMBERS[name]
+    eff = mask if uid == 0 else ambient
+    return Credentials(uid, uid, (), eff, eff, 0, ambient, mask, True)
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_and_reset_precondition_agree(unit: Path) -> None:
+    """One source of truth: the unit's User=/capabilities are the code's list, and under them the
+    reset precondition holds and llama-server can be started as another user."""
+    caps = unit_capabilities(unit.read_text())
+    assert set(caps["CapabilityBoundingSet"]) == set(DAEMON_CAPABILITIES)
+    assert caps["AmbientCapabilities"] == []
+    assert set(RESET_CAPABILITIES) <= set(caps["CapabilityBoundingSet"])
+    creds = unit_credentials(unit)
+    assert reset_precondition(creds) == "", reset_precondition(creds)
+    assert identity_problem(ServerIdentity(65534, 65534, (44,), "nobody"), creds) == ""
+    # ... and the check can fail: without CAP_SYS_ADMIN in the unit, no reset.
+    text = re.sub(r"\bCAP_SYS_ADMIN\b", "", unit.read_text())
+    assert "CAP_SYS_ADMIN" not in unit_capabilities(text)["CapabilityBoundingSet"]
+    mask = sum(1 << CAP_NUMBERS[c] for c in unit_capabilities(text)["CapabilityBoundingSet"])
+    assert "CAP_SYS_ADMIN" in reset_precondition(Credentials(0, 0, (), mask, mask, 0, 0, mask, True))
+
+
+def test_install_script_creates_the_configured_server_user() -> None:
+    """deploy/install.sh creates the account the shipped config names as [server].user/group."""
+    script = (ROOT / "deploy" / "install.sh").read_text()
+    match = re.search(r"^SERVER_USER=(\S+)$", script, re.M)
+    assert match is not None
+    shipped = load_config(ROOT / "etc" / "llama-guard.toml").server
+    assert shipped.user == match.group(1) and shipped.group == match.group(1)
+    assert set(shipped.supplementary_groups) == {"video", "render"}
+    assert "--groups video,render" in script
+    assert tomllib.loads((ROOT / "etc" / "llama-guard.toml").read_text())["server"]["api_key_file"] == ""
 
 
 # --- journal catalog -------------------------------------------------------------------------

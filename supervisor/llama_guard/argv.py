@@ -23,6 +23,7 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
     """The full argv of llama-server for ``server``.
 
     ``--metrics`` is always on: the liveness probe reads the decode counters from ``/metrics``.
+    ``--api-key-file`` comes from ``[server].api_key_file``.
     ``extra_args`` come last, verbatim (validated not to repeat a typed flag).
     """
     exe = str(binary) if binary is not None else server.binary
@@ -47,6 +48,8 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
         argv += ["--threads-batch", str(server.threads_batch)]
     if server.mlock:
         argv += mlock_args(binary)
+    if server.api_key_file:  # the file's path, never the key (argv shows in events and ps)
+        argv += ["--api-key-file", server.api_key_file]
     argv += server.extra_args
     return argv
 

@@ -115,7 +115,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import contextlib
 
-    from llama_guard.config import ConfigError, load_config
+    from llama_guard.config import ConfigError, load_config, read_api_key
     from llama_guard.insight.bench import BenchError, Progress, ceiling_for, describe, record, run_bench, spawned_server
 
     path, config = _load(args)
@@ -142,10 +142,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     os.close(fd)
                     stack.enter_context(spawned_server(cfg, Path(log_name)))
                 result = run_bench(url, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
+                                   api_key=read_api_key(cfg.server),
                                    timeout_s=args.timeout, progress=Progress(args.runs, f"{label} "))
         except BenchError as exc:
             print(f"llama-guard: bench {label}: {exc}", file=sys.stderr)
             return EXIT_FAILURE
+        except ConfigError as exc:
+            print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
+            return EXIT_CONFIG
         result.label = label
         result.ceiling = ceiling_for(cfg, result, nvml_module=args.nvml_module)
         if not spawn:

@@ -85,8 +85,14 @@ OWNED_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "-ngl", "--gpu-layers", "--n-gpu-layers", "-c", "--ctx-size",
     "-np", "--parallel", "-b", "--batch-size", "-ub", "--ubatch-size", "-ctk", "--cache-type-k",
     "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
-    "--metrics", "--mlock",
+    "--metrics", "--mlock", "--api-key-file",
 })
+# Flags whose value is a secret: refused in extra_args, since a secret in llama-server's argv shows
+# in events, journald, status.json and `ps`; the key belongs in [server].api_key_file.
+SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
+# [server].env names that carry secrets the same way (LLAMA_API_KEY, HF_TOKEN, LLAMA_ARG_API_KEY ...).
+_SECRET_ENV = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", re.IGNORECASE)
+_ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
 
 
 
@@ -174,6 +180,28 @@ class ServerConfig(_Section):
     mlock: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    # The unprivileged account llama-server runs as ("" = llama-guard's own; see docs/systemd.md).
+    user: str = ""
+    group: str = ""
+    supplementary_groups: list[str] = Field(default_factory=list)
+    # A file holding llama-server's API key(s), one per line: passed as --api-key-file, and the
+    # first key is what llama-guard's own probes send (Authorization: Bearer).
+    api_key_file: str = ""
+
+    @field_validator("user", "group")
+    @classmethod
+    def _account(cls, value: str) -> str:
+        if value and not _ACCOUNT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a user/group name or number")
+        return value
+
+    @field_validator("supplementary_groups")
+    @classmethod
+    def _groups(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not _ACCOUNT.fullmatch(item):
+                raise ValueError(f"{item!r} is not a group name or number")
+        return value
 
     @field_validator("host")
     @classmethod
@@ -215,11 +243,37 @@ class ServerConfig(_Section):
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
             if flag in OWNED_FLAGS:
-                raise ValueError(f"extra_args repeats {flag!r}, which is set by a typed [server] key")
+                hint = " (api_key_file)" if flag == "--api-key-file" else ""
+                raise ValueError(f"extra_args repeats {flag!r}, which is set by a typed [server] key{hint}")
         for key in self.env:
             if key == "NOTIFY_SOCKET" or key.startswith("WATCHDOG_"):
                 raise ValueError(f"env may not set {key}: it belongs to llama-guard's service manager")
+        for key in self.env:
+            if _SECRET_ENV.search(key):
+                raise ValueError(f"env may not set {key}: a secret in llama-server's environment can be read "
+                                 "from /proc/PID/environ and lands in core dumps and crash reports; put an API key in "
+                                 "[server].api_key_file")
+        for i, arg in enumerate(self.extra_args):
+            flag = arg.split("=", 1)[0]
+            if flag in SECRET_FLAGS:
+                raise ValueError(f"extra_args[{i}] is {flag!r}: a secret on llama-server's command line shows in "
+                                 "events, journald, status.json and ps; put the API key in [server].api_key_file "
+                                 "(a file readable by [server].user), and tokens in a file of their own")
+        if (self.group or self.supplementary_groups) and not self.user:
+            raise ValueError("group and supplementary_groups need user")
+        if "\0" in self.api_key_file:
+            raise ValueError("api_key_file contains a NUL byte")
         return self
+
+    @property
+    def loopback(self) -> bool:
+        """Whether ``host`` is a loopback address (or ``localhost``): the API is not reachable from outside."""
+        if self.host.rstrip(".").lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @property
     def base_url(self) -> str:
@@ -240,6 +294,8 @@ class HealthConfig(_Section):
     canary: bool = True
     canary_timeout_s: PositiveFloat = 30.0
     hang_strikes: int = Field(3, ge=1)
+    load_stall_s: float = Field(60.0, ge=0.0)
+    progress_cpu_s: PositiveFloat = 0.05
 
 
 class GpuConfig(_Section):
@@ -518,6 +574,31 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_api_key(server: ServerConfig) -> str:
+    """The API key llama-guard's probes send: the first key line of ``[server].api_key_file``
+    ("" when none is configured). llama-server reads the same file (``--api-key-file``: one key per
+    line). Raises :class:`ConfigError` naming the file for a missing, unreadable or empty one; the
+    key itself is never part of an error.
+    """
+    if not server.api_key_file:
+        return ""
+    path = Path(server.api_key_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConfigError([f"server.api_key_file: {path}: cannot read: {reason}"]) from None
+    # As llama-server reads it: one key per line, empty lines skipped, "#" lines are comments.
+    keys = [line for line in text.splitlines() if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError([f"server.api_key_file: {path}: holds no key"])
+    for number, key in enumerate(keys, 1):
+        if key != key.strip() or any(ord(c) < 0x21 or ord(c) > 0x7E for c in key):
+            raise ConfigError([f"server.api_key_file: {path}: key {number} has spaces or characters that "
+                               "cannot be sent in an HTTP header (printable ASCII only, no spaces)"])
+    return keys[0]
 
 
 def load_config(path: Path) -> Config:

@@ -11,8 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
-from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
 from llama_guard.core.offload import CallTimeout, run_with_deadline
+from llama_guard.core.privileges import (
+    Credentials,
+    identity_problem,
+    read_credentials,
+    reset_precondition,
+    resolve_identity,
+)
 from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 GGUF_MAGIC = b"GGUF"
@@ -98,6 +105,42 @@ def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> 
     return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
+# llama-server's warm-up decodes a 2-token batch (BOS, EOS) per slot before it listens: a slot with a
+# smaller context aborts there ("get_sub_batch: failed to add token ..."; measured with ctx_size = 1).
+MIN_SLOT_TOKENS = 2
+
+
+def check_settings(config: Config) -> list[CheckResult]:
+    """The [server] sizes llama-server cannot run, or runs other than configured.
+
+    FAIL: a slot's context (``ctx_size / parallel``) below :data:`MIN_SLOT_TOKENS`, which aborts in
+    warm-up on every start (``parallel`` above ``ctx_size`` included). WARN: a slot's context below
+    ``batch_size`` or ``ubatch_size`` (llama.cpp lowers the batch to the context, and a prompt longer
+    than the slot's context fails). ``ctx_size = 0`` takes the model's training context: OK.
+    """
+    server = config.server
+    if server.ctx_size == 0:
+        return [CheckResult("sizes", "OK", "ctx_size = 0: the model's own context length")]
+    per_slot = server.ctx_size // server.parallel
+    if per_slot < MIN_SLOT_TOKENS:
+        return [CheckResult("sizes", "FAIL",
+                            f"ctx_size = {server.ctx_size} over parallel = {server.parallel} slots leaves "
+                            f"{per_slot} token(s) per slot; llama-server's warm-up needs {MIN_SLOT_TOKENS} and "
+                            f"aborts on every start (get_sub_batch: failed to add token). Raise ctx_size "
+                            f"(e.g. {max(4096, server.parallel * 1024)}) or lower parallel")]
+    results = []
+    for name, value in (("batch_size", server.batch_size), ("ubatch_size", server.ubatch_size)):
+        if per_slot < value:
+            results.append(CheckResult("sizes", "WARN",
+                                       f"a slot's context ({per_slot} tokens = ctx_size {server.ctx_size} / "
+                                       f"parallel {server.parallel}) is smaller than {name} = {value}: llama.cpp "
+                                       f"lowers the batch to the context and longer prompts fail"))
+            break
+    return results or [CheckResult("sizes", "OK", f"{per_slot} tokens of context per slot "
+                                                  f"({server.parallel} slot(s)), batch {server.batch_size}/"
+                                                  f"{server.ubatch_size}")]
+
+
 def check_limits(config: Config) -> list[CheckResult]:
     """The rlimits llama-server would get: configured, the daemon's own, what the child gets.
 
@@ -128,13 +171,15 @@ def check_limits(config: Config) -> list[CheckResult]:
     return results
 
 
-def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str], str | None] = shutil.which,
-                nvml_module: Any = None) -> CheckResult:
+def check_reset(config: Config, *, creds: Credentials | None = None,
+                which: Callable[[str], str | None] = shutil.which, nvml_module: Any = None) -> CheckResult:
     """Whether the daemon could reset the GPU here, and if not, why: the GPU watch must be on (a
-    reset has to be verified), we must be root (``nvidia-smi --gpu-reset``), and
-    ``[recovery].reset_command`` must be found. Read-only: NVML is opened and closed, nothing reset.
+    reset has to be verified), llama-guard must have what ``nvidia-smi --gpu-reset`` needs under the
+    credentials it actually has (euid 0 and CAP_SYS_ADMIN in ``CapEff`` of ``/proc/self/status``:
+    :func:`llama_guard.core.privileges.reset_precondition`), and ``[recovery].reset_command`` must be
+    found. Read-only: NVML is opened and closed, nothing reset.
 
-    ``euid``, ``which`` and ``nvml_module`` (a pynvml stand-in; None: the real ``pynvml``) are
+    ``creds``, ``which`` and ``nvml_module`` (a pynvml stand-in; None: the real ``pynvml``) are
     injectable for tests. WARN, not FAIL, when a reset is not
     possible: the daemon then restarts the server only, and a lost GPU ends it with exit 69.
     """
@@ -161,8 +206,9 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
                 reasons.append(f"the GPU cannot be watched ({exc}), so a reset could not be verified")
             finally:
                 opened.close()
-    if (os.geteuid() if euid is None else euid) != 0:
-        reasons.append("llama-guard is not running as root (nvidia-smi --gpu-reset needs root)")
+    refusal = reset_precondition(creds)
+    if refusal:
+        reasons.append(refusal)
     command = rec.reset_command[0]
     found = _find_command(command, which)
     if found is None:
@@ -175,7 +221,8 @@ def check_reset(config: Config, *, euid: int | None = None, which: Callable[[str
                            + f". On {', '.join(rec.reset_on)} llama-guard restarts the server only, "
                              "and a lost GPU ends with exit 69")
     return CheckResult("gpu reset", "OK",
-                       f"possible: root, {found} found, {gpu_text}; on {', '.join(rec.reset_on)} it runs "
+                       f"possible: root with CAP_SYS_ADMIN, {found} found, {gpu_text}; "
+                       f"on {', '.join(rec.reset_on)} it runs "
                        f"`{argv_text}` (at most {rec.max_resets} per {rec.reset_window_s:.0f} s)")
 
 
@@ -248,6 +295,79 @@ def check_port(config: Config) -> CheckResult:
     return CheckResult("port", "OK", f"{host}:{config.server.port} is free")
 
 
+def check_credentials(config: Config, *, creds: Credentials | None = None) -> list[CheckResult]:
+    """Who llama-server would run as, and whether llama-guard can start it so: ``[server].user``
+    resolves, llama-guard has CAP_SETUID/CAP_SETGID for the switch, and the binary and model are
+    reachable by that user (the mode bits of each path component). WARN when llama-server would run
+    as root, FAIL when it could not be started as configured."""
+    server = config.server
+    creds = creds if creds is not None else read_credentials()
+    try:
+        identity = resolve_identity(server.user, server.group, server.supplementary_groups)
+    except ValueError as exc:
+        return [CheckResult("server user", "FAIL", str(exc))]
+    problem = identity_problem(identity, creds)
+    if problem:
+        return [CheckResult("server user", "FAIL", problem)]
+    if identity.uid is None:
+        if creds.uid == 0:
+            return [CheckResult("server user", "WARN", "llama-server would run as root (without capabilities): "
+                                                       "set [server].user to an unprivileged account")]
+        return [CheckResult("server user", "OK", f"llama-server runs as llama-guard's own uid {creds.uid}, "
+                                                 "without capabilities")]
+    results = [CheckResult("server user", "OK", f"llama-server runs as {identity.description}, "
+                                                "without capabilities, no_new_privs")]
+    assert identity.gid is not None
+    gids = {identity.gid, *(identity.groups or ())}
+    binary = resolve_binary(server.binary)
+    for what, path, bit in (("binary", binary, 1), ("model", Path(server.model), 4),
+                            ("api key file", Path(server.api_key_file) if server.api_key_file else None, 4)):
+        if path is None:
+            continue
+        blocked = _unreachable(path, identity.uid, gids, bit)
+        if blocked:
+            results.append(CheckResult("server user", "FAIL", f"{what} {path}: {blocked} for uid {identity.uid}"))
+    return results
+
+
+def _unreachable(path: Path, uid: int, gids: set[int], bit: int) -> str:
+    """Why ``uid`` (with ``gids``) cannot reach ``path`` and read (bit 4) or execute (bit 1) it; ""
+    when it can. Reads only mode bits and owners (no ACLs)."""
+    def allowed(st: os.stat_result, want: int) -> bool:
+        if st.st_uid == uid:
+            return bool(st.st_mode >> 6 & want)
+        if st.st_gid in gids:
+            return bool(st.st_mode >> 3 & want)
+        return bool(st.st_mode & want)
+
+    path = path.absolute()
+    try:
+        for parent in reversed(path.parents):
+            if not allowed(parent.stat(), 1):
+                return f"{parent} is not searchable"
+        if not allowed(path.stat(), bit):
+            return "not readable" if bit == 4 else "not executable"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
+def check_api_key(config: Config) -> CheckResult:
+    """``[server].api_key_file`` can be read (the key is not shown), and a non-loopback ``host``
+    has one (WARN otherwise: anyone reaching the port can use the model)."""
+    server = config.server
+    try:
+        key = read_api_key(server)
+    except ConfigError as exc:
+        return CheckResult("api key", "FAIL", exc.lines[0])
+    if not key:
+        if server.loopback:
+            return CheckResult("api key", "OK", f"none; {server.host} is loopback only")
+        return CheckResult("api key", "WARN", f"llama-server listens on {server.host}, beyond loopback, without an "
+                                              "API key: set [server].api_key_file")
+    return CheckResult("api key", "OK", f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
+
+
 def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     """The VRAM budget from the model's GGUF metadata against the GPU's free memory (or
     ``[gpu].vram_total_mib``), with the operators' ladder when it does not fit
@@ -267,7 +387,10 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     results += check_binary(config)
     model = check_model(config)
     results.append(model)
+    results += check_settings(config)
     results.append(check_port(config))
+    results += check_credentials(config)
+    results.append(check_api_key(config))
     results += check_limits(config)
     results += check_gpu(config, nvml_module=nvml_module)
     if model.verdict == "FAIL":  # never read a FIFO, a directory or a hung file for its metadata

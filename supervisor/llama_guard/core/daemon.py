@@ -34,12 +34,14 @@ from typing import Any, Protocol, TextIO
 
 from llama_guard import __version__
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config
+from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, pipe_holders, spawn
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy import decide
+from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.procs import alive, port_listener, port_owner
+from llama_guard.core.progress import ProgressSampler
 from llama_guard.core.reload import reload_report, startable
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
@@ -56,6 +58,7 @@ from llama_guard.core.types import (
     InspectGpu,
     Kill,
     Line,
+    LoadProgress,
     NotifyReady,
     NotOnGpu,
     Params,
@@ -81,7 +84,7 @@ from llama_guard.core.types import (
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.status import StatusFile
+from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 from llama_guard.preflight import model_problem
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
@@ -98,6 +101,8 @@ WATCHER_WINDOW_S = 300.0
 WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per failure, at most 30 s
 VRAM_FACTS_TIMEOUT_S = 30.0  # the VRAM admission's facts (an NVML sample, the model's GGUF metadata)
 UNKILLABLE_WAIT_S = 30.0  # how long a start waits for a server that outlived SIGKILL to go away
+
+LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         gpu_index=config.gpu.index,
         vram_admission=reset_possible and gpu_wanted,
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
+        load_stall_s=config.health.load_stall_s,
+        progress_cpu_s=config.health.progress_cpu_s,
     )
 
 
@@ -167,6 +174,7 @@ class _Generation:
     probe: ServerProbe
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log: TextIO | None = None
+    lines: int = 0  # lines printed so far (a progress signal)
 
 
 class Daemon:
@@ -184,6 +192,12 @@ class Daemon:
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
         self.status_file = self._make_status_file(config.runtime.dir)
+        self.lock = RuntimeLock(config.runtime.dir)
+        # [server].api_key_file's key as last read (start, reload, each spawn) and the one the running
+        # server was started with, which our probes send. Never emitted.
+        self._api_key = ""
+        self._live_key = ""
+        self._identity = ServerIdentity(None, None, None, "llama-guard's own user")
         self._gen: _Generation | None = None
         self._stop_signals = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -279,7 +293,43 @@ class Daemon:
     # ------------------------------------------------------------ entry point
 
     async def run(self) -> int:
-        """Supervise until a stop request or a give-up; returns the exit status."""
+        """Supervise until a stop request or a give-up; returns the exit status.
+
+        Refuses (exit 78, no server started) when another daemon holds the runtime directory's
+        lock, when ``[server].api_key_file`` cannot be read, or when llama-server could not be
+        started as ``[server].user``.
+        """
+        try:
+            self.lock.acquire()
+        except (AlreadyRunning, OSError) as exc:
+            reason = str(exc) if isinstance(exc, AlreadyRunning) else (
+                f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
+            self.emitter.emit("config_error", reason=reason)
+            self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
+            return EXIT_CONFIG
+        try:
+            return await self._run_locked()
+        finally:
+            self.lock.release()
+
+    def _prepare(self, config: Config) -> tuple[str, ServerIdentity]:
+        """The API key and llama-server's identity for ``config``. Raises ConfigError."""
+        key = read_api_key(config.server)
+        try:
+            identity = resolve_identity(config.server.user, config.server.group,
+                                        config.server.supplementary_groups)
+            problem = identity_problem(identity)
+        except (ValueError, OSError) as exc:
+            raise ConfigError([f"{self.config_path}: {exc}"]) from None
+        if problem:
+            raise ConfigError([f"{self.config_path}: {problem}"])
+        return key, identity
+
+    def _warn_unauthenticated(self, config: Config) -> None:
+        if not config.server.loopback and not config.server.api_key_file:
+            self.emitter.emit("server_unauthenticated", host=config.server.host, port=config.server.port)
+
+    async def _run_locked(self) -> int:
         loop = asyncio.get_running_loop()
         for sig, handler in ((signal.SIGTERM, self._on_term), (signal.SIGINT, self._on_term),
                              (signal.SIGHUP, self._on_hup), (signal.SIGUSR1, self._on_usr1)):
@@ -288,9 +338,19 @@ class Daemon:
                           daemon_pid=os.getpid())
         self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
                            emit=self.emitter.emit, post=self.queue.put_nowait,
-                           post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop)
+                           post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
+                           get_api_key=lambda: self._live_key)
         self._write_status()
         try:
+            try:
+                self._api_key, self._identity = await asyncio.to_thread(self._prepare, self.config)
+            except ConfigError as exc:
+                for line in exc.lines:
+                    self.emitter.emit("config_error", reason=line)
+                self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=exc.lines[0])
+                self._exit_code = EXIT_CONFIG
+                return EXIT_CONFIG
+            self._warn_unauthenticated(self.config)
             for source in self.sources:
                 refusal = await source.start(self.ctx)
                 if refusal:
@@ -467,7 +527,15 @@ class Daemon:
             if refused:
                 self.queue.put_nowait(SpawnFailed(refused, fatal=False))
                 return
+        # The sources' hooks (rlimits) first: raising a hard limit needs the privileges that
+        # the drop to [server].user then takes away.
         hooks = [h for h in (src.preexec() for src in self.sources) if h is not None]
+        hooks.append(make_drop(self._identity, os.getpid()))
+        try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
+            self._api_key = await asyncio.to_thread(read_api_key, server_cfg)
+        except ConfigError as exc:
+            self.queue.put_nowait(SpawnFailed(exc.lines[0]))
+            return
 
         def preexec_all() -> None:
             for hook in hooks:
@@ -475,13 +543,14 @@ class Daemon:
 
         self._spawn_cancellable = False  # from here on the answer is Spawned (or an exec error)
         try:
-            server = await asyncio.shield(spawn(argv, env, preexec_extra=preexec_all if hooks else None))
+            server = await asyncio.shield(spawn(argv, env, preexec_extra=preexec_all))
         except OSError as exc:
             self.queue.put_nowait(SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}"))
             return
+        self._live_key = self._api_key
         probe = ServerProbe(server_cfg.base_url, timeout_s=self.config.health.timeout_s,
                             canary_timeout_s=self.config.health.canary_timeout_s,
-                            canary=self.config.health.canary)
+                            canary=self.config.health.canary, get_key=lambda: self._live_key)
         gen = _Generation(server=server, probe=probe, log=self._open_server_log())
         self._gen = gen
         gen.tasks += [self._task(self._read_lines(gen), "server output"),
@@ -535,6 +604,7 @@ class Daemon:
         """Every line of the server's output: kept, classified, queued; then the exit status."""
         pid = gen.server.pid
         async for text in gen.server.lines():
+            gen.lines += 1
             if gen.log is not None:
                 with contextlib.suppress(OSError):
                     gen.log.write(text + "\n")
@@ -548,13 +618,26 @@ class Daemon:
             if verdict.family is not Family.HARMLESS:
                 self.queue.put_nowait(Line(pid, verdict, text))
 
+    def _gpu_busy(self, pid: int) -> bool | None:
+        """Our pid's GPU use as the sources see it (the first that can tell); None: unknown."""
+        for source in self.sources:
+            busy = source.gpu_busy(pid)
+            if busy is not None:
+                return busy
+        return None
+
     async def _watch_health(self, gen: _Generation) -> None:
-        """Readiness polling while STARTING, then liveness rounds while the server serves."""
+        """Readiness polling and load-progress sampling while STARTING, then liveness rounds
+        (probes plus progress signals) while the server serves."""
         pid = gen.server.pid
         health = self.config.health
         assert self.ctx is not None
+        sampler = ProgressSampler(pid, lambda: gen.lines, gpu_busy=self._gpu_busy)
+        sampled_at = self.clock()
+        answered = False
         while self.state.pid in (None, pid) and self.state.phase is Phase.STARTING:
-            owner = await self._port_owner(pid) if await gen.probe.health() else None
+            status = await gen.probe.health_status()
+            owner = await self._port_owner(pid) if status == 200 else None
             if owner is not None:
                 for source in self.sources:
                     refusal = await source.ready_check(self.ctx, pid)
@@ -563,20 +646,42 @@ class Daemon:
                         return
                 self.queue.put_nowait(HealthOk(pid, owner[0] if owner[0] != pid else None, owner[1]))
                 break
-            # No extension here: /health 503 is not progress. Server lines are (see _read_lines).
+            answered = answered or status is not None
+            if self.clock() - sampled_at >= LOAD_SAMPLE_S:
+                sampled_at = self.clock()
+                await self._load_progress(gen, sampler, answered)
+                answered = False
             await asyncio.sleep(health.startup_poll_s)
         while self.state.phase is Phase.STARTING and self.state.pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
+        await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while self.state.pid == pid and self.state.phase in (Phase.READY, Phase.DRAINING):
             await asyncio.sleep(health.interval_s)
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
             result = await gen.probe.liveness()
+            moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
+            cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
                               canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
-                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3))
+                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3),
+                              cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
             self.queue.put_nowait(Probe(pid, result.health_ok, result.canary_ok, result.busy,
-                                        result.progressed, result.detail))
+                                        result.progressed, result.detail, cpu_s=moved.cpu_s,
+                                        lines=moved.lines, gpu_busy=moved.gpu_busy))
+
+    async def _load_progress(self, gen: _Generation, sampler: ProgressSampler, answered: bool) -> None:
+        """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
+        its own port) to the policy, and keep systemd's start timeout ahead while they move."""
+        pid = gen.server.pid
+        threshold = self.config.health.progress_cpu_s
+        moved = await asyncio.to_thread(lambda: sampler.sample(accumulate_below_s=threshold))
+        signals = list(moved.signals(threshold))
+        if answered and await self._port_owner(pid) is not None:
+            signals.append("http")
+        if signals:
+            self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
+            self._extend_start_timeout()
 
     async def _port_owner(self, pid: int) -> tuple[int, str] | None:
         port = self.config.server.port
@@ -692,6 +797,8 @@ class Daemon:
                                                  f"loading {self.config_path}")
             problem = await self.lanes["config"].run(lambda: startable(new), MODEL_CHECK_TIMEOUT_S,
                                                      f"checking {new.server.model}")
+            key, identity = await self.lanes["config"].run(lambda: self._prepare(new), MODEL_CHECK_TIMEOUT_S,
+                                                           "reading [server].api_key_file")
         except ConfigError as exc:
             for line in exc.lines:
                 self.emitter.emit("config_error", reason=line + " (keeping the running configuration)")
@@ -714,11 +821,16 @@ class Daemon:
         if self._stopping_sent:
             self.emitter.emit("reload_ignored", reason="llama-guard began stopping during the reload")
             return
-        server_changed = new.server != self.config.server or new.limits != self.config.limits
+        # A new key (same file, new content) reaches llama-server only by a (drained) restart.
+        server_changed = (new.server != self.config.server or new.limits != self.config.limits
+                          or key != self._live_key)
         old = self.config
         report = reload_report(old, new)
         self.config = new
+        self._api_key, self._identity = key, identity
         self._apply_runtime(old, new)
+        if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
+            self._warn_unauthenticated(new)
         self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
         self.emitter.emit("config_reloaded", config_path=str(self.config_path),
                           changed=",".join(report.changed), applied=",".join(report.applied),
@@ -735,7 +847,15 @@ class Daemon:
         if new.log.level != old.log.level:
             self.emitter.set_level(new.log.level)
         if new.runtime.dir != old.runtime.dir:
+            lock = RuntimeLock(new.runtime.dir)
+            try:
+                lock.acquire()
+            except (AlreadyRunning, OSError) as exc:
+                self.emitter.emit("config_error", reason=f"[runtime].dir: {exc}; keeping {old.runtime.dir}")
+                return
             self.status_file.remove()
+            self.lock.release()
+            self.lock = lock
             self.status_file = self._make_status_file(new.runtime.dir)
             self._write_status()
 

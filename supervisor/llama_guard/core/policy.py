@@ -14,7 +14,8 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.server_log import Family, LineClass
+from llama_guard.core.judgement import answered, failure_signature, incompatibility, progress_signals
+from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -31,6 +32,7 @@ from llama_guard.core.types import (
     InspectGpu,
     Kill,
     Line,
+    LoadProgress,
     NotifyReady,
     NotOnGpu,
     ParamsChanged,
@@ -61,12 +63,17 @@ from llama_guard.core.types import (
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_GPU_UNRECOVERABLE, EXIT_OK
 
 
-def _exit_fields(pid: int, returncode: int | None) -> dict[str, object]:
+def _exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[str, object]:
+    """The fields of an exit event; ``last_error`` (the server's last error/abort line) is kept in
+    ``last_error`` and appended to ``exit_text``."""
     fields: dict[str, object] = {"server_pid": pid, "exit_text": exit_text(returncode)}
     if returncode is not None and returncode < 0:
         fields["signal"] = -returncode
     elif returncode is not None:
         fields["exit_status"] = returncode
+    if last_error:
+        fields["last_error"] = last_error
+        fields["exit_text"] = f"{fields['exit_text']} after: {last_error}"
     return fields
 
 
@@ -87,6 +94,8 @@ def decide(state: State, event: Input, now: float) -> Result:
     """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
     if state.phase is Phase.EXITED:
         return state, []
+    if isinstance(event, Line) and event.pid == state.pid and event.verdict.family in ERROR_FAMILIES:
+        state = replace(state, last_error=event.text.strip())
     if isinstance(event, StopRequest):
         return _on_stop_request(state, event, now)
     if isinstance(event, ParamsChanged):
@@ -115,7 +124,7 @@ def _stop(state: State, now: float, after: AfterStop, fault: str, *,
 def _spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
-                    reported_limits=frozenset()),
+                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error=""),
             [Spawn()])
 
 
@@ -169,7 +178,8 @@ def _on_stopped(state: State, event: Input, now: float) -> Result:
 def _on_starting(state: State, event: Input, now: float) -> Result:
     p = state.params
     if isinstance(event, Spawned):
-        new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s)
+        new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s,
+                      last_progress_at=now)
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:
@@ -198,36 +208,123 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
                                                      "cause": event.reason}), *actions]
     if isinstance(event, HealthOk) and event.pid == state.pid:
         load_s = now - (state.started_at if state.started_at is not None else now)
-        new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False)
+        recovered = _alloc_recovered(state, "the server became ready")
+        new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
+                      alloc_failure="", boot_signature="")
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.
             fields["port_pid"] = event.port_pid
             fields["port_owner"] = (f"descendant pid {event.port_pid}"
                                     f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
-        return new, [Emit("server_ready", fields), NotifyReady()]
+        return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
+    if isinstance(event, LoadProgress) and event.pid == state.pid:
+        return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:
-        return _on_starting_line(state, event, now)
+        return _on_starting_line(replace(state, last_progress_at=now), event, now)
     if isinstance(event, Exited) and event.pid == state.pid:
-        fields = _exit_fields(event.pid, event.returncode)
-        if state.boot_cause:
-            new, actions = _exit(state, EXIT_CONFIG, state.boot_cause)
-            return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
-        failure = f"exited while loading: {fields['exit_text']}"
-        new = replace(state, last_failure=failure)
-        new, actions = _count_failure(new, now)
-        return new, [Emit("server_exited", {**fields, "phase": "loading"}), *actions]
+        return _exited_while_loading(state, event, now)
+    if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
+        return stalled
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        new = replace(state, last_failure="load timeout")
+        new = replace(state, last_failure="load timeout", boot_signature="")
         new, actions = _stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
     return state, []
 
 
+def _load_stalled(state: State, now: float) -> Result | None:
+    """Stop a load that showed no progress signal for ``load_stall_s``; None while it progresses."""
+    p = state.params
+    if p.load_stall_s <= 0 or state.last_progress_at is None or now - state.last_progress_at < p.load_stall_s:
+        return None
+    quiet = now - state.last_progress_at
+    reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
+    new = replace(state, last_failure=reason, boot_signature="")
+    new, actions = _stop(new, now, AfterStop.FAILURE, "load stalled")
+    loading = now - (state.started_at if state.started_at is not None else now)
+    return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
+                                              "load_stall_s": p.load_stall_s, "loading_s": round(loading, 1),
+                                              "phase": "loading"}), *actions]
+
+
+def _alloc_recovered(state: State, how: str) -> list[Action]:
+    """The warning for an allocation failure the server came through (nothing when none is pending)."""
+    if not state.alloc_failure:
+        return []
+    return [Emit("server_alloc_recovered", {"server_pid": state.pid, "line": state.alloc_failure,
+                                            "recovery": how, "phase": state.phase.value})]
+
+
+def _alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
+    """The server exited after an allocation failure it did not recover from: a fatal OOM."""
+    assert state.pid is not None
+    fields = _exit_fields(state.pid, event.returncode, state.last_error)
+    reason = f"server_oom: {state.alloc_failure}"
+    oom = Emit("server_oom", {"server_pid": state.pid, "line": state.alloc_failure,
+                              "cause": state.alloc_failure, "phase": phase, **{
+                                  k: v for k, v in fields.items() if k != "server_pid"}})
+    new = replace(state, last_failure=reason, alloc_failure="", boot_signature="", reset_reason=reason)
+    p = state.params
+    # As for an OOM line that stops the server: at load on a watched GPU, first see whether another
+    # process holds the VRAM; else a reset when reset_on has "oom"; else a failure.
+    if phase == "loading" and p.vram_admission:
+        new, actions = _finish_stop(replace(new, after_stop=AfterStop.VRAM_CHECK), now)
+    elif p.reset_possible and ResetTrigger.OOM in p.reset_on:
+        new, actions = _finish_stop(replace(new, after_stop=AfterStop.RESET), now)
+    else:
+        new, actions = _count_failure(new, now)
+    return new, [oom, Emit("server_exited", {**fields, "phase": phase}), *actions]
+
+
+def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
+    """An exit before the first ready: a configuration failure, a fatal OOM, or a failure that, when
+    the previous start ended the same way, is deterministic (a boot failure, exit 78)."""
+    assert state.pid is not None
+    if state.alloc_failure:
+        return _alloc_fatal(state, event, now, "loading")
+    fields = _exit_fields(event.pid, event.returncode, state.last_error)
+    if state.boot_cause:
+        new, actions = _exit(state, EXIT_CONFIG, state.boot_cause)
+        return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
+    exited = Emit("server_exited", {**fields, "phase": "loading"})
+    # A SIGKILL comes from outside (the kernel's OOM killer, an operator): not the binary's own doing.
+    signature = "" if event.returncode == -signal.SIGKILL else failure_signature(
+        exit_text(event.returncode), state.last_error)
+    if signature and signature == state.boot_signature:
+        named = state.last_error or exit_text(event.returncode)
+        cause = (f"llama-server fails the same way before it is ready on consecutive starts "
+                 f"({exit_text(event.returncode)}): {named}")
+        new, actions = _exit(replace(state, boot_signature=""), EXIT_CONFIG, cause)
+        return new, [exited, Emit("server_boot_failure", {"cause": cause, "line": state.last_error,
+                                                          "consecutive_starts": 2, **fields}), *actions]
+    failure = f"exited while loading: {fields['exit_text']}"
+    new = replace(state, last_failure=failure, boot_signature=signature)
+    new, actions = _count_failure(new, now)
+    return new, [exited, *actions]
+
+
+def _incompatible(state: State, now: float, verdict: LineClass, text: str) -> Result:
+    """Stop for good: the binary, the driver or the card cannot run this server (exit 78)."""
+    reason = f"{verdict.cause}; fix: {verdict.limit}"
+    emit = Emit("server_gpu_incompatible", {"server_pid": state.pid, "line": text.strip(),
+                                            "cause": verdict.cause, "fix": verdict.limit})
+    if state.phase is Phase.STOPPING:
+        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_CONFIG, exit_reason=reason,
+                      pending_event=None, last_failure=reason)
+        return new, [emit]
+    new, actions = _stop(replace(state, last_failure=reason), now, AfterStop.EXIT, reason,
+                         code=EXIT_CONFIG, reason=reason)
+    return new, [emit, *actions]
+
+
 def _fault_line(state: State, event: Line, now: float, phase: str) -> Result | None:
-    """Stop for a fatal GPU line (OOM, GPU error, abort); None when the line is not fatal."""
+    """Stop for a fatal GPU line (OOM, GPU error, abort, a fault no restart can fix); None when the
+    line is not fatal."""
     verdict = event.verdict
+    if verdict.family is Family.GPU_INCOMPATIBLE:
+        return _incompatible(state, now, verdict, event.text)
     trigger = ResetTrigger.OOM if verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
     fault = _fault_event(state, verdict, event.text)
     if fault is not None:
@@ -259,6 +356,13 @@ def _on_starting_line(state: State, event: Line, now: float) -> Result:
     fatal = _fault_line(state, event, now, "loading")
     if fatal is not None:
         return fatal
+    if verdict.family is Family.ALLOC_FAILED:
+        return replace(state, alloc_failure=state.alloc_failure or event.text.strip()), []
+    if verdict.family is Family.ALLOC_RECOVERED:
+        return replace(state, alloc_failure=""), _alloc_recovered(state, event.text.strip())
+    incompatible = incompatibility(verdict)
+    if incompatible is not None and state.params.require_gpu:
+        return _incompatible(state, now, incompatible, event.text)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
         new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}")
         new, actions = _stop(new, now, AfterStop.FAILURE, "GPU unavailable")
@@ -284,9 +388,16 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
             return fatal
         if event.verdict.family is Family.RESOURCE_LIMIT:
             return _limit_line(state, event)
+        if event.verdict.family is Family.ALLOC_FAILED:
+            # A runtime pool OOM may be answered as one request's HTTP 500: judged by what follows.
+            return replace(state, alloc_failure=state.alloc_failure or event.text.strip()), []
+        if event.verdict.family is Family.ALLOC_RECOVERED:
+            return replace(state, alloc_failure=""), _alloc_recovered(state, event.text.strip())
         return state, []
+    if isinstance(event, Exited) and event.pid == pid and state.alloc_failure:
+        return _alloc_fatal(state, event, now, state.phase.value)
     if isinstance(event, Exited) and event.pid == pid:
-        fields = _exit_fields(pid, event.returncode)
+        fields = _exit_fields(pid, event.returncode, state.last_error)
         new = replace(state, last_failure=f"exited: {fields['exit_text']}")
         new, actions = _count_failure(new, now)
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
@@ -320,19 +431,26 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
 
 
 def _on_probe(state: State, event: Probe, now: float) -> Result:
-    # A slot that is busy and whose counters move is working, even if the canary queued behind it.
-    alive = event.health_ok and (event.canary_ok is not False or (event.busy and event.progressed))
-    if alive:
-        return (replace(state, strikes=0) if state.strikes else state), []
+    # Liveness rests on progress, not on the HTTP loop answering: a server whose CPU time, output
+    # or counters move is working even when its probes time out (a busy loop); only a round with
+    # neither an answer nor progress is a strike (a SIGSTOPped or wedged server).
+    moving = progress_signals(event, state.params)
+    recovered: list[Action] = []
+    if state.alloc_failure and event.health_ok:
+        recovered = _alloc_recovered(state, "the server still serves (the failing request got an error)")
+        state = replace(state, alloc_failure="")
+    if answered(event) or moving:
+        return (replace(state, strikes=0) if state.strikes else state), recovered
     strikes = state.strikes + 1
     if strikes < state.params.hang_strikes:
-        return replace(state, strikes=strikes), []
+        return replace(state, strikes=strikes), recovered
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
+    reason += "; no progress (CPU time, output lines, token counters) since the last probe"
     new = replace(state, strikes=strikes, last_failure=f"hang: {reason}")
     new, actions = _stop(new, now, AfterStop.FAILURE, "hang")
     assert state.pid is not None
-    return new, [Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason}),
-                 *actions]
+    return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
+                                                  "phase": state.phase.value}), *actions]
 
 
 def _on_stopping(state: State, event: Input, now: float) -> Result:
@@ -344,6 +462,9 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
         if isinstance(event, SpawnFailed):
             return _finish_stop(state, now)
         return state, []
+    if (isinstance(event, Line) and event.pid == state.pid and event.verdict.family is Family.GPU_INCOMPATIBLE
+            and state.after_stop is not AfterStop.EXIT):
+        return _incompatible(state, now, event.verdict, event.text)
     if isinstance(event, Line) and event.pid == state.pid and state.pending_event is not None:
         fault = _fault_event(state, event.verdict, event.text)
         if fault is not None:
@@ -363,7 +484,7 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
         return state, []
     if isinstance(event, Exited) and event.pid == state.pid:
         actions: list[Action] = []
-        fields = _exit_fields(state.pid, event.returncode)
+        fields = _exit_fields(state.pid, event.returncode, state.last_error)
         if state.killed and event.returncode == -signal.SIGKILL:
             fields["exit_text"] = "killed by SIGKILL (sent by llama-guard)"
         if state.pending_event is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,26 @@ from llama_guard.core.prometheus import MetricsError, parse_metrics
 # Prometheus counters of llama-server (--metrics) that move while it decodes.
 PROGRESS_COUNTERS = ("llamacpp:n_decode_total", "llamacpp:tokens_predicted_total",
                      "llamacpp:prompt_tokens_total")
+
+
+class BearerKey(httpx.Auth):
+    """Sends ``Authorization: Bearer <key>`` with the key current at each request (``get_key()``;
+    "" sends nothing), so that a reloaded ``[server].api_key_file`` applies to open clients."""
+
+    def __init__(self, get_key: Callable[[], str]) -> None:
+        self._get_key = get_key
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        key = self._get_key()
+        if key:
+            request.headers["Authorization"] = f"Bearer {key}"
+        yield request
+
+
+def make_client(get_key: Callable[[], str] = lambda: "", base_url: str = "") -> httpx.AsyncClient:
+    """The one way llama-guard builds an HTTP client for its llama-server: no proxy from the
+    environment, and the API key (``get_key``) on every request."""
+    return httpx.AsyncClient(base_url=base_url, trust_env=False, auth=BearerKey(get_key))
 
 
 @dataclass(frozen=True)
@@ -54,24 +75,30 @@ class ServerProbe:
     """Probes one llama-server at ``base_url`` (``http://host:port``)."""
 
     def __init__(self, base_url: str, *, timeout_s: float, canary_timeout_s: float,
-                 canary: bool = True, client: httpx.AsyncClient | None = None) -> None:
+                 canary: bool = True, client: httpx.AsyncClient | None = None,
+                 get_key: Callable[[], str] = lambda: "") -> None:
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.canary_timeout_s = canary_timeout_s
         self.canary = canary
-        self._client = client or httpx.AsyncClient(base_url=base_url, trust_env=False)
+        self._client = client or make_client(get_key, base_url)
         self._last_progress: tuple[float, ...] | None = None
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def health(self) -> bool:
-        """True when ``GET /health`` answers 200 within ``timeout_s``."""
+    async def health_status(self) -> int | None:
+        """The HTTP status of ``GET /health`` (200 ready, 503 loading …), or None when nothing
+        answered within ``timeout_s``. Any answer shows the server's HTTP loop is alive."""
         try:
             resp = await self._client.get("/health", timeout=self.timeout_s)
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return None
+        return resp.status_code
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout_s``."""
+        return await self.health_status() == 200
 
     async def slots(self) -> SlotsView | None:
         """``GET /slots`` summarised, or None when unavailable."""

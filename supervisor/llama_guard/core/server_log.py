@@ -28,18 +28,39 @@ class Family(enum.Enum):
     LOAD_FAILED = "load_failed"        # model load failed; the cause is on another line
     GPU_UNAVAILABLE = "gpu_unavailable"  # the server found no usable GPU and falls back to the CPU
     RESOURCE_LIMIT = "resource_limit"  # an rlimit bit (memlock, threads, file descriptors)
+    # An allocation failed; llama.cpp may recover (retry without pipeline parallelism, a per-request
+    # HTTP 500): fatal only if the process then aborts, exits or never becomes ready.
+    ALLOC_FAILED = "alloc_failed"
+    ALLOC_RECOVERED = "alloc_recovered"  # llama.cpp says it recovers from the allocation failure
+    # A fixed property of the binary, the driver or the card: no restart or reset can fix it.
+    GPU_INCOMPATIBLE = "gpu_incompatible"
+    ERROR = "error"                    # any other error or abort line (kept to name a failure)
 
 
 @dataclass(frozen=True)
 class LineClass:
-    """The verdict on one line: its family, a short cause and, for limits, which rlimit."""
+    """The verdict on one line: its family, a short cause and, for limits, which rlimit; for
+    :attr:`Family.GPU_INCOMPATIBLE` ``limit`` holds the fix."""
 
     family: Family
     cause: str = ""
     limit: str = ""
 
 
+# Families whose lines name a failure (the "last error line" of a server that then exits).
+ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_ABORT, Family.BOOT_CONFIG,
+                            Family.LOAD_FAILED, Family.RESOURCE_LIMIT, Family.ALLOC_FAILED,
+                            Family.GPU_INCOMPATIBLE, Family.ERROR})
+
+
 _GPU_API = r"(?:CUDA|HIP|ROCm|MUSA|SYCL)"
+_FIX_REBUILD = ("rebuild llama.cpp for this GPU's architecture (CMAKE_CUDA_ARCHITECTURES, e.g. 90 for "
+                "an H100/H200) or use a build that includes it")
+_FIX_DRIVER = "update the NVIDIA driver to one that supports the binary's CUDA version (or rebuild with an older CUDA)"
+_FIX_DRIVER_OR_REBUILD = ("update the NVIDIA driver to one that supports the CUDA toolkit the binary was built "
+                          "with, or rebuild llama.cpp with a toolkit this driver supports")
+_FIX_DRIVER_MATCH = ("install matching NVIDIA kernel driver and user-space libraries (libcuda) of one "
+                     "version, then reboot")
 
 
 def _fixed(cause: str, limit: str = "") -> Callable[[re.Match[str]], tuple[str, str]]:
@@ -62,20 +83,39 @@ TABLE: tuple[_Row, ...] = (
     # Not failures: the server copes on its own, or a client asked for too much.
     _row(r"failed to find free space in the KV cache", F.HARMLESS, _fixed("KV cache full, batch retried")),
     _row(r"exceeds the available context size", F.HARMLESS, _fixed("client request too long")),
-    # Out of memory: runtime and at load/context creation.
+    # A GPU backend that cannot initialise: the server falls back to the CPU (the reason may be an
+    # incompatibility below; the policy looks inside).
+    _row(r"failed to initialize " + _GPU_API + r": (.+?)\s*$", F.GPU_UNAVAILABLE, _group("{0}")),
+    # Faults no restart or reset can fix (facts/llama-server.md): the binary was built for another
+    # GPU architecture or toolkit, or the driver is too old for the CUDA runtime.
+    _row(r"provided PTX was compiled with an unsupported toolchain", F.GPU_INCOMPATIBLE,
+         _fixed("the binary's PTX was compiled with a newer CUDA toolchain than the driver supports",
+                _FIX_DRIVER_OR_REBUILD)),
+    _row(r"no kernel image is available for execution on the device", F.GPU_INCOMPATIBLE,
+         _fixed("the binary has no kernel image for this GPU's architecture", _FIX_REBUILD)),
+    _row(r"driver version is insufficient for (?:CUDA|HIP) runtime version", F.GPU_INCOMPATIBLE,
+         _fixed("the GPU driver is older than the binary's CUDA runtime", _FIX_DRIVER)),
+    _row(r"unsupported display driver\s*/\s*cuda driver combination", F.GPU_INCOMPATIBLE,
+         _fixed("the system has an unsupported display driver / CUDA driver combination", _FIX_DRIVER_MATCH)),
+    # Out of memory, fatal by itself: the CUDA_CHECK abort (the process aborts next) and a KV cache
+    # that does not fit (the context is not created; the server exits).
     _row(_GPU_API + r" error: out of memory", F.OOM, _fixed("GPU runtime out of memory")),
-    _row(r"cudaMalloc failed: out of memory", F.OOM, _fixed("cudaMalloc failed: out of memory")),
     _row(r"ErrorOutOfDeviceMemory", F.OOM, _fixed("device out of memory")),
-    _row(r"failed to allocate (\S+) buffer of size (\d+)", F.OOM, _group("failed to allocate {0} buffer of {1} bytes")),
-    _row(r"unable to allocate (\S+) buffer", F.OOM, _group("unable to allocate {0} buffer")),
-    _row(r"failed to allocate compute buffers", F.OOM, _fixed("failed to allocate compute buffers")),
     _row(r"failed to allocate buffer for kv cache", F.OOM, _fixed("failed to allocate the KV cache")),
+    # An allocation failed; llama.cpp may recover from it (the policy judges by what follows).
+    _row(r"cudaMalloc failed: out of memory", F.ALLOC_FAILED, _fixed("cudaMalloc failed: out of memory")),
+    _row(r"failed to allocate (\S+) buffer of size (\d+)", F.ALLOC_FAILED,
+         _group("failed to allocate {0} buffer of {1} bytes")),
+    _row(r"unable to allocate (\S+) buffer", F.ALLOC_FAILED, _group("unable to allocate {0} buffer")),
+    _row(r"failed to allocate compute buffers", F.ALLOC_FAILED, _fixed("failed to allocate compute buffers")),
+    # llama.cpp's own recovery from a failed allocation.
+    _row(r"retrying without pipeline parallelism", F.ALLOC_RECOVERED,
+         _fixed("compute buffers reserved again without pipeline parallelism")),
     # Fatal GPU runtime errors other than OOM.
     _row(_GPU_API + r" error: (.+?)\s*$", F.GPU_FATAL, _group("{0}")),
     _row(r"\.cu[h]?:\d+: " + _GPU_API + r" error", F.GPU_ABORT, _fixed("GPU runtime error (abort)")),
     _row(r"ggml_cuda_compute_forward: (\S+) failed", F.GPU_ABORT, _group("{0} failed on the GPU")),
     # The GPU is silently unavailable: the server would run on the CPU.
-    _row(r"failed to initialize " + _GPU_API + r": (.+?)\s*$", F.GPU_UNAVAILABLE, _group("{0}")),
     _row(r"no usable GPU found", F.GPU_UNAVAILABLE, _fixed("no usable GPU found")),
     # Resource limits.
     _row(r"failed to mlock", F.RESOURCE_LIMIT, _fixed("failed to mlock the model", "RLIMIT_MEMLOCK")),
@@ -100,6 +140,10 @@ TABLE: tuple[_Row, ...] = (
     # Progress that is informative only (readiness is /health 200).
     _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
     _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
+    # Any other error or abort line: not a verdict by itself, but it names why a server exited.
+    _row(r"GGML_ASSERT\((.+?)\) failed", F.ERROR, _group("assertion failed: {0}")),
+    _row(r"terminate called after throwing|what\(\):", F.ERROR, _fixed("uncaught exception")),
+    _row(r"\b(?:error|failed|fatal|abort(?:ed|ing)?|panic)\b", F.ERROR, _fixed("error line")),
 )
 
 _HARMLESS = LineClass(Family.HARMLESS)

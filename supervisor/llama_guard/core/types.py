@@ -122,6 +122,10 @@ class Params:
     vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
     vram_wait_timeout_s: float = 300.0  # how long to wait for another process to free VRAM
     vram_poll_s: float = 1.0  # how often VRAM is looked at again while waiting
+    # A start with no progress signal (line, CPU time, HTTP answer) for this long is stalled; 0: off.
+    load_stall_s: float = 60.0
+    # CPU seconds of the server's process tree within one liveness round that count as progress.
+    progress_cpu_s: float = 0.05
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -271,7 +275,12 @@ class Probe(Input):
 
     ``health_ok``: /health answered 200 in time. ``canary_ok``: a 1-token completion finished
     in time (None when not attempted). ``busy``: a slot is processing. ``progressed``: the
-    server's decode counters moved since the previous round.
+    server's decode counters moved since the previous round. The progress signals that do not
+    depend on the server's HTTP loop: ``cpu_s``, CPU seconds (user + system) its process tree
+    used since the previous round (None: unknown); ``lines``, output lines it printed since then;
+    ``gpu_busy``, whether a GPU watcher saw this pid use the GPU (None: no watcher says).
+    A probe that timed out is unknown, not stuck: only a round without an answer *and* without
+    progress counts against the server.
     """
 
     pid: int
@@ -280,6 +289,18 @@ class Probe(Input):
     busy: bool
     progressed: bool
     detail: str = ""
+    cpu_s: float | None = None
+    lines: int = 0
+    gpu_busy: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoadProgress(Input):
+    """While server ``pid`` loads, a progress signal moved: ``signals`` names which ("lines",
+    "cpu", "http" for any answer of /health, 503 included)."""
+
+    pid: int
+    signals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -457,11 +478,19 @@ class State:
     vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
     vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
     vram_short: str = ""  # who holds what is missing, while waiting
+    last_progress_at: float | None = None  # the last progress signal of a loading server
+    alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
+    last_error: str = ""        # the last error/abort line of the current server
+    boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""
         if self.phase is Phase.READY and not self.stable and self.ready_at is not None:
             return self.ready_at + self.params.stable_after_s
+        if (self.phase is Phase.STARTING and self.last_progress_at is not None
+                and self.params.load_stall_s > 0):
+            stall = self.last_progress_at + self.params.load_stall_s
+            return stall if self.deadline is None else min(stall, self.deadline)
         return self.deadline
 
 

@@ -29,6 +29,8 @@ class Context:
     post_threadsafe: Callable[[Input], None]
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop
+    # The API key of [server].api_key_file as last read (start, reload); "" without one.
+    get_api_key: Callable[[], str] = lambda: ""
 
     @property
     def config(self) -> Config:
@@ -96,6 +98,11 @@ class Source:
         """Run the reset command on GPU ``gpu_index`` and verify it (only called when
         :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
         return ResetDone(gpu_index, "", None, "", False, f"{self.name} cannot reset the GPU")
+
+    def gpu_busy(self, pid: int) -> bool | None:
+        """Whether server ``pid`` uses the GPU now (a liveness progress signal, read outside the
+        server's HTTP loop); None when this source cannot tell. Called from a worker thread."""
+        return None
 
     def status_fragment(self) -> str:
         """A short text for sd_notify STATUS= (``GPU 0 61°C 212 W``); empty for nothing."""

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 import psutil
 
 from llama_guard.config import Config
+from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
 from llama_guard.core.types import GpuHolder, ResetDone, ResetFacts
 from llama_guard.gpu.nvml import Nvml, NvmlError
 from llama_guard.gpu.readings import GpuSample
@@ -83,16 +84,18 @@ class ResetExecutor:
     """Inspects and resets one watched GPU through ``nvml``.
 
     ``halt_xid`` (awaited before the command) stops the Xid waiter so that our NVML session can
-    be released; ``resume_xid`` starts it again. ``euid`` is injectable for tests.
+    be released; ``resume_xid`` starts it again. ``credentials`` (default: this process's, from
+``/proc/self/status``) is injectable for tests; whether they allow a reset is
+:func:`llama_guard.core.privileges.reset_precondition` (root with CAP_SYS_ADMIN).
     """
 
     def __init__(self, nvml: Nvml, *, halt_xid: Callable[[], Awaitable[None]],
-                 resume_xid: Callable[[], None], euid: Callable[[], int] = os.geteuid,
+                 resume_xid: Callable[[], None], credentials: Callable[[], Credentials] = read_credentials,
                  poll_s: float = POLL_S) -> None:
         self.nvml = nvml
         self._halt_xid = halt_xid
         self._resume_xid = resume_xid
-        self._euid = euid
+        self._credentials = credentials
         self._poll_s = poll_s
 
     async def sample(self) -> GpuSample | None:
@@ -127,9 +130,11 @@ class ResetExecutor:
         if previous_pid is not None:
             released, waited = await self.wait_released(previous_pid, config.gpu.vram_release_timeout_s,
                                                         baseline_used_bytes)
-        euid = self._euid()
-        can_run = euid == 0
-        cannot_run = "" if can_run else f"llama-guard runs as uid {euid}, not root: nvidia-smi --gpu-reset needs root"
+        try:
+            cannot_run = reset_precondition(self._credentials())
+        except (OSError, KeyError, ValueError) as exc:
+            cannot_run = f"llama-guard's credentials cannot be read (/proc/self/status: {exc})"
+        can_run = not cannot_run
         # Another process may be releasing the GPU right now (e.g. the one that made us run out of
         # memory): give it [recovery].foreign_wait_s before reporting it.
         deadline = time.monotonic() + config.recovery.foreign_wait_s

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
@@ -285,9 +286,10 @@ class GpuSource(Source):
     async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
         """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
         index = fields.get("gpu_index")
-        if os.geteuid() != 0:
+        if reset_precondition():  # the same credentials: root with CAP_SYS_ADMIN
             ctx.emit("gpu_persistence_off", gpu_index=index,
-                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root")
+                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root "
+                            "with CAP_SYS_ADMIN")
             return
         assert self.nvml is not None
         try:

@@ -26,6 +26,7 @@ from typing import IO, Any
 import httpx
 
 from llama_guard.config import Config
+from llama_guard.core.probes import BearerKey
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 BENCH_FILE = "bench.json"  # the last bench's result under [runtime].dir (exported as metrics)
@@ -128,13 +129,14 @@ def completion(client: httpx.Client, tokens: int, prompt: str) -> RunTimings:
 
 def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT, timeout_s: float = 300.0,
               warmup: bool = True, progress: Progress | None = None,
-              on_run: Callable[[int, RunTimings], None] | None = None) -> BenchResult:
+              on_run: Callable[[int, RunTimings], None] | None = None, api_key: str = "") -> BenchResult:
     """Warm up, then ``runs`` completions of ``tokens`` tokens against ``url``; each request has
-    ``timeout_s``. Raises :class:`BenchError` on the first failed request."""
+    ``timeout_s`` and, with ``api_key`` (``[server].api_key_file``'s key), a Bearer token.
+    Raises :class:`BenchError` on the first failed request."""
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
     done: list[RunTimings] = []
-    with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False) as client:
+    with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False, auth=BearerKey(lambda: api_key)) as client:
         if warmup:
             if progress:
                 progress.update(0, "warm-up")

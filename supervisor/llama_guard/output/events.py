@@ -69,6 +69,13 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
+        EventSpec("server_load_stalled", _S.ERROR,
+                  "llama-server pid {server_pid} stalled while loading: no output line, CPU time or HTTP "
+                  "answer for {stalled_s:.0f} s (load_stall_s {load_stall_s:.0f} s)"),
+        EventSpec("server_alloc_recovered", _S.WARNING,
+                  "llama-server pid {server_pid} recovered from a failed allocation ({recovery}): {line}"),
+        EventSpec("server_gpu_incompatible", _S.CRITICAL,
+                  "llama-server pid {server_pid} cannot run on this GPU/driver: {cause}; fix: {fix}"),
         EventSpec("server_restart", _S.NOTICE, "restarting llama-server: {reason}"),
         EventSpec("server_backoff", _S.WARNING,
                   "waiting {backoff_s:.1f} s before starting llama-server again "
@@ -145,6 +152,9 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("status_write_failed", _S.WARNING,
                   "cannot write status under {runtime_dir}: {reason}; `llama-guard status` and "
                   "`llama-guard restart` will not find this daemon"),
+        EventSpec("server_unauthenticated", _S.WARNING,
+                  "llama-server listens on {host}:{port}, beyond loopback, without an API key "
+                  "([server].api_key_file)"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,

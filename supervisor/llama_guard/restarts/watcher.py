@@ -36,6 +36,7 @@ import httpx
 import psutil
 
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.types import (
     Action,
@@ -148,7 +149,7 @@ class ScheduleSource(Source):
         self.monitor = DecayMonitor.from_config(cfg)
         self.history = RestartHistory(cfg.history_size)
         if self._metrics_reader is None:
-            self._client = httpx.AsyncClient(trust_env=False)
+            self._client = make_client(ctx.get_api_key)
         return None
 
     async def close(self) -> None:

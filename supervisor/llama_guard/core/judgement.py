@@ -1,0 +1,56 @@
+"""Pure judgements the policy makes on a server's signals: is it alive, did it fail the same way
+twice, what to say about a fault that no restart can fix.
+
+No I/O; :mod:`llama_guard.core.policy` calls these from its transitions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llama_guard.core.server_log import Family, LineClass, classify_line
+from llama_guard.core.types import Params, Probe
+
+# The "<elapsed> <level> " prefix of llama-server's logger and a "[pid] " prefix.
+_PREFIX = re.compile(r"^\s*(?:\[\d+\]\s*)?(?:\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+)?")
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+def progress_signals(event: Probe, params: Params) -> list[str]:
+    """The progress signals of one liveness round that do not depend on the server's HTTP loop
+    (plus its decode counters when they answered): "counters", "cpu", "lines", "gpu"."""
+    out = []
+    if event.progressed:
+        out.append("counters")
+    if event.cpu_s is not None and event.cpu_s >= params.progress_cpu_s:
+        out.append("cpu")
+    if event.lines > 0:
+        out.append("lines")
+    if event.gpu_busy:
+        out.append("gpu")
+    return out
+
+
+def answered(event: Probe) -> bool:
+    """Whether the server answered this round: /health 200 and the canary (when sent) finished."""
+    return event.health_ok and event.canary_ok is not False
+
+
+def failure_signature(exit_text: str, last_error: str) -> str:
+    """How a start ended before its first ready, comparable across starts: the exit text and the
+    last error line without its log prefix, with numbers and addresses blanked (they differ
+    between runs of the same failure)."""
+    line = _NUMBER.sub("#", _PREFIX.sub("", last_error)).strip()
+    return f"{exit_text} | {line}"
+
+
+def incompatibility(verdict: LineClass) -> LineClass | None:
+    """The :attr:`Family.GPU_INCOMPATIBLE` verdict in ``verdict`` (itself, or the reason a GPU
+    backend failed to initialise, e.g. "CUDA driver version is insufficient ..."), else None."""
+    if verdict.family is Family.GPU_INCOMPATIBLE:
+        return verdict
+    if verdict.family is Family.GPU_UNAVAILABLE and verdict.cause:
+        inner = classify_line(verdict.cause)
+        if inner.family is Family.GPU_INCOMPATIBLE:
+            return inner
+    return None

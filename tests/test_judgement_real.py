@@ -1,0 +1,140 @@
+"""End to end with the REAL llama-server (CPU build) on the REAL SmolLM2 model (issue 12): a server
+frozen right after spawn, a SIGSTOPped ready server at the shipped [health] defaults, a server busy
+with long prompt batches at those defaults, and a context the server cannot run (ctx_size = 1)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import DaemonRun, base_sections, free_port, merge, stop_all
+from llama_guard.config import HealthConfig
+
+pytestmark = pytest.mark.real
+
+# The shipped [health] defaults (config.HealthConfig): the liveness judgement is tested as it ships.
+SHIPPED = {name: getattr(HealthConfig(), name) for name in ("interval_s", "timeout_s", "canary_timeout_s",
+                                                            "hang_strikes", "load_stall_s", "progress_cpu_s")}
+
+
+@pytest.fixture
+def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
+    runs: list[DaemonRun] = []
+    ports: list[int] = []
+
+    def make(extra: dict[str, dict[str, object]] | None = None, binary: str | None = None) -> DaemonRun:
+        port = free_port()
+        ports.append(port)
+        sections = merge(base_sections(tmp_path, binary or str(llama_server_bin), str(real_model), port),
+                         extra or {})
+        run = DaemonRun(tmp_path, sections)
+        run.port = port  # type: ignore[attr-defined]
+        runs.append(run)
+        return run
+
+    yield make
+    leftovers = stop_all(runs, ports)
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def frozen_once(tmp: Path, binary: Path) -> Path:
+    """A launcher that freezes (SIGSTOP to itself) on its first start, before it execs the real
+    llama-server, and execs it at once on later starts: no line, no CPU time, no HTTP answer."""
+    mark = tmp / "frozen.mark"
+    script = tmp / "frozen-once.sh"
+    script.write_text(f'#!/bin/sh\nif [ ! -e "{mark}" ]; then : > "{mark}"; kill -STOP $$; fi\n'
+                      f'exec "{binary}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def test_server_frozen_right_after_spawn_is_replaced(real: Any, tmp_path: Path, llama_server_bin: Path) -> None:
+    stall_s = 3.0
+    run = real({"health": {"load_stall_s": stall_s, "load_timeout_s": 600.0}},
+               binary=str(frozen_once(tmp_path, llama_server_bin))).start()
+    first = run.wait_event("server_starting", 30)["server_pid"]
+    stalled = run.wait_event("server_load_stalled", stall_s + 20)
+    assert stalled["server_pid"] == first and stalled["stalled_s"] >= stall_s
+    ready = run.wait_event("server_ready", 60)
+    assert ready["server_pid"] != first
+    # The real load that followed, under the same small load_stall_s, was never taken for a stall.
+    assert len([e for e in run.events() if e["event"] == "server_load_stalled"]) == 1
+    assert "server_load_timeout" not in run.names()
+
+
+def test_sigstopped_ready_server_is_found_within_30_s_at_shipped_defaults(real: Any) -> None:
+    run = real({"health": dict(SHIPPED), "recovery": {"stop_grace_s": 1.0}}).start()
+    first = run.wait_event("server_ready", 60)["server_pid"]
+    stopped_at = time.time()
+    os.kill(first, signal.SIGSTOP)
+    hang = run.wait_event("server_hang", 45)
+    assert hang["server_pid"] == first and hang["failures"] == SHIPPED["hang_strikes"]
+    assert stamp(hang) - stopped_at <= 30.0, stamp(hang) - stopped_at
+    assert run.wait_event("server_ready", 60, skip=1)["server_pid"] != first
+
+
+def long_prompt(words: int, rng: random.Random) -> str:
+    vocab = ["lighthouse", "harbour", "storm", "keeper", "signal", "night", "wave", "ship", "lamp", "rock",
+             "north", "salt", "rope", "bell", "fog", "tide", "gull", "stone", "wind", "shore"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+@pytest.mark.timeout(400)
+def test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults(real: Any) -> None:
+    # One 8192-token batch per prompt: each ~4000-token prefill is one long ubatch of CPU work.
+    run = real({"server": {"ctx_size": 8192, "batch_size": 8192, "ubatch_size": 8192},
+                "health": dict(SHIPPED)}).start()
+    pid = run.wait_event("server_ready", 120)["server_pid"]
+    rng = random.Random(12)
+    done: list[float] = []
+    errors: list[str] = []
+    until = time.monotonic() + 120.0
+
+    def client() -> None:
+        while time.monotonic() < until:
+            start = time.monotonic()
+            try:
+                resp = httpx.post(f"http://127.0.0.1:{run.port}/completion", timeout=300,
+                                  json={"prompt": long_prompt(3000, rng), "n_predict": 4, "cache_prompt": False})
+                resp.raise_for_status()
+                done.append(time.monotonic() - start)
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+                return
+
+    worker = threading.Thread(target=client)
+    worker.start()
+    worker.join(timeout=400)
+    assert not errors, errors
+    assert done, "no long prompt finished"
+    prompt_n = [e for e in run.events() if e["event"] == "server_line" and "prompt eval time" in e["line"]]
+    assert prompt_n, "the server never reported a prompt evaluation"
+    names = run.names()
+    assert "server_hang" not in names and "server_stopped" not in names, names
+    assert [e["server_pid"] for e in run.events() if e["event"] == "server_ready"] == [pid]
+
+
+def test_ctx_size_1_is_a_boot_failure_naming_the_abort(real: Any) -> None:
+    run = real({"server": {"ctx_size": 1}, "recovery": {"max_restarts": 5}}).start()
+    assert run.wait_exit(120) == 78
+    names = run.names()
+    assert names.count("server_starting") == 2, names  # the same abort twice, then no more starts
+    exits = [e for e in run.events() if e["event"] == "server_exited"]
+    assert len(exits) == 2 and all(e.get("last_error") for e in exits), exits
+    failure = run.wait_event("server_boot_failure")
+    assert exits[-1]["last_error"] in failure["cause"] and failure["line"] == exits[-1]["last_error"]
+    assert "server_ready" not in names
