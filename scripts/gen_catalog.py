@@ -243,6 +243,37 @@ TEXT: dict[str, tuple[str, str]] = {
         "The configuration cannot be used: @REASON@\n\n"
         "At start llama-guard exits with status 78 and systemd does not restart it. On reload the\n"
         "old configuration stays in force. Run `llama-guard check --config FILE`."),
+    "reload_ignored": (
+        "reload ignored",
+        "A SIGHUP arrived while llama-guard was stopping (or another reload was running): @REASON@\n\n"
+        "Nothing was changed. Reload again once the service runs."),
+    "watcher_failed": (
+        "a llama-guard watcher failed",
+        "The watcher @WATCHER@ raised @ERROR@. @ACTION@\n\n"
+        "It is restarted with backoff; one that keeps failing ends llama-guard with status 70 so that\n"
+        "systemd restarts it. Report the error with the journal excerpt."),
+    "blocking_call_timeout": (
+        "a blocking call did not return in time",
+        "@CALL@ did not return within @TIMEOUT_S@ s: @EFFECT@\n\n"
+        "Look for a hung filesystem (the model on a network mount), a FIFO, or a wedged binary."),
+    "gpu_nvml_timeout": (
+        "an NVML call hangs",
+        "The NVML call @CALL@ did not return within @TIMEOUT_S@ s. The GPU watch is degraded: @EFFECT@\n\n"
+        "If it persists llama-guard treats the GPU as lost. Check `nvidia-smi` and the kernel log."),
+    "server_escaped_process": (
+        "a process escaped llama-server's process group",
+        "Process @ESCAPED_PID@ (@ESCAPED_NAME@) called setsid or similar and still held llama-server\n"
+        "@SERVER_PID@'s output after the server exited. llama-guard killed it.\n\n"
+        "Check what the server (or a wrapper script) starts."),
+    "server_unkillable": (
+        "llama-server outlived SIGKILL",
+        "llama-server pid @SERVER_PID@ did not go away after SIGKILL (@HOLDS@). A second server would\n"
+        "fail on the same port or GPU, so llama-guard exits with status 70 instead.\n\n"
+        "The process is likely stuck in the driver (state D): check the kernel log; a reboot may be needed."),
+    "status_write_failed": (
+        "status file cannot be written",
+        "llama-guard cannot write its status or pid file under @RUNTIME_DIR@: @REASON@\n\n"
+        "`llama-guard status` and `llama-guard restart` will not find this daemon. Fix [runtime].dir."),
     "server_unauthenticated": (
         "llama-server reachable without an API key",
         "llama-server listens on @HOST@:@PORT@, an address other hosts can reach, and no API key\n"

@@ -9,6 +9,8 @@ Pass a :class:`FakeNvml` as ``module=`` to :class:`llama_guard.gpu.nvml.Nvml`. S
   (``times`` calls, or until ``fake.heal(call)``): NotSupported 3, NoPermission 4, Unknown 999 ...;
 * ``fake.lose_gpu()`` — every device call raises GpuIsLost (15) until ``fake.gpu_back()``;
 * ``fake.init_error = 9`` (DriverNotLoaded) or ``12`` (LibraryNotFound) — ``nvmlInit`` fails;
+* ``fake.hang(call)`` — the pynvml function ``call`` never returns (it blocks until
+  ``fake.unhang(call)``): a wedged driver;
 * ``fake.push_xid(79)`` — the next ``nvmlEventSetWait_v2`` returns that Xid; with none queued it
   raises Timeout (10) at once.
 
@@ -17,6 +19,7 @@ Pass a :class:`FakeNvml` as ``module=`` to :class:`llama_guard.gpu.nvml.Nvml`. S
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +131,7 @@ class FakeNvml:
         self.xids: deque[int] = deque()
         self.event_sets = 0
         self.persistence_writes: list[int] = []
+        self._hung: dict[str, threading.Event] = {}
         for name, value in list(globals().items()):
             if name.startswith(("NVML_", "nvmlEventType")):
                 setattr(self, name, value)
@@ -135,6 +139,14 @@ class FakeNvml:
     # -- scripting ------------------------------------------------------------------------------
     def fail(self, call: str, code: int, times: int | None = None) -> None:
         self._fail[call] = (code, times)
+
+    def hang(self, call: str) -> None:
+        self._hung[call] = threading.Event()
+
+    def unhang(self, call: str) -> None:
+        event = self._hung.pop(call, None)
+        if event is not None:
+            event.set()
 
     def heal(self, call: str) -> None:
         self._fail.pop(call, None)
@@ -151,6 +163,9 @@ class FakeNvml:
     # -- machinery ------------------------------------------------------------------------------
     def _enter(self, call: str, handle: Handle | None = None) -> None:
         self.calls[call] += 1
+        hung = self._hung.get(call)
+        if hung is not None:
+            hung.wait()  # a call that does not return (until unhang)
         if call not in ("nvmlInit", "nvmlShutdown") and not self.initialised:
             raise NVMLError(1)  # Uninitialized
         failing = self._fail.get(call)

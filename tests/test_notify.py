@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard.output.notify import SdNotifier, child_environ, monotonic_usec
+from llama_guard.core.child import child_environ
+from llama_guard.output.notify import SdNotifier, monotonic_usec
 
 
 class FakeManager:
@@ -211,8 +212,9 @@ def test_child_environ_strips_manager_variables() -> None:
     base = {"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000",
             "WATCHDOG_PID": "1", "LISTEN_FDS": "1", "LISTEN_PID": "1", "CUDA_VISIBLE_DEVICES": "0",
             "JOURNAL_STREAM": "8:1"}
-    env = child_environ(base)
-    assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0", "JOURNAL_STREAM": "8:1"}
+    env = child_environ(base, {"LISTEN_FDS": "3", "OMP_NUM_THREADS": "2"})
+    assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0", "JOURNAL_STREAM": "8:1",
+                   "OMP_NUM_THREADS": "2"}  # [server].env cannot put a manager variable back
     assert base["NOTIFY_SOCKET"] == "/run/systemd/notify"  # a copy; the input is untouched
 
 

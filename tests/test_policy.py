@@ -168,17 +168,35 @@ class TestServingFaults:
         s, acts = decide(s, Exited(100, -6), 5.1)
         assert names(acts)[:2] == ["server_cuda_error", "server_stopped"]
 
-    def test_unexpected_exit_backs_off_with_growing_delay(self) -> None:
+    def test_unexpected_exit_restarts_at_once_then_backs_off_with_growing_delay(self) -> None:
+        """The first failure in the window restarts at once (no restart overhead after a stable
+        run); the backoff starts with the second failure and then grows."""
         s = ready()
         s, acts = decide(s, Exited(100, -9), 5.0)
-        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(6.0)
+        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(5.0)
         assert "OOM killer" in str(emitted(acts, "server_exited").fields["exit_text"])
-        s, acts = decide(s, Tick(), 6.0)
+        s, acts = decide(s, Tick(), 5.0)
         assert s.phase is Phase.STARTING and acts[-1] == Spawn()
-        s, _ = decide(s, Spawned(101), 6.0)
-        s, _ = decide(s, HealthOk(101), 6.5)
-        s, _ = decide(s, Exited(101, 1), 7.0)
-        assert s.deadline == pytest.approx(9.0)  # 2 s: doubled
+        s, _ = decide(s, Spawned(101), 5.0)
+        s, _ = decide(s, HealthOk(101), 5.5)
+        s, _ = decide(s, Exited(101, 1), 6.0)
+        assert s.deadline == pytest.approx(7.0)  # the second failure: backoff_initial_s
+        s, _ = decide(s, Tick(), 7.0)
+        s, _ = decide(s, Spawned(102), 7.0)
+        s, _ = decide(s, Exited(102, 1), 7.5)
+        assert s.deadline == pytest.approx(9.5)  # 2 s: doubled
+
+    def test_first_failure_after_a_stable_run_restarts_at_once_despite_earlier_failures(self) -> None:
+        s = replace(ready(now=1.0), failures=(0.5,), next_backoff_s=4.0)
+        s, _ = decide(s, Tick(), 70.0)  # stayed ready past stable_after_s
+        assert s.stable
+        s, acts = decide(s, Exited(100, -9), 80.0)
+        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(80.0)
+        assert emitted(acts, "server_backoff").fields["backoff_s"] == 0.0
+        s, _ = decide(s, Tick(), 80.0)
+        s, _ = decide(s, Spawned(101), 80.0)
+        s, _ = decide(s, Exited(101, 1), 80.5)  # the next one (not stable) backs off
+        assert s.deadline == pytest.approx(81.5)
 
     def test_backoff_is_capped(self) -> None:
         s = replace(ready(), next_backoff_s=4.0)

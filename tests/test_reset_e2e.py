@@ -68,6 +68,8 @@ def gpu_run(tmp_path: Path) -> Iterator[MakeRun]:
         script = tmp_path / "nvml.json"
         script.write_text(json.dumps({"server_on_gpu": True, **(nvml or {})}))
         record = tmp_path / "reset-record.jsonl"
+        # The fake server never reads its model, but the daemon checks it is a GGUF file first.
+        (tmp_path / "fake.gguf").write_bytes(b"GGUF" + bytes(28))
         sections = merge(base_sections(tmp_path, str(FAKE_SERVER), str(tmp_path / "fake.gguf"), port), {
             "server": {"n_gpu_layers": 99, "env": {"FAKE_LLAMA_FAULT": fault, "FAKE_LLAMA_LOAD_S": "0.2"}},
             "health": {"canary": False},

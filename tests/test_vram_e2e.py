@@ -63,6 +63,8 @@ def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[
     script = tmp / "nvml.json"
     script.write_text(json.dumps({"server_on_gpu": True, **nvml}))
     record = tmp / "reset-record.jsonl"
+    # The fake server never reads its model, but the daemon checks it is a GGUF file first.
+    (tmp / "fake.gguf").write_bytes(b"GGUF" + bytes(28))
     sections = merge(base_sections(tmp, str(FAKE_SERVER), str(model or tmp / "fake.gguf"), port), {
         "server": {"n_gpu_layers": 99, "env": {"FAKE_LLAMA_LOAD_S": "0.2", **(env or {})}},
         "health": {"canary": False},

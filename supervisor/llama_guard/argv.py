@@ -54,13 +54,29 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
     return argv
 
 
+HELP_TIMEOUT_S = 20.0
+
+
+def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
+    """What ``binary --help`` prints (stdout then stderr), decoded as UTF-8 with undecodable bytes
+    replaced (a build may print anything). Blocks up to ``timeout_s`` seconds: call it off the
+    event loop. Raises OSError when it cannot run or does not finish in time."""
+    try:
+        out = subprocess.run([str(binary), "--help"], capture_output=True, timeout=timeout_s, check=False,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise OSError(f"{binary} --help did not finish within {timeout_s:g} s") from exc
+    return (out.stdout + out.stderr).decode("utf-8", errors="replace")
+
+
 def mlock_args(binary: Path | None) -> list[str]:
     """The flag that locks the model in RAM, as this llama-server build spells it.
 
     ``--mlock`` until llama.cpp replaced it with ``--load-mode MODE``, where ``mmap+mlock`` is
     the old ``--mlock`` with the default mmap; a build without ``--mlock`` rejects it with
     ``error: invalid argument: --mlock``. Decided from the binary's ``--help`` (cached per
-    binary and mtime); ``--mlock`` when there is no binary or its help cannot be read.
+    binary and mtime); ``--mlock`` when there is no binary or its help cannot be read. Runs the
+    binary (up to :data:`HELP_TIMEOUT_S`): the daemon calls it off its loop.
     """
     if binary is None:
         return ["--mlock"]
@@ -74,10 +90,9 @@ def mlock_args(binary: Path | None) -> list[str]:
 @functools.lru_cache(maxsize=8)
 def _mlock_args(binary: str, _mtime_ns: int) -> tuple[str, ...]:
     try:
-        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        text = help_text(Path(binary))
+    except OSError:
         return ("--mlock",)
-    text = out.stdout + out.stderr
     if "--mlock" not in text and "--load-mode" in text and "mmap+mlock" in text:
         return ("--load-mode", "mmap+mlock")
     return ("--mlock",)

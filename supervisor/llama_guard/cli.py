@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -12,14 +10,21 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_guard import __version__
-from llama_guard.config import Config, ConfigError, RuntimeConfig, load_config, read_api_key, resolve_config_path
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from llama_guard.paths import resolve_config_path, runtime_dir_of
+
+if TYPE_CHECKING:
+    from llama_guard.config import Config
+
+# Each verb imports what it uses: `status` and `restart` need neither pydantic, httpx nor asyncio.
 
 
 def _load(args: argparse.Namespace) -> tuple[Path, Config]:
+    from llama_guard.config import ConfigError, load_config
+
     path = resolve_config_path(args.config)
     try:
         return path, load_config(path)
@@ -33,6 +38,11 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
     """``--runtime-dir``, else ``[runtime].dir`` of the config, else the default."""
     if args.runtime_dir:
         return Path(args.runtime_dir)
+    fast = runtime_dir_of(resolve_config_path(args.config))
+    if fast is not None:
+        return fast
+    from llama_guard.config import ConfigError, RuntimeConfig, load_config
+
     try:
         return load_config(resolve_config_path(args.config)).runtime.dir
     except ConfigError:
@@ -40,6 +50,8 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
     from llama_guard.core.daemon import Daemon
     from llama_guard.wiring import make_emitter, make_notifier, make_sources
 
@@ -101,6 +113,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from llama_guard.config import ConfigError, load_config, read_api_key
     from llama_guard.insight.bench import BenchError, Progress, ceiling_for, describe, record, run_bench, spawned_server
 
     path, config = _load(args)

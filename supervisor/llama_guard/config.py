@@ -45,9 +45,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_CONFIG_PATH = Path("/etc/llama-guard/llama-guard.toml")
-ENV_CONFIG_PATH = "LLAMA_GUARD_CONFIG"
-ENV_PREFIX = "LLAMA_GUARD_"
+from llama_guard.paths import (  # noqa: E402  (shared with the CLI's fast paths; re-exported)
+    DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH,
+)
+from llama_guard.paths import (  # noqa: E402
+    DEFAULT_RUNTIME_DIR,
+    ENV_CONFIG_PATH,
+    ENV_PREFIX,
+)
+from llama_guard.paths import resolve_config_path as resolve_config_path  # noqa: E402
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -438,7 +444,7 @@ class LogConfig(_Section):
 class RuntimeConfig(_Section):
     """``[runtime]``: where the daemon keeps its pid file and status snapshot."""
 
-    dir: Path = Path("/run/llama-guard")
+    dir: Path = DEFAULT_RUNTIME_DIR
 
     @field_validator("dir")
     @classmethod
@@ -559,17 +565,6 @@ def unknown_env_overrides(environ: Mapping[str, str]) -> list[str]:
             if first not in fields:
                 out.append(name)
     return sorted(out)
-
-
-def resolve_config_path(cli_path: str | os.PathLike[str] | None,
-                        environ: dict[str, str] | None = None) -> Path:
-    """The config path: ``--config``, else ``$LLAMA_GUARD_CONFIG``, else the default under /etc."""
-    env = os.environ if environ is None else environ
-    if cli_path:
-        return Path(cli_path)
-    if env.get(ENV_CONFIG_PATH):
-        return Path(env[ENV_CONFIG_PATH])
-    return DEFAULT_CONFIG_PATH
 
 
 def _format_loc(loc: tuple[int | str, ...]) -> str:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_guard.argv import build_argv, flags_in, resolve_binary
+from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
+from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.core.privileges import (
     Credentials,
     identity_problem,
@@ -22,7 +23,7 @@ from llama_guard.core.privileges import (
 from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 GGUF_MAGIC = b"GGUF"
-HELP_TIMEOUT_S = 20.0
+MODEL_CHECK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,11 @@ def check_binary(config: Config) -> list[CheckResult]:
     if not os.access(binary, os.X_OK):
         return [CheckResult("binary", "FAIL", f"{binary} is not executable")]
     try:
-        out = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
-                             timeout=HELP_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        listed = help_text(binary, HELP_TIMEOUT_S)
+    except OSError as exc:
         return [CheckResult("binary", "FAIL", f"{binary} --help failed: {exc}")]
-    help_text = out.stdout + out.stderr
     results = [CheckResult("binary", "OK", str(binary))]
-    unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in help_text]
+    unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in listed]
     if unknown:
         results.append(CheckResult("flags", "FAIL",
                                    f"{binary} does not know: {' '.join(sorted(set(unknown)))}"))
@@ -58,16 +57,51 @@ def check_binary(config: Config) -> list[CheckResult]:
     return results
 
 
-def check_model(config: Config) -> CheckResult:
-    """The model file exists, is readable and starts with the GGUF magic."""
+def model_problem(path: Path) -> str:
+    """Why ``path`` cannot be llama-server's model ("" when it can): it must be a regular file
+    (``os.stat`` + ``S_ISREG`` before any ``open``, so a FIFO, a directory or a device is refused at
+    once instead of blocking), readable, and start with the 4-byte GGUF magic ``b"GGUF"``.
+
+    The one GGUF check, used by ``llama-guard check`` and by every reload. It still touches the
+    filesystem (a hung network mount can block ``stat``): callers run it with a deadline.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        return f"{path} is {kind}, not a regular file"
+    try:
+        # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() does not wait.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"{path} is not a regular file"
+        magic = os.read(fd, 4)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    if magic != GGUF_MAGIC:
+        return f"{path}: not a GGUF file (magic {magic!r})"
+    return ""
+
+
+def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> CheckResult:
+    """The model file is a regular file, readable, and starts with the GGUF magic
+    (:func:`model_problem`); FAIL when the filesystem does not answer within ``timeout_s``."""
     path = Path(config.server.model)
     try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        return CheckResult("model", "FAIL", f"{path}: {exc.strerror or exc}")
-    if magic != GGUF_MAGIC:
-        return CheckResult("model", "FAIL", f"{path}: not a GGUF file (magic {magic!r})")
+        problem = run_with_deadline(lambda: model_problem(path), timeout_s, f"checking {path}")
+    except CallTimeout as exc:
+        return CheckResult("model", "FAIL", f"{path}: {exc} (a hung filesystem?)")
+    if problem:
+        return CheckResult("model", "FAIL", problem)
     return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
@@ -351,13 +385,17 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", "OK", str(config_path))]
     results += check_binary(config)
-    results.append(check_model(config))
+    model = check_model(config)
+    results.append(model)
     results += check_settings(config)
     results.append(check_port(config))
     results += check_credentials(config)
     results.append(check_api_key(config))
     results += check_limits(config)
     results += check_gpu(config, nvml_module=nvml_module)
-    results += check_vram(config, nvml_module=nvml_module)
+    if model.verdict == "FAIL":  # never read a FIFO, a directory or a hung file for its metadata
+        results.append(CheckResult("vram budget", "WARN", "not estimated: the model file failed its check"))
+    else:
+        results += check_vram(config, nvml_module=nvml_module)
     results.append(check_reset(config, nvml_module=nvml_module))
     return results

@@ -16,7 +16,9 @@ def make_emitter(config: Config) -> Emitter:
     """Events to journald (native protocol) when stderr is the journal or ``[log].format`` is
     "journald"; otherwise to stderr, readable on a terminal and JSON lines elsewhere."""
     if journald_enabled(config.log.format):
-        emitter = Emitter(min_level=config.log.level, fmt="json", sinks=[JournalSink()], sink_level="debug")
+        sink = JournalSink()
+        sink.set_fallback_level(config.log.level)  # stderr fallback: no debug lines at "info"
+        emitter = Emitter(min_level=config.log.level, fmt="json", sinks=[sink], sink_level="debug")
         emitter.stderr_enabled = False
         return emitter
     fmt = config.log.format if config.log.format != "journald" else "json"

@@ -3,7 +3,10 @@
 The child runs in its own session and process group (signals go to the whole group), gets
 ``PR_SET_PDEATHSIG=SIGKILL`` so it dies with the daemon even after a SIGKILL of the daemon,
 and inherits the daemon's environment plus ``[server].env`` minus the service manager's
-notification variables. stdout and stderr are one pipe, read line by line as written.
+notification and socket-activation variables. stdout and stderr are one pipe, read line by line
+as written. The exit is learnt from the kernel (a pidfd, :meth:`ServerProcess.exited`), never
+from the pipe's end: a grandchild that left the process group can hold the pipe open for good
+(:func:`pipe_holders` finds such processes).
 """
 
 from __future__ import annotations
@@ -15,20 +18,25 @@ import ctypes.util
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _PR_SET_PDEATHSIG = 1
 _LINE_LIMIT = 1 << 20  # bytes; longer lines are split, never an error
-_NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# Variables addressed to llama-guard's own main process only (sd_notify(3), sd_listen_fds(3)).
+MANAGER_VARIABLES = frozenset({
+    "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
+})
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _prctl = _libc.prctl
 
 
-def child_environ(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """``base`` plus ``extra``, without ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC`` / ``WATCHDOG_PID``."""
-    env = {k: v for k, v in base.items() if k not in _NOTIFY_VARS}
-    env.update(extra)
+def child_environ(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` plus ``extra`` (``[server].env``), without :data:`MANAGER_VARIABLES`
+    (``NOTIFY_SOCKET``, ``WATCHDOG_*``, ``LISTEN_*``): the server can never notify systemd on
+    llama-guard's behalf nor take its activated sockets. ``extra`` cannot put them back either."""
+    env = {k: v for k, v in base.items() if k not in MANAGER_VARIABLES}
+    env.update({k: v for k, v in (extra or {}).items() if k not in MANAGER_VARIABLES})
     return env
 
 
@@ -51,10 +59,64 @@ class ServerProcess:
 
     proc: asyncio.subprocess.Process
     argv: list[str]
+    pidfd: int | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def pipe_inode(self) -> int | None:
+        """The inode of the stdout pipe (shared by both ends), for :func:`pipe_holders`."""
+        transport = getattr(self.proc, "_transport", None)
+        pipe = transport.get_pipe_transport(1) if transport is not None else None
+        info = pipe.get_extra_info("pipe") if pipe is not None else None
+        try:
+            return os.fstat(info.fileno()).st_ino if info is not None else None
+        except (OSError, ValueError):
+            return None
+
+    async def exited(self) -> int | None:
+        """Wait until the process has exited and return its status (negative: killed by that
+        signal), learnt from a pidfd (``waitid(P_PIDFD, WNOWAIT)``: the zombie stays for asyncio's
+        child watcher to reap). Does not wait for the output pipe to close. Falls back to
+        :meth:`wait`'s answer where pidfds are missing (Linux < 5.3)."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        if self.pidfd is None:
+            return await self.proc.wait()
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self.pidfd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self.pidfd)
+        # Reaped by asyncio's child watcher (which then sets returncode from its thread) or still
+        # a zombie (its status read without reaping it): either way the status is known at once.
+        for _ in range(200):
+            if self.proc.returncode is not None:
+                return self.proc.returncode
+            try:
+                # WNOHANG: the pidfd said it exited; never blocks.
+                info = os.waitid(os.P_PIDFD, self.pidfd,  # noqa: ASYNC222
+                                 os.WEXITED | os.WNOWAIT | os.WNOHANG)
+            except ChildProcessError:
+                info = None
+            if info is not None:
+                return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+            await asyncio.sleep(0.005)
+        return self.proc.returncode
+
+    def close_pidfd(self) -> None:
+        """Release the pidfd (idempotent)."""
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
 
     def signal_group(self, sig: int) -> bool:
         """Send ``sig`` to the child's process group; False when the group is already gone."""
@@ -104,11 +166,52 @@ async def spawn(argv: list[str], env: Mapping[str, str], *,
         preexec_fn=_make_preexec(os.getpid(), preexec_extra),
         limit=_LINE_LIMIT,
     )
-    return ServerProcess(proc=proc, argv=list(argv))
+    pidfd: int | None
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (OSError, AttributeError):  # no pidfds here: exit seen through asyncio's watcher
+        pidfd = None
+    return ServerProcess(proc=proc, argv=list(argv), pidfd=pidfd)
+
+
+def pipe_holders(inode: int, exclude: frozenset[int] = frozenset()) -> list[tuple[int, str]]:
+    """``(pid, comm)`` of every process (other than ``exclude``) with a descriptor on the pipe
+    ``inode``: after the server exited, whoever still holds its output pipe escaped its process
+    group (``setsid``). Reads ``/proc/*/fd`` (blocking: call it off the loop); processes that
+    cannot be read are skipped."""
+    target = f"pipe:[{inode}]"
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in exclude:
+            continue
+        pid = int(entry.name)
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    break
+            except OSError:
+                continue
+        else:
+            continue
+        try:
+            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as handle:
+                comm = handle.read().strip()
+        except OSError:
+            comm = "?"
+        found.append((pid, comm))
+    return found
 
 
 async def kill_and_reap(server: ServerProcess, timeout_s: float = 5.0) -> None:
-    """SIGKILL the group and wait (bounded) for the exit; for the daemon's last-resort cleanup."""
+    """SIGKILL the group and wait (bounded) for the exit; for the daemon's last-resort cleanup.
+    Waits for the exit status (set by asyncio's child watcher), not for the output pipe to close:
+    a process that escaped the group may hold it."""
     server.signal_group(signal.SIGKILL)
-    with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-        await asyncio.wait_for(server.proc.wait(), timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while server.proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.01)

@@ -143,9 +143,15 @@ def _count_failure(state: State, now: float) -> Result:
         emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
                                    "max_restarts": p.max_restarts, "last_failure": state.last_failure})
         return new, [emit, *actions]
-    wait = state.next_backoff_s
-    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait,
-                  next_backoff_s=min(wait * p.backoff_factor, p.backoff_max_s))
+    if state.stable or (len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s):
+        # A server that had run stably (or the first failure in the window) restarts at once; the
+        # backoff starts with the next failure.
+        wait = 0.0
+        following = p.backoff_initial_s
+    else:
+        wait = state.next_backoff_s
+        following = min(wait * p.backoff_factor, p.backoff_max_s)
+    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.last_failure})]
@@ -205,7 +211,13 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         recovered = _alloc_recovered(state, "the server became ready")
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
                       alloc_failure="", boot_signature="")
-        return new, [*recovered, Emit("server_ready", {"server_pid": state.pid, "load_s": load_s}), NotifyReady()]
+        fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+        if event.port_pid is not None and event.port_pid != state.pid:
+            # A wrapper script: the port belongs to a process it forked.
+            fields["port_pid"] = event.port_pid
+            fields["port_owner"] = (f"descendant pid {event.port_pid}"
+                                    f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
+        return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
     if isinstance(event, LoadProgress) and event.pid == state.pid:
         return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:

@@ -263,9 +263,13 @@ class Line(Input):
 
 @dataclass(frozen=True)
 class HealthOk(Input):
-    """``GET /health`` answered 200 for server ``pid`` (and, with a GPU, it runs there)."""
+    """``GET /health`` answered 200 for server ``pid`` (and, with a GPU, it runs there).
+    ``port_pid``/``port_comm``: the process listening on the port when it is not ``pid`` itself
+    but a descendant (``binary`` is a wrapper that forks the real llama-server)."""
 
     pid: int
+    port_pid: int | None = None
+    port_comm: str = ""
 
 
 @dataclass(frozen=True)

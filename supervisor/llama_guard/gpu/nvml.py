@@ -11,7 +11,12 @@ Source: NVIDIA's ``nvidia-ml-py`` distribution (import name ``pynvml``), a ctype
   handle and then becomes :class:`GpuLost`;
 * per-reading "not supported" (and "no permission") answers cached, logged once, asked again
   after ``unsupported_retry_s`` or after a re-init, so a reading that comes back is seen again;
-* device selection by ``[gpu].uuid``, else ``[gpu].pci_bus_id``, else ``[gpu].index``.
+* device selection by ``[gpu].uuid``, else ``[gpu].pci_bus_id``, else ``[gpu].index``;
+* a deadline on every call: each runs on a worker thread of this session and is waited for at
+  most ``call_timeout_s`` seconds; one that does not return raises :class:`NvmlHung` naming the
+  call, and while it stays stuck every later call fails at once with :class:`NvmlHung` too (no
+  worker piles up behind it, :meth:`Nvml.close` returns at once). The workers are daemon threads,
+  so a hung driver never holds up the process's exit.
 
 The ``pynvml`` module is injectable (``module=``): tests pass a fake. The methods are thread-safe
 (one lock around the session state); :meth:`XidEventSet.wait` blocks without holding it.
@@ -85,6 +90,19 @@ class NoPermission(NvmlError):
 
 class NvmlTimeout(NvmlError):
     """``NVML_ERROR_TIMEOUT`` (10): what ``nvmlEventSetWait_v2`` raises when no event came in time (normal)."""
+
+
+class NvmlHung(NvmlError):
+    """An NVML call did not return within its deadline (``call``; ``timeout_s`` seconds), or an
+    earlier call is still stuck (``stuck_s``: how long it has been). Code ``-2``."""
+
+    def __init__(self, call: str, timeout_s: float, stuck_s: float = 0.0, first: bool = True) -> None:
+        text = (f"did not return within {timeout_s:g} s" if first
+                else f"not called: an earlier NVML call has been stuck for {stuck_s:.1f} s")
+        super().__init__(call, -2, text)
+        self.timeout_s = timeout_s
+        self.stuck_s = stuck_s
+        self.first = first
 
 
 class UnknownError(NvmlError):
@@ -192,7 +210,66 @@ class WatchOff:
 _NOT_CACHED = (NotSupported, NoPermission)
 #: Errors that end the whole sample (and release the session), not just one reading.
 _SESSION_ERRORS: tuple[type[NvmlError], ...] = (
-    UnknownError, Uninitialized, LibraryNotFound, DeviceNotFound, *LOST_ERRORS)
+    UnknownError, Uninitialized, LibraryNotFound, DeviceNotFound, NvmlHung, *LOST_ERRORS)
+
+DEFAULT_CALL_TIMEOUT_S = 5.0
+
+
+class _CallRunner:
+    """Runs one call at a time on a daemon worker thread and waits for it with a deadline.
+
+    A call past its deadline leaves the worker stuck; until it returns, :meth:`call` refuses at
+    once (:class:`NvmlHung` with ``first=False``). Thread-safe; callers are serialised by ``_busy``.
+    """
+
+    def __init__(self, name: str, clock: Callable[[], float]) -> None:
+        self._name = name
+        self._clock = clock
+        self._busy = threading.Lock()
+        self._stuck: tuple[str, float] | None = None  # (call, since) while a call is past its deadline
+        self._jobs: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def stuck(self) -> tuple[str, float] | None:
+        """``(call, monotonic time it started)`` of a call past its deadline, else None."""
+        return self._stuck
+
+    def _worker(self) -> None:
+        while True:
+            with self._wake:
+                while not self._jobs:
+                    self._wake.wait()
+                fn, done, box = self._jobs.pop(0)
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            self._stuck = None
+            done.set()
+
+    def call(self, call: str, fn: Callable[[], T], timeout_s: float) -> T:
+        stuck = self._stuck
+        if stuck is not None:
+            raise NvmlHung(stuck[0], timeout_s, self._clock() - stuck[1], first=False)
+        with self._busy:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._worker, name=self._name, daemon=True)
+                self._thread.start()
+            done = threading.Event()
+            box: list[Any] = []
+            started = self._clock()
+            with self._wake:
+                self._jobs.append((fn, done, box))
+                self._wake.notify()
+            if not done.wait(timeout_s) and not done.is_set():
+                self._stuck = (call, started)
+                raise NvmlHung(call, timeout_s)
+            ok, value = box[0]
+            if not ok:
+                raise value
+            return value  # type: ignore[no-any-return]
 
 
 class Nvml:
@@ -211,10 +288,15 @@ class Nvml:
         module: Any = None,
         clock: Callable[[], float] = time.monotonic,
         unsupported_retry_s: float = 3600.0,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         self.selector = selector or DeviceSelector()
         self._module: Any = module
         self._clock = clock
+        self.call_timeout_s = call_timeout_s
+        """The deadline of one NVML call, seconds (an event wait: its own timeout on top)."""
+        self._runner = _CallRunner("nvml-call", time.monotonic)
+        self._wait_runner = _CallRunner("nvml-event-wait", time.monotonic)
         self._retry_s = unsupported_retry_s
         self._lock = threading.RLock()
         self._initialised = False
@@ -242,13 +324,22 @@ class Nvml:
                                       "the pynvml module (nvidia-ml-py) is not installed") from exc
         return self._module
 
-    def _raw(self, call: str, *args: Any) -> Any:
+    @property
+    def stuck_call(self) -> tuple[str, float] | None:
+        """``(call, seconds stuck)`` while an NVML call is past its deadline, else None."""
+        stuck = self._runner.stuck or self._wait_runner.stuck
+        return None if stuck is None else (stuck[0], time.monotonic() - stuck[1])
+
+    def _raw(self, call: str, *args: Any, wait_s: float = 0.0) -> Any:
+        """``call(*args)`` with a deadline of ``call_timeout_s`` (+ ``wait_s`` for a call that is
+        meant to block, on its own worker). Raises the typed error, or :class:`NvmlHung`."""
         module = self._load_module()
         fn = getattr(module, call, None)
         if fn is None:
             raise NotSupported(call, 13, "function not in this pynvml")
+        runner = self._wait_runner if wait_s else self._runner
         try:
-            return fn(*args)
+            return runner.call(call, lambda: fn(*args), self.call_timeout_s + wait_s)
         except module.NVMLError as exc:
             raise translate(exc, call) from exc
 
@@ -530,7 +621,7 @@ class XidEventSet:
         """Block up to ``timeout_ms`` for the next Xid; returns the Xid number, or None on NVML's
         (normal) timeout or a non-Xid event. Raises :data:`LOST_ERRORS` / :class:`NvmlError`."""
         try:
-            data = self._nvml._raw("nvmlEventSetWait_v2", self._set, timeout_ms)
+            data = self._nvml._raw("nvmlEventSetWait_v2", self._set, timeout_ms, wait_s=timeout_ms / 1000)
         except NvmlTimeout:
             return None
         if int(getattr(data, "eventType", self._xid_type)) & self._xid_type == 0:
@@ -550,7 +641,8 @@ def _text(value: Any) -> str:
 
 
 def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,
-             clock: Callable[[], float] = time.monotonic) -> Nvml | WatchOff:
+             clock: Callable[[], float] = time.monotonic,
+             call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> Nvml | WatchOff:
     """The daemon's entry point: an opened :class:`Nvml`, or :class:`WatchOff` with the reason.
 
     ``enabled`` is ``[gpu].enabled``: ``"off"`` → WatchOff without touching NVML. With ``"on"`` the
@@ -560,7 +652,7 @@ def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.A
     """
     if enabled is GpuWatchMode.OFF:
         return WatchOff("disabled by [gpu].enabled = \"off\"")
-    nvml = Nvml(selector, module=module, clock=clock)
+    nvml = Nvml(selector, module=module, clock=clock, call_timeout_s=call_timeout_s)
     try:
         nvml.open()
     except NvmlError as exc:

@@ -24,7 +24,7 @@ from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, Res
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.nvml import describe
+from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
@@ -37,6 +37,8 @@ from llama_guard.gpu.xid import XidMatcher, XidReport, run_xid_waiter, xid_info
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
+HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
+KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up
 
 
 class GpuSource(Source):
@@ -45,10 +47,21 @@ class GpuSource(Source):
     name = "gpu"
 
     def __init__(self, *, nvml_module: Any = None,
-                 estimate_need_mib: Callable[[Config], int | None] | None = None) -> None:
+                 estimate_need_mib: Callable[[Config], int | None] | None = None,
+                 nvml_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, hung_as_lost_s: float = HUNG_AS_LOST_S) -> None:
+        """Every NVML call has a deadline of ``nvml_call_timeout_s`` seconds; one stuck
+        ``hung_as_lost_s`` seconds counts as a lost GPU."""
         self._nvml_module = nvml_module
         # Before any good start and without [gpu].expected_vram_mib: the VRAM budget's estimate (wiring).
         self._estimate_need_mib = estimate_need_mib
+        self._call_timeout_s = nvml_call_timeout_s
+        self._hung_as_lost_s = hung_as_lost_s
+        self.degraded = ""
+        """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
+        self.kmsg_backoff_s = 1.0
+        """The first restart delay of a failed kernel-log reader (s); doubled per failure, at most 30 s."""
+        self.thread_error: str = ""
+        """Set when a watch thread failed for good: the sampler task raises it (supervised)."""
         self.nvml: Nvml | None = None
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
@@ -82,7 +95,8 @@ class GpuSource(Source):
     async def start(self, ctx: Context) -> str | None:
         cfg = ctx.config.gpu
         selector = DeviceSelector(cfg.index, cfg.uuid, cfg.pci_bus_id)
-        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=self._nvml_module)
+        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=self._nvml_module,
+                                         call_timeout_s=self._call_timeout_s)
         if not isinstance(opened, Nvml):
             self.off_reason = opened.reason
             ctx.emit("gpu_watch_off", reason=opened.reason)
@@ -131,11 +145,32 @@ class GpuSource(Source):
         else:
             parser = KmsgParser(self.identity.pci_bus_id)
 
-            def kmsg_thread() -> None:
+            def kmsg_loop() -> None:
                 while not self._stop.is_set():
                     for line in reader.poll(1.0):
                         for rec in parser.feed(line):
                             ctx.loop.call_soon_threadsafe(self._on_kmsg_record, ctx, rec)
+
+            def kmsg_thread() -> None:
+                """The kernel-log reader, supervised: an exception is reported (watcher_failed) and
+                the reader restarted with backoff; after KMSG_MAX_FAILURES the sampler task raises."""
+                failures = 0
+                while not self._stop.is_set():
+                    try:
+                        kmsg_loop()
+                        return
+                    except Exception as exc:
+                        failures += 1
+                        final = failures >= KMSG_MAX_FAILURES
+                        delay = min(self.kmsg_backoff_s * 2.0 ** (failures - 1), 30.0)
+                        action = "giving up on the kernel log" if final else f"restarting it in {delay:.1f} s"
+                        ctx.loop.call_soon_threadsafe(functools.partial(
+                            ctx.emit, "watcher_failed", watcher="gpu.kmsg", error=f"{type(exc).__name__}: {exc}",
+                            failures=failures, window_s=0.0, action=action))
+                        if final:
+                            self.thread_error = f"the kernel-log reader failed {failures} times: {exc!r}"
+                            return
+                        self._stop.wait(delay)
 
             self._threads.append(threading.Thread(target=kmsg_thread, name="kmsg", daemon=True))
         self._threads.append(threading.Thread(target=xid_thread, name="xid-waiter", daemon=True))
@@ -181,10 +216,34 @@ class GpuSource(Source):
         if self.nvml is None or self.watch is None:
             return
         while True:
+            if self.thread_error:
+                raise RuntimeError(self.thread_error)
             result = await asyncio.to_thread(self._tick, self.nvml, self.watch, ctx.clock())
+            self._observe_hang(ctx, result.error if result is not None else None)
             if result is not None:
                 await self._on_tick(ctx, result)
             await asyncio.sleep(ctx.config.gpu.sample_interval_s)
+
+    def _observe_hang(self, ctx: Context, error: BaseException | None) -> None:
+        """A hung NVML call: ``gpu_nvml_timeout`` once, the watch degraded, a lost GPU if it stays."""
+        index = self.identity.index if self.identity is not None else ctx.config.gpu.index
+        if not isinstance(error, NvmlHung):
+            if self.degraded and error is None:
+                self.degraded = ""
+                ctx.emit("gpu_recovered", gpu_index=index, reason="NVML calls return again")
+            return
+        assert self.nvml is not None
+        stuck = self.nvml.stuck_call
+        call, stuck_s = stuck if stuck is not None else (error.call, error.timeout_s)
+        if not self.degraded:
+            self.degraded = f"NVML call {call} hangs"
+            ctx.emit("gpu_nvml_timeout", gpu_index=index, call=call, timeout_s=error.timeout_s,
+                     effect=f"no GPU readings; counted as a lost GPU after {self._hung_as_lost_s:.0f} s")
+        if stuck_s >= self._hung_as_lost_s and not self._lost_reported:
+            self._lost_reported = True
+            reason = f"NVML call {call} has not returned for {stuck_s:.0f} s"
+            ctx.emit("gpu_lost", gpu_index=index, reason=reason, error="NvmlHung", nvml_code=-2, reminder=False)
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, reason, gpu_index=self._gpu_index()))
 
     async def _on_tick(self, ctx: Context, result: SampleVerdict) -> None:
         for name, fields in result.events:
@@ -360,4 +419,5 @@ class GpuSource(Source):
             return {"watch": "off", "reason": self.off_reason} if self.off_reason else None
         last = self.watch.last_sample
         return {"identity": None if self.identity is None else self.identity.__dict__,
+                "watch": f"degraded: {self.degraded}" if self.degraded else "on",
                 "sample": None if last is None else sample_to_dict(last)}

@@ -111,7 +111,7 @@ def estimated_need_mib(config: Config) -> int | None:
     return int(estimate(facts, Settings.from_server(server), gpu_build=True).total * ADMISSION_SHARE / MIB)
 
 
-NEED_CHILD_TIMEOUT_S = 30.0
+NEED_CHILD_TIMEOUT_S = 20.0  # under the VRAM check's own 25 s (core.policy.VRAM_CHECK_TIMEOUT_S)
 
 
 def estimated_need_mib_in_child(config: Config, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:

@@ -102,6 +102,10 @@ class Emitter:
     def set_level(self, level: str) -> None:
         """Change the stderr threshold (``"debug"`` … ``"critical"``), e.g. on a reload."""
         self._min = _LEVEL_NUMBERS[level]
+        for sink in self.sinks:  # a journal sink's stderr fallback follows the level too
+            setter = getattr(sink, "set_fallback_level", None)
+            if setter is not None:
+                setter(level)
 
     def emit(self, name: str, **fields: Any) -> None:
         """Emit catalogue event ``name`` with ``fields``; raises KeyError for an unknown name."""

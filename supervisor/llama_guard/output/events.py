@@ -138,6 +138,22 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
+        EventSpec("reload_ignored", _S.NOTICE, "reload (SIGHUP) ignored: {reason}"),
+        # The daemon's own health: supervision of its tasks and blocking calls.
+        EventSpec("watcher_failed", _S.ERROR,
+                  "watcher {watcher} failed ({failures} in {window_s:.0f} s): {error}; {action}"),
+        EventSpec("blocking_call_timeout", _S.WARNING, "{call} did not return within {timeout_s:g} s: {effect}"),
+        EventSpec("gpu_nvml_timeout", _S.ERROR,
+                  "NVML call {call} did not return within {timeout_s:g} s; GPU watch degraded ({effect})"),
+        EventSpec("server_escaped_process", _S.WARNING,
+                  "pid {escaped_pid} ({escaped_name}) left llama-server pid {server_pid}'s process group and "
+                  "still holds its output; killed"),
+        EventSpec("server_unkillable", _S.CRITICAL,
+                  "llama-server pid {server_pid} outlived SIGKILL for {waited_s:.0f} s ({holds}); not starting "
+                  "a second server"),
+        EventSpec("status_write_failed", _S.WARNING,
+                  "cannot write status under {runtime_dir}: {reason}; `llama-guard status` and "
+                  "`llama-guard restart` will not find this daemon"),
         EventSpec("server_unauthenticated", _S.WARNING,
                   "llama-server listens on {host}:{port}, beyond loopback, without an API key "
                   "([server].api_key_file)"),

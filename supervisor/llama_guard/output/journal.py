@@ -223,6 +223,10 @@ class JournalSink:
         """Whether the last send failed (the journal socket is unreachable)."""
         self.last_error: str = ""
         """The last send error, as text."""
+        self.fallback_max_priority = 7
+        """Only events of this syslog priority or more urgent (a lower number) go to the fallback
+        stream: set it from ``[log].level`` (:meth:`set_fallback_level`) so that stderr does not
+        fill with the server's debug lines while the journal is away."""
         self._thread = threading.Thread(target=self._run, name="journal-sink", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
@@ -241,6 +245,11 @@ class JournalSink:
             self._queue.put_nowait(fields)
         except queue.Full:
             self.dropped += 1
+
+    def set_fallback_level(self, level: str) -> None:
+        """``[log].level`` ("debug" … "critical"): the least urgent events written to the fallback."""
+        self.fallback_max_priority = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "error": 3,
+                                      "critical": 2}.get(level, 7)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait up to ``timeout_s`` seconds until every queued event is sent or written to the
@@ -289,7 +298,12 @@ class JournalSink:
             self.fallback_active = True
             self.last_error = str(exc)
             self.fallback_count += 1
-            self._write_fallback(fallback_line(fields, level_prefix=self._level_prefix))
+            try:
+                priority = int(dict(fields).get("PRIORITY", "6"))
+            except (TypeError, ValueError):
+                priority = 6
+            if priority <= self.fallback_max_priority:
+                self._write_fallback(fallback_line(fields, level_prefix=self._level_prefix))
             return
         if self.fallback_active:
             self.fallback_active = False

@@ -1,13 +1,15 @@
 """The sd_notify protocol towards systemd: readiness, status, reload, stop, watchdog.
 
-:class:`SdNotifier` wraps the ``sdnotify`` package. It reads ``$NOTIFY_SOCKET`` (a path, or
+:class:`SdNotifier` speaks the protocol itself over an ``AF_UNIX`` datagram socket (a dozen lines;
+the ``sdnotify`` package was dropped: it reads the address only from ``os.environ``, has no send
+timeout and encodes as Latin-1, so it was bypassed anyway). It reads ``$NOTIFY_SOCKET`` (a path, or
 ``@name`` for an abstract socket), ``$WATCHDOG_USEC`` and ``$WATCHDOG_PID`` once, at
 construction. Every method is a no-op when there is no socket, and none of them raises: a
 notification that cannot be sent is counted in :attr:`SdNotifier.failures`, never an error. Each
 send waits at most ``send_timeout_s`` for room in the manager's queue.
 
-:func:`child_environ` is the environment for llama-server: without the variables that belong
-to llama-guard's own service manager, so the child can never notify on its behalf.
+The environment for llama-server, without the variables that belong to llama-guard's own
+service manager, is :func:`llama_guard.core.child.child_environ`.
 """
 
 from __future__ import annotations
@@ -21,22 +23,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import sdnotify
-
-# Variables addressed to the main process only (sd_notify(3), sd_listen_fds(3)).
-MANAGER_VARIABLES = frozenset({
-    "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
-})
-
-
 # Errors after which a fresh connection may help: the socket was re-created or went away.
 _RECONNECT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOTCONN, errno.EPIPE, errno.ENOENT})
-
-
-def child_environ(base: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``base`` without ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (and the
-    socket-activation ``LISTEN_*`` variables), for starting llama-server."""
-    return {k: v for k, v in base.items() if k not in MANAGER_VARIABLES}
 
 
 def monotonic_usec() -> int:
@@ -48,14 +36,13 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-class _SdNotifier(sdnotify.SystemdNotifier):  # type: ignore[misc]  # sdnotify is untyped
-    """sdnotify's notifier, connected to an explicit address instead of ``os.getenv``, with a
-    send timeout, and raising (``debug=True``) so :class:`SdNotifier` can count and reconnect."""
+class _SdNotifier:
+    """A datagram socket connected to ``address`` (a path, or ``@name``: abstract), with a send
+    timeout; :meth:`notify` raises OSError so :class:`SdNotifier` can count and reconnect."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
-        self.debug = True
         self.socket: socket.socket | None = None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout_s)
             sock.connect("\0" + address[1:] if address.startswith("@") else address)
@@ -63,6 +50,10 @@ class _SdNotifier(sdnotify.SystemdNotifier):  # type: ignore[misc]  # sdnotify i
             sock.close()
             raise
         self.socket = sock
+
+    def notify(self, payload: bytes) -> None:
+        assert self.socket is not None
+        self.socket.sendall(payload)
 
 
 class SdNotifier:
@@ -149,9 +140,7 @@ class SdNotifier:
         """
         if self.address is None:
             return False
-        # sdnotify encodes with latin-1; hand it the UTF-8 bytes as latin-1 text so that
-        # non-Latin-1 text (°C is fine either way, → is not) arrives as valid UTF-8.
-        payload = state.encode("utf-8", "replace").decode("latin-1")
+        payload = state.encode("utf-8", "replace")  # systemd reads UTF-8 (°C, → ...)
         for attempt in (1, 2):
             if self._sd is None and not self._connect():
                 break

@@ -5,8 +5,9 @@ change; ``llama-guard.pid`` holds the daemon's pid for ``llama-guard restart``, 
 way. Both are mode 0600 and the directory llama-guard creates is 0700 (systemd's
 ``RuntimeDirectoryMode=0700``). ``llama-guard.lock`` is held with ``flock`` for the daemon's
 life (:class:`RuntimeLock`): a second daemon on the same directory refuses to start and names
-the first. A status file that cannot be written is reported once and otherwise ignored: status
-is a convenience, never a reason to stop supervising.
+the first. A status file that cannot be written is reported once (through ``on_error``: the daemon
+makes it the ``status_write_failed`` event) and otherwise ignored: status is a convenience,
+never a reason to stop supervising; a failed write never leaves an empty pid file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,12 @@ def write_private(path: Path, text: str) -> None:
         os.fchmod(fd, FILE_MODE)  # an old tmp left with other bits
         with open(fd, "w", encoding="utf-8", closefd=False) as handle:
             handle.write(text)
-    finally:
+    except OSError:  # a full disk: no half-written temporary file left behind
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    else:
         os.close(fd)
     try:
         os.replace(tmp, path)
@@ -118,8 +125,10 @@ class StatusFile:
     """Writes ``<dir>/status.json`` and ``<dir>/llama-guard.pid`` (the caller holds the
     directory's :class:`RuntimeLock`, so no other daemon writes them)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, on_error: Callable[[str], None] | None = None) -> None:
+        """``on_error(reason)`` is called once, at the first failed write (default: one stderr line)."""
         self.dir = directory
+        self._on_error = on_error
         self._warned = False
         self._pid_written = False
 
@@ -134,7 +143,12 @@ class StatusFile:
         except OSError as exc:
             if not self._warned:
                 self._warned = True
-                print(f"llama-guard: cannot write status under {self.dir}: {exc.strerror or exc}; "
+                reason = str(exc.strerror or exc)
+                if self._on_error is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_error(reason)
+                        return
+                print(f"llama-guard: cannot write status under {self.dir}: {reason}; "
                       "`llama-guard status` and `llama-guard restart` will not find this daemon",
                       file=sys.stderr)
 

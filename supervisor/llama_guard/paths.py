@@ -1,0 +1,51 @@
+"""Where llama-guard finds its configuration and runtime directory, without importing the
+configuration model (pydantic): ``llama-guard status`` and ``restart`` need only these and must
+answer fast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/llama-guard/llama-guard.toml")
+ENV_CONFIG_PATH = "LLAMA_GUARD_CONFIG"
+ENV_PREFIX = "LLAMA_GUARD_"
+DEFAULT_RUNTIME_DIR = Path("/run/llama-guard")
+
+
+def resolve_config_path(cli_path: str | os.PathLike[str] | None,
+                        environ: Mapping[str, str] | None = None) -> Path:
+    """The config path: ``--config``, else ``$LLAMA_GUARD_CONFIG``, else the default under /etc."""
+    env = os.environ if environ is None else environ
+    if cli_path:
+        return Path(cli_path)
+    if env.get(ENV_CONFIG_PATH):
+        return Path(env[ENV_CONFIG_PATH])
+    return DEFAULT_CONFIG_PATH
+
+
+def runtime_dir_of(config_path: Path, environ: Mapping[str, str] | None = None) -> Path | None:
+    """``[runtime].dir`` as the daemon would see it (``$LLAMA_GUARD_RUNTIME__DIR`` wins over the
+    file; the default when neither sets it), read with tomllib only; None when the file cannot
+    be read or parsed (the caller then uses the full loader)."""
+    env = os.environ if environ is None else environ
+    override = env.get(f"{ENV_PREFIX}RUNTIME__DIR")
+    if override:
+        return Path(override)
+    try:
+        with open(config_path, "rb") as handle:
+            data = tomllib.load(handle)
+    except (OSError, ValueError):
+        return None
+    runtime = data.get("runtime", {})
+    value = runtime.get("dir") if isinstance(runtime, dict) else None
+    if value is None:
+        return DEFAULT_RUNTIME_DIR
+    return Path(value) if isinstance(value, str) and value not in ("", ".") else None
