@@ -52,6 +52,7 @@ from llama_guard.paths import (  # noqa: E402
     DEFAULT_RUNTIME_DIR,
     ENV_CONFIG_PATH,
     ENV_PREFIX,
+    read_regular,
 )
 from llama_guard.paths import resolve_config_path as resolve_config_path  # noqa: E402
 
@@ -586,7 +587,7 @@ def read_api_key(server: ServerConfig) -> str:
         return ""
     path = Path(server.api_key_file)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
         raise ConfigError([f"server.api_key_file: {path}: cannot read: {reason}"]) from None

@@ -4,7 +4,9 @@ answer fast."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +33,20 @@ def resolve_config_path(cli_path: str | os.PathLike[str] | None,
     return DEFAULT_CONFIG_PATH
 
 
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at ``path`` (symlinks followed). Opens without blocking, so a
+    FIFO or device in its place never hangs the caller; raises OSError (``strerror`` "not a
+    regular file" for anything else but a regular file, or the open's own error)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        with open(fd, "rb", closefd=False) as handle:
+            return handle.read()
+    finally:
+        os.close(fd)
+
+
 def runtime_dir_of(config_path: Path, environ: Mapping[str, str] | None = None) -> Path | None:
     """``[runtime].dir`` as the daemon would see it (``$LLAMA_GUARD_RUNTIME__DIR`` wins over the
     file; the default when neither sets it), read with tomllib only; None when the file cannot
@@ -40,8 +56,7 @@ def runtime_dir_of(config_path: Path, environ: Mapping[str, str] | None = None) 
     if override:
         return Path(override)
     try:
-        with open(config_path, "rb") as handle:
-            data = tomllib.load(handle)
+        data = tomllib.loads(read_regular(config_path).decode())
     except (OSError, ValueError):
         return None
     runtime = data.get("runtime", {})

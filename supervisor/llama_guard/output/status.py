@@ -24,6 +24,8 @@ from typing import Any
 
 import psutil
 
+from llama_guard.paths import read_regular
+
 STATUS_NAME = "status.json"
 PID_NAME = "llama-guard.pid"
 LOCK_NAME = "llama-guard.lock"
@@ -156,11 +158,11 @@ class StatusFile:
         """Remove the pid file and mark the snapshot stopped; never raises."""
         with contextlib.suppress(OSError):
             pidfile = self.dir / PID_NAME
-            if pidfile.read_text().strip() == str(os.getpid()):
+            if read_regular(pidfile).decode(errors="replace").strip() == str(os.getpid()):
                 pidfile.unlink()
         with contextlib.suppress(OSError, ValueError):
             path = self.dir / STATUS_NAME
-            data = json.loads(path.read_text())
+            data = json.loads(read_regular(path))
             if data.get("daemon_pid") == os.getpid():
                 path.unlink()
 
@@ -168,7 +170,7 @@ class StatusFile:
 def read_status(directory: Path) -> dict[str, Any] | None:
     """The last snapshot, or None when there is none."""
     try:
-        data = json.loads((directory / STATUS_NAME).read_text())
+        data = json.loads(read_regular(directory / STATUS_NAME))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -194,7 +196,7 @@ def is_llama_guard(pid: int) -> bool:
 def read_pid(directory: Path) -> int | None:
     """The running daemon's pid from the pid file, or None when absent, stale or not llama-guard."""
     try:
-        pid = int((directory / PID_NAME).read_text().strip())
+        pid = int(read_regular(directory / PID_NAME).decode().strip())
     except (OSError, ValueError):
         return None
     if pid <= 0 or not is_llama_guard(pid):

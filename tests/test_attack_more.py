@@ -1,0 +1,58 @@
+"""Hostile inputs found by the h8 attack pass: a FIFO where llama-guard expects a regular file
+(api_key_file, the config, the runtime dir's pid file and status.json) must be refused at once
+with a clear message, never block the process (which then also ignores SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from llama_guard.config import ConfigError, ServerConfig, read_api_key
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("LLAMA_GUARD_"):
+            monkeypatch.delenv(key)
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llama_guard", *args], capture_output=True, text=True,
+                          timeout=30, stdin=subprocess.DEVNULL)
+
+
+def test_attack_api_key_file_fifo_is_a_config_error(tmp_path: Path) -> None:
+    """ATTACK: api_key_file = a FIFO: read_api_key blocked in open() forever (no writer); `run`
+    then hung before its signal handlers could act, and SIGTERM did nothing."""
+    server = ServerConfig(binary="/bin/true", model="/tmp/m.gguf", api_key_file=str(_fifo(tmp_path / "key")))
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_api_key(server)
+
+
+@pytest.mark.parametrize("name", ["llama-guard.pid", "status.json"])
+@pytest.mark.parametrize("verb", ["status", "restart"])
+def test_attack_runtime_file_fifo_does_not_hang_the_cli(tmp_path: Path, name: str, verb: str) -> None:
+    """ATTACK: a FIFO in place of the pid file or status.json made `llama-guard status` (a health
+    check run from cron/monitoring) and `restart` block forever."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _fifo(run / name)
+    proc = _cli(verb, "--runtime-dir", str(run))
+    assert proc.returncode in (1, 3), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_attack_status_with_fifo_config_does_not_hang(tmp_path: Path) -> None:
+    """ATTACK: `llama-guard status --config FIFO` blocked reading the config for [runtime].dir."""
+    proc = _cli("status", "--config", str(_fifo(tmp_path / "cfg.toml")))
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
