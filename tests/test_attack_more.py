@@ -56,3 +56,20 @@ def test_attack_status_with_fifo_config_does_not_hang(tmp_path: Path) -> None:
     proc = _cli("status", "--config", str(_fifo(tmp_path / "cfg.toml")))
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_attack_runtime_dir_deleted_while_running_gets_its_pid_file_back(tmp_path: Path) -> None:
+    """ATTACK: `rm -rf /run/llama-guard` (tmpfiles cleanup, an operator) while the daemon runs: the
+    next snapshot recreated the dir and status.json but never the pid file, so `llama-guard status`
+    said "not running" (exit 3) and `restart` found no daemon for the rest of the daemon's life."""
+    import shutil
+
+    from llama_guard.output.status import PID_NAME, STATUS_NAME, StatusFile
+
+    run = tmp_path / "run"
+    writer = StatusFile(run, on_error=lambda reason: None)
+    writer.write({"phase": "ready"})
+    shutil.rmtree(run)
+    writer.write({"phase": "ready"})
+    assert (run / STATUS_NAME).is_file()
+    assert (run / PID_NAME).read_text().strip() == str(os.getpid())

@@ -138,7 +138,7 @@ class StatusFile:
         """Replace the snapshot atomically; never raises."""
         try:
             make_runtime_dir(self.dir)
-            if not self._pid_written:
+            if not self._pid_written or not (self.dir / PID_NAME).is_file():  # the dir may have been removed
                 write_private(self.dir / PID_NAME, f"{os.getpid()}\n")
                 self._pid_written = True
             write_private(self.dir / STATUS_NAME, json.dumps(snapshot, indent=1, default=str) + "\n")
