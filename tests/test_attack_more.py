@@ -73,3 +73,20 @@ def test_attack_runtime_dir_deleted_while_running_gets_its_pid_file_back(tmp_pat
     writer.write({"phase": "ready"})
     assert (run / STATUS_NAME).is_file()
     assert (run / PID_NAME).read_text().strip() == str(os.getpid())
+
+
+def test_attack_world_readable_api_key_file_is_a_check_warning(tmp_path: Path) -> None:
+    """ATTACK: api_key_file mode 0644 (any local user can read the server's API key): `check`
+    said OK without a word."""
+    from llama_guard.config import Config
+    from llama_guard.preflight import check_api_key
+
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    key.chmod(0o644)
+    config = Config.model_validate({"server": {"binary": "/bin/true", "model": "/tmp/m.gguf",
+                                               "api_key_file": str(key)}})
+    result = check_api_key(config)
+    assert result.verdict == "WARN" and "chmod" in result.detail, result
+    key.chmod(0o640)
+    assert check_api_key(config).verdict == "OK"

@@ -365,6 +365,13 @@ def check_api_key(config: Config) -> CheckResult:
             return CheckResult("api key", "OK", f"none; {server.host} is loopback only")
         return CheckResult("api key", "WARN", f"llama-server listens on {server.host}, beyond loopback, without an "
                                               "API key: set [server].api_key_file")
+    try:
+        others = os.stat(server.api_key_file).st_mode & 0o007
+    except OSError:
+        others = 0
+    if others:
+        return CheckResult("api key", "WARN", f"{server.api_key_file} is readable by every local user: "
+                                              f"chmod o-rwx {server.api_key_file}")
     return CheckResult("api key", "OK", f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
 
 
