@@ -43,10 +43,18 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
         return fast
     from llama_guard.config import ConfigError, RuntimeConfig, load_config
 
+    path = resolve_config_path(args.config)
     try:
-        return load_config(resolve_config_path(args.config)).runtime.dir
-    except ConfigError:
-        return RuntimeConfig().dir
+        return load_config(path).runtime.dir
+    except ConfigError as exc:
+        # Never guess: a daemon started from this file (before the bad edit) may well be running
+        # under its own [runtime].dir, and "not running" would then be a false alarm.
+        for line in exc.lines:
+            print(f"llama-guard: config error: {line}", file=sys.stderr)
+        default = RuntimeConfig().dir
+        print(f"llama-guard: cannot tell where the daemon of {path} keeps its pid file; fix the file, "
+              f"or name the directory with --runtime-dir (the default is {default})", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -81,11 +89,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from llama_guard.output.status import read_pid, read_status
-    from llama_guard.output.status_view import EXIT_NOT_RUNNING, document, exit_code, render
+    from llama_guard.output.status_view import EXIT_NOT_RUNNING, EXIT_STATUS_UNKNOWN, document, exit_code, render
 
     runtime_dir = _runtime_dir(args)
-    pid = read_pid(runtime_dir)
-    snap = read_status(runtime_dir)
+    try:
+        pid = read_pid(runtime_dir)
+        snap = read_status(runtime_dir)
+    except PermissionError as exc:
+        print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied "
+              "(the runtime directory is the daemon's own, mode 0700: run as root)", file=sys.stderr)
+        return EXIT_STATUS_UNKNOWN
     if pid is None or snap is None:
         if args.json:
             print(json.dumps({"schema": 1, "running": False, "ready": False, "runtime_dir": str(runtime_dir)}))
@@ -103,7 +116,12 @@ def cmd_restart(args: argparse.Namespace) -> int:
     from llama_guard.output.status import read_pid
 
     runtime_dir = _runtime_dir(args)
-    pid = read_pid(runtime_dir)
+    try:
+        pid = read_pid(runtime_dir)
+    except PermissionError as exc:
+        print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied (run as root)",
+              file=sys.stderr)
+        return EXIT_FAILURE
     if pid is None:
         print(f"llama-guard: no running daemon found (no live pid file under {runtime_dir})", file=sys.stderr)
         return EXIT_FAILURE
