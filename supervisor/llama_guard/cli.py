@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from llama_guard import __version__
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from llama_guard.paths import resolve_config_path, runtime_dir_of
+from llama_guard.verdicts import Verdict
 
 if TYPE_CHECKING:
     from llama_guard.config import Config
@@ -75,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     results = run_checks(config, path, nvml_module=args.nvml_module)
-    worst = EXIT_CONFIG if any(r.verdict == "FAIL" for r in results) else EXIT_OK
+    worst = EXIT_CONFIG if any(r.verdict is Verdict.FAIL for r in results) else EXIT_OK
     if args.json:
         print(json.dumps({"ok": worst == EXIT_OK, "checks": [
             {"name": r.name, "verdict": r.verdict, "detail": r.detail, **({"data": r.data} if r.data else {})}
