@@ -93,3 +93,22 @@ def test_the_admission_need_is_ninety_percent_of_the_budget(real_model: Path, tm
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf")
     assert estimated_need_mib(Config.model_validate({"server": {"model": str(bad)}})) is None
+
+
+def test_host_weights_count_the_tied_embedding_once(real_model: Path) -> None:
+    """SmolLM2 ties its output layer to token_embd: on the host that is one tensor of the file, so the
+    host share of the weights never exceeds the file; the GPU gets its own copy when offloaded."""
+    from llama_guard.insight.budget import Settings, estimate
+    from llama_guard.insight.model_facts import read_model_facts
+
+    facts = read_model_facts(real_model)
+    assert not any(t.name == "output.weight" for t in facts.tensors)
+    embd = next(t.n_bytes for t in facts.tensors if t.name == "token_embd.weight")
+    tensors = sum(t.n_bytes for t in facts.tensors)
+    cpu_only = estimate(facts, Settings(n_gpu_layers=0, ctx_size=2048, parallel=1, batch_size=512,
+                                        ubatch_size=256, cache_type_k="f16", cache_type_v="f16", flash_attn="on"))
+    assert cpu_only.weights_cpu == tensors <= real_model.stat().st_size
+    full = estimate(facts, Settings(n_gpu_layers=99, ctx_size=2048, parallel=1, batch_size=512,
+                                    ubatch_size=256, cache_type_k="f16", cache_type_v="f16", flash_attn="on"))
+    assert full.weights_cpu == embd  # only the input layer stays on the host
+    assert full.weights_gpu == tensors  # every block and output_norm (tensors - embd), plus the tied copy (embd)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from llama_guard import __version__
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from llama_guard.paths import resolve_config_path, runtime_dir_of
+from llama_guard.verdicts import Verdict
 
 if TYPE_CHECKING:
     from llama_guard.config import Config
@@ -43,10 +44,18 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
         return fast
     from llama_guard.config import ConfigError, RuntimeConfig, load_config
 
+    path = resolve_config_path(args.config)
     try:
-        return load_config(resolve_config_path(args.config)).runtime.dir
-    except ConfigError:
-        return RuntimeConfig().dir
+        return load_config(path).runtime.dir
+    except ConfigError as exc:
+        # Never guess: a daemon started from this file (before the bad edit) may well be running
+        # under its own [runtime].dir, and "not running" would then be a false alarm.
+        for line in exc.lines:
+            print(f"llama-guard: config error: {line}", file=sys.stderr)
+        default = RuntimeConfig().dir
+        print(f"llama-guard: cannot tell where the daemon of {path} keeps its pid file; fix the file, "
+              f"or name the directory with --runtime-dir (the default is {default})", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -67,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     path, config = _load(args)
     results = run_checks(config, path, nvml_module=args.nvml_module)
-    worst = EXIT_CONFIG if any(r.verdict == "FAIL" for r in results) else EXIT_OK
+    worst = EXIT_CONFIG if any(r.verdict is Verdict.FAIL for r in results) else EXIT_OK
     if args.json:
         print(json.dumps({"ok": worst == EXIT_OK, "checks": [
             {"name": r.name, "verdict": r.verdict, "detail": r.detail, **({"data": r.data} if r.data else {})}
@@ -81,11 +90,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from llama_guard.output.status import read_pid, read_status
-    from llama_guard.output.status_view import EXIT_NOT_RUNNING, document, exit_code, render
+    from llama_guard.output.status_view import EXIT_NOT_RUNNING, EXIT_STATUS_UNKNOWN, document, exit_code, render
 
     runtime_dir = _runtime_dir(args)
-    pid = read_pid(runtime_dir)
-    snap = read_status(runtime_dir)
+    try:
+        pid = read_pid(runtime_dir)
+        snap = read_status(runtime_dir)
+    except PermissionError as exc:
+        print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied "
+              "(the runtime directory is the daemon's own, mode 0700: run as root)", file=sys.stderr)
+        return EXIT_STATUS_UNKNOWN
     if pid is None or snap is None:
         if args.json:
             print(json.dumps({"schema": 1, "running": False, "ready": False, "runtime_dir": str(runtime_dir)}))
@@ -103,7 +117,12 @@ def cmd_restart(args: argparse.Namespace) -> int:
     from llama_guard.output.status import read_pid
 
     runtime_dir = _runtime_dir(args)
-    pid = read_pid(runtime_dir)
+    try:
+        pid = read_pid(runtime_dir)
+    except PermissionError as exc:
+        print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied (run as root)",
+              file=sys.stderr)
+        return EXIT_FAILURE
     if pid is None:
         print(f"llama-guard: no running daemon found (no live pid file under {runtime_dir})", file=sys.stderr)
         return EXIT_FAILURE

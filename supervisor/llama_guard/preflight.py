@@ -21,6 +21,7 @@ from llama_guard.core.privileges import (
     resolve_identity,
 )
 from llama_guard.gpu.nvml import NvmlError, WatchOff
+from llama_guard.verdicts import Verdict
 
 GGUF_MAGIC = b"GGUF"
 MODEL_CHECK_TIMEOUT_S = 10.0
@@ -28,10 +29,10 @@ MODEL_CHECK_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One line of the preflight report; ``verdict`` is OK, WARN or FAIL."""
+    """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation)."""
 
     name: str
-    verdict: str
+    verdict: Verdict
     detail: str
     data: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -40,20 +41,20 @@ def check_binary(config: Config) -> list[CheckResult]:
     """The binary exists and runs, and its ``--help`` lists every flag we would pass."""
     binary = resolve_binary(config.server.binary)
     if binary is None:
-        return [CheckResult("binary", "FAIL", f"{config.server.binary!r} not found (set [server].binary)")]
+        return [CheckResult("binary", Verdict.FAIL, f"{config.server.binary!r} not found (set [server].binary)")]
     if not os.access(binary, os.X_OK):
-        return [CheckResult("binary", "FAIL", f"{binary} is not executable")]
+        return [CheckResult("binary", Verdict.FAIL, f"{binary} is not executable")]
     try:
         listed = help_text(binary, HELP_TIMEOUT_S)
     except OSError as exc:
-        return [CheckResult("binary", "FAIL", f"{binary} --help failed: {exc}")]
-    results = [CheckResult("binary", "OK", str(binary))]
+        return [CheckResult("binary", Verdict.FAIL, f"{binary} --help failed: {exc}")]
+    results = [CheckResult("binary", Verdict.OK, str(binary))]
     unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in listed]
     if unknown:
-        results.append(CheckResult("flags", "FAIL",
+        results.append(CheckResult("flags", Verdict.FAIL,
                                    f"{binary} does not know: {' '.join(sorted(set(unknown)))}"))
     else:
-        results.append(CheckResult("flags", "OK", "every flag is listed by --help"))
+        results.append(CheckResult("flags", Verdict.OK, "every flag is listed by --help"))
     return results
 
 
@@ -99,10 +100,10 @@ def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> 
     try:
         problem = run_with_deadline(lambda: model_problem(path), timeout_s, f"checking {path}")
     except CallTimeout as exc:
-        return CheckResult("model", "FAIL", f"{path}: {exc} (a hung filesystem?)")
+        return CheckResult("model", Verdict.FAIL, f"{path}: {exc} (a hung filesystem?)")
     if problem:
-        return CheckResult("model", "FAIL", problem)
-    return CheckResult("model", "OK", f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
+        return CheckResult("model", Verdict.FAIL, problem)
+    return CheckResult("model", Verdict.OK, f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 
 # llama-server's warm-up decodes a 2-token batch (BOS, EOS) per slot before it listens: a slot with a
@@ -120,10 +121,10 @@ def check_settings(config: Config) -> list[CheckResult]:
     """
     server = config.server
     if server.ctx_size == 0:
-        return [CheckResult("sizes", "OK", "ctx_size = 0: the model's own context length")]
+        return [CheckResult("sizes", Verdict.OK, "ctx_size = 0: the model's own context length")]
     per_slot = server.ctx_size // server.parallel
     if per_slot < MIN_SLOT_TOKENS:
-        return [CheckResult("sizes", "FAIL",
+        return [CheckResult("sizes", Verdict.FAIL,
                             f"ctx_size = {server.ctx_size} over parallel = {server.parallel} slots leaves "
                             f"{per_slot} token(s) per slot; llama-server's warm-up needs {MIN_SLOT_TOKENS} and "
                             f"aborts on every start (get_sub_batch: failed to add token). Raise ctx_size "
@@ -131,12 +132,12 @@ def check_settings(config: Config) -> list[CheckResult]:
     results = []
     for name, value in (("batch_size", server.batch_size), ("ubatch_size", server.ubatch_size)):
         if per_slot < value:
-            results.append(CheckResult("sizes", "WARN",
+            results.append(CheckResult("sizes", Verdict.WARN,
                                        f"a slot's context ({per_slot} tokens = ctx_size {server.ctx_size} / "
                                        f"parallel {server.parallel}) is smaller than {name} = {value}: llama.cpp "
                                        f"lowers the batch to the context and longer prompts fail"))
             break
-    return results or [CheckResult("sizes", "OK", f"{per_slot} tokens of context per slot "
+    return results or [CheckResult("sizes", Verdict.OK, f"{per_slot} tokens of context per slot "
                                                   f"({server.parallel} slot(s)), batch {server.batch_size}/"
                                                   f"{server.ubatch_size}")]
 
@@ -156,7 +157,7 @@ def check_limits(config: Config) -> list[CheckResult]:
     try:
         plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
     except ValueError as exc:
-        return [CheckResult("limits", "FAIL", str(exc))]
+        return [CheckResult("limits", Verdict.FAIL, str(exc))]
     results = []
     for row, decision in zip(limits_report(plan), plan.decisions, strict=True):
         detail = (f"configured {row['configured']}; llama-guard has {row['daemon']} (soft / hard); "
@@ -164,10 +165,10 @@ def check_limits(config: Config) -> list[CheckResult]:
         if decision.note:
             detail += f" ({decision.note})"
         if decision.problem:
-            results.append(CheckResult(row["limit"], "WARN", f"{detail}. {decision.problem}"))
+            results.append(CheckResult(row["limit"], Verdict.WARN, f"{detail}. {decision.problem}"))
         else:
-            results.append(CheckResult(row["limit"], "OK", detail))
-    results += [CheckResult("threads", "WARN", note) for note in plan.thread_notes]
+            results.append(CheckResult(row["limit"], Verdict.OK, detail))
+    results += [CheckResult("threads", Verdict.WARN, note) for note in plan.thread_notes]
     return results
 
 
@@ -186,7 +187,7 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
     rec = config.recovery
     if not rec.reset_on or rec.max_resets == 0:
         why = "[recovery].reset_on is empty" if not rec.reset_on else "[recovery].max_resets = 0"
-        return CheckResult("gpu reset", "OK", f"GPU resets are off ({why}): restart only")
+        return CheckResult("gpu reset", Verdict.OK, f"GPU resets are off ({why}): restart only")
     reasons: list[str] = []
     gpu_text = ""
     if config.gpu.enabled is GpuWatchMode.OFF:
@@ -216,11 +217,11 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
         reasons.append(f"the reset command {command!r} was not found{where} ([recovery].reset_command)")
     argv_text = " ".join(rec.reset_command)
     if reasons:
-        return CheckResult("gpu reset", "WARN",
+        return CheckResult("gpu reset", Verdict.WARN,
                            "a GPU reset would not be possible here: " + "; ".join(reasons)
                            + f". On {', '.join(rec.reset_on)} llama-guard restarts the server only, "
                              "and a lost GPU ends with exit 69")
-    return CheckResult("gpu reset", "OK",
+    return CheckResult("gpu reset", Verdict.OK,
                        f"possible: root with CAP_SYS_ADMIN, {found} found, {gpu_text}; "
                        f"on {', '.join(rec.reset_on)} it runs "
                        f"`{argv_text}` (at most {rec.max_resets} per {rec.reset_window_s:.0f} s)")
@@ -235,36 +236,36 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     would also warn about; nothing is changed on the GPU.
     """
     if config.gpu.enabled is GpuWatchMode.OFF:
-        return [CheckResult("gpu", "OK", 'GPU watch off ([gpu].enabled = "off")')]
+        return [CheckResult("gpu", Verdict.OK, 'GPU watch off ([gpu].enabled = "off")')]
     from llama_guard.gpu import DeviceSelector, open_gpu
     from llama_guard.gpu.rules import driver_in_series
 
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
-        verdict = "FAIL" if config.gpu.enabled is GpuWatchMode.ON else "WARN"
+        verdict = Verdict.FAIL if config.gpu.enabled is GpuWatchMode.ON else Verdict.WARN
         return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
     try:
         sample = opened.sample()
     except NvmlError as exc:
-        return [CheckResult("gpu", "FAIL", f"the GPU does not answer NVML: {exc}")]
+        return [CheckResult("gpu", Verdict.FAIL, f"the GPU does not answer NVML: {exc}")]
     finally:
         opened.close()
     mib = 2**20
     ident = sample.identity
     used, total = sample.memory_used_bytes, sample.memory_total_bytes
     memory = f"{used // mib} of {total // mib} MiB used" if used is not None and total is not None else "memory ?"
-    results = [CheckResult("gpu", "OK", f"GPU {ident.index} {ident.name} ({ident.pci_bus_id}, {ident.uuid}), "
+    results = [CheckResult("gpu", Verdict.OK, f"GPU {ident.index} {ident.name} ({ident.pci_bus_id}, {ident.uuid}), "
                                         f"driver {sample.driver_version}, {memory}")]
     expected = config.gpu.driver_version
     if expected and sample.driver_version and not driver_in_series(sample.driver_version, expected):
-        results.append(CheckResult("driver", "WARN", f"driver {sample.driver_version} is outside the "
+        results.append(CheckResult("driver", Verdict.WARN, f"driver {sample.driver_version} is outside the "
                                                      f"configured series {expected!r} ([gpu].driver_version)"))
     if sample.persistence_mode is False:
-        results.append(CheckResult("persistence", "WARN", "persistence mode is off: enable the "
+        results.append(CheckResult("persistence", Verdict.WARN, "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))
     for proc in sample.processes or ():
-        verdict = "FAIL" if config.gpu.foreign_processes is ForeignProcesses.REFUSE else "WARN"
+        verdict = Verdict.FAIL if config.gpu.foreign_processes is ForeignProcesses.REFUSE else Verdict.WARN
         results.append(CheckResult("gpu process", verdict,
                                    f"pid {proc.pid} holds {(proc.used_bytes or 0) // mib} MiB of VRAM "
                                    f"([gpu].foreign_processes = {config.gpu.foreign_processes.value})"))
@@ -290,9 +291,10 @@ def check_port(config: Config) -> CheckResult:
         try:
             sock.bind((host, config.server.port))
         except OSError as exc:
-            return CheckResult("port", "WARN", f"{host}:{config.server.port} cannot be bound now ({exc.strerror}); "
-                                               "llama-server would fail to start unless that is our own server")
-    return CheckResult("port", "OK", f"{host}:{config.server.port} is free")
+            return CheckResult("port", Verdict.WARN,
+                               f"{host}:{config.server.port} cannot be bound now ({exc.strerror}); "
+                               "llama-server would fail to start unless that is our own server")
+    return CheckResult("port", Verdict.OK, f"{host}:{config.server.port} is free")
 
 
 def check_credentials(config: Config, *, creds: Credentials | None = None) -> list[CheckResult]:
@@ -305,17 +307,17 @@ def check_credentials(config: Config, *, creds: Credentials | None = None) -> li
     try:
         identity = resolve_identity(server.user, server.group, server.supplementary_groups)
     except ValueError as exc:
-        return [CheckResult("server user", "FAIL", str(exc))]
+        return [CheckResult("server user", Verdict.FAIL, str(exc))]
     problem = identity_problem(identity, creds)
     if problem:
-        return [CheckResult("server user", "FAIL", problem)]
+        return [CheckResult("server user", Verdict.FAIL, problem)]
     if identity.uid is None:
         if creds.uid == 0:
-            return [CheckResult("server user", "WARN", "llama-server would run as root (without capabilities): "
+            return [CheckResult("server user", Verdict.WARN, "llama-server would run as root (without capabilities): "
                                                        "set [server].user to an unprivileged account")]
-        return [CheckResult("server user", "OK", f"llama-server runs as llama-guard's own uid {creds.uid}, "
+        return [CheckResult("server user", Verdict.OK, f"llama-server runs as llama-guard's own uid {creds.uid}, "
                                                  "without capabilities")]
-    results = [CheckResult("server user", "OK", f"llama-server runs as {identity.description}, "
+    results = [CheckResult("server user", Verdict.OK, f"llama-server runs as {identity.description}, "
                                                 "without capabilities, no_new_privs")]
     assert identity.gid is not None
     gids = {identity.gid, *(identity.groups or ())}
@@ -326,7 +328,7 @@ def check_credentials(config: Config, *, creds: Credentials | None = None) -> li
             continue
         blocked = _unreachable(path, identity.uid, gids, bit)
         if blocked:
-            results.append(CheckResult("server user", "FAIL", f"{what} {path}: {blocked} for uid {identity.uid}"))
+            results.append(CheckResult("server user", Verdict.FAIL, f"{what} {path}: {blocked} for uid {identity.uid}"))
     return results
 
 
@@ -359,20 +361,21 @@ def check_api_key(config: Config) -> CheckResult:
     try:
         key = read_api_key(server)
     except ConfigError as exc:
-        return CheckResult("api key", "FAIL", exc.lines[0])
+        return CheckResult("api key", Verdict.FAIL, exc.lines[0])
     if not key:
         if server.loopback:
-            return CheckResult("api key", "OK", f"none; {server.host} is loopback only")
-        return CheckResult("api key", "WARN", f"llama-server listens on {server.host}, beyond loopback, without an "
-                                              "API key: set [server].api_key_file")
+            return CheckResult("api key", Verdict.OK, f"none; {server.host} is loopback only")
+        return CheckResult("api key", Verdict.WARN,
+                           f"llama-server listens on {server.host}, beyond loopback, without an "
+                           "API key: set [server].api_key_file")
     try:
         others = os.stat(server.api_key_file).st_mode & 0o007
     except OSError:
         others = 0
     if others:
-        return CheckResult("api key", "WARN", f"{server.api_key_file} is readable by every local user: "
-                                              f"chmod o-rwx {server.api_key_file}")
-    return CheckResult("api key", "OK", f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
+        return CheckResult("api key", Verdict.WARN, f"{server.api_key_file} is readable by every local user: "
+                                                    f"chmod o-rwx {server.api_key_file}")
+    return CheckResult("api key", Verdict.OK, f"{server.api_key_file} (sent by llama-guard's probes as a Bearer token)")
 
 
 def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
@@ -390,7 +393,7 @@ def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
 
 def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) -> list[CheckResult]:
     """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
-    results = [CheckResult("config", "OK", str(config_path))]
+    results = [CheckResult("config", Verdict.OK, str(config_path))]
     results += check_binary(config)
     model = check_model(config)
     results.append(model)
@@ -400,8 +403,8 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     results.append(check_api_key(config))
     results += check_limits(config)
     results += check_gpu(config, nvml_module=nvml_module)
-    if model.verdict == "FAIL":  # never read a FIFO, a directory or a hung file for its metadata
-        results.append(CheckResult("vram budget", "WARN", "not estimated: the model file failed its check"))
+    if model.verdict is Verdict.FAIL:  # never read a FIFO, a directory or a hung file for its metadata
+        results.append(CheckResult("vram budget", Verdict.WARN, "not estimated: the model file failed its check"))
     else:
         results += check_vram(config, nvml_module=nvml_module)
     results.append(check_reset(config, nvml_module=nvml_module))

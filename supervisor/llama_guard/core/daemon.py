@@ -37,7 +37,8 @@ from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, pipe_holders, spawn
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
-from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S, decide
+from llama_guard.core.policy import decide
+from llama_guard.core.policy_gpu import VRAM_CHECK_TIMEOUT_S
 from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.procs import alive, port_listener, port_owner

@@ -3,6 +3,9 @@
 Kept apart from the transitions (:mod:`llama_guard.core.policy`) so that watchers and the daemon
 can speak the policy's language without importing its rules (the model: supervisord's
 ``states.py``). Everything here is a frozen dataclass or an enum; nothing does I/O.
+
+Size (~500 lines): the whole vocabulary in one module is the point — a newcomer reads every phase,
+input and action of the policy in one place; each class is a few lines.
 """
 
 from __future__ import annotations

@@ -222,17 +222,19 @@ def estimate(facts: ModelFacts, s: Settings, *, available: int | None = None, av
     With ``n_gpu_layers = 0`` nothing is counted unless ``gpu_build`` (a CUDA build on a host with a
     GPU), which still takes its CUDA context and a compute buffer."""
     per_layer, input_bytes, output_bytes, embd = split_tensors(facts.tensors)
-    if not any(t.name == "output.weight" for t in facts.tensors):
-        output_bytes += embd  # tied embeddings: llama.cpp duplicates token_embd as the output layer
+    # Tied embeddings (no output.weight): llama.cpp copies token_embd to the GPU as the output layer;
+    # on the host it stays one tensor of the file (counted once, in input_bytes).
+    tied_copy = embd if not any(t.name == "output.weight" for t in facts.tensors) else 0
     gpu_blocks, output_on_gpu = layers_on_gpu(facts.n_layer, s.n_gpu_layers)
-    on_gpu = sum(per_layer.get(il, 0) for il in gpu_blocks) + (output_bytes if output_on_gpu else 0)
-    everything = sum(per_layer.values()) + input_bytes + output_bytes
+    on_gpu = sum(per_layer.get(il, 0) for il in gpu_blocks) + (output_bytes + tied_copy if output_on_gpu else 0)
+    on_host = (sum(size for il, size in per_layer.items() if il not in gpu_blocks) + input_bytes
+               + (0 if output_on_gpu else output_bytes))
     kv_gpu = kv_cache_bytes(facts, s, gpu_blocks)
     kv_all = kv_cache_bytes(facts, s)
     offloaded = s.n_gpu_layers > 0
     cells, streams = kv_cells(facts, s)
     return Budget(
-        weights_gpu=on_gpu, weights_cpu=everything - on_gpu, kv_cache=kv_gpu, kv_cache_cpu=kv_all - kv_gpu,
+        weights_gpu=on_gpu, weights_cpu=on_host, kv_cache=kv_gpu, kv_cache_cpu=kv_all - kv_gpu,
         compute=compute_bytes(facts, s) if offloaded or gpu_build else 0,
         overhead=int(overhead_mib * MIB) if offloaded else
         int(min(overhead_mib, CUDA_CONTEXT_MIB) * MIB) if gpu_build else 0,

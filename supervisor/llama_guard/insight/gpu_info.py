@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llama_guard.config import Config
+from llama_guard.config import Config, GpuWatchMode
 from llama_guard.gpu.nvml import NvmlError, WatchOff
 
 MIB = 2**20
@@ -48,7 +48,7 @@ def gpu_memory_facts(config: Config, *, nvml_module: Any = None, own_pids: tuple
         total = available
     if gpu.memory_bandwidth_gbs is not None:
         bandwidth, bw_src = gpu.memory_bandwidth_gbs * 1e9, f"[gpu].memory_bandwidth_gbs = {gpu.memory_bandwidth_gbs:g}"
-    if (available is None or bandwidth is None) and gpu.enabled != "off":
+    if (available is None or bandwidth is None) and gpu.enabled is not GpuWatchMode.OFF:
         selector = DeviceSelector(gpu.index, gpu.uuid, gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=gpu.enabled,
                           module=nvml_module)
@@ -76,6 +76,6 @@ def gpu_memory_facts(config: Config, *, nvml_module: Any = None, own_pids: tuple
                 note = f"the GPU does not answer NVML: {exc}"
             finally:
                 opened.close()
-    elif gpu.enabled == "off" and (available is None or bandwidth is None):
+    elif gpu.enabled is GpuWatchMode.OFF and (available is None or bandwidth is None):
         note = 'GPU watch off ([gpu].enabled = "off")'
     return GpuMemoryFacts(available, avail_src, bandwidth, bw_src or note or "no GPU", name, total, note)

@@ -13,6 +13,7 @@ from llama_guard.config import Config
 from llama_guard.insight.budget import CUDA_OVERHEAD_MIB, MIB, Budget, Settings, Step, estimate, ladder
 from llama_guard.insight.gpu_info import GpuMemoryFacts
 from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
+from llama_guard.verdicts import Verdict
 
 # A budget within this fraction of the available VRAM is a WARN: the estimate is ±10 %.
 TIGHT_FRACTION = 0.9
@@ -22,7 +23,7 @@ TIGHT_FRACTION = 0.9
 class VramReport:
     """The verdict (OK, WARN, FAIL), one summary line, the budget and the ladder (when it does not fit)."""
 
-    verdict: str
+    verdict: Verdict
     summary: str
     budget: Budget | None = None
     steps: list[Step] = field(default_factory=list)
@@ -46,7 +47,7 @@ def vram_report(config: Config, gpu: GpuMemoryFacts) -> VramReport:
     try:
         facts = read_model_facts(server.model)
     except ModelFactsError as exc:
-        return VramReport("FAIL", f"cannot read the model's metadata: {exc}")
+        return VramReport(Verdict.FAIL, f"cannot read the model's metadata: {exc}")
     settings = Settings.from_server(server)
     gpu_build = bool(gpu.name)  # NVML sees a GPU: a CUDA build there takes its context even at -ngl 0
     budget = estimate(facts, settings, available=gpu.available, available_source=gpu.available_source,
@@ -55,7 +56,7 @@ def vram_report(config: Config, gpu: GpuMemoryFacts) -> VramReport:
     if server.flash_attn == "auto":
         notes.append('flash_attn = "auto" counted as on (what the CUDA build picks on recent GPUs)')
     if server.n_gpu_layers == 0 and not gpu_build:
-        return VramReport("OK", f"n_gpu_layers = 0: nothing on the GPU (weights {_mib(budget.weights_cpu)} MiB "
+        return VramReport(Verdict.OK, f"n_gpu_layers = 0: nothing on the GPU (weights {_mib(budget.weights_cpu)} MiB "
                                 f"and KV cache {_mib(budget.kv_cache_cpu)} MiB in host memory)", budget, notes=notes)
     cache = (server.cache_type_k if server.cache_type_k == server.cache_type_v
              else f"{server.cache_type_k}/{server.cache_type_v}")
@@ -66,28 +67,29 @@ def vram_report(config: Config, gpu: GpuMemoryFacts) -> VramReport:
     if budget.weights_cpu and budget.layers_on_gpu < budget.n_layer:
         parts += f"; {_mib(budget.weights_cpu)} MiB of weights stay in host memory"
     if budget.available is None:
-        return VramReport("OK", f"needs ~{_mib(budget.total)} MiB of VRAM = {parts}; no VRAM figure to compare "
+        return VramReport(Verdict.OK, f"needs ~{_mib(budget.total)} MiB of VRAM = {parts}; no VRAM figure to compare "
                                 f"with ({gpu.note or 'no GPU'}; [gpu].vram_total_mib states one)", budget, notes=notes)
     head = (f"needs ~{_mib(budget.total)} MiB of {_mib(budget.available)} MiB available "
             f"({budget.available_source}) = {parts}")
     if budget.fits:
-        verdict = "WARN" if budget.total > TIGHT_FRACTION * budget.available else "OK"
-        if verdict == "WARN":
+        verdict = Verdict.WARN if budget.total > TIGHT_FRACTION * budget.available else Verdict.OK
+        if verdict is Verdict.WARN:
             head += "; within the estimate's ±10 %: a long prompt may still fail"
-        return VramReport(verdict, head, budget, ladder(facts, settings, budget) if verdict == "WARN" else [], notes)
+        steps = ladder(facts, settings, budget) if verdict is Verdict.WARN else []
+        return VramReport(verdict, head, budget, steps, notes)
     short = budget.total - budget.available
-    return VramReport("FAIL", f"does not fit: {_mib(short)} MiB short; {head}", budget,
+    return VramReport(Verdict.FAIL, f"does not fit: {_mib(short)} MiB short; {head}", budget,
                       ladder(facts, settings, budget), notes)
 
 
-def report_lines(report: VramReport) -> list[tuple[str, str, str]]:
+def report_lines(report: VramReport) -> list[tuple[Verdict, str, str]]:
     """``(verdict, name, detail)`` rows for ``check``'s table: the summary, then one row per ladder step."""
     rows = [(report.verdict, "vram budget", report.summary)]
     for step in report.steps:
         fits = "" if step.fits_after is None else (" → fits" if step.fits_after else " → still too big")
-        rows.append(("HINT", "vram ladder", f"{step.change}: saves {step.saves / MIB:,.0f} MiB "
+        rows.append((Verdict.HINT, "vram ladder", f"{step.change}: saves {step.saves / MIB:,.0f} MiB "
                                             f"(→ {step.total_after / MIB:,.0f} MiB{fits}); {step.caveat}"))
-    rows += [("NOTE", "vram budget", note) for note in report.notes]
+    rows += [(Verdict.NOTE, "vram budget", note) for note in report.notes]
     return rows
 
 

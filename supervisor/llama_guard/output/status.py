@@ -168,9 +168,12 @@ class StatusFile:
 
 
 def read_status(directory: Path) -> dict[str, Any] | None:
-    """The last snapshot, or None when there is none."""
+    """The last snapshot, or None when there is none. Raises PermissionError when the file (or
+    the directory) exists but may not be read: "not running" would be a false answer."""
     try:
         data = json.loads(read_regular(directory / STATUS_NAME))
+    except PermissionError:
+        raise
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -194,9 +197,12 @@ def is_llama_guard(pid: int) -> bool:
 
 
 def read_pid(directory: Path) -> int | None:
-    """The running daemon's pid from the pid file, or None when absent, stale or not llama-guard."""
+    """The running daemon's pid from the pid file, or None when absent, stale or not llama-guard.
+    Raises PermissionError when the pid file (or its directory) may not be read."""
     try:
         pid = int(read_regular(directory / PID_NAME).decode().strip())
+    except PermissionError:
+        raise
     except (OSError, ValueError):
         return None
     if pid <= 0 or not is_llama_guard(pid):

@@ -24,6 +24,7 @@ SCHEMA = 1
 EXIT_READY = 0
 EXIT_NOT_READY = 1
 EXIT_NOT_RUNNING = 3
+EXIT_STATUS_UNKNOWN = 4  # LSB: "program or service status is unknown" (the runtime files may not be read)
 MIB = 2**20
 
 
@@ -108,8 +109,12 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
         history = planned.get("history") or []
         if history:
             last = history[-1]
-            rows.append(("last planned restart",
-                         f"{last.get('kind')}, {last.get('outcome')}: {last.get('summary', '')}"))
+            drained = {True: "drained", False: "drain timed out", None: "pending"}.get(last.get("drained"), "")
+            down = last.get("unavailable_s")
+            text = f"{last.get('kind')} ({last.get('reason') or 'no reason given'}), {drained}"
+            if isinstance(down, (int, float)):
+                text += f", unavailable {down:.1f} s"
+            rows.append(("last planned restart", text))
     rows.append(("GPU", _gpu_line(doc.get("gpu"))))
     if metrics.get("listen"):
         rows.append(("metrics", f"http://{metrics['listen']}/metrics"))

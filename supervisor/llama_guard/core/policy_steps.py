@@ -1,0 +1,89 @@
+"""Steps every phase of the policy takes: stop the server, spawn one, exit, count a failure (back
+off or give up on a crash loop), and the fields of an exit event. Pure, like the rest of the policy
+(:mod:`llama_guard.core.policy`); no I/O, no clock reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llama_guard.core.types import (
+    Action,
+    AfterStop,
+    Emit,
+    ExitDaemon,
+    Phase,
+    Spawn,
+    State,
+    Terminate,
+    exit_text,
+)
+from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
+
+
+def _exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[str, object]:
+    """The fields of an exit event; ``last_error`` (the server's last error/abort line) is kept in
+    ``last_error`` and appended to ``exit_text``."""
+    fields: dict[str, object] = {"server_pid": pid, "exit_text": exit_text(returncode)}
+    if returncode is not None and returncode < 0:
+        fields["signal"] = -returncode
+    elif returncode is not None:
+        fields["exit_status"] = returncode
+    if last_error:
+        fields["last_error"] = last_error
+        fields["exit_text"] = f"{fields['exit_text']} after: {last_error}"
+    return fields
+
+
+def _stop(state: State, now: float, after: AfterStop, fault: str, *,
+          code: int = EXIT_OK, reason: str = "") -> Result:
+    """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline)."""
+    new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
+                  deadline=now + state.params.stop_grace_s, killed=False,
+                  exit_code=code, exit_reason=reason or state.exit_reason)
+    if state.pid is None:
+        return new, []
+    return new, [Terminate(state.pid)]
+
+
+def _spawn(state: State) -> Result:
+    return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
+                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
+                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error=""),
+            [Spawn()])
+
+
+def _exit(state: State, code: int, reason: str) -> Result:
+    return (replace(state, phase=Phase.EXITED, pid=None, deadline=None, exit_code=code, exit_reason=reason),
+            [ExitDaemon(code, reason)])
+
+
+def _count_failure(state: State, now: float) -> Result:
+    """After a failed server: back off, or give up when the window holds too many failures."""
+    p = state.params
+    recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
+    state = replace(state, failures=recent, pid=None)
+    if len(recent) > p.max_restarts:
+        new, actions = _exit(state, EXIT_CRASH_LOOP, f"crash loop: {state.last_failure}")
+        emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
+                                   "max_restarts": p.max_restarts, "last_failure": state.last_failure})
+        return new, [emit, *actions]
+    if state.stable or (len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s):
+        # A server that had run stably (or the first failure in the window) restarts at once; the
+        # backoff starts with the next failure.
+        wait = 0.0
+        following = p.backoff_initial_s
+    else:
+        wait = state.next_backoff_s
+        following = min(wait * p.backoff_factor, p.backoff_max_s)
+    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
+    return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
+                                         "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
+                                         "last_failure": state.last_failure})]
+
+
+Result = tuple[State, list[Action]]
+
+
+#: The phases in which a server serves (liveness probes, drains).
+_SERVING = (Phase.READY, Phase.DRAINING)
