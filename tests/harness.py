@@ -197,3 +197,25 @@ def stop_all(runs: list[DaemonRun], ports: list[int]) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             leftovers.append(pid)
     return leftovers
+
+
+class RunPool:
+    """The daemon runs of one test, each on a free port (``run.port``); :meth:`finish` stops them all
+    and returns the pids of any llama-server that outlived its daemon."""
+
+    def __init__(self) -> None:
+        self.runs: list[DaemonRun] = []
+        self.ports: list[int] = []
+
+    def new(self, where: Path, binary: str, model: str, extra: dict[str, dict[str, object]] | None = None) -> DaemonRun:
+        """A daemon (not started) supervising ``binary`` on ``model`` with ``extra`` merged into the config."""
+        port = free_port()
+        self.ports.append(port)
+        run = DaemonRun(where, merge(base_sections(where, binary, model, port), extra or {}))
+        run.port = port  # type: ignore[attr-defined]
+        self.runs.append(run)
+        return run
+
+    def finish(self) -> list[int]:
+        """Stop every run; the leftover server pids (killed here) — a test fails on any."""
+        return stop_all(self.runs, self.ports)

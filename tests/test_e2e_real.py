@@ -17,27 +17,20 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from harness import DaemonRun, base_sections, free_port, merge, stop_all, wait_gone
+from harness import DaemonRun, RunPool, wait_gone
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture
 def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    runs: list[DaemonRun] = []
-    ports: list[int] = []
+    pool = RunPool()
 
     def make(extra: dict[str, dict[str, object]] | None = None) -> DaemonRun:
-        port = free_port()
-        ports.append(port)
-        sections = merge(base_sections(tmp_path, str(llama_server_bin), str(real_model), port), extra or {})
-        run = DaemonRun(tmp_path, sections)
-        run.port = port  # type: ignore[attr-defined]
-        runs.append(run)
-        return run
+        return pool.new(tmp_path, str(llama_server_bin), str(real_model), extra)
 
     yield make
-    leftovers = stop_all(runs, ports)
+    leftovers = pool.finish()
     if leftovers:
         pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ROOT, DaemonRun, base_sections, config_text, free_port, merge, server_pids_of, stop_all
+from harness import ROOT, DaemonRun, RunPool, config_text, free_port, server_pids_of
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.real
@@ -31,22 +31,15 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    runs: list[DaemonRun] = []
-    ports: list[int] = []
+    pool = RunPool()
 
     def make(extra: dict[str, dict[str, object]] | None = None, sub: str = "a") -> DaemonRun:
-        port = free_port()
-        ports.append(port)
         where = tmp_path / sub
         where.mkdir()
-        sections = merge(base_sections(where, str(llama_server_bin), str(real_model), port), extra or {})
-        run = DaemonRun(where, sections)
-        run.port = port  # type: ignore[attr-defined]
-        runs.append(run)
-        return run
+        return pool.new(where, str(llama_server_bin), str(real_model), extra)
 
     yield make
-    leftovers = stop_all(runs, ports)
+    leftovers = pool.finish()
     if leftovers:
         pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 

@@ -8,27 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import DaemonRun, base_sections, free_port, merge, stop_all
+from harness import DaemonRun, RunPool
 
 
 @pytest.fixture
 def fake(tmp_path: Path, fake_server: Path, real_model: Path) -> Any:
-    runs: list[DaemonRun] = []
-    ports: list[int] = []
+    pool = RunPool()
 
     def make(fault: str, extra: dict[str, dict[str, object]] | None = None,
              env: dict[str, str] | None = None) -> DaemonRun:
-        port = free_port()
-        ports.append(port)
-        sections = merge(base_sections(tmp_path, str(fake_server), str(real_model), port),
-                         {"server": {"env": {"FAKE_LLAMA_FAULT": fault, **(env or {})}}, **(extra or {})})
-        run = DaemonRun(tmp_path, sections)
-        run.port = port  # type: ignore[attr-defined]
-        runs.append(run)
-        return run
+        return pool.new(tmp_path, str(fake_server), str(real_model),
+                        {"server": {"env": {"FAKE_LLAMA_FAULT": fault, **(env or {})}}, **(extra or {})})
 
     yield make
-    leftovers = stop_all(runs, ports)
+    leftovers = pool.finish()
     if leftovers:
         pytest.fail(f"server pids {leftovers} outlived their daemon")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import DaemonRun, base_sections, free_port, merge, stop_all
+from harness import DaemonRun, RunPool
 from llama_guard.config import HealthConfig
 
 pytestmark = pytest.mark.real
@@ -28,21 +28,13 @@ SHIPPED = {name: getattr(HealthConfig(), name) for name in ("interval_s", "timeo
 
 @pytest.fixture
 def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    runs: list[DaemonRun] = []
-    ports: list[int] = []
+    pool = RunPool()
 
     def make(extra: dict[str, dict[str, object]] | None = None, binary: str | None = None) -> DaemonRun:
-        port = free_port()
-        ports.append(port)
-        sections = merge(base_sections(tmp_path, binary or str(llama_server_bin), str(real_model), port),
-                         extra or {})
-        run = DaemonRun(tmp_path, sections)
-        run.port = port  # type: ignore[attr-defined]
-        runs.append(run)
-        return run
+        return pool.new(tmp_path, binary or str(llama_server_bin), str(real_model), extra)
 
     yield make
-    leftovers = stop_all(runs, ports)
+    leftovers = pool.finish()
     if leftovers:
         pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 
