@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from llama_guard.core.server_log import LineClass
 from llama_guard.exitcodes import EXIT_OK
+from llama_guard.output.events import EventName
 
 
 class Phase(enum.Enum):
@@ -384,7 +385,7 @@ class Kill(Action):
 class Emit(Action):
     """Report health event ``name`` (events.CATALOG) with ``fields``."""
 
-    name: str
+    name: EventName
     fields: dict[str, object] = field(default_factory=dict)
 
 

@@ -80,6 +80,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
 from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
 
+from llama_guard.output.events import EventName
+
 __all__ = [
     "Decision",
     "Outcome",
@@ -304,16 +306,17 @@ class Decision:
         return self.outcome is Outcome.RESTART
 
     @property
-    def event(self) -> str | None:
+    def event(self) -> EventName | None:
         """The health event to emit for this decision, or ``None``.
 
         RESTART returns ``None``: the policy emits ``scheduled_restart`` when it starts draining.
         """
-        return {
+        events: dict[Outcome, EventName] = {
             Outcome.SKIP_RECENT_START: "scheduled_restart_skipped",
             Outcome.SKIP_NOT_SERVING: "scheduled_restart_skipped",
             Outcome.MISSED: "scheduled_restart_missed",
-        }.get(self.outcome)
+        }
+        return events.get(self.outcome)
 
     def fields(self) -> Mapping[str, object]:
         """Event fields (snake_case; journald upper-cases them): reason, times in ISO 8601, seconds."""
