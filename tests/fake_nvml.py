@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
 NVML_TEMPERATURE_GPU = 0
 NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0
@@ -333,3 +336,16 @@ class FakeNvml:
     def nvmlEventSetFree(self, event_set: str) -> None:
         self._enter("nvmlEventSetFree")
         self.event_sets -= 1
+
+
+def sample_from_dict(data: Mapping[str, Any]) -> GpuSample:
+    """Rebuild a :class:`GpuSample` from :func:`llama_guard.gpu.readings.sample_to_dict` output (a
+    recorded fixture); raises KeyError/TypeError if malformed."""
+    values = dict(data)
+    values["identity"] = GpuIdentity(**values["identity"])
+    procs = values.get("processes")
+    values["processes"] = None if procs is None else tuple(GpuProcess(**p) for p in procs)
+    rows = values.get("remapped_rows")
+    values["remapped_rows"] = None if rows is None else RemappedRows(**rows)
+    values["unsupported"] = tuple(values.get("unsupported", ()))
+    return GpuSample(**values)

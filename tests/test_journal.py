@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.events import lookup
+from llama_guard.output.events import CATALOG
 from llama_guard.output.journal import (
     JournalSink,
     fallback_line,
@@ -58,7 +58,7 @@ def test_events_arrive_with_fields(private_journald: PrivateJournald, sink: Jour
     ready = by_event["server_ready"]
     assert ready["MESSAGE"] == "llama-server pid 4242 ready after 12.50 s"
     assert ready["PRIORITY"] == "5"
-    assert ready["MESSAGE_ID"] == lookup("server_ready").message_id
+    assert ready["MESSAGE_ID"] == CATALOG["server_ready"].message_id
     assert ready["SERVER_PID"] == "4242"
     assert ready["LOAD_S"] == "12.5"
     assert ready["_TRANSPORT"] == "journal"

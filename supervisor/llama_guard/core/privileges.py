@@ -233,14 +233,3 @@ def make_drop(identity: ServerIdentity, parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return drop
-
-
-def unit_capabilities(unit_text: str) -> dict[str, list[str]]:
-    """``User``, ``CapabilityBoundingSet`` and ``AmbientCapabilities`` of a unit file's text
-    (the words of every occurrence; a missing key is an empty list)."""
-    out: dict[str, list[str]] = {"User": [], "CapabilityBoundingSet": [], "AmbientCapabilities": []}
-    for raw in unit_text.splitlines():
-        key, sep, value = raw.strip().partition("=")
-        if sep and key in out:
-            out[key] += value.split()
-    return out

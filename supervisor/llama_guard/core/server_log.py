@@ -20,7 +20,6 @@ class Family(enum.Enum):
     """What one log line says about the server."""
 
     HARMLESS = "harmless"
-    READY_HINT = "ready_hint"          # "listening on", "model loaded": informative, not readiness
     OOM = "oom"                        # out of GPU memory, at load or at run time
     GPU_FATAL = "gpu_fatal"            # fatal GPU runtime error other than OOM
     GPU_ABORT = "gpu_abort"            # the "<file>.cu:<line>: CUDA error" abort line, message elsewhere
@@ -137,9 +136,6 @@ TABLE: tuple[_Row, ...] = (
     _row(r"failed to load model '?([^'\s]*)", F.BOOT_CONFIG, _group("failed to load model {0}")),
     _row(r"failed to create_context", F.BOOT_CONFIG, _fixed("llama-server could not create a context")),
     _row(r"exiting due to model loading error", F.LOAD_FAILED, _fixed("model loading error")),
-    # Progress that is informative only (readiness is /health 200).
-    _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
-    _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
     # Any other error or abort line: not a verdict by itself, but it names why a server exited.
     _row(r"GGML_ASSERT\((.+?)\) failed", F.ERROR, _group("assertion failed: {0}")),
     _row(r"terminate called after throwing|what\(\):", F.ERROR, _fixed("uncaught exception")),

@@ -313,11 +313,6 @@ class Nvml:
         self.init_count = 0
 
     # -- session -------------------------------------------------------------------------------
-    @property
-    def is_open(self) -> bool:
-        """Whether an NVML session is initialised now."""
-        return self._initialised
-
     def _load_module(self) -> Any:
         if self._module is None:
             try:

@@ -244,11 +244,6 @@ class _Missing(dict[str, object]):
         return "?"
 
 
-def lookup(name: EventName) -> EventSpec:
-    """The spec of event ``name``; raises KeyError for a name not in :data:`CATALOG`."""
-    return CATALOG[name]
-
-
 def render_message(name: EventName, fields: Mapping[str, object]) -> str:
     """The human ``MESSAGE`` of event ``name`` with ``fields``; never raises on a missing field."""
     spec = CATALOG[name]

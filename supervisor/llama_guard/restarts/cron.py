@@ -376,7 +376,6 @@ class PlannedRestarts:
     last_handled_wall: datetime | None = None
     _parsed: ParsedCron | None = field(init=False, default=None, repr=False)
     _armed: _Armed | None = field(init=False, default=None, repr=False)
-    _handled_through: datetime | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require_aware(self.now_wall, "now_wall")
@@ -390,7 +389,6 @@ class PlannedRestarts:
         if self.last_handled_wall is not None:
             _require_aware(self.last_handled_wall, "last_handled_wall")
             start = self.last_handled_wall.astimezone(timezone.utc)
-            self._handled_through = start
         self._arm_after(start)
 
     # -- queries ---------------------------------------------------------------------------
@@ -404,15 +402,6 @@ class PlannedRestarts:
     def tz(self) -> tzinfo | None:
         """The zone fire times are computed in (``None`` when disabled)."""
         return self._parsed.tz if self._parsed is not None else None
-
-    @property
-    def handled_through(self) -> datetime | None:
-        """The nominal cron time of the last fire handled (restarted, skipped or missed), if any.
-
-        Persist it (e.g. under the state directory) and pass it back as ``last_handled_wall``
-        to make fires that passed while the daemon was down reported instead of forgotten.
-        """
-        return self._local(self._handled_through)
 
     def next_fire(self, now_wall: datetime) -> datetime | None:
         """When the next planned restart is due, in the schedule's zone; ``None`` if disabled.
@@ -428,14 +417,6 @@ class PlannedRestarts:
         if lateness <= self.misfire_grace_s:
             return self._local(self._armed.planned_time)
         return fire_after(self._parsed, now)
-
-    def seconds_until(self, now_wall: datetime) -> float | None:
-        """Seconds from ``now_wall`` until :meth:`due` will return something other than WAIT
-        (0.0 if already due); ``None`` if disabled. Lets the loop sleep longer than a tick."""
-        now = _utc(now_wall, "now_wall")
-        if self._armed is None:
-            return None
-        return max(0.0, (self._armed.planned_time - now).total_seconds())
 
     # -- the decision ------------------------------------------------------------------------
 
@@ -470,7 +451,6 @@ class PlannedRestarts:
         while nxt is not None and nxt <= now:
             passed, last_passed = passed + 1, nxt
             nxt = _utc_or_none(fire_after(parsed, nxt))
-        self._handled_through = last_passed
         self._arm(nxt)
         next_local = local(nxt)
 
