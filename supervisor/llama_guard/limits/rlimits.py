@@ -12,7 +12,7 @@ The flow, as the daemon uses it::
 
     own = read_own_limits()                                   # at start, once per spawn
     plan = plan_child_limits(cfg, own, can_raise_hard_limits())
-    for problem in plan.problems: emit("limit_not_raised", ...)
+    for d in plan.decisions: d.problem and emit("limit_not_raised", ...)
     Popen(argv, preexec_fn=plan.preexec)                      # apply_in_child(plan)
     applied = read_limits(child.pid)                          # read back from the process
     for text in verify_applied(plan, applied): emit("limit_not_raised", ...)

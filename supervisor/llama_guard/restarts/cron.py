@@ -54,8 +54,8 @@ grace runs once (several passed fires within the grace coalesce into one restart
 grace is 15 minutes: a nightly restart meant for 04:30 should not hit a box that wakes at 09:00.
 
 When the daemon itself was down at the fire time, the server was down with it and starts fresh
-with the daemon, so the skip rule covers it. A caller that persists :attr:`handled_through` can pass
-it back as ``last_handled_wall`` to have such fires reported as missed or skipped explicitly.
+with the daemon, so the skip rule covers it. A caller that knows the last fire handled before can
+pass it as ``last_handled_wall`` to have such fires reported as missed or skipped explicitly.
 
 Wall clock versus monotonic
 ---------------------------
@@ -359,7 +359,7 @@ class PlannedRestarts:
     Parameters (seconds): ``jitter_s`` (≥ 0) delay drawn per fire; ``min_uptime_s`` skip rule;
     ``misfire_grace_s`` misfire rule. ``rng`` draws the jitter (default: an OS-seeded
     :class:`random.Random`). ``now_wall`` is the construction instant: the first fire armed is the
-    first after ``last_handled_wall`` if given (a persisted :attr:`handled_through`), else after
+    first after ``last_handled_wall`` if given (the last fire handled before), else after
     ``now_wall``.
 
     Raises :class:`ScheduleError` for a bad ``cron`` or ``timezone``, ``ValueError`` for a naive
