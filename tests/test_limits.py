@@ -397,7 +397,8 @@ NON_ROOT_SCRIPT = textwrap.dedent("""
     finally:
         child.kill(); child.wait()
     print(json.dumps({"euid": own.euid, "privileged": LO.can_raise_hard_limits(), "hard": hard, "want": want,
-                      "action": plan.decision("RLIMIT_NOFILE").action.value, "problems": [d.problem for d in plan.decisions if d.problem],
+                      "action": plan.decision("RLIMIT_NOFILE").action.value,
+                      "problems": [d.problem for d in plan.decisions if d.problem],
                       "child": back.values["RLIMIT_NOFILE"], "source": back.source,
                       "verify": LR.verify_applied(plan, back)}))
 """)

@@ -25,6 +25,11 @@ CLOCK_EVENT_BITS: dict[int, str] = {
 }
 #: The bits that mean "the GPU runs slower than it could because of heat or power".
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+#: The bit of an idle GPU (clocks down because nothing runs).
+GPU_IDLE = 0x1
+#: The reasons ``/metrics`` exports (``llama_guard_gpu_throttle_reason{reason=…}``): idle and the slowdowns.
+EXPORTED_CLOCK_EVENTS: dict[int, str] = {
+    bit: name for bit, name in CLOCK_EVENT_BITS.items() if bit & (THROTTLE_MASK | GPU_IDLE)}
 
 
 def decode_clock_events(mask: int) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from llama_guard.core.types import Action, Emit, Phase
 from llama_guard.core.watcher import Context, Source
+from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS
 
 # Events that are the cause of the next server restart (the fault, or the plan).
 CAUSE_EVENTS = frozenset({
@@ -32,8 +33,6 @@ CAUSE_EVENTS = frozenset({
     "server_gpu_unavailable", "gpu_lost", "gpu_xid", "scheduled_restart", "restart_requested",
     "decay_detected", "config_reloaded", "resource_exhausted",
 })
-THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
-                 "power_brake": 0x80}
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
 NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
 
@@ -206,7 +205,7 @@ class MetricsSource(Source, Collector):
         if isinstance(reasons, int):
             fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",
                                     labels=["gpu", "reason"])
-            for reason, bit in THROTTLE_BITS.items():
+            for bit, reason in EXPORTED_CLOCK_EVENTS.items():
                 fam.add_metric([*gpu_id, reason], float(bool(reasons & bit)))
             yield fam
         limits = self._peer_snapshot("limits") or {}
