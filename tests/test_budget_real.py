@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from harness import free_port
-from llama_guard.insight.budget import MIB, Settings, compute_bytes, estimate, kv_cache_bytes
+from llama_guard.insight.budget import Settings, compute_bytes, estimate, kv_cache_bytes
 from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.units import MIB
 
 pytestmark = pytest.mark.real
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from llama_guard.config import load_config
-from llama_guard.insight.budget import MIB, Settings, estimate
+from llama_guard.insight.budget import Settings, estimate
 from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.units import MIB
 
 FIX = Path(__file__).parent / "fixtures" / "h200_insight"
 SUMMARY: dict[str, Any] = json.loads((FIX / "summary.json").read_text())

@@ -28,9 +28,9 @@ from llama_guard.core.types import GpuHolder, ResetDone, ResetFacts
 from llama_guard.gpu.nvml import Nvml, NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
+from llama_guard.units import MIB
 
 POLL_S = 0.25  # how often the bounded waits (VRAM release, other processes leaving) look again
-MIB = 1 << 20
 OUTPUT_MAX = 300  # characters of the command's output kept (nvidia-smi says what happened first)
 
 

@@ -24,12 +24,12 @@ import psutil
 from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 from llama_guard.output.events import EventName
+from llama_guard.units import MIB
 
 if TYPE_CHECKING:
     from llama_guard.config import GpuConfig
 
 Event = tuple[EventName, dict[str, Any]]
-MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
