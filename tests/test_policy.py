@@ -390,3 +390,22 @@ def test_our_own_sigkill_is_not_blamed_on_the_oom_killer() -> None:
     s, _ = decide(s, Tick(), 9.0)  # grace over: SIGKILL sent
     s, acts = decide(s, Exited(100, -9), 9.1)
     assert "sent by llama-guard" in str(emitted(acts, "server_stopped").fields["exit_text"])
+
+
+# What a default configuration sets is what Params() holds (one truth: config.py's defaults); the
+# rest depends on the host (a watched GPU and its index) and defaults to "none" in Params.
+_HOST_DEPENDENT = {"require_gpu", "reset_possible", "vram_admission", "gpu_index"}
+
+
+def test_params_defaults_are_the_configuration_defaults() -> None:
+    import dataclasses
+
+    from llama_guard.config import Config
+    from llama_guard.core.daemon import params_from
+
+    shipped = params_from(Config())
+    default = Params()
+    names = {f.name for f in dataclasses.fields(Params)} - _HOST_DEPENDENT
+    assert {n: getattr(default, n) for n in names} == {n: getattr(shipped, n) for n in names}
+    assert (default.backoff_initial_s, default.backoff_factor) == (
+        Config().recovery.backoff_initial_s, Config().recovery.backoff_factor)
