@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""VRAM admission on a real NVIDIA GPU (issue 12 item 9) — READ-ONLY for the GPU.
+"""VRAM admission on a real NVIDIA GPU — READ-ONLY for the GPU.
 
 Run on a GPU machine from the repository root (see scripts/README-gpu-e2e.md for how the machine
 is prepared; the same llama-server build and model serve here). A torch process ("the hog")

@@ -82,7 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "pcie_gen": 5,
     "pcie_width": 16,
     "pstate": 0,
-    "mem_bus_width_bits": 6016,  # the H200 reading of facts/gpu.md
+    "mem_bus_width_bits": 6016,  # an H200's reading (tests/fixtures/h200_gpu_watch.json)
     "mem_clock_max_mhz": 3201,
 }
 

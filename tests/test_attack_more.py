@@ -1,4 +1,4 @@
-"""Hostile inputs found by the h8 attack pass: a FIFO where llama-guard expects a regular file
+"""Hostile inputs found by hostile testing: a FIFO where llama-guard expects a regular file
 (api_key_file, the config, the runtime dir's pid file and status.json) must be refused at once
 with a clear message, never block the process (which then also ignores SIGTERM)."""
 

@@ -71,7 +71,7 @@ def test_kv_cache_and_compute_buffers_match_the_servers_own(llama_server_bin: Pa
 
 
 def test_the_h200_reference_is_within_ten_percent(real_model: Path) -> None:
-    """facts/llama-server.md: NVML showed 796 MiB for the server's pid with these flags on the H200.
+    """tests/fixtures/h200_insight: NVML showed 796 MiB for the server's pid with these flags on the H200.
     The CUDA context constant was calibrated on this figure, so this pins the calibration (the
     two-context device run in scripts/gpu_insight.py is the independent check)."""
     facts = read_model_facts(real_model)

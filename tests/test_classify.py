@@ -1,4 +1,4 @@
-"""The log classifier on real-format lines of every family (facts/llama-server.md)."""
+"""The log classifier on real-format lines of every family (docs/llama-server.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The policy's judgement on real failure kinds (issue 12 items 1-5): a frozen load, liveness from
+"""The policy's judgement on real failure kinds: a frozen load, liveness from
 progress, recovered allocation failures, faults no restart can fix, the same failure on
 consecutive starts. Inputs are real-format lines through the real classifier."""
 
@@ -172,7 +172,7 @@ RESET = replace(P, reset_possible=True, reset_on=frozenset({ResetTrigger.OOM, Re
 
 
 class TestAllocation:
-    def test_the_issue_reproducer_is_a_warning_never_a_stop_or_reset(self) -> None:
+    def test_a_recovered_pipeline_parallel_allocation_is_a_warning_never_a_stop_or_reset(self) -> None:
         s = started(params=RESET)
         s, acts = feed(s, 100, REPRODUCER, 5.0)
         assert names(acts) == ["server_alloc_recovered"]
@@ -236,7 +236,7 @@ PTX = ["/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error",
 class TestIncompatible:
     @pytest.mark.parametrize("params", [
         P, RESET, replace(RESET, reset_on=frozenset({ResetTrigger.CUDA_ERROR, ResetTrigger.OOM}))])
-    def test_the_issue_reproducer_stops_with_exit_78_and_no_reset(self, params: Params) -> None:
+    def test_an_unsupported_ptx_toolchain_stops_with_exit_78_and_no_reset(self, params: Params) -> None:
         s, acts = feed(ready(params=params), 100, PTX, 10.0)
         assert "server_gpu_incompatible" in names(acts)
         event = emitted(acts, "server_gpu_incompatible")

@@ -298,7 +298,7 @@ class TestResetBudget:
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
     def test_skipped_resets_never_spend_the_budget(self) -> None:
-        # Issue 12 item 8 (H200 run): another process held all but 150 MiB; each OOM at load led
+        # The H200 run: another process held all but 150 MiB; each OOM at load led
         # to a reset that was skipped. Any number of skips leaves the whole budget for a real loss.
         holder = ResetFacts(3, True, 0.1, (GpuHolder(5151, 140_000, "python3"),), True)
         s = ready(params=replace(P, gpu_index=3))
@@ -476,7 +476,7 @@ def kernel_xid(text: str, *, nvml_first: bool = False) -> GpuFault:
 
 class TestXidOwnership:
     def test_xid_31_of_another_process_does_not_restart_our_server(self) -> None:
-        # Issue 12 item 6: the kernel line on our GPU names a pid that is not our server.
+        # The kernel line on our GPU names a pid that is not our server.
         s = ready(pid=100)
         s2, acts = decide(s, kernel_xid(XID31_OTHER.format(pid=4711)), 5.0)
         assert s2 == s and s2.phase is Phase.READY and names(acts) == ["gpu_xid"]

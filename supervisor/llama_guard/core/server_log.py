@@ -1,6 +1,6 @@
 """Classification of llama-server's log lines into failure families.
 
-One ordered table of patterns → families (facts/llama-server.md). Patterns match the text
+One ordered table of patterns → families (docs/llama-server.md names the llama.cpp sources). Patterns match the text
 anywhere in a line, never a position: lines come with or without the elapsed/level prefix
 (``0.00.450.903 I srv ...``), with or without a ``[pid]`` prefix, and the logger's lines can
 interleave with an abort's direct stderr writes inside one physical line. The first matching
@@ -85,7 +85,7 @@ TABLE: tuple[_Row, ...] = (
     # A GPU backend that cannot initialise: the server falls back to the CPU (the reason may be an
     # incompatibility below; the policy looks inside).
     _row(r"failed to initialize " + _GPU_API + r": (.+?)\s*$", F.GPU_UNAVAILABLE, _group("{0}")),
-    # Faults no restart or reset can fix (facts/llama-server.md): the binary was built for another
+    # Faults no restart or reset can fix (docs/llama-server.md): the binary was built for another
     # GPU architecture or toolkit, or the driver is too old for the CUDA runtime.
     _row(r"provided PTX was compiled with an unsupported toolchain", F.GPU_INCOMPATIBLE,
          _fixed("the binary's PTX was compiled with a newer CUDA toolchain than the driver supports",

@@ -50,7 +50,7 @@ class GpuFaultKind(enum.Enum):
 
 
 class XidAction(enum.Enum):
-    """What the Xid table (gpu/xid.py, source facts/gpu.md) says to do about an Xid."""
+    """What the Xid table (gpu/xid.py, from NVIDIA's Xid documentation) says to do about an Xid."""
 
     RESTART = "restart"  # app-level fault: restart the server
     RESET = "reset"  # stop the server, reset the GPU

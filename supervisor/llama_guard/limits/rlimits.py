@@ -1,6 +1,6 @@
 """Resource limits of llama-server: parse, decide, apply in the child, read back.
 
-Three rlimits matter to llama-server (see ``/work/shared/facts/llama-server.md``, family 5):
+Three rlimits matter to llama-server (docs/llama-server.md, "Resource limits"):
 
 * ``RLIMIT_NOFILE`` (open files, a count): every HTTP connection is a file descriptor.
 * ``RLIMIT_MEMLOCK`` (locked memory, bytes): ``--mlock`` locks the whole model in RAM.
