@@ -12,9 +12,10 @@ import statistics
 from pathlib import Path
 
 import pytest
-from llama_guard.insight.budget import MIB, Settings, estimate, kv_read_bytes, weights_read_bytes
+from llama_guard.insight.budget import Settings, estimate, kv_read_bytes, weights_read_bytes
 from llama_guard.insight.ceiling import Ceiling, bandwidth_from_bus
 from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.units import MIB
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "h200_vram" / "vram_measure.json").read_text())
 CALIBRATION = {"reference", "ngl0"}
