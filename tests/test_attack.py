@@ -35,11 +35,7 @@ restart_cron = ""
 """
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _write(tmp_path: Path, text: str | bytes, name: str = "lg.toml") -> Path:

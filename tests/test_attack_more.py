@@ -12,12 +12,7 @@ from pathlib import Path
 import pytest
 from llama_guard.config import ConfigError, ServerConfig, read_api_key
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _fifo(path: Path) -> Path:

@@ -39,12 +39,7 @@ from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink
 from llama_guard.output.notify import SdNotifier
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 class NotifySocket:

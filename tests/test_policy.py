@@ -5,19 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from harness import emitted, line, names
+from harness import ready as policy_ready
+from harness import started as policy_started
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
     AfterStop,
     Boot,
     Drained,
-    Emit,
     ExitDaemon,
     Exited,
     HealthOk,
     Kill,
-    Line,
-    NotifyReady,
     Params,
     ParamsChanged,
     Phase,
@@ -43,32 +42,12 @@ P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_facto
            drain_timeout_s=20)
 
 
-def names(actions: list[object]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[object], name: str) -> Emit:
-    return next(a for a in actions if isinstance(a, Emit) and a.name == name)
-
-
 def started(pid: int = 100, now: float = 0.0, params: Params = P) -> State:
-    s, acts = decide(initial_state(params), Boot(), now)
-    assert acts == [Spawn()]
-    s, acts = decide(s, Spawned(pid, ("llama-server", "-m", "x")), now)
-    assert names(acts) == ["server_starting"]
-    return s
+    return policy_started(params, pid, now)
 
 
 def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
-    s = started(pid, now - 1.0, params)
-    s, acts = decide(s, HealthOk(pid), now)
-    assert s.phase is Phase.READY
-    assert NotifyReady() in acts
-    return s
-
-
-def line(pid: int, text: str) -> Line:
-    return Line(pid, classify_line(text), text)
+    return policy_ready(params, pid, now)
 
 
 class TestStartup:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from harness import emitted, line, names
+from harness import ready as policy_ready
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -70,31 +71,12 @@ def but_xid(actions: list[Action]) -> list[Action]:
     return [a for a in actions if not (isinstance(a, Emit) and a.name == "gpu_xid")]
 
 
-def names(actions: list[Action]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[Action], name: str) -> Emit:
-    found = [a for a in actions if isinstance(a, Emit) and a.name == name]
-    assert len(found) == 1, (name, actions)
-    return found[0]
+def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
+    return policy_ready(params, pid, now)
 
 
 def of_type(actions: list[Action], cls: type[Action]) -> list[Action]:
     return [a for a in actions if isinstance(a, cls)]
-
-
-def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
-    s, acts = decide(initial_state(params), Boot(), now - 1.0)
-    assert acts == [Spawn()]
-    s, _ = decide(s, Spawned(pid, ("llama-server",)), now - 1.0)
-    s, _ = decide(s, HealthOk(pid), now)
-    assert s.phase is Phase.READY
-    return s
-
-
-def line(pid: int, text: str) -> Line:
-    return Line(pid, classify_line(text), text)
 
 
 def stop_for(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:

@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from harness import emitted, names
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
-    Action,
     Boot,
     CheckVram,
-    Emit,
     ExitDaemon,
     Exited,
     GpuFault,
@@ -45,15 +44,6 @@ SHORT = VramFacts(0, 150, 20_000, (TORCH,))         # all but 150 MiB held by an
 FITS = VramFacts(0, 140_000, 20_000, ())
 OOM_AT_LOAD = ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: "
                "cudaMalloc failed: out of memory")
-
-
-def names(actions: list[Action]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[Action], name: str) -> Emit:
-    [found] = [a for a in actions if isinstance(a, Emit) and a.name == name]
-    return found
 
 
 def booted(params: Params = P) -> State:
