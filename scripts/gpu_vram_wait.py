@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_e2e import events  # the daemon's JSON event lines, read as gpu_e2e.py reads them
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RUN_BUDGET_S = 105.0  # one run, hog start to daemon stop (s); two runs stay well under 4 minutes
@@ -102,18 +104,6 @@ server_log_file = "{tmp}/server.log"
 [runtime]
 dir = "{tmp}/run"
 """
-
-
-def events(log: Path) -> list[dict[str, object]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict) and "event" in item:
-            out.append(item)
-    return out
 
 
 def wait_event(log: Path, name: str, deadline: float) -> dict[str, object] | None:
