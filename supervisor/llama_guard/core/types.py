@@ -488,7 +488,7 @@ class State:
     strikes: int = 0
     boot_cause: str = ""
     fault: str = ""             # why the current/last server is being stopped
-    pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
+    pending_event: tuple[EventName, str] | None = None  # (name, cause) still to report at exit
     last_failure: str = ""
     restarts: int = 0
     resets: tuple[float, ...] = ()
