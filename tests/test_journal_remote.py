@@ -63,7 +63,8 @@ class Collector:
         self.port = free_port()
         self.log = base / "journal-remote.log"
         self.proc = subprocess.Popen(
-            [str(REMOTE), f"--listen-http=127.0.0.1:{self.port}", f"--output={self.dir}/all.journal", "--split-mode=none"],
+            [str(REMOTE), f"--listen-http=127.0.0.1:{self.port}", f"--output={self.dir}/all.journal",
+             "--split-mode=none"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
             start_new_session=True)
         deadline = time.monotonic() + 10
