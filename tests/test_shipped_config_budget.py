@@ -67,7 +67,8 @@ def test_check_passes_the_shipped_file_on_a_16_gib_card(llama_server_bin: Path, 
 def test_all_layers_do_not_fit_as_the_header_says(llama_server_bin: Path, model_27b: Path) -> None:
     code, doc = check(llama_server_bin, model_27b, server__n_gpu_layers="999")
     row = vram_row(doc)
-    assert code == 78 and row["verdict"] == "FAIL", row["detail"]
+    assert code == 1 and row["verdict"] == "FAIL", row["detail"]  # --json: a node gate's "fail"
+    assert (doc["verdict"], doc["action"]) == ("fail", "fix_config") and doc["reasons"][0].startswith("vram budget")
     budget = row["data"]["budget"]
     assert budget["total"] / 2**30 == pytest.approx(header_gib(r"this cache ~([\d.]+) GiB"), abs=0.05)
     assert budget["weights_gpu"] / 2**30 == pytest.approx(header_gib(r"weights alone are ~([\d.]+) GiB"), abs=0.05)
