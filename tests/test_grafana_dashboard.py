@@ -4,7 +4,7 @@ a real Prometheus that scraped a real run of the exporter.
 The run: ``python -m llama_guard run`` with ``[metrics].listen`` on, supervising the fake llama-server on
 the NVML double (tests/fake_pynvml_mod.py: an OOM, an Xid, a hot, power-capped GPU cannot be had on this
 host), with a stub reset command (as root); a SIGSTOPped server for a hang; with the front door (when this
-build has ``[front]``) requests held across a restart, one of them past its hold timeout. Prometheus
+build has ``[front]``) requests held across two restarts, and one more than ``max_held`` refused. Prometheus
 (Debian package ``prometheus``) scrapes it every second; each panel expression, with Grafana's variables
 substituted, goes through ``promtool query range`` over the run's span.
 """
@@ -167,7 +167,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
     })
     front_port = free_port()
     if FRONT:
-        sections = merge(sections, {"front": {"listen": f"127.0.0.1:{front_port}", "hold_timeout_s": 1.0}})
+        # Two requests may be held at once: a third in the same restart is refused (queue_full).
+        sections = merge(sections, {"front": {"listen": f"127.0.0.1:{front_port}", "hold_timeout_s": 30.0,
+                                              "max_held": 2}})
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p),
            "FAKE_NVML_SCRIPT": str(nvml), "FAKE_NVML_STATE": str(tmp / "nvml-state.json"),
            "STUB_RESET_RECORD": str(tmp / "reset-record.jsonl"), "STUB_RESET_MODE": "ok"}
@@ -192,7 +194,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
 
         def through_front() -> None:  # sent while the server restarts: held, then served or timed out
             try:
-                held.append(httpx.post(f"http://127.0.0.1:{front_port}/health", timeout=30).status_code)
+                held.append(httpx.get(f"http://127.0.0.1:{front_port}/health", timeout=40).status_code)
             except httpx.HTTPError:
                 held.append(-1)
 
@@ -200,13 +202,20 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
         wait(lambda: prom.scrapes() >= 3, "three scrapes", 30)
         nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 88, "clock_events": 0x4,
                                                                       "power_mw": 690_000}}))
+        clients: list[threading.Thread] = []
+
+        def hold_some() -> None:  # two held and served by the next server, a third refused
+            if FRONT:
+                for _ in range(3):
+                    clients.append(threading.Thread(target=through_front))
+                    clients[-1].start()
+                    time.sleep(0.3)
+
         oom()  # OOM -> GPU reset -> restart
-        if FRONT:
-            clients = [threading.Thread(target=through_front) for _ in range(2)]
-            for client in clients:
-                client.start()
+        hold_some()  # held across it (a histogram's first observations start its series: hold twice)
         next_ready()
         oom()  # a second OOM: the restart counter of that cause grows
+        hold_some()
         next_ready()
         server = int(run.wait_event("server_ready", skip=ready - 1)["server_pid"])
         os.kill(server, signal.SIGSTOP)  # a hang: no answer, no progress
@@ -218,7 +227,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
         if FRONT:
             for client in clients:
                 client.join(30)
-            assert held, "no request went through the front door"
+            assert sorted(held) == [200, 200, 200, 200, 503, 503], held
         time.sleep(20)  # the last state for a few scrapes, and every increase() window closed
         end = time.time()
         assert prom.scrapes() >= 0.6 * (end - start), "Prometheus missed most scrapes (an overloaded host?)"
