@@ -22,6 +22,7 @@ HOST_PROGRAMS: dict[str, str] = {
     "unshare": "util-linux",                          # mount/cgroup namespaces for the manager
     "setpriv": "util-linux",                          # the unit's credentials, uid 65534 (privileges, limits)
     "promtool": "prometheus",                         # alert rules and dashboard queries
+    "prometheus": "prometheus",                       # scrapes a daemon run for the dashboard test
     "/usr/lib/systemd/systemd-journal-remote": "systemd-journal-remote",  # journald to a central box
     "/usr/lib/systemd/systemd-journal-upload": "systemd-journal-remote",
 }
