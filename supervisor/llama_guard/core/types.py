@@ -102,7 +102,8 @@ class RestartCause(enum.Enum):
 
 @dataclass(frozen=True)
 class Params:
-    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds."""
+    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds. Each default
+    equals the config key's of the same name (tests/test_recovery_defaults.py keeps them equal)."""
 
     load_timeout_s: float = 900.0
     hang_strikes: int = 3
