@@ -103,6 +103,8 @@ class Prometheus:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.proc.kill()
+        self.proc.wait(5)
         raise AssertionError(f"prometheus not ready: {self.log.read_text()[-2000:]}")
 
     def scrapes(self) -> int:

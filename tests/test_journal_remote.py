@@ -75,6 +75,8 @@ class Collector:
                 return
             except httpx.HTTPError:
                 time.sleep(0.05)
+        self.proc.kill()
+        self.proc.wait(5)
         raise AssertionError(f"journal-remote did not listen: {self.log.read_text()}")
 
     def entries(self, *matches: str) -> list[dict[str, Any]]:
@@ -96,6 +98,27 @@ def journald(tmp_path: Path) -> Iterator[PrivateJournald]:
     journal.stop()
 
 
+@pytest.fixture
+def collector(tmp_path: Path, journald: PrivateJournald) -> Iterator[Collector]:
+    remote = Collector(tmp_path)
+    yield remote
+    remote.stop()
+
+
+@pytest.fixture
+def uploader(tmp_path: Path, journald: PrivateJournald, collector: Collector) -> Iterator[subprocess.Popen[bytes]]:
+    """``systemd-journal-upload`` following the private journal's files, sending to the collector."""
+    proc = subprocess.Popen(
+        [str(UPLOAD), f"--url=http://127.0.0.1:{collector.port}", f"--directory={journald.logs_dir}",
+         f"--save-state={tmp_path / 'upload-state'}"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=(tmp_path / "upload.log").open("wb"),
+        start_new_session=True)
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+
+
 def wait_for(read: Any, what: str, timeout: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -107,13 +130,7 @@ def wait_for(read: Any, what: str, timeout: float) -> list[dict[str, Any]]:
 
 
 def test_events_reach_the_collector_with_every_field_and_filter_there(
-        tmp_path: Path, journald: PrivateJournald) -> None:
-    collector = Collector(tmp_path)
-    uploader = subprocess.Popen(
-        [str(UPLOAD), f"--url=http://127.0.0.1:{collector.port}", f"--directory={journald.logs_dir}",
-         f"--save-state={tmp_path / 'upload-state'}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=(tmp_path / "upload.log").open("wb"),
-        start_new_session=True)
+        tmp_path: Path, journald: PrivateJournald, collector: Collector, uploader: subprocess.Popen[bytes]) -> None:
 
     port = free_port()
     model = tmp_path / "fake.gguf"
