@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.daemon import ServiceNotifier
+from llama_guard.core.service import ServiceNotifier
 from llama_guard.core.watcher import Source
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink, journald_enabled
