@@ -26,12 +26,6 @@ from prometheus_client.registry import Collector
 from llama_guard.core.types import Action, Emit, Phase
 from llama_guard.core.watcher import Context, Source
 
-# Events that are the cause of the next server restart (the fault, or the plan).
-CAUSE_EVENTS = frozenset({
-    "server_exited", "server_oom", "server_cuda_error", "server_hang", "server_load_timeout",
-    "server_gpu_unavailable", "gpu_lost", "gpu_xid", "scheduled_restart", "restart_requested",
-    "decay_detected", "config_reloaded", "resource_exhausted",
-})
 THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
                  "power_brake": 0x80}
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
@@ -56,7 +50,6 @@ class MetricsSource(Source, Collector):
         self.resets: Counter[tuple[str, str]] = Counter()
         self.phase_time: dict[str, tuple[int, float]] = {}  # phase -> (count, sum seconds) of finished stays
         self.vram_wait: tuple[int, float] = (0, 0.0)
-        self.last_cause = ""
         self._phase: Phase | None = None
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
@@ -90,13 +83,11 @@ class MetricsSource(Source, Collector):
             self.count(name, record)
 
     def count(self, name: str, fields: Mapping[str, Any]) -> None:
-        """Count event ``name``; a cause event is remembered for the next ``server_restart``."""
+        """Count event ``name``; a ``server_restart`` also by its ``restart_cause`` (set by the policy,
+        a :class:`~llama_guard.core.types.RestartCause` value)."""
         self.events[name] += 1
-        if name in CAUSE_EVENTS:
-            self.last_cause = name
-        elif name == "server_restart":
-            self.restarts[self.last_cause or "unknown"] += 1
-            self.last_cause = ""
+        if name == "server_restart":
+            self.restarts[str(fields.get("restart_cause") or "unknown")] += 1
         elif name == "gpu_reset":
             self.resets[(str(fields.get("outcome", "?")), str(fields.get("trigger", "")))] += 1
         elif name == "server_ready":

@@ -215,7 +215,7 @@ class ScheduleSource(Source):
             self._on_ready(ctx, ctx.state.pid)
 
     def _begin(self, ctx: Context, action: PlannedRestart) -> None:
-        kind = _KIND[action.cause]
+        kind = _KIND.get(action.cause, action.cause.value)
         if action.cause is RestartCause.DECAY and self._post_kind is not None:
             kind = self._post_kind  # the trigger that fired: vram_growth, rss_growth, speed_drop
         self._post_kind = None

@@ -19,6 +19,7 @@ from llama_guard.core.types import (
     ResetFacts,
     ResetOutcome,
     ResetTrigger,
+    RestartCause,
     RunReset,
     State,
     Tick,
@@ -68,11 +69,12 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         return state, []
     if event.action is XidAction.RESTART:
         if state.phase in SERVING or state.phase is Phase.STARTING:
-            new = replace(state, last_failure=event.reason)
+            new = replace(state, last_failure=event.reason, cause=RestartCause.XID)
             return stop(new, now, AfterStop.FAILURE, event.reason)
         return state, []
     trigger = ResetTrigger.GPU_LOST if event.kind is GpuFaultKind.GPU_LOST else ResetTrigger.XID
-    state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason)
+    cause = RestartCause.GPU_LOST if event.kind is GpuFaultKind.GPU_LOST else RestartCause.XID
+    state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason, cause=cause)
     can_reset = p.reset_possible and trigger in p.reset_on
     if state.phase is Phase.STOPPING:
         if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK):

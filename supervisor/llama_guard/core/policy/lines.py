@@ -17,6 +17,7 @@ from llama_guard.core.types import (
     Line,
     Phase,
     ResetTrigger,
+    RestartCause,
     State,
 )
 from llama_guard.exitcodes import EXIT_CONFIG
@@ -64,13 +65,15 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
     fault = fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
-        new = replace(state, last_failure=f"{name}: {verdict.cause}")
+        cause = RestartCause.OOM if verdict.family is Family.OOM else RestartCause.CUDA_ERROR
+        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause)
         new, actions = stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
         if phase:
             fields = {**fields, "phase": phase}
         return new, [Emit(name, fields), *actions]
     if verdict.family is Family.GPU_ABORT:
-        new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
+        new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause),
+                      cause=RestartCause.CUDA_ERROR)
         return stop_for_fault(new, now, trigger, verdict.cause)
     return None
 
@@ -107,7 +110,7 @@ def on_starting_line(state: State, event: Line, now: float) -> Result:
     if unfit is not None and state.params.require_gpu:
         return incompatible(state, now, unfit, event.text)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
-        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}")
+        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE)
         new, actions = stop(new, now, AfterStop.FAILURE, "GPU unavailable")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
                                                      "cause": verdict.cause}), *actions]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from llama_guard.core.judgement import answered, failure_signature, progress_signals
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
-from llama_guard.core.policy.steps import RESTART_EVENT, Result, count_failure, exit_daemon, exit_fields, stop
+from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, stop
 from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.vram import start
 from llama_guard.core.server_log import Family
@@ -56,7 +56,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:
-            return count_failure(replace(state, last_failure=event.reason), now)
+            return count_failure(replace(state, last_failure=event.reason, cause=RestartCause.SPAWN_FAILED), now)
         new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
@@ -66,16 +66,16 @@ def on_starting(state: State, event: Input, now: float) -> Result:
                                                       "ignored": "the server is still loading"})]
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
-        new, actions = stop(state, now, AfterStop.RESTART, event.reason)
+        new, actions = stop(replace(state, cause=event.cause), now, AfterStop.RESTART, event.reason)
         planned: list[Action] = [PlannedRestart(state.pid, event.cause, event.reason, 0.0)]
         if state.pid is not None:
             planned.append(PlannedStop(state.pid, drained=False))
-        return new, [Emit(RESTART_EVENT[event.cause], {"server_pid": state.pid, "reason": event.reason,
+        return new, [Emit(restart_event(event.cause), {"server_pid": state.pid, "reason": event.reason,
                                                        "cause": event.cause.value}), *planned, *actions]
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
-        new = replace(state, last_failure=f"GPU unavailable: {event.reason}")
+        new = replace(state, last_failure=f"GPU unavailable: {event.reason}", cause=RestartCause.GPU_UNAVAILABLE)
         new, actions = stop(new, now, AfterStop.FAILURE, "not on the GPU")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
                                                      "cause": event.reason}), *actions]
@@ -100,7 +100,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
         return stalled
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        new = replace(state, last_failure="load timeout", boot_signature="")
+        new = replace(state, last_failure="load timeout", boot_signature="", cause=RestartCause.LOAD_TIMEOUT)
         new, actions = stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
@@ -114,7 +114,7 @@ def _load_stalled(state: State, now: float) -> Result | None:
         return None
     quiet = now - state.last_progress_at
     reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
-    new = replace(state, last_failure=reason, boot_signature="")
+    new = replace(state, last_failure=reason, boot_signature="", cause=RestartCause.LOAD_STALLED)
     new, actions = stop(new, now, AfterStop.FAILURE, "load stalled")
     loading = now - (state.started_at if state.started_at is not None else now)
     return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
@@ -144,7 +144,7 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
         return new, [exited, Emit("server_boot_failure", {"cause": cause, "line": state.last_error,
                                                           "consecutive_starts": 2, **fields}), *actions]
     failure = f"exited while loading: {fields['exit_text']}"
-    new = replace(state, last_failure=failure, boot_signature=signature)
+    new = replace(state, last_failure=failure, boot_signature=signature, cause=RestartCause.CRASH)
     new, actions = count_failure(new, now)
     return new, [exited, *actions]
 
@@ -169,7 +169,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         return alloc_fatal(state, event, now, state.phase.value)
     if isinstance(event, Exited) and event.pid == pid:
         fields = exit_fields(pid, event.returncode, state.last_error)
-        new = replace(state, last_failure=f"exited: {fields['exit_text']}")
+        new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH)
         new, actions = count_failure(new, now)
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
     if isinstance(event, Probe) and event.pid == pid:
@@ -186,8 +186,9 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return state, []
+        state = replace(state, cause=event.cause)
         uptime = now - (state.ready_at or now)
-        emit = Emit(RESTART_EVENT[event.cause], {"server_pid": pid, "reason": event.reason,
+        emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
                                                  "cause": event.cause.value, "uptime_s": uptime})
         planned = PlannedRestart(pid, event.cause, event.reason, uptime)
         if not event.drain:
@@ -217,7 +218,7 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
         return replace(state, strikes=strikes), recovered
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
     reason += "; no progress (CPU time, output lines, token counters) since the last probe"
-    new = replace(state, strikes=strikes, last_failure=f"hang: {reason}")
+    new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang")
     assert state.pid is not None
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
@@ -229,6 +230,7 @@ def on_backoff(state: State, event: Input, now: float) -> Result:
     if due or isinstance(event, RestartRequest):
         reason = event.reason if isinstance(event, RestartRequest) else f"after {state.last_failure}"
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
-        return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures)}),
+        return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures),
+                                             "restart_cause": state.cause.value}),
                      *actions]
     return state, []

@@ -30,13 +30,19 @@ Result = tuple[State, list[Action]]
 #: The phases in which a server serves (liveness probes, drains).
 SERVING = (Phase.READY, Phase.DRAINING)
 
-#: The event that reports a graceful restart of each cause.
+#: The event that reports a graceful restart of each planned cause.
 RESTART_EVENT: dict[RestartCause, str] = {
     RestartCause.OPERATOR: "restart_requested",
     RestartCause.SCHEDULE: "scheduled_restart",
     RestartCause.DECAY: "decay_restart",
     RestartCause.CONFIG_CHANGE: "restart_requested",
 }
+
+
+def restart_event(cause: RestartCause) -> str:
+    """The event name for a graceful restart asked for with ``cause`` (``restart_requested`` for any
+    cause that is not a plan)."""
+    return RESTART_EVENT.get(cause, "restart_requested")
 
 
 def after_fault(params: Params, trigger: ResetTrigger, *, loading: bool) -> AfterStop:

@@ -22,6 +22,7 @@ from llama_guard.core.types import (
     Line,
     Phase,
     ResetTrigger,
+    RestartCause,
     Spawned,
     SpawnFailed,
     State,
@@ -49,7 +50,8 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
         if fault is not None:
             name, fields = fault
             reason = f"{name}: {event.verdict.cause}"
-            new = replace(state, pending_event=None, last_failure=reason)
+            restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
+            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause)
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
             trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
@@ -90,7 +92,8 @@ def finish_stop(state: State, now: float) -> Result:
         return start(replace(state, pid=None, vram_after_oom=True), now)
     if state.after_stop is AfterStop.RESTART:
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
-        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault}), *actions]
+        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
+                                             "restart_cause": state.cause.value}), *actions]
     return count_failure(state, now)
 
 
@@ -102,7 +105,8 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
     oom = Emit("server_oom", {"server_pid": state.pid, "line": state.alloc_failure,
                               "cause": state.alloc_failure, "phase": phase, **{
                                   k: v for k, v in fields.items() if k != "server_pid"}})
-    new = replace(state, last_failure=reason, alloc_failure="", boot_signature="", reset_reason=reason)
+    new = replace(state, last_failure=reason, alloc_failure="", boot_signature="", reset_reason=reason,
+                  cause=RestartCause.OOM)
     # As for an OOM line that stops the server (after_fault): VRAM check, reset or a failure.
     after = after_fault(state.params, ResetTrigger.OOM, loading=phase == "loading")
     new, actions = finish_stop(replace(new, after_stop=after), now)

@@ -15,6 +15,7 @@ from llama_guard.core.types import (
     Input,
     Phase,
     ResetTrigger,
+    RestartCause,
     State,
     Tick,
     VramFacts,
@@ -74,7 +75,7 @@ def _vram_timed_out(state: State, now: float) -> Result:
     if state.vram_facts_at is not None and now - state.vram_facts_at > 2 * p.vram_poll_s + 1.0:
         reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
     new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", vram_facts_at=None,
-                  last_failure=reason)
+                  last_failure=reason, cause=RestartCause.VRAM_WAIT)
     return count_failure(new, now)
 
 
