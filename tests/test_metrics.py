@@ -9,7 +9,6 @@ import re
 import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -35,7 +34,9 @@ from llama_guard.core.types import (
     XidScope,
     initial_state,
 )
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
+from llama_guard.gpu.readings import GpuIdentity, GpuSample
+from llama_guard.limits.usage import UsageSample
 from llama_guard.output.metrics import MetricsSource
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,23 +50,15 @@ class Clock:
         return self.now
 
 
-class Peer(Source):
-    def __init__(self, name: str, snap: dict[str, Any]) -> None:
-        self.name, self.snap = name, snap
-
-    def snapshot(self) -> dict[str, Any] | None:
-        return self.snap
-
-
-def make(tmp: Path, listen: str = "",
-         peers: list[Source] | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
+def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None,
+         usage: UsageSample | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
     cfg = Config.model_validate({"runtime": {"dir": str(tmp)}, "metrics": {"listen": listen}})
     holder = {"state": State()}
     clock = Clock()
     ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=clock,
                   loop=asyncio.get_event_loop_policy().get_event_loop())
-    return MetricsSource(peers=peers or []), ctx, holder, clock
+    return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
 def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -78,11 +71,11 @@ def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 
 async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None:
-    gpu = Peer("gpu", {"sample": {"identity": {"index": 0}, "temperature_c": 61, "power_mw": 250_000,
-                                  "power_limit_mw": 700_000, "memory_used_bytes": 5 * 2**30,
-                                  "memory_total_bytes": 80 * 2**30, "clock_event_reasons": 0x20}})
-    limits = Peer("limits", {"usage": {"fds": 40, "nofile_limit": 4096, "threads": 9, "nproc_limit": -1}})
-    src, ctx, holder, clock = make(tmp_path, peers=[gpu, limits])
+    gpu = GpuSample(GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200"), temperature_c=61, power_mw=250_000,
+                    power_limit_mw=700_000, memory_used_bytes=5 * 2**30, memory_total_bytes=80 * 2**30,
+                    clock_event_reasons=0x20)
+    usage = UsageSample(pid=1, fds=40, threads=9, nofile_limit=4096, nproc_limit=-1)
+    src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
     src.on_action(ctx, Spawn())
