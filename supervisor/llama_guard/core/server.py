@@ -20,6 +20,7 @@ from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.procs import port_owner
 from llama_guard.core.progress import ProgressSampler
@@ -36,7 +37,6 @@ MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about spee
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
 PROBE_CLOSE_TIMEOUT_S = 5.0
-SERVING = (Phase.READY, Phase.DRAINING)
 
 
 def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
