@@ -12,7 +12,7 @@ with RESETTING after a GPU fault, ending in EXITED. "Started" is not "ready": RE
 The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BACKOFF),
 :mod:`.lines` (classified server lines), :mod:`.stop` (STOPPING and what follows a stop),
 :mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission before a start) and
-:mod:`.steps` (stop, spawn, exit, count a failure; :func:`~.steps.after_fault`, the OOM decision).
+:mod:`.steps` (start, stop, spawn, exit, count a failure; :func:`~.steps.after_fault`, the OOM decision).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from dataclasses import replace
 
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
 from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
-from llama_guard.core.policy.steps import SERVING, Result
+from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
-from llama_guard.core.policy.vram import VRAM_CHECK_TIMEOUT_S, on_waiting_vram
+from llama_guard.core.policy.vram import on_waiting_vram
 from llama_guard.core.server_log import ERROR_FAMILIES
 from llama_guard.core.types import (
     GpuFault,

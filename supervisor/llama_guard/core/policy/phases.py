@@ -9,9 +9,8 @@ from dataclasses import replace
 
 from llama_guard.core.judgement import answered, failure_signature, progress_signals
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
-from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, stop
+from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
 from llama_guard.core.policy.stop import alloc_fatal
-from llama_guard.core.policy.vram import start
 from llama_guard.core.server_log import Family
 from llama_guard.core.types import (
     Action,

@@ -1,7 +1,7 @@
-"""Steps every phase of the policy takes: stop the server, spawn one, exit, count a failure (back
-off or give up on a crash loop), the fields of an exit event, and :func:`after_fault`, the one place
-that decides what follows a GPU fault (an OOM: check the VRAM, reset, or count a failure). Pure, like
-the rest of the policy: no I/O, no clock reads.
+"""Steps every phase of the policy takes: start a server (a VRAM check first on a watched GPU), stop
+it, spawn one, exit, count a failure (back off or give up on a crash loop), the fields of an exit
+event, and :func:`after_fault`, the one place that decides what follows a GPU fault (an OOM: check
+the VRAM, reset, or count a failure). Pure, like the rest of the policy: no I/O, no clock reads.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import replace
 from llama_guard.core.types import (
     Action,
     AfterStop,
+    CheckVram,
     Emit,
     ExitDaemon,
     Params,
@@ -26,6 +27,15 @@ from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
 
 Result = tuple[State, list[Action]]
 """What every handler answers: the next state and the actions to carry out, in order."""
+
+# A VRAM check that does not answer within this is skipped (the start goes on). The daemon bounds
+# each check below it (VRAM_CHECK_TIMEOUT_S): the first check of a start also reads the model's GGUF
+# for the need estimate, seconds of CPU on a large tokenizer.
+VRAM_ANSWER_S = 30.0
+
+
+VRAM_CHECK_TIMEOUT_S = 25.0
+
 
 #: The phases in which a server serves (liveness probes, drains).
 SERVING = (Phase.READY, Phase.DRAINING)
@@ -119,3 +129,12 @@ def count_failure(state: State, now: float) -> Result:
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.last_failure})]
+
+
+def start(state: State, now: float) -> Result:
+    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
+    if not state.params.vram_admission:
+        return spawn(replace(state, vram_after_oom=False))
+    new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
+                  vram_wait_until=None, vram_short="", vram_facts_at=None)
+    return new, [CheckVram()]

@@ -9,8 +9,7 @@ from dataclasses import replace
 
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import fault_event, incompatible
-from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, stop
-from llama_guard.core.policy.vram import start
+from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
 from llama_guard.core.server_log import Family
 from llama_guard.core.types import (
     Action,

@@ -13,22 +13,12 @@ from llama_guard.core.types import (
     CheckVram,
     Emit,
     Input,
-    Phase,
     ResetTrigger,
     RestartCause,
     State,
     Tick,
     VramFacts,
 )
-
-
-def start(state: State, now: float) -> Result:
-    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
-    if not state.params.vram_admission:
-        return spawn(replace(state, vram_after_oom=False))
-    new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
-                  vram_wait_until=None, vram_short="", vram_facts_at=None)
-    return new, [CheckVram()]
 
 
 def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
@@ -106,10 +96,3 @@ def on_waiting_vram(state: State, event: Input, now: float) -> Result:
             return _vram_timed_out(state, now)
         return replace(state, deadline=now + p.vram_poll_s), [CheckVram()]
     return state, []
-# A VRAM check that does not answer within this is skipped (the start goes on). The daemon bounds
-# each check below it (VRAM_CHECK_TIMEOUT_S): the first check of a start also reads the model's GGUF
-# for the need estimate, seconds of CPU on a large tokenizer.
-VRAM_ANSWER_S = 30.0
-
-
-VRAM_CHECK_TIMEOUT_S = 25.0
