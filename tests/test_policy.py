@@ -380,7 +380,7 @@ def test_params_defaults_are_the_configuration_defaults() -> None:
     import dataclasses
 
     from llama_guard.config import Config
-    from llama_guard.core.daemon import params_from
+    from llama_guard.core.params import params_from
 
     shipped = params_from(Config())
     default = Params()

@@ -116,7 +116,7 @@ def test_human_layout_of_the_daemons_snapshot_has_no_raw_json(daemons: dict[str,
     text = "\n".join(render(document(snap)))
     assert not re.search(r"[{\[]\s*['\"]|['\"]\s*[}\]]", text), text  # no dict or list printed raw
     assert f"pid {daemons['second_pid']}, up " in text and ", ready for " in text
-    assert "restarts" in text and "server_exited 1" in text and "last failure: " in text
+    assert "restarts" in text and "(crash 1)" in text and "last failure: " in text  # kill -9: a crash
     assert 'next planned restart  ' in text and '(cron "30 4 * * *" UTC)' in text
     sample = snap["gpu"]["sample"]
     assert f"0 {sample['identity']['name']}, {sample['temperature_c']} °C" in text
