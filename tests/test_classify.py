@@ -44,7 +44,7 @@ CASES: list[tuple[str, Family, str]] = [
     # fatal GPU runtime errors
     ("CUDA error: an illegal memory access was encountered", Family.GPU_FATAL, "illegal memory access"),
     ("CUDA error: unspecified launch failure", Family.GPU_FATAL, "unspecified launch failure"),
-    ("CUDA error: the launch timed out and was terminated", Family.GPU_FATAL, "launch timed out"),
+    ("CUDA error: the launch timed out and was terminated", Family.GPU_WATCHDOG, "launch timed out"),
     ("CUDA error: CUDA-capable device(s) is/are busy or unavailable", Family.GPU_FATAL, "busy or unavailable"),
     ("/tmp/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error", Family.GPU_ABORT, ""),
     ("ggml_cuda_compute_forward: MUL_MAT failed", Family.GPU_ABORT, "MUL_MAT"),
