@@ -28,7 +28,8 @@ from llama_guard.core.policy_gpu import (
     _stop_for_fault,
 )
 from llama_guard.core.policy_steps import _SERVING, Result, _count_failure, _exit, _exit_fields, _stop
-from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass
+from llama_guard.core.policy_verdicts import crash_repeat, unkillable, watchdog_hit
+from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass, classify_line
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -101,7 +102,19 @@ def _fault_event(state: State, verdict: LineClass, text: str) -> tuple[str, dict
         return "server_oom", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
     if verdict.family is Family.GPU_FATAL:
         return "server_cuda_error", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
+    if verdict.family is Family.GPU_WATCHDOG:
+        return "server_cuda_error", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause,
+                                     "reset": "no: the watchdog ended one channel's work, the GPU is fine"}
+    if verdict.family is Family.DEVICE_LOST:
+        return "gpu_lost", {"server_pid": state.pid, "line": text.strip(), "reason": verdict.cause,
+                            "cause": verdict.cause}
     return None
+
+
+def _trigger(family: Family) -> ResetTrigger | None:
+    """The ``reset_on`` trigger of a fatal line's family; None: never a reset (the launch watchdog)."""
+    return {Family.OOM: ResetTrigger.OOM, Family.GPU_WATCHDOG: None,
+            Family.DEVICE_LOST: ResetTrigger.GPU_LOST}.get(family, ResetTrigger.CUDA_ERROR)
 
 
 # ---------------------------------------------------------------- per phase
@@ -262,18 +275,23 @@ def _fault_line(state: State, event: Line, now: float, phase: str) -> Result | N
     verdict = event.verdict
     if verdict.family is Family.GPU_INCOMPATIBLE:
         return _incompatible(state, now, verdict, event.text)
-    trigger = ResetTrigger.OOM if verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
+    trigger = _trigger(verdict.family)
     fault = _fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
         new = replace(state, last_failure=f"{name}: {verdict.cause}")
-        new, actions = _stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
+        repeated: list[Emit] = []
+        if trigger is None:  # restart only, never a reset; said when it repeats
+            new, actions = _stop(new, now, AfterStop.FAILURE, f"{name}: {verdict.cause}")
+            new, repeated = watchdog_hit(new, now, verdict.cause)
+        else:
+            new, actions = _stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
         if phase:
             fields = {**fields, "phase": phase}
-        return new, [Emit(name, fields), *actions]
+        return new, [Emit(name, fields), *repeated, *actions]
     if verdict.family is Family.GPU_ABORT:
         new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause))
-        return _stop_for_fault(new, now, trigger, verdict.cause)
+        return _stop_for_fault(new, now, ResetTrigger.CUDA_ERROR, verdict.cause)
     return None
 
 
@@ -336,8 +354,13 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Exited) and event.pid == pid:
         fields = _exit_fields(pid, event.returncode, state.last_error)
         new = replace(state, last_failure=f"exited: {fields['exit_text']}")
+        # A crash is restarted; the same crash again within the window is said, with the request
+        # kind its exception names (a SIGKILL comes from outside: not the server's own crash).
+        signature = "" if event.returncode == -signal.SIGKILL or not state.last_error else failure_signature(
+            exit_text(event.returncode), state.last_error)
+        new, repeated = crash_repeat(new, now, signature, classify_line(state.last_error).request_kind)
         new, actions = _count_failure(new, now)
-        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
+        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *repeated, *actions]
     if isinstance(event, Probe) and event.pid == pid:
         return _on_probe(state, event, now)
     if isinstance(event, Tick):
@@ -410,8 +433,11 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
             new = replace(state, pending_event=None, last_failure=reason)
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
-            trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
+            trigger = _trigger(event.verdict.family)
             p = state.params
+            if trigger is None:  # the launch watchdog: a restart only, even after an abort line
+                new, repeated = watchdog_hit(replace(new, after_stop=AfterStop.FAILURE), now, event.verdict.cause)
+                return new, [Emit(name, fields), *repeated]
             if (new.after_stop is AfterStop.FAILURE and trigger is ResetTrigger.OOM and p.vram_admission
                     and state.ready_at is None):  # an OOM while loading: perhaps another process's VRAM
                 new = replace(new, after_stop=AfterStop.VRAM_CHECK, reset_reason=reason)
@@ -435,8 +461,9 @@ def _on_stopping(state: State, event: Input, now: float) -> Result:
             new = replace(state, killed=True, deadline=now + p.kill_wait_s)
             return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": p.stop_grace_s}),
                          Kill(state.pid)]
-        # SIGKILL did not end it either (uninterruptible sleep in the driver): stop waiting.
-        return _finish_stop(replace(state, last_failure="server did not exit after SIGKILL"), now)
+        # SIGKILL did not end it either (uninterruptible sleep in the driver): a verdict, no
+        # reset and no second server.
+        return unkillable(state)
     return state, []
 
 

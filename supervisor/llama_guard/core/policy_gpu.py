@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.core.policy_steps import _SERVING, Result, _count_failure, _exit, _spawn, _stop
+from llama_guard.core.policy_verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step, watchdog_hit
 from llama_guard.core.types import (
     AfterStop,
     CheckVram,
@@ -18,6 +19,7 @@ from llama_guard.core.types import (
     Input,
     InspectGpu,
     Phase,
+    RecoveryAction,
     ResetDone,
     ResetFacts,
     ResetOutcome,
@@ -47,14 +49,20 @@ def _on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     if event.kind is not GpuFaultKind.XID:
         return _act_on_gpu_fault(state, event, now)
     judged, ours = _judge_xid(state, event)
-    emit = Emit("gpu_xid", {
+    fields: dict[str, object] = {
         "gpu_index": event.gpu_index, "xid": event.xid, "meaning": event.reason.removeprefix(f"Xid {event.xid}: "),
         "action": judged.action.value,
         "table_action": event.action.value, "scope": event.scope.value, "source": event.origin.value,
         "xid_pid": event.faulting_pid, "xid_name": event.faulting_name, "ours": ours,
-        "server_pid": state.pid, "line": event.line})
+        "server_pid": state.pid, "line": event.line}
+    if event.action is XidAction.FOLLOW_RECOVERY_ACTION:
+        fields["recovery_action"] = "unknown" if event.recovery is None else event.recovery.name.lower()
     new, actions = _act_on_gpu_fault(state, judged, now)
-    return new, [emit, *actions]
+    if (judged.watchdog and judged.action is XidAction.RESTART and state.phase is not Phase.STOPPING
+            and new.phase is Phase.STOPPING):
+        new, repeated = watchdog_hit(new, now, event.reason)
+        actions = [*actions, *repeated]
+    return new, [Emit("gpu_xid", fields), *actions]
 
 
 def _judge_xid(state: State, event: GpuFault) -> tuple[GpuFault, bool | None]:
@@ -67,6 +75,8 @@ def _judge_xid(state: State, event: GpuFault) -> tuple[GpuFault, bool | None]:
     ours = None if event.faulting_pid is None else event.faulting_pid == state.pid
     if event.scope is XidScope.APP and ours is not True:
         return replace(event, action=XidAction.EVENT_ONLY), ours
+    if event.action is XidAction.FOLLOW_RECOVERY_ACTION:
+        return replace(event, action=recovery_step(event.recovery)), ours
     return event, ours
 
 
@@ -75,6 +85,10 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     lost = event.kind is GpuFaultKind.GPU_LOST or event.action is XidAction.RESET_ONCE_THEN_ESCALATE
     if event.action is XidAction.EVENT_ONLY:
         return state, []
+    if event.action is XidAction.REBOOT:
+        advice = "" if event.recovery is None else f" (the driver asks: {RECOVERY_ADVICE[event.recovery]})"
+        return needs_reboot(state, now, f"{event.reason}{advice}: a GPU reset cannot help",
+                            {"gpu_index": event.gpu_index, "server_pid": state.pid, "line": event.line})
     if state.phase is Phase.RESETTING:
         # Never reset while a reset is running; but remember a loss, so that a reset that is then
         # skipped does not restart the server onto a lost GPU.
@@ -252,6 +266,25 @@ def _admit(state: State, now: float) -> Result:
     return _spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short="", vram_facts_at=None))
 
 
+def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:
+    """NVML's recovery-action field, read before this start, asks for something (an Xid that went by
+    unseen, a daemon started after the fault): a reset when it asks for one and one may run; else
+    no start: exit 69 with the driver's advice."""
+    assert facts.recovery is not None
+    emit = Emit("gpu_recovery_action", recovery_fields(facts.recovery, "nvml", facts.gpu_index))
+    reason = f"NVML says GPU {facts.gpu_index} needs: {RECOVERY_ADVICE[facts.recovery]}"
+    p = state.params
+    if recovery_step(facts.recovery) is XidAction.RESET and p.reset_possible and ResetTrigger.XID in p.reset_on:
+        new, actions = _begin_reset(replace(state, reset_reason=reason, pid=None, vram_after_oom=False,
+                                            after_stop=AfterStop.FAILURE), now)
+        return new, [emit, *actions]
+    if recovery_step(facts.recovery) is XidAction.RESET:
+        reason += " (no reset is configured or allowed by [recovery].reset_on)"
+    new, actions = needs_reboot(replace(state, pid=None), now, reason,
+                                {"gpu_index": facts.gpu_index, "server_pid": None})
+    return new, [emit, *actions]
+
+
 def _vram_timed_out(state: State, now: float) -> Result:
     """The wait's deadline passed: a failure, named after the latest facts (and their age when
     the checks since then failed or did not answer)."""
@@ -267,6 +300,8 @@ def _vram_timed_out(state: State, now: float) -> Result:
 def _on_waiting_vram(state: State, event: Input, now: float) -> Result:
     p = state.params
     waiting = state.vram_wait_until is not None
+    if isinstance(event, VramFacts) and event.recovery not in (None, RecoveryAction.NONE):
+        return _recovery_before_start(state, event, now)
     if isinstance(event, VramFacts):
         if event.error and waiting:  # a failed check (reported) tells nothing: keep waiting
             if state.vram_wait_until is not None and now >= state.vram_wait_until:

@@ -204,6 +204,7 @@ class GpuFault(Input):
     # Xid 154 (FOLLOW_RECOVERY_ACTION): what the driver asks for, from the kernel line or NVML's
     # recovery-action field (None: neither said).
     recovery: RecoveryAction | None = None
+    watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Any
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
-from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
+from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
@@ -33,7 +33,7 @@ from llama_guard.gpu.rules import (
     sample_once,
     server_on_gpu,
 )
-from llama_guard.gpu.xid import XidMatcher, XidReport, run_xid_waiter, xid_info
+from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
@@ -193,9 +193,13 @@ class GpuSource(Source):
         if due is not None:  # an application Xid waits (bounded) for its kernel line
             ctx.loop.call_later(max(0.0, due - ctx.clock()) + 0.01, self._flush_xids, ctx)
 
-    def _on_kmsg_record(self, ctx: Context, record: XidRecord | UnparsedXid) -> None:
+    def _on_kmsg_record(self, ctx: Context, record: XidRecord | AdapterInitFailed | UnparsedXid) -> None:
         if isinstance(record, UnparsedXid):
             ctx.emit("gpu_xid_unparsed", gpu_index=self._gpu_index(), line=record.text)
+            return
+        if isinstance(record, AdapterInitFailed):
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, f"the driver cannot initialise GPU {record.pci} (RmInitAdapter "
+                              "failed)", XidAction.REBOOT, gpu_index=self._gpu_index(), line=record.text))
             return
         self._post_xids(ctx, self.xids.kmsg(record, ctx.clock()))
 
@@ -209,8 +213,12 @@ class GpuSource(Source):
         """Hand each Xid to the policy with its table row; the policy judges whose it is."""
         for rep in reports:
             info = xid_info(rep.xid)
+            # Xid 154's kernel line says which recovery action (NVML's event has no text: then the
+            # policy resets, and the recovery-action field is read again before the next start).
+            recovery = recovery_action_of(rep.text) if info.action is XidAction.FOLLOW_RECOVERY_ACTION else None
             ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
-                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text))
+                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text,
+                              recovery=recovery, watchdog=info.watchdog))
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:
