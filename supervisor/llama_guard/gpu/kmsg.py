@@ -44,7 +44,8 @@ _FELL_START = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*(?P<re
 _FELL_END = re.compile(r"fallen off the bus")
 # The driver could not initialise the GPU (after it fell off the bus, or a dead card): every open of
 # the device then fails, and the server falls back to the CPU.
-_ADAPTER = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*?(?:RmInitAdapter|rm_init_adapter) failed")
+_ADAPTER = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*?"
+                      r"(?:RmInitAdapter|rm_init_adapter) failed")
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class KmsgParser:
             if pci is None or pci == previous or not self._ours(pci):
                 return []
             return [AdapterInitFailed(pci, text)]
-        out: list[XidRecord | UnparsedXid] = []
+        out: list[XidRecord | AdapterInitFailed | UnparsedXid] = []
         if self._pending is not None:
             pending_pci, lines = self._pending
             lines.append(text)

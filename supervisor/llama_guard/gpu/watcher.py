@@ -20,7 +20,16 @@ from typing import Any
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts, XidAction
+from llama_guard.core.types import (
+    GpuFault,
+    GpuFaultKind,
+    Phase,
+    RecoveryAction,
+    ResetDone,
+    ResetFacts,
+    VramFacts,
+    XidAction,
+)
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
@@ -308,7 +317,17 @@ class GpuSource(Source):
             return VramFacts(index, None, need, error=why)
         own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
         free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
-        return VramFacts(index, free, need, holders_of(sample, own))
+        return VramFacts(index, free, need, holders_of(sample, own), recovery=await self._recovery_action())
+
+    async def _recovery_action(self) -> RecoveryAction | None:
+        """NVML's recovery-action field, read before each start (an Xid may have gone by unseen);
+        None where this driver or GPU does not report it, or NVML fails (the sample says why)."""
+        if self.nvml is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.nvml.recovery_action)
+        except NvmlError:
+            return None
 
     def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
         """One sampler tick, or None while a reset holds our NVML session released."""
