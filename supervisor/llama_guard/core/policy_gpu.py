@@ -268,18 +268,21 @@ def _admit(state: State, now: float) -> Result:
 
 def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:
     """NVML's recovery-action field, read before this start, asks for something (an Xid that went by
-    unseen, a daemon started after the fault): a reset when it asks for one and one may run; else
-    no start: exit 69 with the driver's advice."""
+    unseen, a daemon started after the fault): a reset when it asks for one and one may run (and the
+    window's reset budget is not spent); else no start: exit 69 with the driver's advice."""
     assert facts.recovery is not None
     emit = Emit("gpu_recovery_action", recovery_fields(facts.recovery, "nvml", facts.gpu_index))
     reason = f"NVML says GPU {facts.gpu_index} needs: {RECOVERY_ADVICE[facts.recovery]}"
     p = state.params
-    if recovery_step(facts.recovery) is XidAction.RESET and p.reset_possible and ResetTrigger.XID in p.reset_on:
-        new, actions = _begin_reset(replace(state, reset_reason=reason, pid=None, vram_after_oom=False,
-                                            after_stop=AfterStop.FAILURE), now)
-        return new, [emit, *actions]
     if recovery_step(facts.recovery) is XidAction.RESET:
-        reason += " (no reset is configured or allowed by [recovery].reset_on)"
+        if not (p.reset_possible and ResetTrigger.XID in p.reset_on):
+            reason += " (no reset is configured or allowed by [recovery].reset_on)"
+        elif len([t for t in state.resets if now - t < p.reset_window_s]) >= p.max_resets:
+            reason += f" (the {p.max_resets} GPU resets allowed within {p.reset_window_s:.0f} s are spent)"
+        else:
+            new, actions = _begin_reset(replace(state, reset_reason=reason, pid=None, vram_after_oom=False,
+                                                after_stop=AfterStop.FAILURE), now)
+            return new, [emit, *actions]
     new, actions = needs_reboot(replace(state, pid=None), now, reason,
                                 {"gpu_index": facts.gpu_index, "server_pid": None})
     return new, [emit, *actions]
