@@ -157,7 +157,13 @@ TABLE: tuple[_Row, ...] = (
     _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
     _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
     # An exception the HTTP handler caught: that request got an error reply; the server carries on.
-    _row(r"(?:got|caught) exception:\s*(.+?)\s*$", F.HANDLED_ERROR, _group("request failed: {0}")),
+    # (llama-server's "got exception:" / "got another exception:" of the HTTP layer, "send_error" of a
+    # task, a grammar that does not parse: the client gets a 4xx/5xx answer.)
+    _row(r"(?:got|caught)(?: another)? exception:\s*(.+?)\s*$", F.HANDLED_ERROR, _group("request failed: {0}")),
+    _row(r"send_error: task id = \d+, error: (.+?)\s*$", F.HANDLED_ERROR, _group("request failed: {0}")),
+    _row(r"error parsing grammar|failed to parse grammar", F.HANDLED_ERROR,
+         _fixed("request failed: its grammar does not parse")),
+    _row(r"failed to launch slot with task", F.HANDLED_ERROR, _fixed("request failed: its slot was not launched")),
     # Any other error or abort line: not a verdict by itself, but it names why a server exited.
     _row(r"GGML_ASSERT\((.+?)\) failed", F.ERROR, _group("assertion failed: {0}")),
     _row(r"terminate called after throwing an instance of '([^']+)'", F.ERROR, _group("uncaught exception {0}")),
@@ -177,7 +183,7 @@ _REQUEST_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), kind) for pattern, kind in (
         (r"grammar|json[_ ]schema|response_format", "grammar-constrained request (grammar, json_schema, "
                                                     "response_format)"),
-        (r"tool[_ ]?call|parse tool|function call", "tool-call request"),
+        (r"tool[_ ]?(?:call|choice)|\btools\b|parse tool|function call", "tool-call request"),
         (r"jinja|chat template|template", "chat-template rendering"),
         (r"embedding|pooling", "embeddings request"),
         (r"rerank", "rerank request"),
