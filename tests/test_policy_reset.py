@@ -242,12 +242,16 @@ class TestOomReset:
         s, _ = into_reset(ready(), line(100, OOM))
         assert s.next_deadline() == pytest.approx(5.5 + P.reset_deadline_s)
 
-    def test_server_that_survives_sigkill_still_gets_a_bounded_reset(self) -> None:
+    def test_server_that_survives_sigkill_gets_no_reset_and_no_successor(self) -> None:
+        # Stuck in the driver: a reset would refuse a GPU in use and a second server would fail on
+        # it; the verdict is a reboot (exit 69), not a reset attempt.
         s, _ = stop_for(ready(), line(100, OOM))
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s)
         assert Kill(100) in acts
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
-        assert s.phase is Phase.RESETTING and InspectGpu(100, s.reset_reason) in acts
+        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+        assert "reboot" in s.exit_reason and names(acts) == ["server_unkillable"]
+        assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
 
 # ------------------------------------------------------------------------------------------- budget

@@ -58,10 +58,11 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
     """The GPU cannot come back without the operator (a reboot, a drain): stop the server, never
     reset, never start another; exit 69 once it is gone. ``fields`` are the ``gpu_lost`` event's."""
     why = reason if "reboot" in reason else f"{reason}; reboot the host"
-    emit = Emit("gpu_lost", {**fields, "reason": why, "reset": "not attempted (a reset cannot help)"})
     if state.phase is Phase.RESETTING:
-        # A reset under way finishes (never abandoned half done); it then cannot restart onto this GPU.
-        return replace(state, gpu_lost=True, exit_reason=why), [emit]
+        # A reset under way finishes (never abandoned half done): unless it verifies the GPU, the
+        # loss escalates then (the reset's own rules).
+        return replace(state, gpu_lost=True), []
+    emit = Emit("gpu_lost", {**fields, "reason": why, "reset": "not attempted (a reset cannot help)"})
     if state.phase is Phase.STOPPING:
         return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why,
                        last_failure=why, pending_event=None), [emit]
@@ -91,7 +92,7 @@ def unkillable(state: State) -> Result:
     emit = Emit("server_unkillable", {"server_pid": pid, "waited_s": waited, "holds": "it is still alive",
                                       "advice": "reboot the host"})
     if state.after_stop is AfterStop.EXIT:  # a stop was asked for (or a verdict given): keep its code
-        new, actions = _exit(replace(state, last_failure=why), state.exit_code, f"{state.exit_reason}; {why}")
+        new, actions = _exit(replace(state, last_failure=why), state.exit_code, state.exit_reason or why)
     else:
         new, actions = _exit(replace(state, last_failure=why), EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]
