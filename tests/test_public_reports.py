@@ -144,9 +144,9 @@ def test_watchdog_restarts_without_a_reset_and_says_when_it_repeats(kmsg: str, l
         [xid8] = kmsg_faults(kmsg, "0000:01:00.0")
         xid8 = replace(xid8, faulting_pid=pid)  # the kernel names the server of this round
         assert (xid8.xid, xid8.scope, xid8.action, xid8.watchdog) == (8, XidScope.APP, XidAction.RESTART, True)
-        steps = [lambda st: decide(st, xid8, now), lambda st: feed_log(st, log, now + 0.1, pid)]
-        for step in (steps if xid_first else steps[::-1]):
-            s, acts = step(s)
+        line_first = not xid_first
+        for step in ("line", "xid") if line_first else ("xid", "line"):
+            s, acts = decide(s, xid8, now) if step == "xid" else feed_log(s, log, now + 0.1, pid)
             seen += acts
         assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.FAILURE, s
         s, acts = decide(s, Exited(pid, -6), now + 0.5)
@@ -259,7 +259,7 @@ def test_reset_required_with_the_budget_spent_or_no_reset_stops_instead_of_loopi
 
 def test_recovery_none_or_unreadable_starts_normally() -> None:
     for recovery in (RecoveryAction.NONE, None):
-        s, acts = decide(waiting_for_start(), VramFacts(0, 100_000, 1000, recovery=recovery), 0.5)
+        _, acts = decide(waiting_for_start(), VramFacts(0, 100_000, 1000, recovery=recovery), 0.5)
         assert acts == [Spawn()]
 
 
