@@ -7,6 +7,7 @@ fake llama-server replaying a report's lines, the NVML double and a kernel-log f
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import test_reset_e2e
 from harness import RunPool, server_pids_of
+from needs import unavailable
 from test_reset_e2e import GpuRun, MakeRun
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "public_reports"
@@ -190,3 +192,39 @@ def test_real_server_handled_exceptions_change_nothing(real: Any) -> None:
     for name in ("server_exited", "server_restart", "server_stopped", "server_hang", "server_crash_repeated"):
         assert name not in run.names()
     assert server_pids_of(run.port) == [pid]
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.real
+def test_real_server_stuck_in_the_kernel_gets_no_successor_and_a_reboot_verdict(real: Any, tmp_path: Path) -> None:
+    """A server that SIGKILL cannot end: the real llama-server put in a frozen cgroup-v1 freezer
+    group, where it sits in state D as a process inside the GPU driver does. The liveness rounds
+    call it hung; SIGTERM, SIGKILL do nothing; then no new server, no reset: exit 69 naming a reboot."""
+    if os.geteuid() != 0 or not (FREEZER / "cgroup.procs").exists():
+        unavailable("needs root and the cgroup-v1 freezer (/sys/fs/cgroup/freezer) to hold a process in state D")
+    group = FREEZER / f"llama-guard-test-{os.getpid()}"
+    group.mkdir()
+    pid = 0
+    try:
+        run = real({"health": {"canary": False}}).start()
+        pid = run.wait_event("server_ready", 60)["server_pid"]
+        (group / "cgroup.procs").write_text(str(pid))
+        (group / "freezer.state").write_text("FROZEN")
+        assert run.wait_exit(60) == 69
+        assert "State:\tD" in Path(f"/proc/{pid}/status").read_text()  # SIGKILLed, still there
+        stuck = run.wait_event("server_unkillable")
+        assert stuck["server_pid"] == pid and stuck["advice"] == "reboot the host"
+        exit_event = run.wait_event("daemon_exit")
+        assert exit_event["exit_code"] == 69 and "reboot the host" in exit_event["reason"]
+        wanted = ("server_hang", "server_stop_timeout", "server_unkillable", "daemon_exit")
+        assert [n for n in run.names() if n in wanted] == list(wanted)
+        assert run.names().count("server_starting") == 1  # no second server
+        assert "gpu_reset" not in run.names()
+    finally:
+        (group / "freezer.state").write_text("THAWED")  # the pending SIGKILL then ends it
+        deadline = time.monotonic() + 10
+        while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.rmdir()
