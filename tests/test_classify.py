@@ -58,6 +58,7 @@ CASES: list[tuple[str, Family, str]] = [
     ("  what():  Unexpected empty grammar stack after accepting piece: ]", Family.ERROR, "empty grammar stack"),
     ("terminate called without an active exception", Family.ERROR, "uncaught exception"),
     ("double free or corruption (out)", Family.ERROR, "glibc heap check"),
+    ("ggml_vulkan: Device memory allocation of size 4563402752 failed.", Family.ALLOC_FAILED, "4563402752"),
     ("CUDA error: CUDA-capable device(s) is/are busy or unavailable", Family.GPU_FATAL, "busy or unavailable"),
     ("/tmp/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error", Family.GPU_ABORT, ""),
     ("ggml_cuda_compute_forward: MUL_MAT failed", Family.GPU_ABORT, "MUL_MAT"),

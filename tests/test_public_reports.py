@@ -218,6 +218,9 @@ def test_reset_required_changing_to_reboot_stops_with_advice() -> None:
     ("gpu recovery action changed from 0 to 3", RecoveryAction.DRAIN_P2P),
     ("GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)", RecoveryAction.NONE),
     ("GPU recovery action changed from 0x0 (None) to 0x1f (Future)", None),
+    ("GPU recovery action changed to 0x1", RecoveryAction.GPU_RESET),
+    ("GPU recovery action changed from None to Node Reboot Required", RecoveryAction.NODE_REBOOT),
+    ("GPU recovery action changed from GPU Reset Required to Drain and Reset", RecoveryAction.DRAIN_AND_RESET),
     ("something else", None),
 ])
 def test_recovery_action_text(text: str, action: RecoveryAction | None) -> None:
@@ -307,6 +310,14 @@ def test_off_the_bus_stops_with_reboot_advice_and_never_resets(kmsg: str) -> Non
     s, acts = decide(s, adapter, 0.2)
     assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not [a for a in acts
                                                                              if isinstance(a, Spawn)]
+
+
+def test_adapter_failure_of_an_older_driver_names_no_bus_id() -> None:
+    parser = KmsgParser("00000000:06:00.0")
+    recs = [r for text in ("[  5.1] NVRM: RmInitAdapter failed! (0x25:0x65:1211)",
+                           "[  5.1] NVRM: rm_init_adapter failed for device bearing minor number 0")
+            for r in parser.feed(text)]
+    assert recs == [AdapterInitFailed("0000:06:00.0", "NVRM: RmInitAdapter failed! (0x25:0x65:1211)")]
 
 
 def test_adapter_failure_while_the_server_falls_back_to_the_cpu() -> None:
@@ -419,6 +430,17 @@ def test_vulkan_oom_at_load_is_an_oom(log: str) -> None:
     assert s.phase is Phase.STOPPING
     # The glibc abort that follows names itself, not a second fault.
     assert classify_line(lines(log)[-1]).cause.startswith("glibc heap check aborted")
+
+
+def test_vulkan_allocation_failure_then_exit_is_a_fatal_oom() -> None:
+    # Only the allocation line, then the process dies: judged by what follows, like CUDA's.
+    text = "ggml_vulkan: Device memory allocation of size 4563402752 failed."
+    s, _ = decide(initial_state(replace(P, vram_admission=False, reset_possible=False)), Boot(), 0.0)
+    s, _ = decide(s, Spawned(PID, ()), 0.0)
+    s, acts = decide(s, Line(PID, classify_line(text), text), 0.5)
+    assert acts == [] and classify_line(text).family is Family.ALLOC_FAILED
+    s, acts = decide(s, Exited(PID, -6), 0.6)
+    assert "4563402752" in str(emitted(acts, "server_oom").fields["cause"])
 
 
 @pytest.mark.parametrize("log", ["vulkan_lost_server.log", "vulkan_lost_kind_server.log"])

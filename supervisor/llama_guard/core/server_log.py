@@ -117,6 +117,8 @@ TABLE: tuple[_Row, ...] = (
          _group("failed to allocate {0} buffer of {1} bytes")),
     _row(r"unable to allocate (\S+) buffer", F.ALLOC_FAILED, _group("unable to allocate {0} buffer")),
     _row(r"failed to allocate compute buffers", F.ALLOC_FAILED, _fixed("failed to allocate compute buffers")),
+    _row(r"Device memory allocation of size (\d+) failed", F.ALLOC_FAILED,
+         _group("Vulkan device memory allocation of {0} bytes failed")),
     # llama.cpp's own recovery from a failed allocation.
     _row(r"retrying without pipeline parallelism", F.ALLOC_RECOVERED,
          _fixed("compute buffers reserved again without pipeline parallelism")),

@@ -44,7 +44,9 @@ _FELL_START = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*(?P<re
 _FELL_END = re.compile(r"fallen off the bus")
 # The driver could not initialise the GPU (after it fell off the bus, or a dead card): every open of
 # the device then fails, and the server falls back to the CPU.
-_ADAPTER = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*?"
+# Older drivers name no bus id ("NVRM: RmInitAdapter failed! (0x25:0x65:1211)"): such a line is
+# taken as ours, since the driver could not even identify the GPU it failed on.
+_ADAPTER = re.compile(r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*?)?"
                       r"(?:RmInitAdapter|rm_init_adapter) failed")
 
 
@@ -69,8 +71,8 @@ class XidRecord:
 
 @dataclass(frozen=True)
 class AdapterInitFailed:
-    """The driver could not initialise the GPU at ``pci`` (``RmInitAdapter failed!``): no reset brings
-    it back; ``text`` is the message."""
+    """The driver could not initialise the GPU at ``pci`` (``RmInitAdapter failed!``; "" when neither
+    the line nor the parser names one): no reset brings it back; ``text`` is the message."""
 
     pci: str
     text: str
@@ -118,9 +120,9 @@ class KmsgParser:
         adapter = _ADAPTER.search(text)
         previous, self._adapter_pci = self._adapter_pci, None
         if adapter is not None:
-            pci = normalise_pci(adapter["pci"])
+            pci = normalise_pci(adapter["pci"]) if adapter["pci"] else (self.pci or "")
             self._adapter_pci = pci
-            if pci is None or pci == previous or not self._ours(pci):
+            if pci is None or pci == previous or (pci and not self._ours(pci)):
                 return []
             return [AdapterInitFailed(pci, text)]
         out: list[XidRecord | AdapterInitFailed | UnparsedXid] = []

@@ -73,21 +73,38 @@ XID_TABLE: dict[int, XidInfo] = {
 }
 
 
-# Xid 154's text: "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)".
-_RECOVERY_TO = re.compile(r"recovery action changed from\s+(?:0x)?[0-9a-fA-F]+(?:\s*\([^)]*\))?\s+to\s+"
-                          r"(?:0x)?(?P<code>[0-9a-fA-F]+)", re.IGNORECASE)
+# Xid 154's text: "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"; the
+# "from" part, the "0x" and the parenthesised name are each optional, and a name alone is read too.
+_RECOVERY_TO = re.compile(r"recovery action changed\s+(?:from\s+.*?\s+)?to\s+(?P<to>.+)$", re.IGNORECASE)
+_CODE = re.compile(r"^(?:0x)?(?P<code>[0-9a-fA-F]+)\b")
+_NAMES: tuple[tuple[re.Pattern[str], RecoveryAction], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), action) for pattern, action in (
+        (r"drain\s+and\s+reset", RecoveryAction.DRAIN_AND_RESET),
+        (r"drain\s+p2p|drain peer", RecoveryAction.DRAIN_P2P),
+        (r"imex", RecoveryAction.RECOVER_IMEX_DOMAIN),
+        (r"bus\s+reset", RecoveryAction.BUS_RESET),
+        (r"system\s+reboot|power\s+cycle", RecoveryAction.SYSTEM_REBOOT),
+        (r"node\s+reboot|reboot", RecoveryAction.NODE_REBOOT),
+        (r"gpu\s+reset|reset\s+required", RecoveryAction.GPU_RESET),
+        (r"\bnone\b", RecoveryAction.NONE),
+    ))
 
 
 def recovery_action_of(text: str) -> RecoveryAction | None:
-    """The recovery action an Xid 154 line changed *to*; None when the text names none or an
-    unknown code (the daemon then asks NVML's recovery-action field)."""
+    """The recovery action an Xid 154 line changed *to* (its code, else its name); None when the
+    text names none or an unknown code (the policy then resets, and NVML's recovery-action field is
+    read again before the next start)."""
     match = _RECOVERY_TO.search(text)
     if match is None:
         return None
-    try:
-        return RecoveryAction(int(match["code"], 16))
-    except ValueError:
-        return None
+    to = match["to"].strip()
+    code = _CODE.match(to)
+    if code is not None:
+        try:
+            return RecoveryAction(int(code["code"], 16))
+        except ValueError:
+            return None
+    return next((action for pattern, action in _NAMES if pattern.search(to)), None)
 
 
 def xid_info(xid: int) -> XidInfo:
