@@ -104,6 +104,18 @@ def test_xid_154_asking_for_a_reset_in_the_kernel_log_resets(gpu_run: MakeRun, t
     assert len(run.records()) == 1
 
 
+def test_xid_154_from_nvml_alone_follows_the_recovery_field(gpu_run: MakeRun) -> None:
+    # No kernel log: NVML's event has only the number; the field read with it says "node reboot".
+    run = gpu_run().start()
+    run.wait_event("server_ready", 20)
+    run.set_nvml(values={"recovery_action": 2}, xids=[154])
+    assert run.wait_exit(30) == 69
+    xid = run.wait_event("gpu_xid")
+    assert (xid["xid"], xid["source"], xid["recovery_action"], xid["action"]) == (154, "nvml", "node_reboot",
+                                                                                   "reboot")
+    assert "reboot" in run.wait_event("gpu_lost")["reason"] and run.records() == []
+
+
 def test_off_the_bus_stops_without_a_reset_and_exits_69(gpu_run: MakeRun, tmp_path: Path) -> None:
     kmsg = tmp_path / "kmsg"
     run = replaying(gpu_run, "", "watchdog_server.log", kmsg=kmsg).start()

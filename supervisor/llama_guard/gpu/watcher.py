@@ -11,6 +11,7 @@ tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
@@ -76,6 +77,7 @@ class GpuSource(Source):
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
+        self._nvml_recovery: RecoveryAction | None = None  # the field as read with NVML's latest Xid 154
         # The estimate of the start being admitted: read once per start (the GGUF read costs seconds
         # of CPU), not per VRAM poll; shared by the polls while it runs in its thread.
         self._need_estimate: asyncio.Future[int | None] | None = None
@@ -126,7 +128,13 @@ class GpuSource(Source):
         nvml, index = self.nvml, self.identity.index
 
         def on_xid(xid: int) -> None:
-            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid)
+            # NVML's Xid 154 carries no text: what the driver asks for is read from its field here,
+            # in this thread (each NVML call has its deadline), not on the loop.
+            recovery = None
+            if xid_info(xid).action is XidAction.FOLLOW_RECOVERY_ACTION:
+                with contextlib.suppress(NvmlError):
+                    recovery = nvml.recovery_action()
+            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid, recovery)
 
         def on_error(exc: NvmlError) -> None:
             return None  # the sampler reports a lost GPU; the waiter re-registers by itself
@@ -196,7 +204,9 @@ class GpuSource(Source):
 
     # ------------------------------------------------------------ observations
 
-    def _on_nvml_xid(self, ctx: Context, xid: int) -> None:
+    def _on_nvml_xid(self, ctx: Context, xid: int, recovery: RecoveryAction | None = None) -> None:
+        if recovery is not None:
+            self._nvml_recovery = recovery
         self._post_xids(ctx, self.xids.nvml(xid, ctx.clock()))
         due = self.xids.next_due()
         if due is not None:  # an application Xid waits (bounded) for its kernel line
@@ -222,9 +232,12 @@ class GpuSource(Source):
         """Hand each Xid to the policy with its table row; the policy judges whose it is."""
         for rep in reports:
             info = xid_info(rep.xid)
-            # Xid 154's kernel line says which recovery action (NVML's event has no text: then the
-            # policy resets, and the recovery-action field is read again before the next start).
-            recovery = recovery_action_of(rep.text) if info.action is XidAction.FOLLOW_RECOVERY_ACTION else None
+            # Xid 154: the kernel line says which recovery action, else NVML's field as read with the
+            # event; neither (None): the policy resets, and the field is read again before the next start.
+            recovery = None
+            if info.action is XidAction.FOLLOW_RECOVERY_ACTION:
+                recovery = recovery_action_of(rep.text)
+                recovery = self._nvml_recovery if recovery is None else recovery
             ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
                               info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text,
                               recovery=recovery, watchdog=info.watchdog))
