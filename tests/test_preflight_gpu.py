@@ -67,3 +67,15 @@ def test_no_offload_on_a_gpu_host_still_counts_the_cuda_context(tmp_path: Path) 
     row = check_vram(config, nvml_module=FakeNvml())[0]
     assert row.verdict == "OK" and "CUDA context 518" in row.detail and "weights 0" in row.detail
 
+
+
+def test_a_gpu_that_asks_for_a_reset_or_a_reboot_fails_check(tmp_path: Path) -> None:
+    fake = FakeNvml()
+    assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))  # 0: none
+    fake.gpus[0].values["recovery_action"] = 1
+    verdict, detail = rows(check_gpu(cfg(tmp_path), nvml_module=fake))["recovery"]
+    assert verdict == "FAIL" and "gpu_reset" in detail and "nvidia-smi --gpu-reset" in detail
+    fake.gpus[0].values["recovery_action"] = 2
+    assert "reboot the host" in rows(check_gpu(cfg(tmp_path), nvml_module=fake))["recovery"][1]
+    fake.gpus[0].values["recovery_action"] = None  # a driver without the field: nothing to say
+    assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))
