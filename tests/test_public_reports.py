@@ -383,26 +383,45 @@ def test_handled_exception_names_the_request_kind() -> None:
 @pytest.mark.parametrize(("log", "kind"), [("uncaught_exception_server.log", "grammar-constrained"),
                                            ("uncaught_exception_kind_server.log", "tool-call")])
 def test_uncaught_exception_restarts_and_a_repeat_names_the_request_kind(log: str, kind: str) -> None:
+    # Crashes of a server that had run stably (sporadic, under load): restarted each time, said
+    # from the second within the window with the request kind; no verdict.
     s = ready()
     seen: list[Action] = []
+    t = 1.0  # when the current server became ready
     for round_ in range(3):
         pid = PID + round_
-        s, acts = feed_log(s, log, 5.0 + 10 * round_, pid)
+        s, _ = decide(s, Tick(), t + P.stable_after_s)
+        assert s.stable
+        s, acts = feed_log(s, log, t + 11.0, pid)
         assert acts == [] and s.phase is Phase.READY  # the lines alone: the process decides
-        s, acts = decide(s, Exited(pid, -6), 5.5 + 10 * round_)
+        s, acts = decide(s, Exited(pid, -6), t + 12.0)
         seen += acts
         assert s.phase is Phase.BACKOFF and "server_exited" in names(acts)
         if round_ == 0:
             assert "server_crash_repeated" not in names(acts)
         s, _ = decide(s, Tick(), s.deadline or 0.0)
-        s, _ = decide(s, VramFacts(0, 100_000, 1000), 6.0 + 10 * round_)
-        s, _ = decide(s, Spawned(pid + 1, ()), 6.0 + 10 * round_)
-        s, _ = decide(s, HealthOk(pid + 1), 7.0 + 10 * round_)
+        s, _ = decide(s, VramFacts(0, 100_000, 1000), t + 12.5)
+        s, _ = decide(s, Spawned(pid + 1, ()), t + 12.5)
+        s, _ = decide(s, HealthOk(pid + 1), t + 13.0)
+        t += 13.0
     repeats = [a for a in seen if isinstance(a, Emit) and a.name == "server_crash_repeated"]
     assert [r.fields["count"] for r in repeats] == [2, 3]
     assert str(repeats[0].fields["request_kind"]).startswith(kind)
     assert "what():" in str(repeats[0].fields["line"])
     assert not [a for a in seen if isinstance(a, ExitDaemon)]  # a crash is restarted, never a verdict here
+
+
+def test_crashes_further_apart_than_the_window_are_not_a_repeat() -> None:
+    s = ready()
+    for round_, t in enumerate((5.0, 5.0 + P.restart_window_s + 1)):
+        pid = PID + round_
+        s, _ = feed_log(s, "uncaught_exception_server.log", t, pid)
+        s, acts = decide(s, Exited(pid, -6), t + 0.1)
+        assert "server_crash_repeated" not in names(acts)
+        s, _ = decide(s, Tick(), s.deadline or 0.0)
+        s, _ = decide(s, VramFacts(0, 100_000, 1000), t + 0.3)
+        s, _ = decide(s, Spawned(pid + 1, ()), t + 0.3)
+        s, _ = decide(s, HealthOk(pid + 1), t + 0.4)
 
 
 def test_sigkill_is_not_a_crash_of_the_server() -> None:
