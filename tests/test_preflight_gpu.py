@@ -8,6 +8,7 @@ from fake_nvml import GIB, FakeNvml
 from gguf_synth import write_gguf
 from llama_guard.config import Config
 from llama_guard.preflight import check_gpu, check_vram
+from llama_guard.verdicts import NodeAction
 
 
 def cfg(tmp: Path, model_bytes: int = 1024, **gpu: object) -> Config:
@@ -73,9 +74,11 @@ def test_a_gpu_that_asks_for_a_reset_or_a_reboot_fails_check(tmp_path: Path) -> 
     fake = FakeNvml()
     assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))  # 0: none
     fake.gpus[0].values["recovery_action"] = 1
-    verdict, detail = rows(check_gpu(cfg(tmp_path), nvml_module=fake))["recovery"]
-    assert verdict == "FAIL" and "gpu_reset" in detail and "nvidia-smi --gpu-reset" in detail
+    [row] = [r for r in check_gpu(cfg(tmp_path), nvml_module=fake) if r.name == "recovery"]
+    assert row.verdict == "FAIL" and "gpu_reset" in row.detail and "nvidia-smi --gpu-reset" in row.detail
+    assert row.action is NodeAction.RESET_GPU
     fake.gpus[0].values["recovery_action"] = 2
-    assert "reboot the host" in rows(check_gpu(cfg(tmp_path), nvml_module=fake))["recovery"][1]
+    [row] = [r for r in check_gpu(cfg(tmp_path), nvml_module=fake) if r.name == "recovery"]
+    assert "reboot the host" in row.detail and row.action is NodeAction.REBOOT
     fake.gpus[0].values["recovery_action"] = None  # a driver without the field: nothing to say
     assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))
