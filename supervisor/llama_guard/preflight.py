@@ -14,7 +14,7 @@ from typing import Any
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
 from llama_guard.core.offload import CallTimeout, run_with_deadline
-from llama_guard.core.policy_verdicts import RECOVERY_ADVICE
+from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
     Credentials,
     identity_problem,

@@ -1,6 +1,6 @@
 """The policy's rules for faults that a restart or a reset cannot mend, and for faults that are
-only worth a word when they repeat. Pure, like the rest of the policy (:mod:`llama_guard.core.policy`
-and :mod:`llama_guard.core.policy_gpu` call these); no I/O, no clock reads.
+only worth a word when they repeat. Pure, like the rest of the policy (:mod:`.gpu`, :mod:`.lines`,
+:mod:`.phases`, :mod:`.stop` and :mod:`.vram` call these); no I/O, no clock reads.
 
 * What the driver's *recovery action* (NVML's ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` field, or the
   text of Xid 154) asks for, as the step the policy takes and the advice it gives.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.policy_steps import Result, _exit, _stop
+from llama_guard.core.policy.steps import Result, exit_daemon, stop
 from llama_guard.core.types import AfterStop, Emit, Phase, RecoveryAction, State, XidAction
 from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE
 
@@ -67,10 +67,10 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
         return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why,
                        last_failure=why, pending_event=None), [emit]
     if state.pid is not None:
-        new, actions = _stop(replace(state, last_failure=why), now, AfterStop.EXIT, why,
+        new, actions = stop(replace(state, last_failure=why), now, AfterStop.EXIT, why,
                              code=EXIT_GPU_UNRECOVERABLE, reason=why)
         return new, [emit, *actions]
-    new, actions = _exit(state, EXIT_GPU_UNRECOVERABLE, why)
+    new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]
 
 
@@ -92,9 +92,9 @@ def unkillable(state: State) -> Result:
     emit = Emit("server_unkillable", {"server_pid": pid, "waited_s": waited, "holds": "it is still alive",
                                       "advice": "reboot the host"})
     if state.after_stop is AfterStop.EXIT:  # a stop was asked for (or a verdict given): keep its code
-        new, actions = _exit(replace(state, last_failure=why), state.exit_code, state.exit_reason or why)
+        new, actions = exit_daemon(replace(state, last_failure=why), state.exit_code, state.exit_reason or why)
     else:
-        new, actions = _exit(replace(state, last_failure=why), EXIT_GPU_UNRECOVERABLE, why)
+        new, actions = exit_daemon(replace(state, last_failure=why), EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]
 
 
