@@ -64,6 +64,8 @@ def test_launch_watchdog_restarts_without_a_reset_and_says_it_repeats(gpu_run: M
     run.wait_event("server_ready", 20, skip=2)
     repeated = run.wait_event("gpu_watchdog_repeated", 5)
     assert repeated["count"] == 2
+    causes = {e["restart_cause"] for e in run.events() if e["event"] == "server_restart"}
+    assert causes and causes <= {"cuda_error", "xid"}, causes  # the line's or the Xid's, whichever came first
     assert run.records() == []  # even with cuda_error in reset_on: no GPU reset
     assert "gpu_reset" not in run.names()
 
@@ -151,6 +153,7 @@ def test_uncaught_exception_restarts_and_a_repeat_names_the_request_kind(gpu_run
     run.wait_event("server_ready", 20, skip=2)
     repeated = run.wait_event("server_crash_repeated", 5)
     assert repeated["count"] == 2 and repeated["request_kind"].startswith("grammar-constrained")
+    assert {e["restart_cause"] for e in run.events() if e["event"] == "server_restart"} == {"crash"}
     assert "empty grammar stack" in repeated["line"]
     assert run.records() == []
 
