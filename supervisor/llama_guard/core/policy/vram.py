@@ -1,5 +1,7 @@
 """VRAM admission before each start: wait while another process holds what this server needs, with
-a deadline; an OOM at load that no other process explains goes on as :func:`after_fault` says. Pure.
+a deadline; an OOM at load that no other process explains goes on as :func:`after_fault` says. The
+same check carries NVML's recovery-action field: a GPU that asks for a reset is reset first, one that
+asks for a reboot or a drain gets no server (exit 69). Pure.
 """
 
 from __future__ import annotations
