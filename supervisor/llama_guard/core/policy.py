@@ -28,6 +28,7 @@ from llama_guard.core.policy_gpu import (
     _stop_for_fault,
 )
 from llama_guard.core.policy_steps import _SERVING, Result, _count_failure, _exit, _exit_fields, _stop
+from llama_guard.core.policy_traffic import on_traffic
 from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass
 from llama_guard.core.types import (
     Action,
@@ -340,6 +341,9 @@ def _on_serving(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
     if isinstance(event, Probe) and event.pid == pid:
         return _on_probe(state, event, now)
+    traffic = on_traffic(state, event, now)
+    if traffic is not None:
+        return traffic
     if isinstance(event, Tick):
         if (state.phase is Phase.READY and not state.stable and state.ready_at is not None
                 and now - state.ready_at >= p.stable_after_s):
@@ -372,6 +376,8 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     # or counters move is working even when its probes time out (a busy loop); only a round with
     # neither an answer nor progress is a strike (a SIGSTOPped or wedged server).
     moving = progress_signals(event, state.params)
+    if event.progressed and state.stalls:
+        state = replace(state, stalls=0)  # the token counters moved: a stalled stream was not a wedged decode
     recovered: list[Action] = []
     if state.alloc_failure and event.health_ok:
         recovered = _alloc_recovered(state, "the server still serves (the failing request got an error)")
