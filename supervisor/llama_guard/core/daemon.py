@@ -661,10 +661,12 @@ class Daemon:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while self.state.pid == pid and self.state.phase in (Phase.READY, Phase.DRAINING):
+            round_start = self.clock()
             await asyncio.sleep(health.interval_s)
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
-            result = await gen.probe.liveness()
+            # No canary in a round where a client request completed: the traffic showed progress.
+            result = await gen.probe.liveness(canary=not self.state.request_completed_since(round_start))
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
