@@ -42,11 +42,14 @@ def liveness_from_thread(loop: asyncio.AbstractEventLoop, get_state: Callable[[]
                          timeout_s: float = LOOP_ANSWER_S) -> tuple[int, dict[str, object]]:
     """``/livez`` asked from another thread: the loop must run :func:`liveness` within ``timeout_s``."""
 
-    async def answer() -> tuple[int, dict[str, object]]:
-        return liveness(get_state())
+    future: concurrent.futures.Future[tuple[int, dict[str, object]]] = concurrent.futures.Future()
+
+    def answer() -> None:
+        if future.set_running_or_notify_cancel():
+            future.set_result(liveness(get_state()))
 
     try:
-        future = asyncio.run_coroutine_threadsafe(answer(), loop)
+        loop.call_soon_threadsafe(answer)
     except RuntimeError:  # the loop is closed
         return 503, {"live": False, "reason": "the daemon's loop is closed"}
     try:
