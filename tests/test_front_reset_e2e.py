@@ -1,9 +1,10 @@
 """End to end: requests that arrive at the front door during a GPU reset are held and answered.
 
 The daemon runs with the fake NVML (tests/fake_pynvml_mod.py), the fake llama-server and the stub
-reset command (tests/stub_reset.py), as in test_reset_e2e.py: a CPU has no GPU to lose or reset. An Xid
-79 ("fallen off the bus") makes the daemon stop the server and reset the GPU; the stub takes 2 s (its timeout is 3 s), and
-the requests sent meanwhile must all be answered by the server started after the reset.
+reset command (tests/stub_reset.py), as in test_reset_e2e.py: a CPU has no GPU to lose or reset. An
+Xid 79 ("fallen off the bus") makes the daemon stop the server and reset the GPU; the stub takes 2 s
+(its timeout is 3 s), and the requests sent meanwhile must all be answered by the server started
+after the reset.
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ def make_notifier() -> ServiceNotifier:
 
 def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | None = None) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
-    set; it counts every event of ``emitter``), the front door (when [front].listen is set). ``nvml_module``: the pynvml module the GPU watcher
-    uses (None: the real ``pynvml``; tests inject a fake)."""
+    set; it counts every event of ``emitter``), the front door (when [front].listen is set).
+    ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
+    fake)."""
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.insight.vram_check import estimated_need_mib_in_child
