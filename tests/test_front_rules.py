@@ -181,3 +181,23 @@ def test_a_front_port_equal_to_the_server_port_is_a_config_error(tmp_path: Path)
     path.write_text('[front]\nlisten = "nope:port"\n')
     with pytest.raises(ConfigError):
         load_config(path)
+
+
+def test_check_names_both_addresses_and_refuses_a_shared_port(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from llama_guard.front.check import check_front
+    from llama_guard.verdicts import Verdict
+
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 18551\n[front]\nlisten = "127.0.0.1:18550"\n')
+    line = check_front(load_config(path))
+    assert line.verdict is Verdict.OK
+    assert line.detail == "clients connect to 127.0.0.1:18550; llama-server listens privately on 127.0.0.1:18551"
+    path.write_text('[server]\nport = 18551\nhost = "0.0.0.0"\n[front]\nlisten = "127.0.0.1:18550"\n')
+    assert check_front(load_config(path)).verdict is Verdict.WARN  # clients could go around it
+    path.write_text('[server]\nport = 18550\n[front]\nlisten = "127.0.0.1:18550"\n')
+    done = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78 and "front.listen" in done.stderr
