@@ -50,4 +50,4 @@ def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | 
         emitter.sinks.append(metrics)
         metrics.attached = True
     # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.
-    return [*sources, metrics, FrontSource(registry=metrics.registry)]
+    return [*sources, FrontSource(registry=metrics.registry), metrics]
