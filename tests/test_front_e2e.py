@@ -208,3 +208,15 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=5).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_no_canary_in_rounds_where_a_client_request_completed(front: Any) -> None:
+    run = front({"health": {"canary": True, "interval_s": 1.0, "canary_timeout_s": 30.0}}).start()
+    pid = run.wait_event("server_ready", 60)["server_pid"]
+    run.wait_event("server_probe", 30, where=lambda e: e["canary_ok"] is True)  # idle: the canary runs
+    busy_from = len(run.events())
+    deadline = time.monotonic() + 8.0
+    while time.monotonic() < deadline:  # steady traffic: a request completes in every round
+        assert completion(run.front, 1).status_code == 200
+    probes = [e for e in run.events()[busy_from:] if e["event"] == "server_probe" and e["server_pid"] == pid]
+    assert probes and any(e["canary_ok"] is None for e in probes), probes
