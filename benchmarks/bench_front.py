@@ -11,8 +11,8 @@
    pace (the largest gap between two ``WATCHDOG=1`` the daemon sent to our ``$NOTIFY_SOCKET`` during
    the window; ``WATCHDOG_USEC`` is 2 s), with what the cut streams' clients got.
 
-    . .work/real/env && .venv/bin/python benchmarks/bench_front.py --tokens 24 --streams 64 --stream-tokens 4
-    # on a GPU host:
+    . .work/real/env && .venv/bin/python benchmarks/bench_front.py    # CPU-sized defaults (make bench)
+    # on a GPU host, the issue's figures:
     .venv/bin/python benchmarks/bench_front.py --server-bin /path/llama-server --model /path/model.gguf \\
         --gpu-layers 999 --tokens 256 --rounds 20 --parallel 4
 
@@ -170,12 +170,13 @@ def main() -> int:
     ap.add_argument("--model", default=os.environ.get("LLAMA_GUARD_TEST_MODEL", ""))
     ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream of part 1 (CPU host: 24)")
-    ap.add_argument("--rounds", type=int, default=10, help="streams per path in part 1")
+    # Defaults fit a 2-core CPU host (`make bench`); on a GPU host: --tokens 256 --rounds 20.
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per stream of part 1 (the issue's figure: 256)")
+    ap.add_argument("--rounds", type=int, default=6, help="streams per path in part 1")
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--stream-tokens", type=int, default=16, help="tokens per stream of parts 2 and 3")
+    ap.add_argument("--stream-tokens", type=int, default=2, help="tokens per stream of parts 2 and 3")
     args = ap.parse_args()
     if not (args.server_bin and args.model):
         ap.error("--server-bin and --model (or $LLAMA_SERVER_BIN, $LLAMA_GUARD_TEST_MODEL) are needed")
