@@ -182,3 +182,17 @@ def test_10000_idle_connections_hurt_nobody(door: Any) -> None:
                 sock.close()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_expect_100_continue_is_answered_before_the_body(door: Any) -> None:
+    run = door()
+    body = b'{"prompt": "Hi", "n_predict": 1}'
+    sock = raw(run.front, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+    sock.settimeout(10)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+    sock.sendall(body)
+    sock.settimeout(120)
+    answer = sock.recv(65536)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 200")

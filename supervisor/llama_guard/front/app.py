@@ -175,6 +175,10 @@ class FrontApp:
 
         async def read_all() -> None:
             nonlocal taken
+            if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+                # The client waits for this before it sends the body (curl does so for large bodies);
+                # aiohttp's router sends the same in its default expect handler.
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             size = 0
             while chunk := await request.content.read(READ_CHUNK):
                 size += len(chunk)
