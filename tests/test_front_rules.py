@@ -201,3 +201,17 @@ def test_check_names_both_addresses_and_refuses_a_shared_port(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 78 and "front.listen" in done.stderr
+
+
+def test_client_connections_leave_file_descriptors_for_the_daemon() -> None:
+    import resource
+
+    from llama_guard.front.app import FD_RESERVE, effective_max_connections
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        assert effective_max_connections(16384) == 1024 - FD_RESERVE
+        assert effective_max_connections(100) == 100
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import json
 import logging
+import resource
 from collections.abc import Callable
 
 from aiohttp import hdrs, web
@@ -31,6 +32,7 @@ from llama_guard.front.metrics import FrontMetrics
 from llama_guard.output.health import liveness, readiness
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
+FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
 READ_CHUNK = 65536
 _STATUS = {FailReason.UPSTREAM_FAILED: 502}
 _MESSAGE = {
@@ -83,6 +85,17 @@ class Budget:
         self.used -= n
 
 
+def effective_max_connections(configured: int) -> int:
+    """``[front].max_connections``, lowered so that client connections never take the last
+    :data:`FD_RESERVE` file descriptors of the daemon's soft RLIMIT_NOFILE (its probes, its pidfd, its
+    status file and the upstream connections need them: a flood of connections must not blind the
+    supervision)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return max(1, min(configured, soft - FD_RESERVE))
+
+
 class _Refuse(asyncio.Protocol):
     """A connection past ``max_connections``: closed as soon as it is made."""
 
@@ -103,6 +116,7 @@ class FrontApp:
         self.budget = Budget(lambda: self._config().max_buffered_bytes)
         self._server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
+        self.max_connections = 0  # in force once listening
 
     @property
     def connections(self) -> int:
@@ -113,7 +127,8 @@ class FrontApp:
         front = self._config()
         self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
                                   logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s)
-        max_connections = front.max_connections
+        max_connections = effective_max_connections(front.max_connections)
+        self.max_connections = max_connections
         server = self._server
 
         def factory() -> asyncio.Protocol:

@@ -58,7 +58,7 @@ class FrontSource(Source):
             return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
         self.admission, self.forwarder, self.app = admission, forwarder, app
         ctx.emit("front_listening", listen=f"{self.listening[0]}:{self.listening[1]}",
-                 upstream=ctx.config.server.base_url)
+                 upstream=ctx.config.server.base_url, max_connections=app.max_connections)
         return None
 
     async def run(self, ctx: Context) -> None:

@@ -159,7 +159,8 @@ CATALOG: dict[str, EventSpec] = {
                   "([server].api_key_file)"),
         # The front door (client traffic; docs/front.md).
         EventSpec("front_listening", _S.INFO,
-                  "front door listening on {listen} for llama-server at {upstream}"),
+                  "front door listening on {listen} for llama-server at {upstream} "
+                  "(at most {max_connections} connections)"),
         EventSpec("front_held", _S.NOTICE,
                   "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
                   "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
