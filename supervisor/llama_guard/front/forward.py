@@ -128,7 +128,7 @@ class Forwarder:
             try:
                 upstream = await self._session.request(request.method, url, headers=headers, data=body,
                                                        allow_redirects=False, compress=None)
-            except aiohttp.ClientConnectorError:  # not sent: the server is gone or not listening yet
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
                 pass
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
                 sent += 1
