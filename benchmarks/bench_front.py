@@ -6,10 +6,11 @@
    (TTFT, the first SSE event with content), p50 and p99, and their ratio / difference;
 2. ``--streams`` concurrent streams through the front door: how many ended without an error
    (status 200 and ``data: [DONE]``);
-3. ``kill -9`` of llama-server with nothing running, then while ``--streams`` streams run through the
-   front door: the decision latency (the kill → the daemon's ``server_exited`` event) and the watchdog's
-   pace (the largest gap between two ``WATCHDOG=1`` the daemon sent to our ``$NOTIFY_SOCKET`` during
-   the window; ``WATCHDOG_USEC`` is 2 s), with what the cut streams' clients got.
+3. ``kill -9`` of llama-server with nothing running, while ``--streams`` streams run through the front
+   door, and while ``--idle`` idle connections are open to it: the decision latency (the kill → the
+   daemon's ``server_exited`` event) and the watchdog's pace (the largest gap between two ``WATCHDOG=1``
+   the daemon sent to our ``$NOTIFY_SOCKET`` during the window; ``WATCHDOG_USEC`` is 2 s), with what the
+   cut streams' clients got.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_front.py    # CPU-sized defaults (make bench)
     # on a GPU host, the issue's figures:
@@ -24,10 +25,12 @@ shared machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -35,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -126,6 +130,25 @@ def wait_after(daemon: DaemonRun, name: str, after_wall: float, timeout: float =
     raise AssertionError(f"no {name} after the kill within {timeout} s: {daemon.names()[-10:]}")
 
 
+@contextlib.contextmanager
+def idle_connections(port: int, n: int) -> Iterator[None]:
+    """``n`` client connections to the front door that never send a byte (main() raised RLIMIT_NOFILE
+    for them before the daemon started, which inherits it)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            socks.append(sock)
+        time.sleep(3.0)  # let the daemon accept them
+        yield
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def kill_round(daemon: DaemonRun, catcher: NotifyCatcher, streams: int, stream_tokens: int,
                front: int) -> dict[str, Any]:
     """kill -9 of the current server (with ``streams`` streams running through the front door when > 0)."""
@@ -177,11 +200,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6, help="streams per path in part 1")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--stream-tokens", type=int, default=2, help="tokens per stream of parts 2 and 3")
+    ap.add_argument("--idle", type=int, default=10_000, help="idle client connections of part 3's last column")
     args = ap.parse_args()
     if not (args.server_bin and args.model):
         ap.error("--server-bin and --model (or $LLAMA_SERVER_BIN, $LLAMA_GUARD_TEST_MODEL) are needed")
     print(f"host {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
           f"server {args.server_bin}, model {Path(args.model).name}, -ngl {args.gpu_layers}, -np {args.parallel}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = args.idle + 1024  # this process and the daemon (which inherits it) each hold the idle connections
+    if hard != resource.RLIM_INFINITY and hard < want:
+        ap.error(f"--idle {args.idle} needs RLIMIT_NOFILE {want}; the hard limit is {hard} (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
     tmp = Path(tempfile.mkdtemp(prefix="bench-front-"))
     port, front = free_port(), free_port()
     sections = merge(base_sections(tmp, args.server_bin, args.model, port), {
@@ -193,7 +222,7 @@ def main() -> int:
                    "load_timeout_s": 600.0},
         "recovery": {"stable_after_s": 1.0, "max_restarts": 10},
         "log": {"level": "info"},
-        "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 300.0}})
+        "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 300.0, "header_timeout_s": 600.0}})
     if args.gpu_layers:
         sections["gpu"] = {"enabled": "auto", "require_server_on_gpu": False}
     catcher = NotifyCatcher(tmp / "notify.sock")
@@ -218,17 +247,21 @@ def main() -> int:
         quiet = kill_round(daemon, catcher, 0, args.stream_tokens, front)
         time.sleep(2.0)
         busy = kill_round(daemon, catcher, args.streams, args.stream_tokens, front)
+        time.sleep(2.0)
+        with idle_connections(front, args.idle):
+            idle = kill_round(daemon, catcher, 0, args.stream_tokens, front)
     finally:
         daemon.stop()
         catcher.close()
     print(f"\n3. kill -9 of llama-server (WATCHDOG_USEC {WATCHDOG_USEC / 1e6:g} s)")
-    print(f"{'measurement':<44}{'no traffic':>14}{f'{args.streams} streams':>14}")
-    print("-" * 72)
-    print(f"{'kill -9 -> server_exited (ms)':<44}{quiet['latency_s'] * 1000:>14.1f}{busy['latency_s'] * 1000:>14.1f}")
+    print(f"{'measurement':<44}{'no traffic':>14}{f'{args.streams} streams':>14}{f'{args.idle} idle':>14}")
+    print("-" * 86)
+    print(f"{'kill -9 -> server_exited (ms)':<44}{quiet['latency_s'] * 1000:>14.1f}{busy['latency_s'] * 1000:>14.1f}"
+          f"{idle['latency_s'] * 1000:>14.1f}")
     print(f"{'largest watchdog gap around it (ms)':<44}{quiet['watchdog_gap_s'] * 1000:>14.0f}"
-          f"{busy['watchdog_gap_s'] * 1000:>14.0f}")
+          f"{busy['watchdog_gap_s'] * 1000:>14.0f}{idle['watchdog_gap_s'] * 1000:>14.0f}")
     outcome = f"{busy['ok']} / {busy['cut']}"
-    print(f"{'streams: completed / cut with an SSE error':<44}{'-':>14}{outcome:>14}")
+    print(f"{'streams: completed / cut with an SSE error':<44}{'-':>14}{outcome:>14}{'-':>14}")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
