@@ -215,3 +215,13 @@ def test_client_connections_leave_file_descriptors_for_the_daemon() -> None:
         assert effective_max_connections(100) == 100
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_status_shows_the_front_door() -> None:
+    from llama_guard.output.status_view import render
+
+    doc = {"daemon_pid": 1, "phase": "backoff", "ready": False, "base_url": "http://127.0.0.1:8081",
+           "front": {"listen": "127.0.0.1:8080", "waiting": 3, "in_flight": 0, "connections": 5}}
+    lines = render(doc, clock=lambda: 0.0)
+    assert any("front door" in line and "http://127.0.0.1:8080 (clients): 3 held, 0 in flight, 5 connections" in line
+               for line in lines)
