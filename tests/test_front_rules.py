@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from llama_guard.config import ConfigError, load_config
 from llama_guard.core.policy import decide
-from llama_guard.core.policy_traffic import HTTP_ERRORS_REPORTED
+from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
 from llama_guard.core.types import (
     AfterStop,
     Emit,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.policy_steps import Result, _stop
+from llama_guard.core.policy.steps import Result, stop
 from llama_guard.core.types import (
     AfterStop,
     Emit,
     Input,
     RequestCompleted,
+    RestartCause,
     State,
     StreamStalled,
     UpstreamError,
@@ -53,8 +54,8 @@ def _stalled(state: State, event: StreamStalled, now: float) -> Result:
         return replace(state, stalls=stalls), [emit]
     reason = (f"{stalls} streaming responses got no byte for {event.stalled_s:.0f} s each, with no request "
               "completed and no token counter moving in between")
-    new = replace(state, stalls=stalls, last_failure=f"hang: {reason}")
-    new, actions = _stop(new, now, AfterStop.FAILURE, "hang")
+    new = replace(state, stalls=stalls, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
+    new, actions = stop(new, now, AfterStop.FAILURE, "hang")
     hang = Emit("server_hang", {"server_pid": state.pid, "failures": stalls, "reason": reason,
                                 "phase": state.phase.value})
     return new, [emit, hang, *actions]
