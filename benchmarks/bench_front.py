@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -131,9 +132,9 @@ def wait_after(daemon: DaemonRun, name: str, after_wall: float, timeout: float =
 
 
 @contextlib.contextmanager
-def idle_connections(port: int, n: int) -> Iterator[None]:
-    """``n`` client connections to the front door that never send a byte (main() raised RLIMIT_NOFILE
-    for them before the daemon started, which inherits it)."""
+def idle_connections(port: int, n: int, daemon_pid: int) -> Iterator[None]:
+    """``n`` client connections to the front door that never send a byte, once the daemon (``daemon_pid``)
+    has accepted them all (main() raised RLIMIT_NOFILE for them before the daemon started, which inherits it)."""
     socks = []
     try:
         for _ in range(n):
@@ -142,7 +143,10 @@ def idle_connections(port: int, n: int) -> Iterator[None]:
             with contextlib.suppress(BlockingIOError):
                 sock.connect(("127.0.0.1", port))
             socks.append(sock)
-        time.sleep(3.0)  # let the daemon accept them
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline and psutil.Process(daemon_pid).num_fds() < n:
+            time.sleep(0.2)  # until the daemon has accepted them all: idle, not arriving
+        time.sleep(1.0)
         yield
     finally:
         for sock in socks:
@@ -248,7 +252,7 @@ def main() -> int:
         time.sleep(2.0)
         busy = kill_round(daemon, catcher, args.streams, args.stream_tokens, front)
         time.sleep(2.0)
-        with idle_connections(front, args.idle):
+        with idle_connections(front, args.idle, daemon.pid):
             idle = kill_round(daemon, catcher, 0, args.stream_tokens, front)
     finally:
         daemon.stop()

@@ -33,6 +33,9 @@ from llama_guard.output.health import liveness, readiness
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
 FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
+# The listen backlog; asyncio also accepts at most this many connections in one loop step, so a flood
+# of connections is taken in slices with the policy's decisions in between.
+ACCEPT_BACKLOG = 128
 READ_CHUNK = 65536
 _STATUS = {FailReason.UPSTREAM_FAILED: 502}
 _MESSAGE = {
@@ -137,7 +140,7 @@ class FrontApp:
             return server()
 
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True)
+        self._listener = await loop.create_server(factory, host, port, backlog=ACCEPT_BACKLOG, reuse_address=True)
         bound = self._listener.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
 
