@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import resource
+import socket
 from collections.abc import Callable
 
 from aiohttp import hdrs, web
@@ -33,9 +34,11 @@ from llama_guard.output.health import liveness, readiness
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
 FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
-# The listen backlog; asyncio also accepts at most this many connections in one loop step, so a flood
-# of connections is taken in slices with the policy's decisions in between.
-ACCEPT_BACKLOG = 128
+# asyncio accepts at most its ``backlog`` connections in one loop step: a flood of connections is taken
+# in slices of ACCEPT_SLICE with the policy's decisions in between, while the kernel's queue holds
+# LISTEN_BACKLOG (capped by net.core.somaxconn) so that a burst waits there instead of in SYN retries.
+ACCEPT_SLICE = 128
+LISTEN_BACKLOG = 4096
 READ_CHUNK = 65536
 _STATUS = {FailReason.UPSTREAM_FAILED: 502}
 _MESSAGE = {
@@ -140,7 +143,14 @@ class FrontApp:
             return server()
 
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(factory, host, port, backlog=ACCEPT_BACKLOG, reuse_address=True)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        try:
+            self._listener = await loop.create_server(factory, sock=sock, backlog=ACCEPT_SLICE)
+        except BaseException:
+            sock.close()
+            raise
+        sock.listen(LISTEN_BACKLOG)  # asyncio listened with its slice: the kernel's queue gets the full length
         bound = self._listener.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
 
