@@ -1,10 +1,10 @@
 """End to end: requests that arrive at the front door during a GPU reset are held and answered.
 
 The daemon runs with the fake NVML (tests/fake_pynvml_mod.py), the fake llama-server and the stub
-reset command (tests/stub_reset.py), as in test_reset_e2e.py: a CPU has no GPU to lose or reset. An
-Xid 79 ("fallen off the bus") makes the daemon stop the server and reset the GPU; the stub takes 2 s
-(its timeout is 3 s), and the requests sent meanwhile must all be answered by the server started
-after the reset.
+reset command (tests/stub_reset.py), as in test_reset_e2e.py: a CPU has no GPU to lose or reset. A lost
+GPU (NVML's GPU_IS_LOST) makes the daemon stop the server and reset the GPU; the stub takes 2 s (its
+timeout is 3 s), and the requests sent meanwhile must all be answered by the server started after the
+reset.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def test_requests_arriving_during_a_gpu_reset_are_held_and_answered(gpu_run: Mak
     url = f"http://127.0.0.1:{front}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(url, json=body, timeout=10).status_code == 200
-    run.set_nvml(xids=[79])
-    run.wait_event("gpu_xid", 10)
+    run.set_nvml(lost=True)
+    run.wait_event("gpu_lost", 10)
     run.wait_event("server_stopped", 10)
     with ThreadPoolExecutor(4) as pool:
         answers = []
