@@ -33,8 +33,10 @@ def make_notifier() -> ServiceNotifier:
 
 def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | None = None) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
-    set; it counts every event of ``emitter``). ``nvml_module``: the pynvml module the GPU watcher
-    uses (None: the real ``pynvml``; tests inject a fake)."""
+    set; it counts every event of ``emitter``), the front door (when [front].listen is set).
+    ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
+    fake)."""
+    from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.insight.vram_check import estimated_need_mib_in_child
     from llama_guard.limits.watcher import LimitsSource
@@ -48,4 +50,5 @@ def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | 
     if emitter is not None:
         emitter.sinks.append(metrics)
         metrics.attached = True
-    return [*sources, metrics]
+    # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.
+    return [*sources, FrontSource(registry=metrics.registry), metrics]
