@@ -13,8 +13,9 @@ port, one after the other:
 4. a planned restart (SIGUSR1, what ``llama-guard restart`` sends) 1 s after ready → ``/health`` not 200 → 200 again (the time the API was away);
 5. the daemon is stopped (SIGTERM).
 
-Then a failing start loop per tree: the same model, a llama-server stand-in that crashes (SIGSEGV) as it
-starts (a crash is retried; a bad model file would be a configuration error, exit 78),
+Then a failing start loop per tree: the same model, a llama-server stand-in that is killed (SIGKILL, as by the
+kernel's OOM killer) as it starts: retried every time (a bad model file, or the same crash twice before ready,
+would be a configuration error, exit 78),
 ``[recovery].backoff_factor = 1`` so every wait is ``backoff_initial_s``; per start, the daemon's cost is
 ``server_starting`` − the previous ``server_exited`` − that backoff.
 
@@ -85,7 +86,9 @@ def sections(args: argparse.Namespace, tmp: Path, model: str, port: int) -> dict
     recovery: dict[str, object] = {"backoff_initial_s": 0.1, "backoff_factor": 1.0, "max_restarts": 1000,
                                    "restart_window_s": 60.0, "stable_after_s": 1.0, "stop_grace_s": 5.0}
     if args.nvml == "real":
-        recovery["reset_command"] = [str(ROOT / "scripts" / "stub_gpu_reset.py")]
+        # Never a real reset here: the stub only records its argv.
+        recovery["reset_command"] = [sys.executable, str(ROOT / "scripts" / "stub_gpu_reset.py"),
+                                     str(tmp / "reset-argv.txt"), "{index}"]
     return {"server": server, "gpu": gpu, "recovery": recovery,
             "health": {"load_timeout_s": 600.0}, "schedule": {"restart_cron": ""},
             "log": {"level": "info", "format": "json"}, "runtime": {"dir": str(tmp / "run")}}
@@ -170,9 +173,10 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
 
 
 CRASHER = """#!/bin/sh
-# llama-server's --help/--version answer as the real one; a start dies at once by SIGSEGV (a crash, retried).
+# llama-server's --help/--version answer as the real one; a start is killed at once (SIGKILL, as by the
+# kernel's OOM killer: retried, never taken for a deterministic boot failure).
 case " $* " in *" --help "*|*" --version "*) exec "{real}" "$@";; esac
-kill -SEGV $$
+kill -KILL $$
 """
 
 
