@@ -10,7 +10,8 @@ port, one after the other:
    VRAM need is known yet): daemon exec → ``server_starting`` (``spawn``), ``daemon_started`` →
    ``server_starting`` (the daemon's own share, without Python's start-up), exec → ``/health`` 200;
 3. ``kill -9`` of the server → ``/health`` 200 again;
-4. a planned restart (SIGUSR1, what ``llama-guard restart`` sends) 1 s after ready → ``/health`` not 200 → 200 again (the time the API was away);
+4. a planned restart (SIGUSR1, what ``llama-guard restart`` sends) 1 s after ready → ``/health`` not 200
+   → 200 again (the time the API was away);
 5. the daemon is stopped (SIGTERM).
 
 Then a failing start loop per tree: the same model, a llama-server stand-in that is killed (SIGKILL, as by the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -203,7 +205,7 @@ def failing_loop(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, scr
         quiet_stop(run)
     cost, server_s = [], []
     starts = [e for e in events if e["event"] == "server_starting"]
-    for first, nxt in zip(starts, starts[1:]):
+    for first, nxt in itertools.pairwise(starts):
         between = events[events.index(first):events.index(nxt)]
         exited = next(e for e in between if e["event"] == "server_exited")
         backoff = next((float(e["backoff_s"]) for e in between if e["event"] == "server_backoff"), 0.0)
@@ -265,7 +267,8 @@ def main() -> int:
                                                    argv_bad))
     load1 = os.getloadavg()
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores), load {load0[0]:.2f} → {load1[0]:.2f}; "
-          f"GPU watch: {args.nvml} NVML; model {Path(args.model).name} ({Path(args.model).stat().st_size / 2**20:,.0f} MiB)")
+          f"GPU watch: {args.nvml} NVML; model {Path(args.model).name} "
+          f"({Path(args.model).stat().st_size / 2**20:,.0f} MiB)")
     for tree in trees:
         rows = [(k, v) for k, v in results[tree.name].items() if not k.startswith("_")]
         print_table(rows, title=f"\n[{tree.name}] {tree.root}")

@@ -36,7 +36,7 @@ Q6_K = GGMLQuantizationType.Q6_K
 
 def random_blocks(qtype: GGMLQuantizationType, n_bytes: int, seed: int = 0) -> np.ndarray:
     """``n_bytes`` of random ``qtype`` blocks whose f16 scale fields hold 2**-10 (finite, small)."""
-    block, size = GGML_QUANT_SIZES[qtype]
+    _, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=n_bytes, dtype=np.uint8).reshape(-1, size)
     scale = np.frombuffer(np.float16(2.0**-10).tobytes(), dtype=np.uint8)

@@ -4,11 +4,11 @@
 tensor index is read into memory) and returns a :class:`ModelFacts`. The reader is the package's own,
 except for array values (:func:`_header_reader`): the package splits an array into one numpy view per
 item, which for a tokenizer (150k tokens, scores, types, merges) is seconds of CPU; here a numeric array
-is one view and a string array only its length, which is all the facts need. The facts are the architecture's hyper-parameters
-under the ``<arch>.`` key prefix that llama.cpp reads (``llama-arch.cpp``: ``%s.block_count``,
-``%s.attention.head_count_kv``, ``%s.attention.key_length``, ``%s.attention.sliding_window`` ...) and every
-tensor's name and byte size. :class:`ModelFacts` can also be built directly (tests, a model that is not
-on this machine).
+is one view and a string array only its length, which is all the facts need. The facts are the
+architecture's hyper-parameters under the ``<arch>.`` key prefix that llama.cpp reads
+(``llama-arch.cpp``: ``%s.block_count``, ``%s.attention.head_count_kv``, ``%s.attention.key_length``,
+``%s.attention.sliding_window`` ...) and every tensor's name and byte size. :class:`ModelFacts` can also
+be built directly (tests, a model that is not on this machine).
 """
 
 from __future__ import annotations
@@ -92,22 +92,22 @@ def _header_reader(path: Path) -> Any:
     import numpy as np
     from gguf import GGUFReader, GGUFValueType
 
-    class HeaderReader(GGUFReader):  # type: ignore[misc]
+    class HeaderReader(GGUFReader):
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
             if raw_type != GGUFValueType.ARRAY:
-                return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
+                return super()._get_field_parts(orig_offs, raw_type)
             item_type = self._get(orig_offs, np.uint32)
             length = self._get(orig_offs + 4, np.uint64)
             count, offs = int(length[0]), orig_offs + 12
             itype = GGUFValueType(int(item_type[0]))
             if itype == GGUFValueType.STRING:
-                raw, fmt = memoryview(self.data), ">Q" if self.byte_order == "S" else "<Q"
+                raw, fmt = memoryview(self.data.data), ">Q" if self.byte_order == "S" else "<Q"
                 for _ in range(count):
                     offs += 8 + struct.unpack_from(fmt, raw, offs)[0]
                 return offs - orig_offs, [item_type, length], [], [GGUFValueType.ARRAY, itype]
             nptype = self.gguf_scalar_to_np.get(itype)
             if nptype is None:  # arrays of arrays: the package's own walk
-                return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
+                return super()._get_field_parts(orig_offs, raw_type)
             values = self._get(offs, nptype, count)
             return 12 + int(values.nbytes), [item_type, length, values], [2], [GGUFValueType.ARRAY, itype]
 
