@@ -7,7 +7,8 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
 - ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
 - ``python + NVML opened`` (``--nvml real`` only): a bare process that imports pynvml, calls ``nvmlInit`` and
   takes the GPU's handle, then sleeps: what the NVIDIA library maps by itself;
-- ``daemon, GPU watch off`` / ``daemon, GPU watch on``: ``/proc/<pid>/status`` VmRSS of the daemon;
+- ``daemon, GPU watch off`` / ``daemon, GPU watch on``: ``/proc/<pid>/status`` VmRSS of the daemon
+  (``--arena-max N``: also GPU watch on with ``MALLOC_ARENA_MAX=N``);
 - per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries (``libnvidia-ml``, ``libcuda``),
   other shared objects, and anonymous memory (the Python heap: modules, objects).
 
@@ -81,13 +82,14 @@ NVML_ONLY = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlDeviceGetHandleByIndex
 
 
 def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, gpu: str,
-               importtime: bool = False) -> tuple[dict[str, float], list[str]]:
+               importtime: bool = False, extra_env: dict[str, str] | None = None) -> tuple[dict[str, float], list[str]]:
     tmp.mkdir(parents=True, exist_ok=True)
     secs = sections(args, tmp, args.model, port)
     secs["gpu"]["enabled"] = gpu
     if gpu == "off":
         secs["gpu"]["require_server_on_gpu"] = False
-    env = tree.env({"FAKE_NVML_SCRIPT": str(script), **({"PYTHONPROFILEIMPORTTIME": "1"} if importtime else {})})
+    env = tree.env({"FAKE_NVML_SCRIPT": str(script), **({"PYTHONPROFILEIMPORTTIME": "1"} if importtime else {}),
+                    **(extra_env or {})})
     run = DaemonRun(tmp, secs, env=env, command=tree.command())
     run.start()
     try:
@@ -120,6 +122,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--after", type=float, default=12.0, help="seconds after server_ready (default 12)")
+    ap.add_argument("--arena-max", type=int, default=0,
+                    help="also run GPU watch on with MALLOC_ARENA_MAX=N (glibc's per-thread malloc arenas)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not args.binary or not args.model:
@@ -137,11 +141,19 @@ def main() -> int:
             rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
             if args.nvml == "real":
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
+                print(f"  python + NVML opened: {rows['python + NVML opened'][-1]}", flush=True)
             order = trees[r % len(trees):] + trees[:r % len(trees)]
             for tree in order:
-                for gpu in ("off", "on"):
-                    parts, _ = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-{r}", port, script, gpu)
-                    rows.setdefault(f"[{tree.name}] daemon, GPU watch {gpu}", []).append(parts)
+                modes = [("off", {}), ("on", {})]
+                if args.arena_max:
+                    modes.append(("on", {"MALLOC_ARENA_MAX": str(args.arena_max)}))
+                for gpu, extra in modes:
+                    parts, _ = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-{r}", port, script, gpu,
+                                          extra_env=extra)
+                    name = f"[{tree.name}] daemon, GPU watch {gpu}" + "".join(f", {k}={v}" for k, v in extra.items())
+                    rows.setdefault(name, []).append(parts)
+                    print(f"  {name}: {parts['rss']:.1f} MiB (NVIDIA libs {parts['nvidia']:.1f}, anon "
+                          f"{parts['anon']:.1f})", flush=True)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         for tree in trees:
             for gpu in ("off", "on"):

@@ -168,6 +168,10 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
     finally:
         quiet_stop(run)
         wait_port_free(port)
+        if args.events_dir is not None and not (args.events_dir / f"events-{tree.name}.jsonl").exists():
+            args.events_dir.mkdir(parents=True, exist_ok=True)  # one round's daemon events, for a replay
+            (args.events_dir / f"events-{tree.name}.jsonl").write_text("".join(
+                json.dumps(e) + "\n" for e in run.events() if e["event"] != "server_line"))
     bare = out["bare"][-1]
     out["overhead: first start"].append(out["start→/health 200"][-1] - bare)
     out["overhead: kill -9"].append(out["kill -9→/health 200"][-1] - bare)
@@ -229,6 +233,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fail-starts", type=int, default=5)
     ap.add_argument("--json", type=Path, help="write the raw figures here")
+    ap.add_argument("--events-dir", type=Path, help="keep the first round's daemon events here (per tree)")
     args = ap.parse_args()
     if not args.binary or not args.model:
         ap.error("--binary and --model (or $LLAMA_SERVER_BIN, $LLAMA_GUARD_TEST_MODEL) are required")

@@ -57,15 +57,39 @@ class Pool:
 
     def tensor(self, qtype: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
         """A ``rows × cols`` weight (``cols`` the fast dimension, a multiple of the block size) as raw blocks."""
-        block, size = GGML_QUANT_SIZES[qtype]
-        if cols % block:
-            raise ValueError(f"{cols} columns is not a multiple of {qtype.name}'s block of {block}")
-        return self.buffers[qtype][: rows * cols // block * size].reshape(rows, cols // block * size)
+        return self.buffers[qtype][: rows * row_bytes(qtype, cols)].reshape(rows, row_bytes(qtype, cols))
+
+
+def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{cols} columns is not a multiple of {qtype.name}'s block of {block}")
+    return cols // block * size
+
+
+Plan = list[tuple[str, GGMLQuantizationType | None, tuple[int, ...]]]
+
+
+def tensor_plan(*, layers: int, embd: int, kv: int, ff: int, vocab: int) -> Plan:
+    """``(name, quant type or None for f32, shape (rows, cols) or (n,))`` of every tensor, as llama.cpp's
+    qwen2 loader names them (``src/models/qwen2.cpp``): Q4_K matrices, a Q6_K output, f32 norms and biases."""
+    plan: Plan = [("token_embd.weight", Q4_K, (vocab, embd))]
+    for il in range(layers):
+        b = f"blk.{il}."
+        plan.append((b + "attn_norm.weight", None, (embd,)))
+        for part, rows in (("attn_q", embd), ("attn_k", kv), ("attn_v", kv)):
+            plan += [(b + part + ".weight", Q4_K, (rows, embd)), (b + part + ".bias", None, (rows,))]
+        plan += [(b + "attn_output.weight", Q4_K, (embd, embd)), (b + "ffn_norm.weight", None, (embd,)),
+                 (b + "ffn_gate.weight", Q4_K, (ff, embd)), (b + "ffn_up.weight", Q4_K, (ff, embd)),
+                 (b + "ffn_down.weight", Q4_K, (embd, ff))]
+    return [*plan, ("output_norm.weight", None, (embd,)), ("output.weight", Q6_K, (vocab, embd))]
 
 
 def write(path: Path, *, layers: int, embd: int, heads: int, kv_heads: int, head_dim: int, ff: int,
-          vocab: int, ctx_train: int, name: str) -> int:
-    """Write the model; returns the file's size in bytes."""
+          vocab: int, ctx_train: int, name: str, sparse: bool = False) -> int:
+    """Write the model; returns the file's size in bytes. ``sparse``: the header, metadata and tensor
+    index only, the data left as a hole of the right size (a file of the full size that takes ~no disk:
+    what a test needs to read the model's facts)."""
     if heads * head_dim != embd or heads % kv_heads:
         raise ValueError("qwen2 needs heads × head_dim == embedding length and heads a multiple of KV heads")
     w = GGUFWriter(str(path), "qwen2")
@@ -93,26 +117,32 @@ def write(path: Path, *, layers: int, embd: int, heads: int, kv_heads: int, head
     w.add_eos_token_id(4)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
-    kv = kv_heads * head_dim
-    biggest = max(ff * embd, vocab * embd)
-    pool = Pool({Q4_K: biggest // 256 * 144, Q6_K: vocab * embd // 256 * 210})
-    f32 = np.float32
-    ones = np.ones(max(embd, kv), f32)
-    zeros = np.zeros(max(embd, kv), f32)
-    w.add_tensor("token_embd.weight", pool.tensor(Q4_K, vocab, embd), raw_dtype=Q4_K)
-    for il in range(layers):
-        b = f"blk.{il}."
-        w.add_tensor(b + "attn_norm.weight", ones[:embd])
-        for part, rows in (("attn_q", embd), ("attn_k", kv), ("attn_v", kv)):
-            w.add_tensor(b + part + ".weight", pool.tensor(Q4_K, rows, embd), raw_dtype=Q4_K)
-            w.add_tensor(b + part + ".bias", zeros[:rows])
-        w.add_tensor(b + "attn_output.weight", pool.tensor(Q4_K, embd, embd), raw_dtype=Q4_K)
-        w.add_tensor(b + "ffn_norm.weight", ones[:embd])
-        w.add_tensor(b + "ffn_gate.weight", pool.tensor(Q4_K, ff, embd), raw_dtype=Q4_K)
-        w.add_tensor(b + "ffn_up.weight", pool.tensor(Q4_K, ff, embd), raw_dtype=Q4_K)
-        w.add_tensor(b + "ffn_down.weight", pool.tensor(Q4_K, embd, ff), raw_dtype=Q4_K)
-    w.add_tensor("output_norm.weight", ones[:embd])
-    w.add_tensor("output.weight", pool.tensor(Q6_K, vocab, embd), raw_dtype=Q6_K)
+    plan = tensor_plan(layers=layers, embd=embd, kv=kv_heads * head_dim, ff=ff, vocab=vocab)
+    if sparse:
+        data = 0
+        for tname, qtype, shape in plan:
+            if qtype is None:
+                w.add_tensor_info(tname, shape, np.dtype(np.float32), 4 * shape[0])
+            else:
+                nbytes = shape[0] * row_bytes(qtype, shape[1])
+                w.add_tensor_info(tname, (shape[0], row_bytes(qtype, shape[1])), np.dtype(np.uint8), nbytes,
+                                  raw_dtype=qtype)
+            data += GGUFWriter.ggml_pad(w.tensors[-1][tname].nbytes, w.data_alignment)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        with open(path, "r+b") as handle:
+            handle.truncate(GGUFWriter.ggml_pad(handle.seek(0, 2), w.data_alignment) + data)
+        return path.stat().st_size
+    pool = Pool({Q4_K: max(ff, vocab) * row_bytes(Q4_K, embd), Q6_K: vocab * row_bytes(Q6_K, embd)})
+    ones = np.ones(max(embd, kv_heads * head_dim), np.float32)
+    zeros = np.zeros_like(ones)
+    for tname, qtype, shape in plan:
+        if qtype is None:
+            w.add_tensor(tname, (zeros if tname.endswith(".bias") else ones)[: shape[0]])
+        else:
+            w.add_tensor(tname, pool.tensor(qtype, *shape), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -120,22 +150,28 @@ def write(path: Path, *, layers: int, embd: int, heads: int, kv_heads: int, head
     return path.stat().st_size
 
 
+SHAPE_27B = {"layers": 64, "embd": 5120, "heads": 40, "kv_heads": 8, "head_dim": 128, "ff": 21504, "vocab": 152064,
+             "ctx_train": 32768}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--layers", type=int, default=64)
-    ap.add_argument("--embd", type=int, default=5120)
-    ap.add_argument("--heads", type=int, default=40)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--ff", type=int, default=21504)
-    ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--ctx-train", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=SHAPE_27B["layers"])
+    ap.add_argument("--embd", type=int, default=SHAPE_27B["embd"])
+    ap.add_argument("--heads", type=int, default=SHAPE_27B["heads"])
+    ap.add_argument("--kv-heads", type=int, default=SHAPE_27B["kv_heads"])
+    ap.add_argument("--head-dim", type=int, default=SHAPE_27B["head_dim"])
+    ap.add_argument("--ff", type=int, default=SHAPE_27B["ff"])
+    ap.add_argument("--vocab", type=int, default=SHAPE_27B["vocab"])
+    ap.add_argument("--ctx-train", type=int, default=SHAPE_27B["ctx_train"])
     ap.add_argument("--name", default="random Qwen2 27B-class Q4_K")
+    ap.add_argument("--sparse", action="store_true", help="header and tensor index only, the data a hole")
     args = ap.parse_args()
     start = time.monotonic()
     size = write(args.out, layers=args.layers, embd=args.embd, heads=args.heads, kv_heads=args.kv_heads,
-                 head_dim=args.head_dim, ff=args.ff, vocab=args.vocab, ctx_train=args.ctx_train, name=args.name)
+                 head_dim=args.head_dim, ff=args.ff, vocab=args.vocab, ctx_train=args.ctx_train, name=args.name,
+                 sparse=args.sparse)
     print(f"wrote {args.out}: {size / 2**30:.2f} GiB in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0
 

@@ -1,0 +1,90 @@
+"""Replays the H200 runs of scripts/gpu_cost.py (tests/fixtures/h200_cost/) through today's code.
+
+Insight (``insight/``): a 27B-class model (scripts/gpu_synth_model.py: qwen2, 64 layers × 5120, 40/8 heads
+of 128, feed-forward 21504, a 152,064-token vocabulary, Q4_K) served by the CUDA llama-server at three flag
+sets; recorded are each configuration, the server's ``-lv 4`` buffer sizes, NVML's figure for its pid and
+``bench``'s inputs. Here the same model's header is written again (a sparse file: the metadata and tensor
+index of the 15.2 GB file, no data), and today's budget, need estimate and ceiling are computed from it:
+nothing predicted is read from the fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llama_guard.config import load_config
+from llama_guard.insight.budget import MIB, Settings, estimate
+from llama_guard.insight.ceiling import Ceiling
+from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.insight.vram_check import need_mib_in_child
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_synth_model  # noqa: E402
+
+FIX = Path(__file__).parent / "fixtures" / "h200_cost"
+SUMMARY: dict[str, Any] = json.loads((FIX / "insight" / "summary.json").read_text())
+ROWS = {row["name"]: row for row in SUMMARY["rows"]}
+MODEL_BYTES = 15_240_752_736  # the file the H200 run served (ls -l there)
+
+
+@pytest.fixture(scope="module")
+def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("m") / "qwen27b.gguf"
+    gpu_synth_model.write(path, name="random Qwen2 27B-class Q4_K", sparse=True, **gpu_synth_model.SHAPE_27B)
+    assert path.stat().st_size == MODEL_BYTES  # the same tensor index as the file on the GPU machine
+    return path
+
+
+def settings_of(name: str, tmp_path: Path, model: Path) -> Settings:
+    """The recorded config file, loaded by today's config code (paths pointed at this host)."""
+    text = (FIX / "insight" / f"config-{name}.toml").read_text()
+    text = text.replace("/tmp/lg/qwen27b.gguf", str(model)).replace("/tmp/lg/build/bin/llama-server", "/bin/true")
+    text = text.replace(f"/tmp/res/insight-27b/run-{name}", str(tmp_path / "run"))
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return Settings.from_server(load_config(path).server)
+
+
+def cuda0(row: dict[str, Any], kind: str) -> float:
+    return float(sum(b["mib"] for b in row["server_buffers"] if b["device"] == "CUDA0" and b["kind"] == kind))
+
+
+@pytest.mark.parametrize("name", ["ref", "ctx32k-f16", "ngl40"])
+def test_check_predicts_nvmls_figure_within_5_percent(name: str, tmp_path: Path, model_27b: Path) -> None:
+    row = ROWS[name]
+    budget = estimate(read_model_facts(model_27b), settings_of(name, tmp_path, model_27b), gpu_build=True)
+    measured = row["nvml_after_bench"]["pid_used_mib"]
+    assert abs(budget.total / MIB - measured) <= 0.05 * measured, (budget.total / MIB, measured)
+    # The parts the server printed: weights and KV cache to within 1 %.
+    assert abs(budget.weights_gpu / MIB - cuda0(row, "model")) <= 0.01 * cuda0(row, "model")
+    assert abs(budget.kv_cache / MIB - cuda0(row, "KV")) <= 0.01 * cuda0(row, "KV")
+
+
+def test_the_need_estimate_of_a_152k_vocabulary_is_cheap_and_below_what_the_server_took(
+        tmp_path: Path, model_27b: Path) -> None:
+    settings = settings_of("ref", tmp_path, model_27b)
+    t0 = time.monotonic()
+    need = need_mib_in_child(str(model_27b), settings)
+    took = time.monotonic() - t0
+    measured = ROWS["ref"]["nvml_after_bench"]["pid_used_mib"]
+    assert need is not None and 0.85 * measured <= need <= measured  # the admission waits for 90 %
+    assert took < 10.0, took  # the child: header and tensor index only (the package's reader took 28 s here)
+
+
+def test_benchs_ceiling_replays_to_the_recorded_verdicts() -> None:
+    verdicts = {}
+    for name in ROWS:
+        recorded = json.loads((FIX / "insight" / f"bench-{name}.json").read_text())["results"][0]["ceiling"]
+        ceiling = Ceiling(recorded["bandwidth"], recorded["source"], recorded["weights_read"], recorded["kv_read"],
+                          recorded["context"], recorded["measured"], recorded["on_gpu"])
+        assert ceiling.tokens_per_s == pytest.approx(recorded["ceiling_tokens_per_s"])
+        verdicts[name] = ceiling.bandwidth_bound
+    # Fully offloaded, the 27B model reads ~14.8 GB per token: about a quarter of the H200's 4.8 TB/s
+    # ceiling, which today's rule calls bandwidth-bound.
+    assert verdicts["ref"] and verdicts["ctx32k-f16"]
