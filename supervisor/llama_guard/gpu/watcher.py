@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.watcher import Context, Source
@@ -40,6 +41,8 @@ POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks agai
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
 KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up
+NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
+NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
 class GpuSource(Source):
@@ -73,6 +76,8 @@ class GpuSource(Source):
         self._learning: asyncio.Future[int | None] | None = None
         self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
         self._needs_opened = False
+        self._need_lane = Lane("vram-need", max_calls=2)  # daemon threads: never delay the exit
+        self._stat_lane = Lane("vram-need-key", max_calls=4)
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""
@@ -132,13 +137,13 @@ class GpuSource(Source):
 
         previous = self._learning
         self._learning_for = (model, settings)
-        if previous is not None and not previous.done():  # one read at a time: this one after it
-            async def after() -> int | None:
+
+        async def run() -> int | None:
+            if previous is not None:  # one read at a time: this one after it
                 await asyncio.gather(previous, return_exceptions=True)
-                return await asyncio.to_thread(learn)
-            self._learning = asyncio.ensure_future(after())
-        else:
-            self._learning = asyncio.ensure_future(asyncio.to_thread(learn))
+            return await self._need_lane.run(learn, NEED_LEARN_S, f"the VRAM need of {model}")
+
+        self._learning = asyncio.ensure_future(run())
         self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
         return self._learning
 
@@ -305,7 +310,11 @@ class GpuSource(Source):
             return None
         config = ctx.config
         settings = Settings.from_server(config.server)
-        key = await asyncio.to_thread(need_key, str(config.server.model), settings)
+        try:
+            key = await self._stat_lane.run(lambda: need_key(str(config.server.model), settings), NEED_KEY_S,
+                                            "stat of the model file")
+        except (CallTimeout, LaneBusy):  # a hung filesystem: the need is unknown for now
+            return None
         found, mib = self._needs.known(key)
         if found or key is None or not holders:
             return mib
