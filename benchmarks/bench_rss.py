@@ -5,11 +5,13 @@ of it is the NVIDIA library's own mapping.
 Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--code NAME=DIR``):
 
 - ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
-- ``python + NVML opened`` (``--nvml real`` only): a bare process that imports pynvml, calls ``nvmlInit`` and
-  takes the GPU's handle, then sleeps: what the NVIDIA library maps by itself;
+- ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
+  imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
+  what the NVIDIA library maps and allocates by itself;
 - ``daemon, GPU watch off`` / ``daemon, GPU watch on``: ``/proc/<pid>/status`` VmRSS of the daemon
   (``--arena-max N``: also GPU watch on with ``MALLOC_ARENA_MAX=N``);
-- per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries (``libnvidia-ml``, ``libcuda``),
+- per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries and devices (``libnvidia-ml``,
+  ``libcuda``, ``/dev/nvidia*``),
   other shared objects, and anonymous memory (the Python heap: modules, objects).
 
 The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass, so the heavy modules it imported
@@ -44,7 +46,7 @@ from harness import DaemonRun, free_port  # noqa: E402
 KIB = 1024
 HEAVY = ("numpy", "gguf", "pydantic", "pydantic_core", "pydantic_settings", "apscheduler", "prometheus_client",
          "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio")
-NVIDIA = re.compile(r"lib(nvidia-ml|cuda)\b")
+NVIDIA = re.compile(r"lib(nvidia-ml|cuda)\b|/dev/nvidia")
 
 
 def rss_parts(pid: int) -> dict[str, float]:
@@ -140,6 +142,7 @@ def main() -> int:
         for r in range(args.rounds):
             rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
             if args.nvml == "real":
+                rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
                 print(f"  python + NVML opened: {rows['python + NVML opened'][-1]}", flush=True)
             order = trees[r % len(trees):] + trees[:r % len(trees)]
