@@ -112,14 +112,6 @@ def estimated_need_mib(config: Config) -> int | None:
 NEED_CHILD_TIMEOUT_S = 20.0  # a GGUF header that takes longer to read is not estimated
 
 
-def estimated_need_mib_in_child(config: Config, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:
-    """:func:`estimated_need_mib`, computed in a separate Python process: see :func:`need_mib_in_child`.
-    None when nothing is offloaded. Blocking (call it in a thread)."""
-    if config.server.n_gpu_layers == 0:
-        return None
-    return need_mib_in_child(str(config.server.model), Settings.from_server(config.server), timeout_s)
-
-
 def need_mib_in_child(model: str, settings: Settings, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:
     """The admission's need (MiB, 90 % of the estimate, CUDA context included) of ``model`` under
     ``settings``, computed by ``python -m llama_guard.insight.need_child``: reading a GGUF's metadata
