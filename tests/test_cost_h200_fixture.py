@@ -6,6 +6,12 @@ sets; recorded are each configuration, the server's ``-lv 4`` buffer sizes, NVML
 ``bench``'s inputs. Here the same model's header is written again (a sparse file: the metadata and tensor
 index of the 15.2 GB file, no data), and today's budget, need estimate and ceiling are computed from it:
 nothing predicted is read from the fixture.
+
+Start-up (``start_before.json``: main's daemon before the need estimate left the spawn path;
+``start_after.json`` and one round's events, ``start_after_events.jsonl``: this code) and memory
+(``rss.json``): the recorded events go through today's event catalog, and the daemon's own share of each
+start is read from them. ``liveness_*.txt`` and ``front_smol.txt`` are the decode-speed and front-door
+tables of the same session (benchmarks/bench_liveness.py, bench_front.py), kept as printed.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from llama_guard.insight.budget import MIB, Settings, estimate, weights_read_byt
 from llama_guard.insight.ceiling import Ceiling
 from llama_guard.insight.model_facts import read_model_facts
 from llama_guard.insight.vram_check import need_mib_in_child
+from llama_guard.output.events import lookup, render_message
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_synth_model  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchlib import epoch  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "h200_cost"
 SUMMARY: dict[str, Any] = json.loads((FIX / "insight" / "summary.json").read_text())
@@ -97,3 +107,50 @@ def test_benchs_ceiling_replays_to_the_recorded_verdicts(tmp_path: Path, model_2
     assert not partial.bandwidth_bound and partial.host_weights_read > 5e9
     assert "host memory" in partial.verdict() and "small model" not in partial.verdict()
     assert partial.as_dict()["binding_limit"] == "host memory (layers on the CPU)"
+
+
+# ------------------------------------------------------------------ start-up and restart (bench_start.py)
+
+
+def recorded_events() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (FIX / "start_after_events.jsonl").read_text().splitlines() if line]
+
+
+def test_the_recorded_daemon_events_render_with_todays_catalog() -> None:
+    events = recorded_events()
+    assert events
+    for event in events:  # every name still in the catalog, every message the same from the same fields
+        lookup(event["event"])
+        fields = {k: v for k, v in event.items() if k not in ("event", "message", "timestamp", "level")}
+        assert render_message(event["event"], fields) == event["message"], event["event"]
+
+
+def test_the_daemons_own_share_of_each_start_was_under_the_goal() -> None:
+    """From the recorded events: the daemon's own time between what it was told and the next
+    ``server_starting`` (the server's load and its own exit are the server's)."""
+    events = recorded_events()
+    names = [e["event"] for e in events]
+    at = [epoch(e["timestamp"]) for e in events]
+
+    def gap(after: str, skip: int = 0) -> float:
+        i = [k for k, n in enumerate(names) if n == after][skip]
+        j = next(k for k in range(i + 1, len(names)) if names[k] == "server_starting")
+        return at[j] - at[i]
+
+    assert gap("daemon_started") < 0.3  # first start: no GGUF read before the spawn any more
+    assert gap("server_exited") < 0.1  # kill -9 → the next start
+    assert gap("server_stopped") < 0.1  # planned restart: stopped → the next start
+    recorded = json.loads((FIX / "start_after.json").read_text())["results"]["this"]
+    before = json.loads((FIX / "start_before.json").read_text())["results"]["main"]
+    per_start = "failing start: daemon cost per start"
+    assert max(recorded[per_start]) < 0.15 < min(before[per_start])  # 54 ms now, 6.7 s before
+
+
+def test_nvmls_own_share_of_the_daemons_memory() -> None:
+    """The H200 RSS rows: what the daemon holds with the GPU watch on, less what a bare process that
+    only opens NVML adds over a bare interpreter (bindings + library), is under 60 MB."""
+    median = json.loads((FIX / "rss.json").read_text())["median"]
+    nvml_alone = median["python + NVML opened"]["rss"] - median["python (bare)"]["rss"]
+    on, off = median["[this] daemon, GPU watch on"]["rss"], median["[this] daemon, GPU watch off"]["rss"]
+    assert on - nvml_alone <= 60.0 and off <= 60.0
+    assert abs((on - off) - nvml_alone) < 0.25 * nvml_alone  # the GPU watch costs what NVML itself maps
