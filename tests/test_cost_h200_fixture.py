@@ -11,7 +11,7 @@ Start-up (``start_before.json``: main's daemon before the need estimate left the
 ``start_after.json`` and one round's events, ``start_after_events.jsonl``: this code) and memory
 (``rss.json``): the recorded events go through today's event catalog, and the daemon's own share of each
 start is read from them. ``liveness_*.txt`` and ``front_smol.txt`` are the decode-speed and front-door
-tables of the same session (benchmarks/bench_liveness.py, bench_front.py), kept as printed.
+tables of the same run on that machine (benchmarks/bench_liveness.py, bench_front.py), kept as printed.
 """
 
 from __future__ import annotations
