@@ -11,8 +11,10 @@ with RESETTING after a GPU fault, ending in EXITED. "Started" is not "ready": RE
 
 The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BACKOFF),
 :mod:`.lines` (classified server lines), :mod:`.stop` (STOPPING and what follows a stop),
-:mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission before a start) and
-:mod:`.steps` (start, stop, spawn, exit, count a failure; :func:`~.steps.after_fault`, the OOM decision).
+:mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission and the driver's recovery
+action before a start), :mod:`.verdicts` (what no restart or reset mends: a reboot, a server that
+outlives SIGKILL; faults said when they repeat) and :mod:`.steps` (start, stop, spawn, exit, count a
+failure; :func:`~.steps.after_fault`, the OOM decision).
 """
 
 from __future__ import annotations
