@@ -122,6 +122,10 @@ EventName = Literal[
     "server_crash_repeated",
     "gpu_recovery_action",
     "gpu_watchdog_repeated",
+    "front_listening",
+    "front_held",
+    "server_stream_stalled",
+    "server_http_errors",
 ]
 
 
@@ -239,6 +243,19 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("server_unauthenticated", _S.WARNING,
                   "llama-server listens on {host}:{port}, beyond loopback, without an API key "
                   "([server].api_key_file)"),
+        # The front door (client traffic; docs/front.md).
+        EventSpec("front_listening", _S.INFO,
+                  "front door listening on {listen} for llama-server at {upstream} "
+                  "(at most {max_connections} connections)"),
+        EventSpec("front_held", _S.NOTICE,
+                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
+                  "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
+        EventSpec("server_stream_stalled", _S.WARNING,
+                  "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
+                  "(stall {stalls} of {hang_strikes})"),
+        EventSpec("server_http_errors", _S.WARNING,
+                  "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
+                  "(last {status})"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,
