@@ -2,7 +2,7 @@
 """A small test double of llama-server, for the faults a CPU cannot produce (CUDA OOM, GPU errors).
 
 It accepts llama-server's argv (only ``--host`` and ``--port`` matter), prints real-format log
-lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/completions``,
+lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/completions``,
 ``/slots`` and ``/metrics``, and misbehaves on cue, chosen by ``$FAKE_LLAMA_FAULT``:
 
 - ``oom_at_load``: the allocation failure block of a model that does not fit, then exit 1.
@@ -17,7 +17,7 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
   HTTP loop (as reported for the ik_llama.cpp fork): ``/slots``, ``/metrics`` and completions wait
   until it ends, ``/health`` still answers, and a thread burns CPU the whole time.
 - ``ptx_unsupported``: ready, then every request prints the "provided PTX was compiled with an
-  unsupported toolchain" abort block (issue 12's reproducer) and aborts (SIGABRT).
+  unsupported toolchain" abort block (as a CUDA binary on a too-old driver does) and aborts (SIGABRT).
 - ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
   llama.cpp's "retrying without pipeline parallelism", then a normal start.
 
