@@ -17,6 +17,7 @@ import ipaddress
 import os
 import re
 import resource
+import stat
 import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -56,6 +57,7 @@ from llama_guard.paths import (  # noqa: E402
     DEFAULT_RUNTIME_DIR,
     ENV_CONFIG_PATH,
     ENV_PREFIX,
+    os_reason,
     read_regular,
 )
 from llama_guard.paths import resolve_config_path as resolve_config_path  # noqa: E402
@@ -97,6 +99,12 @@ OWNED_FLAGS = frozenset({
 SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
 # [server].env names that carry secrets the same way (LLAMA_API_KEY, HF_TOKEN, LLAMA_ARG_API_KEY ...).
 _SECRET_ENV = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", re.IGNORECASE)
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether an environment variable (or flag) named ``name`` carries a secret by its name."""
+    return _SECRET_ENV.search(name.replace("-", "_")) is not None
+
 _ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
 
 
@@ -612,9 +620,12 @@ def load_config(path: Path) -> Config:
     Raises :class:`ConfigError` (one line per problem, each naming ``path``, the key and the
     reason) for a missing or unreadable file, invalid TOML, unknown keys or bad values.
     """
-    if not path.is_file():
-        reason = "no such file" if not path.exists() else "not a regular file"
-        raise ConfigError([f"{path}: {reason}"])
+    try:
+        st = os.stat(path)  # the error as it is: a symlink loop is not "no such file"
+    except OSError as exc:
+        raise ConfigError([f"{path}: {os_reason(exc)}"]) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError([f"{path}: not a regular file"])
     try:
         with path.open("rb") as handle:
             tomllib.load(handle)  # parse once up front for a precise syntax error

@@ -21,6 +21,7 @@ from llama_guard.core.privileges import (
     resolve_identity,
 )
 from llama_guard.gpu.nvml import NvmlError, WatchOff
+from llama_guard.paths import os_reason
 from llama_guard.verdicts import Verdict
 
 GGUF_MAGIC = b"GGUF"
@@ -69,7 +70,7 @@ def model_problem(path: Path) -> str:
     try:
         st = os.stat(path)
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return f"{path}: {os_reason(exc)}"
     if not stat.S_ISREG(st.st_mode):
         kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
@@ -79,7 +80,7 @@ def model_problem(path: Path) -> str:
         # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() does not wait.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return f"{path}: {os_reason(exc)}"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return f"{path} is not a regular file"

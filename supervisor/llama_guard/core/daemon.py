@@ -85,6 +85,7 @@ from llama_guard.core.types import (
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
+from llama_guard.output.instance import InstanceName, NameTaken, port_key
 from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 from llama_guard.preflight import model_problem
 
@@ -193,6 +194,8 @@ class Daemon:
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
         self.status_file = self._make_status_file(config.runtime.dir)
         self.lock = RuntimeLock(config.runtime.dir)
+        self._port_name = InstanceName(port_key(config.server.port))  # llama-server's port, held beside the lock
+        self._answered: list[int] = []  # fds of the instance names the loop answers
         # [server].api_key_file's key as last read (start, reload, each spawn) and the one the running
         # server was started with, which our probes send. Never emitted.
         self._api_key = ""
@@ -301,18 +304,41 @@ class Daemon:
         lock, when ``[server].api_key_file`` cannot be read, or when llama-server could not be
         started as ``[server].user``.
         """
+        port = self.config.server.port
         try:
             self.lock.acquire()
+            try:
+                self._port_name.bind()
+            except NameTaken as exc:
+                raise AlreadyRunning(self.config.runtime.dir, exc.pid or None,
+                                     f"it serves llama-server's port {port}") from None
         except (AlreadyRunning, OSError) as exc:
+            self.lock.release()
             reason = str(exc) if isinstance(exc, AlreadyRunning) else (
                 f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
             self.emitter.emit("config_error", reason=reason)
             self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
             return EXIT_CONFIG
+        self._answer_names([*self.lock.names, self._port_name])
         try:
             return await self._run_locked()
         finally:
+            self._answer_names([])
             self.lock.release()
+            self._port_name.release()
+
+    def _answer_names(self, names: list[InstanceName]) -> None:
+        """Accept (and close) connections to the instance names in ``names`` from the loop, so that
+        ``status``/``restart``/a second daemon asking who holds them never fill their backlog;
+        names no longer listed are dropped from the loop."""
+        loop = asyncio.get_running_loop()
+        for fd in self._answered:
+            loop.remove_reader(fd)
+        self._answered = []
+        for name in names:
+            if name.fileno() >= 0:
+                loop.add_reader(name.fileno(), name.answer)
+                self._answered.append(name.fileno())
 
     def _prepare(self, config: Config) -> tuple[str, ServerIdentity]:
         """The API key and llama-server's identity for ``config``. Raises ConfigError."""
@@ -842,7 +868,7 @@ class Daemon:
         server_changed = (new.server != self.config.server or new.limits != self.config.limits
                           or key != self._live_key)
         old = self.config
-        report = reload_report(old, new)
+        report = reload_report(old, new, key_changed=key != self._live_key)
         self.config = new
         self._api_key, self._identity = key, identity
         self._apply_runtime(old, new)
@@ -854,7 +880,7 @@ class Daemon:
                           server_restart=",".join(report.server_restart),
                           next_server_start=",".join(report.next_server_start),
                           needs_daemon_restart=",".join(report.daemon_restart),
-                          changed_text=report.text())
+                          values=report.values_text(), changed_text=report.text())
         self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
                                             server_changed))
         self._ready()
@@ -875,6 +901,17 @@ class Daemon:
             self.lock = lock
             self.status_file = self._make_status_file(new.runtime.dir)
             self._write_status()
+        if new.server.port != old.server.port:
+            name = InstanceName(port_key(new.server.port))
+            try:
+                name.bind()
+            except (NameTaken, OSError) as exc:
+                self.emitter.emit("config_error", reason=f"server.port {new.server.port}: {exc} (another "
+                                                         "llama-guard serves it; the new server will not get it)")
+            else:
+                self._port_name.release()
+                self._port_name = name
+        self._answer_names([*self.lock.names, self._port_name])
 
     # ------------------------------------------------------------ status
 

@@ -7,11 +7,12 @@ runs it on a lane with a deadline).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_guard.argv import resolve_binary
-from llama_guard.config import Config
+from llama_guard.config import SECRET_FLAGS, Config, is_secret_env
 from llama_guard.preflight import model_problem
 
 # Keys read live (from the current config, by the policy's parameters or a watcher's on_reload):
@@ -32,6 +33,19 @@ _NEXT_SERVER: dict[str, frozenset[str]] = {
 }
 # [server] and [limits] shape the server's argv and rlimits: changing them restarts the server.
 _RESTARTS_SERVER = ("server", "limits")
+# The key of [server].api_key_file as the report names it (its content changed, not the path).
+API_KEY_NAME = "server.api_key_file (the key in it)"
+MASK = "***"
+VALUE_MAX = 120  # characters of one value in the report; longer ones end in "…"
+
+
+class _Masked(enum.Enum):
+    """How a changed value is shown in the reload report."""
+
+    PLAIN = "plain"
+    ENV = "env"          # [server].env: names shown, values never (they may hold credentials)
+    ARGS = "args"        # a command line: the value after a secret flag is masked
+    SECRET = "secret"    # shown as *** only
 
 
 @dataclass
@@ -44,26 +58,70 @@ class ReloadReport:
     next_server_start: list[str] = field(default_factory=list)
     daemon_restart: list[str] = field(default_factory=list)
     """Not applied: read once at daemon start (``systemctl restart llama-guard``)."""
+    values: dict[str, str] = field(default_factory=dict)
+    """``section.key`` → ``"old → new"``, secrets masked (:func:`shown_change`)."""
 
     @property
     def changed(self) -> list[str]:
         return sorted({key.split(".")[0] for key in
                        (*self.applied, *self.server_restart, *self.next_server_start, *self.daemon_restart)})
 
+    def values_text(self) -> str:
+        """``server.port: 8080 → 8081; health.interval_s: 5.0 → 2.0`` (secrets masked)."""
+        return "; ".join(f"{key}: {change}" for key, change in self.values.items())
+
     def text(self) -> str:
-        """`` (applied: health.interval_s; needs a daemon restart: gpu.index)`` or `` (no change)``."""
+        """`` (applied: health.interval_s 5.0 → 2.0; needs a daemon restart: gpu.index 0 → 1)`` or
+        `` (no change)``."""
         parts = []
         for label, keys in (("applied", self.applied), ("applied by restarting the server", self.server_restart),
                             ("applies at the next server start", self.next_server_start),
                             ("NOT applied, needs a daemon restart", self.daemon_restart)):
             if keys:
-                parts.append(f"{label}: {', '.join(keys)}")
+                parts.append(f"{label}: {', '.join(f'{k} {self.values[k]}' if k in self.values else k for k in keys)}")
         return f" ({'; '.join(parts)})" if parts else " (no change)"
 
 
-def reload_report(old: Config, new: Config) -> ReloadReport:
-    """Which changed keys of ``new`` over ``old`` take effect when (see :class:`ReloadReport`)."""
+def _clip(text: str) -> str:
+    return text if len(text) <= VALUE_MAX else text[:VALUE_MAX - 1] + "…"
+
+
+def _shown(value: object, how: _Masked) -> str:
+    if how is _Masked.SECRET:
+        return MASK
+    if how is _Masked.ENV and isinstance(value, dict):
+        return "{" + ", ".join(f"{k}={MASK}" for k in sorted(value)) + "}"
+    if how is _Masked.ARGS and isinstance(value, list):
+        words = [str(w) for w in value]
+        shown = [MASK if i and (words[i - 1] in SECRET_FLAGS or is_secret_env(words[i - 1].lstrip("-")))
+                 else w for i, w in enumerate(words)]
+        return _clip(" ".join(shown) if shown else "[]")
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return _clip(repr(value) if isinstance(value, str) else str(value))
+
+
+def shown_change(name: str, old: object, new: object) -> str:
+    """``"old → new"`` for the key ``name`` (``section.key``) as an event may show it: the values of
+    ``[server].env`` never (their names only: ``{HF_HOME=***} → {HF_HOME=***, X=***}``), a value
+    following a secret flag in a command line never, long values clipped to :data:`VALUE_MAX`."""
+    how = (_Masked.ENV if name == "server.env" else _Masked.ARGS if name in ("server.extra_args",
+           "recovery.reset_command") else _Masked.SECRET if name == API_KEY_NAME else _Masked.PLAIN)
+    if how is _Masked.ENV and isinstance(old, dict) and isinstance(new, dict):
+        changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+        detail = f" (value of {', '.join(changed)} changed)" if changed else ""
+        return f"{_shown(old, how)} → {_shown(new, how)}{detail}"
+    return f"{_shown(old, how)} → {_shown(new, how)}"
+
+
+def reload_report(old: Config, new: Config, *, key_changed: bool = False) -> ReloadReport:
+    """Which changed keys of ``new`` over ``old`` take effect when, and their old → new values
+    (see :class:`ReloadReport`); ``key_changed``: the API key read from ``[server].api_key_file``
+    differs from the running server's (shown masked: it restarts the server)."""
     report = ReloadReport()
+    if key_changed:
+        report.server_restart.append(API_KEY_NAME)
+        report.values[API_KEY_NAME] = shown_change(API_KEY_NAME, None, None)
     for section in type(new).model_fields:
         a, b = getattr(old, section), getattr(new, section)
         if a == b:
@@ -72,6 +130,7 @@ def reload_report(old: Config, new: Config) -> ReloadReport:
             if getattr(a, key) == getattr(b, key):
                 continue
             name = f"{section}.{key}"
+            report.values[name] = shown_change(name, getattr(a, key), getattr(b, key))
             live = _LIVE.get(section, frozenset())
             if section in _RESTARTS_SERVER:
                 report.server_restart.append(name)
