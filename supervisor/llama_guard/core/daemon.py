@@ -164,6 +164,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
         load_stall_s=config.health.load_stall_s,
         progress_cpu_s=config.health.progress_cpu_s,
+        model_path=str(config.server.model),
     )
 
 

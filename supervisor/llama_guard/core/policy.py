@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.judgement import answered, failure_signature, incompatibility, progress_signals
+from llama_guard.core.judgement import answered, failure_signature, incompatibility, naming_model, progress_signals
 from llama_guard.core.policy_gpu import (
     _begin_reset,
     _on_gpu_fault,
@@ -223,8 +223,10 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
         return _alloc_fatal(state, event, now, "loading")
     fields = _exit_fields(event.pid, event.returncode, state.last_error)
     if state.boot_cause:
-        new, actions = _exit(state, EXIT_CONFIG, state.boot_cause)
-        return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
+        cause = naming_model(state.boot_cause, state.params.model_path)
+        new, actions = _exit(state, EXIT_CONFIG, cause)
+        model = {"model": state.params.model_path} if cause != state.boot_cause else {}
+        return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
     # A SIGKILL comes from outside (the kernel's OOM killer, an operator): not the binary's own doing.
     signature = "" if event.returncode == -signal.SIGKILL else failure_signature(

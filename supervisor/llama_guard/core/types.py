@@ -129,6 +129,7 @@ class Params:
     load_stall_s: float = 60.0
     # CPU seconds of the server's process tree within one liveness round that count as progress.
     progress_cpu_s: float = 0.05
+    model_path: str = ""  # [server].model, named in a boot failure about the model file
 
 
 # ---------------------------------------------------------------- inputs (observations)
