@@ -202,6 +202,12 @@ TEXT: dict[str, tuple[str, str]] = {
         "@LINE@\n\n"
         "It is reported rather than dropped; nothing was done about it. Please report the line\n"
         "so that the parser can learn its format."),
+    "gpu_reset_started": (
+        "GPU reset begins",
+        "llama-guard begins resetting GPU @GPU_INDEX@ after @TRIGGER@. It waits for @WAITS_FOR@,\n"
+        "at most @DEADLINE_S@ s in all. A stop (systemctl stop) during the reset command waits for it:\n"
+        "the command is never interrupted (a reset killed half way can leave the GPU unusable until a\n"
+        "reboot); llama-guard tells systemd how long is left (EXTEND_TIMEOUT_USEC)."),
     "gpu_reset": (
         "GPU reset",
         "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"

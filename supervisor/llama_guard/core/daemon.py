@@ -135,6 +135,10 @@ class NullNotifier:
 
 # While the model loads, each sign of progress pushes systemd's start timeout this far out.
 EXTEND_TIMEOUT_USEC = 120_000_000
+# While a stop waits (the server's exit, a GPU reset), systemd is told how long is left this often,
+# with this margin for the cleanup after it (the sources' close, bounded at 10 s each).
+STOP_EXTEND_EVERY_S = 5.0
+STOP_MARGIN_S = 20.0
 
 
 def params_from(config: Config, *, reset_possible: bool = False) -> Params:
@@ -157,8 +161,15 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         reset_on=frozenset(ResetTrigger(t) for t in config.recovery.reset_on),
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
-        reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
-                          + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + 30.0),
+        # The command may run twice (once more with persistence mode off): its own timeout must
+        # fire before this deadline, so that a stop waiting for it never outlasts it.
+        reset_deadline_s=(config.recovery.reset_timeout_s * (2 if config.recovery.reset_toggles_persistence else 1)
+                          + config.gpu.vram_release_timeout_s + config.recovery.foreign_wait_s
+                          + config.recovery.stop_grace_s + 30.0),
+        vram_release_s=config.gpu.vram_release_timeout_s,
+        foreign_wait_s=config.recovery.foreign_wait_s,
+        reset_timeout_s=config.recovery.reset_timeout_s,
+        reset_retry=config.recovery.reset_toggles_persistence,
         gpu_index=config.gpu.index,
         vram_admission=reset_possible and gpu_wanted,
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
@@ -217,6 +228,7 @@ class Daemon:
         self._exit_code: int | None = None
         self._last_pid: int | None = None
         self._last_extend = float("-inf")
+        self._last_stop_extend = float("-inf")
         self._last_eval_tps: float | None = None
         self._status_at = float("-inf")
         self._reset_possible = False
@@ -281,6 +293,22 @@ class Daemon:
         if now - self._last_extend >= 10.0:
             self._last_extend = now
             self.notifier.extend_timeout(EXTEND_TIMEOUT_USEC)
+
+    def _extend_stop_timeout(self) -> None:
+        """While a stop waits for something bounded (the server's exit, a GPU reset command that is
+        never interrupted), tell systemd how long is left (``EXTEND_TIMEOUT_USEC``, at most every
+        STOP_EXTEND_EVERY_S), so that ``TimeoutStopSec`` never SIGKILLs a reset half way."""
+        s = self.state
+        if s.phase not in (Phase.STOPPING, Phase.RESETTING) or s.deadline is None:
+            return
+        now = self.clock()
+        if now - self._last_stop_extend < STOP_EXTEND_EVERY_S:
+            return
+        self._last_stop_extend = now
+        left = max(0.0, s.deadline - now)
+        if s.phase is Phase.STOPPING and not s.killed:
+            left += s.params.kill_wait_s  # SIGKILL at the deadline, then its wait
+        self.notifier.extend_timeout(int((left + STOP_MARGIN_S) * 1_000_000))
 
     def _post_threadsafe(self, event: Input) -> None:
         assert self.ctx is not None
@@ -448,6 +476,8 @@ class Daemon:
             self._write_status()
         if self.state.phase is Phase.WAITING_VRAM:
             self._extend_start_timeout()  # a bounded wait for VRAM is no stuck start (TimeoutStartSec)
+        if self._stopping_sent:
+            self._extend_stop_timeout()
 
     def _send_stopping(self) -> None:
         """``STOPPING=1`` once, when a stop of the daemon begins; no ``READY=1`` after it."""

@@ -28,6 +28,7 @@ from llama_guard.core.policy_gpu import (
     _stop_for_fault,
 )
 from llama_guard.core.policy_steps import _SERVING, Result, _count_failure, _exit, _exit_fields, _stop
+from llama_guard.core.policy_stop import stop_during_reset
 from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass
 from llama_guard.core.types import (
     Action,
@@ -466,10 +467,9 @@ def _on_backoff(state: State, event: Input, now: float) -> Result:
 
 
 def _on_stop_request(state: State, event: StopRequest, now: float) -> Result:
-    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase is Phase.RESETTING:
-        # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
-        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
+        return stop_during_reset(state, event, now)
+    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = _exit(state, EXIT_OK, event.reason)
         return new, [emit, *actions]

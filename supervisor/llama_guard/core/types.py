@@ -121,6 +121,13 @@ class Params:
     max_resets: int = 2
     reset_window_s: float = 3600.0
     reset_deadline_s: float = 180.0
+    # The steps of a reset, for the event that announces it: [gpu].vram_release_timeout_s,
+    # [recovery].foreign_wait_s, reset_timeout_s and whether the command may run twice
+    # (reset_toggles_persistence). reset_deadline_s bounds them all.
+    vram_release_s: float = 30.0
+    foreign_wait_s: float = 5.0
+    reset_timeout_s: float = 60.0
+    reset_retry: bool = True
     gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
     vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
     vram_wait_timeout_s: float = 300.0  # how long to wait for another process to free VRAM
@@ -490,6 +497,7 @@ class State:
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
     boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
+    reset_command_at: float | None = None  # while RESETTING: when the reset command was started
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""
