@@ -86,7 +86,8 @@ def test_stop_during_a_reset_waits_for_the_command_and_ends_within_the_unit(
     end = time.monotonic() + 20
     while not _stub_running(tmp_path) and time.monotonic() < end:
         time.sleep(0.05)
-    assert _stub_running(tmp_path), [e.get("LLAMA_GUARD_EVENT") for e in journal.entries("SYSLOG_IDENTIFIER=llama-guard")]
+    seen = [e.get("LLAMA_GUARD_EVENT") for e in journal.entries("SYSLOG_IDENTIFIER=llama-guard")]
+    assert _stub_running(tmp_path), seen
     command_seen = time.monotonic()
     [started] = journal.entries("LLAMA_GUARD_EVENT=gpu_reset_started")
     assert "the reset command (up to 30 s" in started["WAITS_FOR"], started
