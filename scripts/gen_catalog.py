@@ -202,6 +202,18 @@ TEXT: dict[str, tuple[str, str]] = {
         "@LINE@\n\n"
         "It is reported rather than dropped; nothing was done about it. Please report the line\n"
         "so that the parser can learn its format."),
+    "server_on_cpu": (
+        "llama-server runs on the CPU though asked to offload",
+        "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"
+        "usable GPU (@LINE@): it serves, slowly, on the CPU. Reported whatever [gpu].enabled says.\n\n"
+        "@FIX@"),
+    "server_failure_repeated": (
+        "llama-server fails the same way right after every start",
+        "llama-server failed the same way soon after each of several consecutive starts, before it\n"
+        "had run [recovery].stable_after_s: @CAUSE@\n\n"
+        "Restarting cannot help, so llama-guard exits 78 and systemd does not restart it. The line\n"
+        "and the build (@BUILD@) are named: try another llama.cpp build, or change the setting that\n"
+        "reaches the failing code, then `systemctl restart llama-guard`."),
     "gpu_reset_started": (
         "GPU reset begins",
         "llama-guard begins resetting GPU @GPU_INDEX@ after @TRIGGER@. It waits for @WAITS_FOR@,\n"

@@ -274,7 +274,7 @@ ABORT = ["llama_context: n_ctx = 1", "common_init_from_params: warming up the mo
 
 
 class TestBootFailure:
-    def test_the_same_abort_on_two_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
+    def test_the_same_abort_on_three_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
         s = started()
         s, _ = feed(s, 100, ABORT, 0.5)
         s, acts = decide(s, Exited(100, -6), 0.6)
@@ -282,20 +282,26 @@ class TestBootFailure:
         assert "get_sub_batch" in str(exited.fields["last_error"])
         assert "get_sub_batch" in str(exited.fields["exit_text"])
         assert s.phase is Phase.BACKOFF
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = feed(s, 101, [ABORT[0], ABORT[2].replace("token 0", "token 7")], 2.5)
-        s, acts = decide(s, Exited(101, -6), 2.6)
+        for i, when in ((1, 2.0), (2, 6.0)):
+            s, _ = decide(s, Tick(), when)
+            s, _ = decide(s, Spawned(100 + i, build="version: 4242 (abc1234)"), when)
+            s, _ = feed(s, 100 + i, [ABORT[0], ABORT[2].replace("token 0", f"token {7 * i}")], when + 0.5)
+            s, acts = decide(s, Exited(100 + i, -6), when + 0.6)
+            if i == 1:
+                assert s.phase is Phase.BACKOFF, "two identical starts are not yet a verdict"
         assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
         failure = emitted(acts, "server_boot_failure")
         assert "get_sub_batch" in str(failure.fields["cause"]) and "consecutive" in str(failure.fields["cause"])
+        assert failure.fields["consecutive_starts"] == 3 and "get_sub_batch" in str(failure.fields["line"])
+        assert failure.fields["build"] == "version: 4242 (abc1234)" and failure.fields["fix"]
 
-    def test_exit_status_0_before_ready_twice_is_a_boot_failure(self) -> None:
+    def test_exit_status_0_before_ready_three_times_is_a_boot_failure(self) -> None:
         s = started()
         s, _ = decide(s, Exited(100, 0), 0.5)
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = decide(s, Exited(101, 0), 2.5)
+        for i in (1, 2):
+            s, _ = decide(s, Tick(), 10.0 * i)
+            s, _ = decide(s, Spawned(100 + i), 10.0 * i)
+            s, _ = decide(s, Exited(100 + i, 0), 10.0 * i + 0.5)
         assert s.exit_code == EXIT_CONFIG and "exit status 0" in s.exit_reason
 
     @pytest.mark.parametrize(("first", "second"), [

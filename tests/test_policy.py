@@ -213,14 +213,15 @@ class TestServingFaults:
     def test_crash_loop_gives_up_with_distinct_code(self) -> None:
         s = ready()
         now = 2.0
+        # Failures that differ (exit statuses 1..4): no repeat verdict, the window decides.
         for i in range(3):
-            s, acts = decide(s, Exited(s.pid or 0, 1), now)
+            s, acts = decide(s, Exited(s.pid or 0, 1 + i), now)
             assert s.phase is Phase.BACKOFF, i
             now = (s.deadline or now) + 0.01
             s, _ = decide(s, Tick(), now)
             s, _ = decide(s, Spawned(200 + i), now)
             s, _ = decide(s, HealthOk(200 + i), now)
-        s, acts = decide(s, Exited(s.pid or 0, 1), now + 1)
+        s, acts = decide(s, Exited(s.pid or 0, 4), now + 1)
         assert s.phase is Phase.EXITED
         assert "crash_loop" in names(acts)
         assert any(isinstance(a, ExitDaemon) and a.code == EXIT_CRASH_LOOP for a in acts)

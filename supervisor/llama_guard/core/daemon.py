@@ -176,6 +176,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         load_stall_s=config.health.load_stall_s,
         progress_cpu_s=config.health.progress_cpu_s,
         model_path=str(config.server.model),
+        offload_layers=config.server.n_gpu_layers,
     )
 
 

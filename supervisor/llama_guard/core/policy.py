@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.judgement import answered, failure_signature, incompatibility, naming_model, progress_signals
+from llama_guard.core.judgement import answered, incompatibility, naming_model, progress_signals
 from llama_guard.core.policy_gpu import (
     _begin_reset,
     _on_gpu_fault,
@@ -117,11 +117,11 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
     p = state.params
     if isinstance(event, Spawned):
         new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s,
-                      last_progress_at=now)
+                      last_progress_at=now, build=event.build or state.build)
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:
-            return _count_failure(replace(state, last_failure=event.reason), now)
+            return _count_failure(replace(state, last_failure=event.reason), now, judged=False)
         new, actions = _exit(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
@@ -148,7 +148,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         load_s = now - (state.started_at if state.started_at is not None else now)
         recovered = _alloc_recovered(state, "the server became ready")
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
-                      alloc_failure="", boot_signature="")
+                      alloc_failure="")
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.
@@ -157,7 +157,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
                                     f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
         return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
     if isinstance(event, LoadProgress) and event.pid == state.pid:
-        return replace(state, last_progress_at=now), []
+        return replace(state, last_progress_at=now, last_line=event.last_line or state.last_line), []
     if isinstance(event, Line) and event.pid == state.pid:
         return _on_starting_line(replace(state, last_progress_at=now), event, now)
     if isinstance(event, Exited) and event.pid == state.pid:
@@ -165,7 +165,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
         return stalled
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        new = replace(state, last_failure="load timeout", boot_signature="")
+        new = replace(state, last_failure="load timeout")
         new, actions = _stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
@@ -179,7 +179,7 @@ def _load_stalled(state: State, now: float) -> Result | None:
         return None
     quiet = now - state.last_progress_at
     reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
-    new = replace(state, last_failure=reason, boot_signature="")
+    new = replace(state, last_failure=reason)
     new, actions = _stop(new, now, AfterStop.FAILURE, "load stalled")
     loading = now - (state.started_at if state.started_at is not None else now)
     return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
@@ -229,18 +229,8 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
         model = {"model": state.params.model_path} if cause != state.boot_cause else {}
         return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
-    # A SIGKILL comes from outside (the kernel's OOM killer, an operator): not the binary's own doing.
-    signature = "" if event.returncode == -signal.SIGKILL else failure_signature(
-        exit_text(event.returncode), state.last_error)
-    if signature and signature == state.boot_signature:
-        named = state.last_error or exit_text(event.returncode)
-        cause = (f"llama-server fails the same way before it is ready on consecutive starts "
-                 f"({exit_text(event.returncode)}): {named}")
-        new, actions = _exit(replace(state, boot_signature=""), EXIT_CONFIG, cause)
-        return new, [exited, Emit("server_boot_failure", {"cause": cause, "line": state.last_error,
-                                                          "consecutive_starts": 2, **fields}), *actions]
-    failure = f"exited while loading: {fields['exit_text']}"
-    new = replace(state, last_failure=failure, boot_signature=signature)
+    # The same exit on consecutive starts is a verdict (_count_failure asks policy_repeat).
+    new = replace(state, last_failure=f"exited while loading: {exit_text(event.returncode)}")
     new, actions = _count_failure(new, now)
     return new, [exited, *actions]
 
@@ -291,6 +281,19 @@ def _limit_line(state: State, event: Line) -> Result:
                                              "config_problem": True})]
 
 
+def _on_cpu(state: State, event: Line) -> Result:
+    """The server was asked to offload layers but says it found no usable GPU: it runs on the CPU.
+    Not required to run on a GPU (the GPU watch is off, or require_server_on_gpu is false): it
+    keeps running, reported once per server (``server_on_cpu``) whatever the GPU watch says."""
+    if state.params.offload_layers <= 0 or state.on_cpu_reported:
+        return state, []
+    return replace(state, on_cpu_reported=True), [Emit("server_on_cpu", {
+        "server_pid": state.pid, "n_gpu_layers": state.params.offload_layers, "line": event.text.strip(),
+        "cause": event.verdict.cause,
+        "fix": "make a GPU visible to llama-server (a CUDA build, the driver, CUDA_VISIBLE_DEVICES), or set "
+               "[server].n_gpu_layers = 0 to run on the CPU on purpose"})]
+
+
 def _on_starting_line(state: State, event: Line, now: float) -> Result:
     verdict = event.verdict
     fatal = _fault_line(state, event, now, "loading")
@@ -303,6 +306,8 @@ def _on_starting_line(state: State, event: Line, now: float) -> Result:
     incompatible = incompatibility(verdict)
     if incompatible is not None and state.params.require_gpu:
         return _incompatible(state, now, incompatible, event.text)
+    if verdict.family is Family.GPU_UNAVAILABLE and not state.params.require_gpu:
+        return _on_cpu(state, event)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
         new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}")
         new, actions = _stop(new, now, AfterStop.FAILURE, "GPU unavailable")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.policy_repeat import repeat_verdict
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -18,7 +19,7 @@ from llama_guard.core.types import (
     Terminate,
     exit_text,
 )
-from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 
 
 def _exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[str, object]:
@@ -49,7 +50,8 @@ def _stop(state: State, now: float, after: AfterStop, fault: str, *,
 def _spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
-                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error=""),
+                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
+                    last_line="", on_cpu_reported=False),
             [Spawn()])
 
 
@@ -58,8 +60,15 @@ def _exit(state: State, code: int, reason: str) -> Result:
             [ExitDaemon(code, reason)])
 
 
-def _count_failure(state: State, now: float) -> Result:
-    """After a failed server: back off, or give up when the window holds too many failures."""
+def _count_failure(state: State, now: float, *, judged: bool = True) -> Result:
+    """After a failed server: a verdict when it failed the same way on consecutive starts
+    (:func:`~llama_guard.core.policy_repeat.repeat_verdict`; ``judged`` False for a start that
+    never ran a server), else back off, or give up when the window holds too many failures."""
+    if judged:
+        state, verdict = repeat_verdict(state)
+        if verdict is not None:
+            new, actions = _exit(state, EXIT_CONFIG, str(verdict.fields["cause"]))
+            return new, [verdict, *actions]
     p = state.params
     recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
     state = replace(state, failures=recent, pid=None)

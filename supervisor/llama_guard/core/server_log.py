@@ -117,6 +117,7 @@ TABLE: tuple[_Row, ...] = (
     _row(r"ggml_cuda_compute_forward: (\S+) failed", F.GPU_ABORT, _group("{0} failed on the GPU")),
     # The GPU is silently unavailable: the server would run on the CPU.
     _row(r"no usable GPU found", F.GPU_UNAVAILABLE, _fixed("no usable GPU found")),
+    _row(r"offloaded 0/(\d+) layers to GPU", F.GPU_UNAVAILABLE, _group("none of {0} layers offloaded to the GPU")),
     # Resource limits.
     _row(r"failed to mlock", F.RESOURCE_LIMIT, _fixed("failed to mlock the model", "RLIMIT_MEMLOCK")),
     _row(r"RLIMIT_MEMLOCK", F.RESOURCE_LIMIT, _fixed("memlock limit too low", "RLIMIT_MEMLOCK")),

@@ -137,6 +137,10 @@ class Params:
     # CPU seconds of the server's process tree within one liveness round that count as progress.
     progress_cpu_s: float = 0.05
     model_path: str = ""  # [server].model, named in a boot failure about the model file
+    offload_layers: int = 0  # [server].n_gpu_layers: layers llama-server is asked to put on a GPU
+    # The same failure on this many consecutive starts (before ready, or before stable_after_s) is
+    # a verdict (exit 78) instead of a restart (core/policy_repeat.py).
+    identical_failures: int = 3
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -156,6 +160,7 @@ class Spawned(Input):
 
     pid: int
     argv: tuple[str, ...] = ()
+    build: str = ""  # what the binary's --version says (one line; "" when unknown)
 
 
 @dataclass(frozen=True)
@@ -315,6 +320,7 @@ class LoadProgress(Input):
 
     pid: int
     signals: tuple[str, ...] = ()
+    last_line: str = ""  # the last line printed so far ("" when none)
 
 
 @dataclass(frozen=True)
@@ -488,6 +494,7 @@ class State:
     reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
+    on_cpu_reported: bool = False  # server_on_cpu was reported for the current server
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
     vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
     vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
@@ -496,7 +503,10 @@ class State:
     last_progress_at: float | None = None  # the last progress signal of a loading server
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
-    boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
+    boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
+    identical: int = 0          # how many consecutive starts ended that way
+    last_line: str = ""         # the last line the server printed while loading (LoadProgress)
+    build: str = ""             # the running binary's `--version` (Spawned), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
 
     def next_deadline(self) -> float | None:

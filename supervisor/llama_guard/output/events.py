@@ -104,6 +104,11 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
         EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
         EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
+        EventSpec("server_on_cpu", _S.WARNING,
+                  "llama-server pid {server_pid} was asked to offload {n_gpu_layers} layers but runs on the CPU: "
+                  "{cause}; {fix}"),
+        EventSpec("server_failure_repeated", _S.ERROR,
+                  "llama-server fails the same way right after each start; not restarting again: {cause}"),
         EventSpec("gpu_reset_started", _S.NOTICE,
                   "GPU {gpu_index} reset begins after {trigger}; it waits for {waits_for} "
                   "(at most {deadline_s:.0f} s)"),
