@@ -202,6 +202,12 @@ TEXT: dict[str, tuple[str, str]] = {
         "@LINE@\n\n"
         "It is reported rather than dropped; nothing was done about it. Please report the line\n"
         "so that the parser can learn its format."),
+    "server_port_taken": (
+        "llama-server's port is held by another process",
+        "llama-server could not bind port @PORT@: it is held by @HOLDER@. After a crash a client or\n"
+        "another service can hold it for a while, so llama-guard retries every 2 s, without counting\n"
+        "a crash, for [recovery].port_wait_s (@PORT_WAIT_S@ s); then it exits 78 naming the holder.\n"
+        "Find it with `ss -ltnp 'sport = :@PORT@'`."),
     "server_on_cpu": (
         "llama-server runs on the CPU though asked to offload",
         "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"

@@ -359,6 +359,8 @@ class RecoveryConfig(_Section):
     reset_toggles_persistence: bool = True
     max_resets: int = Field(2, ge=0)
     reset_window_s: PositiveFloat = 3600.0
+    # A port taken by another process is retried (every 2 s, no crash counted) this long, then exit 78.
+    port_wait_s: float = Field(30.0, ge=0)
 
     @field_validator("reset_command")
     @classmethod

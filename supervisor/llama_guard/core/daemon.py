@@ -41,7 +41,7 @@ from llama_guard.core.policy import decide
 from llama_guard.core.policy_gpu import VRAM_CHECK_TIMEOUT_S
 from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
 from llama_guard.core.probes import ServerProbe
-from llama_guard.core.procs import alive, port_listener, port_owner
+from llama_guard.core.procs import alive, port_holder, port_listener, port_owner
 from llama_guard.core.progress import ProgressSampler
 from llama_guard.core.reload import reload_report, startable
 from llama_guard.core.server_log import Family, classify_line
@@ -54,6 +54,7 @@ from llama_guard.core.types import (
     Emit,
     ExitDaemon,
     Exited,
+    FindPortHolder,
     HealthOk,
     Input,
     InspectGpu,
@@ -65,6 +66,7 @@ from llama_guard.core.types import (
     Params,
     ParamsChanged,
     Phase,
+    PortHolder,
     Probe,
     ResetDone,
     ResetFacts,
@@ -176,6 +178,8 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         load_stall_s=config.health.load_stall_s,
         progress_cpu_s=config.health.progress_cpu_s,
         model_path=str(config.server.model),
+        port=config.server.port,
+        port_wait_s=config.recovery.port_wait_s,
         offload_layers=config.server.n_gpu_layers,
     )
 
@@ -528,6 +532,8 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.tasks.append(self._task(self._drain(self._gen), "drain"))
+        elif isinstance(action, FindPortHolder):
+            self._task(self._find_port_holder(action.port), "port holder")
         elif isinstance(action, (InspectGpu, RunReset)):
             self._task(self._reset_gpu(action), "GPU reset")
         elif isinstance(action, CheckVram):
@@ -745,6 +751,14 @@ class Daemon:
         if signals:
             self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
             self._extend_start_timeout()
+
+    async def _find_port_holder(self, port: int) -> None:
+        """Answer FindPortHolder: the process listening on ``port`` (its pid and name), from /proc."""
+        try:
+            pid, name = await self.lanes["proc"].run(lambda: port_holder(port), PROC_TIMEOUT_S, "port holder")
+        except (CallTimeout, LaneBusy):
+            pid, name = None, ""
+        self.queue.put_nowait(PortHolder(port, pid, name))
 
     async def _port_owner(self, pid: int) -> tuple[int, str] | None:
         port = self.config.server.port

@@ -27,6 +27,7 @@ from llama_guard.core.policy_gpu import (
     _start,
     _stop_for_fault,
 )
+from llama_guard.core.policy_port import exited_port_taken, on_port_holder, on_port_line
 from llama_guard.core.policy_steps import _SERVING, Result, _count_failure, _exit, _exit_fields, _stop
 from llama_guard.core.policy_stop import stop_during_reset
 from llama_guard.core.server_log import ERROR_FAMILIES, Family, LineClass
@@ -49,6 +50,7 @@ from llama_guard.core.types import (
     Phase,
     PlannedRestart,
     PlannedStop,
+    PortHolder,
     Probe,
     ResetTrigger,
     RestartCause,
@@ -86,6 +88,8 @@ def decide(state: State, event: Input, now: float) -> Result:
         return _on_params(state, event, now)
     if isinstance(event, GpuFault):
         return _on_gpu_fault(state, event, now)
+    if isinstance(event, PortHolder):  # answers whenever it comes (the server may be gone by then)
+        return on_port_holder(state, event, now)
     handler = _HANDLERS.get(state.phase)
     if handler is None:
         return state, []
@@ -148,7 +152,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         load_s = now - (state.started_at if state.started_at is not None else now)
         recovered = _alloc_recovered(state, "the server became ready")
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
-                      alloc_failure="")
+                      alloc_failure="", port_taken_since=None)
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.
@@ -222,6 +226,8 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
     assert state.pid is not None
     if state.alloc_failure:
         return _alloc_fatal(state, event, now, "loading")
+    if state.port_taken and state.port_taken_since is not None:
+        return exited_port_taken(state, event, now)
     fields = _exit_fields(event.pid, event.returncode, state.last_error)
     if state.boot_cause:
         cause = naming_model(state.boot_cause, state.params.model_path)
@@ -313,6 +319,8 @@ def _on_starting_line(state: State, event: Line, now: float) -> Result:
         new, actions = _stop(new, now, AfterStop.FAILURE, "GPU unavailable")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
                                                      "cause": verdict.cause}), *actions]
+    if verdict.family is Family.PORT_IN_USE:
+        return on_port_line(state, event, now)
     if verdict.family is Family.BOOT_CONFIG and not state.boot_cause:
         return replace(state, boot_cause=verdict.cause), []
     if verdict.family is Family.RESOURCE_LIMIT:

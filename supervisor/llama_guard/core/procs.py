@@ -55,3 +55,18 @@ def port_listener(port: int) -> int | None:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
             return c.pid or 0
     return None
+
+
+def port_holder(port: int) -> tuple[int | None, str]:
+    """``(pid, name)`` of the process listening on TCP ``port``: ``(None, "")`` when nobody does,
+    ``(None, "?")`` when someone does whose pid cannot be read (another user's, without root).
+    Blocking (a /proc scan)."""
+    pid = port_listener(port)
+    if pid is None:
+        return None, ""
+    if pid == 0:
+        return None, "?"
+    try:
+        return pid, psutil.Process(pid).name()
+    except psutil.Error:
+        return pid, ""

@@ -141,6 +141,9 @@ class Params:
     # The same failure on this many consecutive starts (before ready, or before stable_after_s) is
     # a verdict (exit 78) instead of a restart (core/policy_repeat.py).
     identical_failures: int = 3
+    port: int = 0               # [server].port
+    port_wait_s: float = 30.0   # a port taken by another process is retried this long, then exit 78
+    port_retry_s: float = 2.0   # ... every this many seconds
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -275,6 +278,16 @@ class Line(Input):
     pid: int
     verdict: LineClass
     text: str
+
+
+@dataclass(frozen=True)
+class PortHolder(Input):
+    """The answer to :class:`FindPortHolder`: who listens on TCP ``port`` — ``pid`` (None: nobody
+    any more, or it cannot be told) and its process ``name`` ("" when unknown)."""
+
+    port: int
+    pid: int | None
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -435,6 +448,13 @@ class PlannedStop(Action):
 
 
 @dataclass(frozen=True)
+class FindPortHolder(Action):
+    """Find the process listening on TCP ``port`` (from /proc); answer :class:`PortHolder`."""
+
+    port: int
+
+
+@dataclass(frozen=True)
 class CheckVram(Action):
     """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
 
@@ -508,6 +528,9 @@ class State:
     last_line: str = ""         # the last line the server printed while loading (LoadProgress)
     build: str = ""             # the running binary's `--version` (Spawned), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
+    port_taken: bool = False    # the current server said its port is taken
+    port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
+    port_holder: tuple[int | None, str] | None = None  # (pid, name) holding it, as last found
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

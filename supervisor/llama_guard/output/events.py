@@ -104,6 +104,9 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
         EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
         EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
+        EventSpec("server_port_taken", _S.WARNING,
+                  "llama-server's port {port} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
+                  "(taken for {waited_s:.0f} s so far)"),
         EventSpec("server_on_cpu", _S.WARNING,
                   "llama-server pid {server_pid} was asked to offload {n_gpu_layers} layers but runs on the CPU: "
                   "{cause}; {fix}"),
