@@ -69,6 +69,23 @@ def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
     return (out.stdout + out.stderr).decode("utf-8", errors="replace")
 
 
+def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S) -> list[str] | None:
+    """The devices ``binary --list-devices`` reports under ``env`` (lines such as ``CUDA0: NVIDIA H200
+    (143166 MiB, 142616 MiB free)``; empty when it prints ``(none)``), or None when this build has
+    no such flag. Blocks up to ``timeout_s``; raises OSError when it cannot run or does not finish."""
+    try:
+        out = subprocess.run([str(binary), "--list-devices"], capture_output=True, timeout=timeout_s, check=False,
+                             stdin=subprocess.DEVNULL, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise OSError(f"{binary} --list-devices did not finish within {timeout_s:g} s") from exc
+    lines = (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()
+    heads = [i for i, line in enumerate(lines) if line.strip() == "Available devices:"]
+    if not heads:
+        return None
+    return [line.strip() for line in lines[heads[-1] + 1:] if line.startswith((" ", "\t"))
+            and line.strip() and line.strip() != "(none)"]
+
+
 def mlock_args(binary: Path | None) -> list[str]:
     """The flag that locks the model in RAM, as this llama-server build spells it.
 

@@ -152,7 +152,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
         load_s = now - (state.started_at if state.started_at is not None else now)
         recovered = _alloc_recovered(state, "the server became ready")
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
-                      alloc_failure="", port_taken_since=None)
+                      alloc_failure="", port_taken_since=None, port_holder=None)
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.

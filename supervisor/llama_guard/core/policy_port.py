@@ -28,8 +28,9 @@ def on_port_line(state: State, event: Line, now: float) -> Result:
     """The server says its port is taken: find who holds it (once per server)."""
     if state.port_taken:
         return state, []
-    since = state.port_taken_since if state.port_taken_since is not None else now
-    new = replace(state, port_taken=True, port_taken_since=since, port_holder=None)
+    if state.port_taken_since is None:  # the first start that finds it taken: nobody known yet
+        state = replace(state, port_taken_since=now, port_holder=None)
+    new = replace(state, port_taken=True)
     return new, [FindPortHolder(state.params.port)]
 
 
