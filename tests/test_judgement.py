@@ -13,6 +13,7 @@ from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     AfterStop,
     Boot,
+    BuildInfo,
     Emit,
     ExitDaemon,
     Exited,
@@ -23,6 +24,7 @@ from llama_guard.core.types import (
     Params,
     Phase,
     Probe,
+    ReadBuild,
     ResetTrigger,
     Spawned,
     State,
@@ -284,11 +286,13 @@ class TestBootFailure:
         assert s.phase is Phase.BACKOFF
         for i, when in ((1, 2.0), (2, 6.0)):
             s, _ = decide(s, Tick(), when)
-            s, _ = decide(s, Spawned(100 + i, build="version: 4242 (abc1234)"), when)
+            s, _ = decide(s, Spawned(100 + i), when)
             s, _ = feed(s, 100 + i, [ABORT[0], ABORT[2].replace("token 0", f"token {7 * i}")], when + 0.5)
             s, acts = decide(s, Exited(100 + i, -6), when + 0.6)
             if i == 1:
                 assert s.phase is Phase.BACKOFF, "two identical starts are not yet a verdict"
+                assert ReadBuild() in acts  # the verdict to come names the build
+                s, _ = decide(s, BuildInfo("version: 4242 (abc1234)"), when + 0.7)
         assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
         failure = emitted(acts, "server_boot_failure")
         assert "get_sub_batch" in str(failure.fields["cause"]) and "consecutive" in str(failure.fields["cause"])

@@ -13,6 +13,7 @@ from llama_guard.core.policy import decide
 from llama_guard.core.policy_repeat import FIX_BUILD, FIX_GPU, FIX_STALL
 from llama_guard.core.types import (
     Boot,
+    BuildInfo,
     Emit,
     ExitDaemon,
     Exited,
@@ -20,6 +21,7 @@ from llama_guard.core.types import (
     LoadProgress,
     Params,
     Phase,
+    ReadBuild,
     Spawned,
     State,
     Tick,
@@ -44,8 +46,10 @@ def run(failure: Failure, starts: int, params: Params = P, gap_s: float = 5.0) -
     now, out = 0.0, []
     for i in range(starts):
         pid = 100 + i
-        s, _ = decide(s, Spawned(pid, ("llama-server",), build=BUILD), now)
+        s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
         s, acts = failure(s, pid, now)
+        if any(isinstance(a, ReadBuild) for a in acts):  # the daemon answers with --version
+            s, _ = decide(s, BuildInfo(BUILD), now + 0.1)
         out.append(acts)
         if s.phase is Phase.EXITED:
             break

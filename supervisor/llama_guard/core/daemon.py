@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from llama_guard import __version__
-from llama_guard.argv import build_argv, resolve_binary
+from llama_guard.argv import build_argv, build_of, resolve_binary
 from llama_guard.config import Config, ConfigError, GpuWatchMode, load_config, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, kill_and_reap, pipe_holders, spawn
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
@@ -49,6 +49,7 @@ from llama_guard.core.types import (
     Action,
     AfterStop,
     Boot,
+    BuildInfo,
     CheckVram,
     Drained,
     Emit,
@@ -68,6 +69,7 @@ from llama_guard.core.types import (
     Phase,
     PortHolder,
     Probe,
+    ReadBuild,
     ResetDone,
     ResetFacts,
     ResetTrigger,
@@ -532,6 +534,8 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if self._gen is not None and self._gen.server.pid == action.pid:
                 self._gen.tasks.append(self._task(self._drain(self._gen), "drain"))
+        elif isinstance(action, ReadBuild):
+            self._task(self._read_build(), "llama-server --version")
         elif isinstance(action, FindPortHolder):
             self._task(self._find_port_holder(action.port), "port holder")
         elif isinstance(action, (InspectGpu, RunReset)):
@@ -751,6 +755,12 @@ class Daemon:
         if signals:
             self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
             self._extend_start_timeout()
+
+    async def _read_build(self) -> None:
+        """Answer ReadBuild: the configured binary's ``--version`` (bounded; off the loop)."""
+        binary = resolve_binary(self.config.server.binary)
+        text = "unknown (binary not found)" if binary is None else await asyncio.to_thread(build_of, binary)
+        self.queue.put_nowait(BuildInfo(text))
 
     async def _find_port_holder(self, port: int) -> None:
         """Answer FindPortHolder: the process listening on ``port`` (its pid and name), from /proc."""

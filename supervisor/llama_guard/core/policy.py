@@ -35,6 +35,7 @@ from llama_guard.core.types import (
     Action,
     AfterStop,
     Boot,
+    BuildInfo,
     Drained,
     Emit,
     Exited,
@@ -90,6 +91,8 @@ def decide(state: State, event: Input, now: float) -> Result:
         return _on_gpu_fault(state, event, now)
     if isinstance(event, PortHolder):  # answers whenever it comes (the server may be gone by then)
         return on_port_holder(state, event, now)
+    if isinstance(event, BuildInfo):
+        return replace(state, build=event.text), []
     handler = _HANDLERS.get(state.phase)
     if handler is None:
         return state, []
@@ -121,7 +124,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
     p = state.params
     if isinstance(event, Spawned):
         new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s,
-                      last_progress_at=now, build=event.build or state.build)
+                      last_progress_at=now)
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:

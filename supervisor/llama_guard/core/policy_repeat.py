@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import Emit, State, exit_text
+from llama_guard.core.types import Action, Emit, ReadBuild, State, exit_text
 
 # Failures another process can cause and end (the chain is broken, never a verdict).
 _TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})
@@ -63,24 +63,26 @@ def _fix(state: State) -> str:
     return FIX_BOOT
 
 
-def repeat_verdict(state: State) -> tuple[State, Emit | None]:
+def repeat_verdict(state: State) -> tuple[State, Emit | None, list[Action]]:
     """Record this failure in the chain of identical ones; the verdict event once the chain holds
     ``identical_failures`` (``server_boot_failure`` before ready, ``server_failure_repeated`` after),
-    else None. The state keeps the chain (``boot_signature``, ``identical``)."""
+    else None; and :class:`ReadBuild` one failure before, so that the verdict can name the build.
+    The state keeps the chain (``boot_signature``, ``identical``)."""
     signature = _signature(state)
     if not signature:
-        return replace(state, boot_signature="", identical=0), None
+        return replace(state, boot_signature="", identical=0), None, []
     count = state.identical + 1 if signature == state.boot_signature else 1
     state = replace(state, boot_signature=signature, identical=count)
     if count < state.params.identical_failures:
-        return state, None
+        ask: list[Action] = [ReadBuild()] if count == state.params.identical_failures - 1 and not state.build else []
+        return state, None, ask
     line = _line(state)
     when = "before it is ready" if state.ready_at is None else "soon after it became ready"
-    build = f"; build: {state.build}" if state.build else ""
+    build = f"; build: {state.build or 'unknown'}"
     cause = (f"llama-server fails the same way {when} on {count} consecutive starts "
              f"({state.last_failure}): {line or state.last_failure}{build}; fix: {_fix(state)}")
     fields: dict[str, object] = {"cause": cause, "line": line, "failure": state.last_failure,
                                  "consecutive_starts": count, "fix": _fix(state), "build": state.build,
                                  "server_pid": state.pid}
     name = "server_boot_failure" if state.ready_at is None else "server_failure_repeated"
-    return replace(state, boot_signature="", identical=0), Emit(name, fields)
+    return replace(state, boot_signature="", identical=0), Emit(name, fields), []

@@ -64,11 +64,17 @@ def _count_failure(state: State, now: float, *, judged: bool = True) -> Result:
     """After a failed server: a verdict when it failed the same way on consecutive starts
     (:func:`~llama_guard.core.policy_repeat.repeat_verdict`; ``judged`` False for a start that
     never ran a server), else back off, or give up when the window holds too many failures."""
+    ask: list[Action] = []
     if judged:
-        state, verdict = repeat_verdict(state)
+        state, verdict, ask = repeat_verdict(state)
         if verdict is not None:
             new, actions = _exit(state, EXIT_CONFIG, str(verdict.fields["cause"]))
             return new, [verdict, *actions]
+    new, actions = _back_off(state, now)
+    return new, [*ask, *actions]
+
+
+def _back_off(state: State, now: float) -> Result:
     p = state.params
     recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
     state = replace(state, failures=recent, pid=None)

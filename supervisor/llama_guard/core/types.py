@@ -163,7 +163,6 @@ class Spawned(Input):
 
     pid: int
     argv: tuple[str, ...] = ()
-    build: str = ""  # what the binary's --version says (one line; "" when unknown)
 
 
 @dataclass(frozen=True)
@@ -288,6 +287,14 @@ class PortHolder(Input):
     port: int
     pid: int | None
     name: str = ""
+
+
+@dataclass(frozen=True)
+class BuildInfo(Input):
+    """The answer to :class:`ReadBuild`: what ``llama-server --version`` printed (one line; an
+    explanation when it could not be read)."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -448,6 +455,12 @@ class PlannedStop(Action):
 
 
 @dataclass(frozen=True)
+class ReadBuild(Action):
+    """Run ``llama-server --version`` (bounded, off the loop); answer :class:`BuildInfo`. Asked only
+    when a verdict that names the build may follow (a binary is not run for nothing)."""
+
+
+@dataclass(frozen=True)
 class FindPortHolder(Action):
     """Find the process listening on TCP ``port`` (from /proc); answer :class:`PortHolder`."""
 
@@ -526,7 +539,7 @@ class State:
     boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
     identical: int = 0          # how many consecutive starts ended that way
     last_line: str = ""         # the last line the server printed while loading (LoadProgress)
-    build: str = ""             # the running binary's `--version` (Spawned), named in verdicts
+    build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
     port_taken: bool = False    # the current server said its port is taken
     port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
