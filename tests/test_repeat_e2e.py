@@ -109,3 +109,26 @@ def test_the_same_crash_after_a_stable_run_is_a_restart_never_a_verdict(
     assert names.count("server_cuda_error") == 4
     run.signal(signal.SIGTERM)
     assert run.wait_exit(30) == 0
+
+
+def test_a_load_that_stalls_at_the_same_line_on_every_start_is_78_naming_it(
+        tmp_path: Path, runs: list[DaemonRun]) -> None:
+    # A load that stops for good after the same line (a model read from a hung mount): the line,
+    # then the process waits for ever without output, CPU time or an HTTP answer.
+    stall = tmp_path / "stalling-llama-server"
+    stall.write_text("#!/bin/sh\n"
+                     'if [ "$1" = "--version" ]; then echo "version: 4242 (fake0001)"; exit 0; fi\n'
+                     "echo '0.00.120.000 I llama_model_loader: - kv  22: tokenizer.ggml.merges arr[str,48900]' >&2\n"
+                     "exec sleep 600\n")
+    stall.chmod(0o755)
+    run = fake_run(tmp_path, "", {"server": {"binary": str(stall)}, "health": {"load_stall_s": 5.0}})
+    runs.append(run)
+    t0 = time.monotonic()
+    run.start()
+    assert run.wait_exit(90) == 78
+    took = time.monotonic() - t0
+    assert run.names().count("server_load_stalled") == 3
+    failure = run.wait_event("server_boot_failure")
+    assert "tokenizer.ggml.merges" in failure["line"] and failure["consecutive_starts"] == 3, failure
+    assert "load_stall_s" in failure["fix"] and failure["build"] == "version: 4242 (fake0001)", failure
+    print(f"a load stalling at the same line: exit 78 after 3 starts in {took:.1f} s")

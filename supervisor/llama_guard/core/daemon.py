@@ -108,6 +108,7 @@ WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per fa
 UNKILLABLE_WAIT_S = 30.0  # how long a start waits for a server that outlived SIGKILL to go away
 
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
+LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled load's verdict
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class _Generation:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log: TextIO | None = None
     lines: int = 0  # lines printed so far (a progress signal)
+    last_line: str = ""  # the last of them (clipped), named when a load stalls after it
 
 
 class Daemon:
@@ -678,6 +680,7 @@ class Daemon:
         pid = gen.server.pid
         async for text in gen.server.lines():
             gen.lines += 1
+            gen.last_line = text.strip()[:LAST_LINE_MAX]
             if gen.log is not None:
                 with contextlib.suppress(OSError):
                     gen.log.write(text + "\n")
@@ -753,7 +756,7 @@ class Daemon:
         if answered and await self._port_owner(pid) is not None:
             signals.append("http")
         if signals:
-            self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
+            self.queue.put_nowait(LoadProgress(pid, tuple(signals), last_line=gen.last_line))
             self._extend_start_timeout()
 
     async def _read_build(self) -> None:
