@@ -31,7 +31,8 @@ FIX_STALL = ("the load stops at the same line on every start: check the model fi
              "long without output")
 FIX_BUILD = ("a fault of this llama-server build with this model and these flags: use another llama.cpp build "
              "(the build is named), or change the setting that reaches the failing code")
-FIX_BOOT = "the server's own last line above says why it cannot start: fix what it names in [server]"
+FIX_BOOT = ("the server's own line says why it cannot start: fix the [server] setting it names (`llama-guard "
+            "check` checks them), or use another llama.cpp build if the fault is this build's")
 
 
 def _line(state: State) -> str:
@@ -58,9 +59,7 @@ def _fix(state: State) -> str:
         return FIX_GPU
     if state.last_failure.startswith(("load stalled", "load timeout")):
         return FIX_STALL
-    if state.ready_at is not None or family in (Family.GPU_FATAL, Family.GPU_ABORT, Family.ERROR):
-        return FIX_BUILD
-    return FIX_BOOT
+    return FIX_BUILD if state.ready_at is not None else FIX_BOOT
 
 
 def repeat_verdict(state: State) -> tuple[State, Emit | None, list[Action]]:
