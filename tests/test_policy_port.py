@@ -65,7 +65,7 @@ def test_a_port_that_frees_up_ends_the_episode() -> None:
     s, _ = taken_start(s, 100, 0.0)
     s, _ = decide(s, Tick(), 3.0)
     s, _ = decide(s, Spawned(101), 3.0)
-    s, acts = decide(s, HealthOk(101), 4.0)
+    s, _ = decide(s, HealthOk(101), 4.0)
     assert s.phase is Phase.READY and s.port_taken_since is None and s.port_holder is None
     # Taken again much later: a fresh bound, not the old one.
     s, _ = decide(s, Exited(101, -9), 100.0)
