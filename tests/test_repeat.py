@@ -88,10 +88,12 @@ def test_no_cuda_device_on_every_start_is_a_verdict_after_three() -> None:
 
 def stall_at(line: str) -> Failure:
     def failure(s: State, pid: int, now: float) -> tuple[State, list[object]]:
-        s, _ = decide(s, LoadProgress(pid, ("lines",), last_line=line), now + 1.0)
+        s, _ = decide(s, LoadProgress(pid, ("lines",)), now + 1.0)
         s, acts = decide(s, Tick(), now + 1.0 + P.load_stall_s)
         assert "server_load_stalled" in names(acts)
-        return stop_then_exit(s, pid, now + 1.0 + P.load_stall_s, acts)
+        assert s.phase is Phase.STOPPING
+        s, more = decide(s, Exited(pid, -15, last_line=line), now + 1.5 + P.load_stall_s)
+        return s, [*acts, *more]
     return failure
 
 

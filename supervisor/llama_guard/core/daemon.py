@@ -756,7 +756,7 @@ class Daemon:
         if answered and await self._port_owner(pid) is not None:
             signals.append("http")
         if signals:
-            self.queue.put_nowait(LoadProgress(pid, tuple(signals), last_line=gen.last_line))
+            self.queue.put_nowait(LoadProgress(pid, tuple(signals)))
             self._extend_start_timeout()
 
     async def _read_build(self) -> None:
@@ -806,7 +806,7 @@ class Daemon:
         if self._stale_pid == pid:
             self._stale_pid = None
         server.close_pidfd()
-        self.queue.put_nowait(Exited(pid, code))
+        self.queue.put_nowait(Exited(pid, code, gen.last_line))
 
     async def _drain(self, gen: _Generation) -> None:
         pid = gen.server.pid

@@ -83,6 +83,8 @@ def decide(state: State, event: Input, now: float) -> Result:
         return state, []
     if isinstance(event, Line) and event.pid == state.pid and event.verdict.family in ERROR_FAMILIES:
         state = replace(state, last_error=event.text.strip())
+    if isinstance(event, Exited) and event.pid == state.pid and event.last_line:
+        state = replace(state, last_line=event.last_line)
     if isinstance(event, StopRequest):
         return _on_stop_request(state, event, now)
     if isinstance(event, ParamsChanged):
@@ -164,7 +166,7 @@ def _on_starting(state: State, event: Input, now: float) -> Result:
                                     f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
         return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
     if isinstance(event, LoadProgress) and event.pid == state.pid:
-        return replace(state, last_progress_at=now, last_line=event.last_line or state.last_line), []
+        return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:
         return _on_starting_line(replace(state, last_progress_at=now), event, now)
     if isinstance(event, Exited) and event.pid == state.pid:

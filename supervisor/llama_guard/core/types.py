@@ -340,15 +340,16 @@ class LoadProgress(Input):
 
     pid: int
     signals: tuple[str, ...] = ()
-    last_line: str = ""  # the last line printed so far ("" when none)
 
 
 @dataclass(frozen=True)
 class Exited(Input):
-    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal."""
+    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal; ``last_line``
+    the last line it printed ("" when none), which names a load that stalled after it."""
 
     pid: int
     returncode: int | None
+    last_line: str = ""
 
 
 @dataclass(frozen=True)
@@ -538,7 +539,7 @@ class State:
     last_error: str = ""        # the last error/abort line of the current server
     boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
     identical: int = 0          # how many consecutive starts ended that way
-    last_line: str = ""         # the last line the server printed while loading (LoadProgress)
+    last_line: str = ""         # the last line the failed server printed (Exited)
     build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
     port_taken: bool = False    # the current server said its port is taken
