@@ -142,7 +142,7 @@ class Params:
     # The same failure on this many consecutive starts (before ready, or before stable_after_s) is
     # a verdict (exit 78) instead of a restart (core/policy_repeat.py).
     identical_failures: int = 3
-    port: int = 0               # [server].port
+    port: int = 8080            # [server].port
     port_wait_s: float = 30.0   # a port taken by another process is retried this long, then exit 78
     port_retry_s: float = 2.0   # ... every this many seconds
 
