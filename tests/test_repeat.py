@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from llama_guard.core.policy import decide
-from llama_guard.core.policy_repeat import FIX_BUILD, FIX_GPU, FIX_STALL
+from llama_guard.core.policy.repeat import FIX_BUILD, FIX_GPU, FIX_STALL
 from llama_guard.core.types import (
     Boot,
     BuildInfo,

@@ -25,7 +25,8 @@ from llama_guard.core.types import (
     State,
     Tick,
 )
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.restarts.watcher import ScheduleSource
 
 UTC = timezone.utc
@@ -51,8 +52,9 @@ class Rig:
         self.posted: list[Any] = []
         self.rss: list[float] = []
         self.texts: list[str] = []
-        self.peers: list[Source] = []
-        self.source = ScheduleSource(peers=self.peers, wall_clock=lambda: self.wall, sample_interval_s=3600,
+        self.gpu: GpuSample | None = None
+        self.source = ScheduleSource(gpu_sample=lambda: self.gpu, wall_clock=lambda: self.wall,
+                                     sample_interval_s=3600,
                                      rss_reader=self._rss, metrics_reader=self._metrics)
         self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
                            emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
@@ -241,17 +243,10 @@ async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     assert rig.event("planned_restart_done")["kind"] == "rss_growth"
 
 
-async def test_vram_comes_from_the_gpu_source_snapshot() -> None:
-    class Gpu(Source):
-        name = "gpu"
-
-        def snapshot(self) -> dict[str, Any] | None:
-            return {"sample": {"processes": ({"pid": 100, "used_bytes": 2048 << 20},
-                                             {"pid": 7, "used_bytes": 1 << 30})}}
-
+async def test_vram_comes_from_the_gpu_watchers_last_sample() -> None:
     rig = await Rig(decay_warmup_s=0.0, decay_baseline_samples=1).start()
-    rig.peers.append(Gpu())
-    rig.source._peers = rig.peers
+    rig.gpu = GpuSample(GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200"),
+                        processes=(GpuProcess(100, 2048 << 20), GpuProcess(7, 1 << 30)))
     rig.serve(100)
     await rig.source._sample(rig.ctx)
     assert rig.source.monitor.vram.last_mib == 2048.0

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import tomllib
 from llama_guard.config import RecoveryConfig, load_config
-from llama_guard.core.daemon import STOP_MARGIN_S
 from llama_guard.core.privileges import (
     CAP_NUMBERS,
     DAEMON_CAPABILITIES,
@@ -22,6 +21,7 @@ from llama_guard.core.privileges import (
     reset_precondition,
     unit_capabilities,
 )
+from llama_guard.core.service import STOP_MARGIN_S
 from llama_guard.core.types import Params
 from llama_guard.output.events import CATALOG
 from systemd_fixtures import require

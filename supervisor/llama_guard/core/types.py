@@ -92,12 +92,26 @@ class ResetOutcome(enum.Enum):
 
 
 class RestartCause(enum.Enum):
-    """Why a graceful restart is asked for; the policy names the event from it."""
+    """Why the server is restarted: set by the policy when it decides the stop (or counts the
+    failure) and carried on ``server_restart`` as ``restart_cause`` (journald ``RESTART_CAUSE``;
+    the ``cause`` label of ``llama_guard_restarts_total``). The last four are planned restarts, the
+    causes a :class:`RestartRequest` carries; the policy names the request's event from them."""
 
-    OPERATOR = "operator"            # SIGUSR1, ``llama-guard restart``
-    SCHEDULE = "schedule"            # the cron schedule
-    DECAY = "decay"                  # a decay trigger (VRAM/RSS growth, speed drop)
-    CONFIG_CHANGE = "config_change"  # a reload changed the server's flags
+    CRASH = "crash"                      # the server exited on its own (a signal, an exit status)
+    OOM = "oom"                          # out of GPU (or host) memory: an OOM line, an allocation failure
+    CUDA_ERROR = "cuda_error"            # a fatal CUDA/GPU error line or an abort after one
+    HANG = "hang"                        # liveness: probes failed with no progress, hang_strikes rounds
+    LOAD_STALLED = "load_stalled"        # loading showed no progress signal for load_stall_s
+    LOAD_TIMEOUT = "load_timeout"        # not ready within load_timeout_s
+    GPU_UNAVAILABLE = "gpu_unavailable"  # the server is not on the GPU it must use
+    GPU_LOST = "gpu_lost"                # NVML or the kernel lost the GPU
+    XID = "xid"                          # an Xid that calls for a restart or a reset
+    SPAWN_FAILED = "spawn_failed"        # the start itself failed (a hung model file, before_spawn refused)
+    VRAM_WAIT = "vram_wait"              # another process kept the VRAM past vram_wait_timeout_s
+    OPERATOR = "requested"               # SIGUSR1, ``llama-guard restart``
+    SCHEDULE = "scheduled"               # the cron schedule
+    DECAY = "decay"                      # a decay trigger (VRAM/RSS growth, speed drop)
+    CONFIG_CHANGE = "reload"             # a reload changed the server's flags
 
 
 @dataclass(frozen=True)
@@ -524,6 +538,7 @@ class State:
     fault: str = ""             # why the current/last server is being stopped
     pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
     last_failure: str = ""
+    cause: RestartCause = RestartCause.CRASH  # why the next restart happens (set with the fault or plan)
     restarts: int = 0
     resets: tuple[float, ...] = ()
     reset_reason: str = ""

@@ -402,9 +402,14 @@ class GpuSource(Source):
         if not self._stop.is_set():
             self._xid_halt.clear()
 
+    def last_sample(self) -> GpuSample | None:
+        """The latest NVML sample of the watched GPU (frozen); None while the watch is off or before
+        the first one. The typed accessor other watchers read (decay's VRAM, metrics)."""
+        return self.watch.last_sample if self.watch is not None else None
+
     def status_fragment(self) -> str:
         """``GPU 0 61°C 212 W`` from the latest sample, for sd_notify STATUS= (empty when off)."""
-        last = self.watch.last_sample if self.watch is not None else None
+        last = self.last_sample()
         if last is None:
             return ""
         parts = [f"GPU {last.identity.index}"]

@@ -76,7 +76,7 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} recovered from a failed allocation ({recovery}): {line}"),
         EventSpec("server_gpu_incompatible", _S.CRITICAL,
                   "llama-server pid {server_pid} cannot run on this GPU/driver: {cause}; fix: {fix}"),
-        EventSpec("server_restart", _S.NOTICE, "restarting llama-server: {reason}"),
+        EventSpec("server_restart", _S.NOTICE, "restarting llama-server ({restart_cause}): {reason}"),
         EventSpec("server_backoff", _S.WARNING,
                   "waiting {backoff_s:.1f} s before starting llama-server again "
                   "(restart {restart_count} of {max_restarts} in {window_s:.0f} s)"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -49,6 +49,7 @@ from llama_guard.core.types import (
     StartDrain,
 )
 from llama_guard.core.watcher import Context, Source
+from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
@@ -102,18 +103,19 @@ class _Pending:
 class ScheduleSource(Source):
     """Planned restarts: cron schedule, decay triggers, before/after record (``llama-guard status``).
 
-    ``peers``: the other sources; one whose snapshot has an NVML ``sample`` with a process list
-    gives the server's VRAM. ``wall_clock`` (aware datetimes), ``rng`` (jitter), ``rss_reader``
+    ``gpu_sample``: the GPU watcher's latest NVML sample (its process list gives the server's VRAM;
+    None without a GPU watch). ``wall_clock`` (aware datetimes), ``rng`` (jitter), ``rss_reader``
     and ``metrics_reader`` (``(base_url, timeout_s) -> text | None``) are injectable for tests.
     """
 
     name = "planned_restarts"
 
-    def __init__(self, *, peers: Sequence[Source] = (), wall_clock: Callable[[], datetime] = _utc_now,
+    def __init__(self, *, gpu_sample: Callable[[], GpuSample | None] = lambda: None,
+                 wall_clock: Callable[[], datetime] = _utc_now,
                  rng: random.Random | None = None, sample_interval_s: float = SAMPLE_INTERVAL_S,
                  rss_reader: Callable[[int], float | None] = read_anon_rss_mib,
                  metrics_reader: Callable[[str, float], Awaitable[str | None]] | None = None) -> None:
-        self._peers = list(peers)
+        self._gpu_sample = gpu_sample
         self._wall = wall_clock
         self._rng = rng or random.Random()
         self._sample_interval_s = sample_interval_s
@@ -215,7 +217,7 @@ class ScheduleSource(Source):
             self._on_ready(ctx, ctx.state.pid)
 
     def _begin(self, ctx: Context, action: PlannedRestart) -> None:
-        kind = _KIND[action.cause]
+        kind = _KIND.get(action.cause, action.cause.value)
         if action.cause is RestartCause.DECAY and self._post_kind is not None:
             kind = self._post_kind  # the trigger that fired: vram_growth, rss_growth, speed_drop
         self._post_kind = None
@@ -341,20 +343,11 @@ class ScheduleSource(Source):
         self._fill_after()
 
     def _vram_mib(self, pid: int) -> float | None:
-        """The server's VRAM (MiB) from a peer's last NVML sample, if one lists it."""
-        for peer in self._peers:
-            try:
-                snap = peer.snapshot()
-            except Exception:
-                continue
-            sample = snap.get("sample") if isinstance(snap, dict) else None
-            procs = sample.get("processes") if isinstance(sample, dict) else None
-            if not isinstance(procs, (list, tuple)):
-                continue
-            for proc in procs:
-                if isinstance(proc, dict) and proc.get("pid") == pid and isinstance(proc.get("used_bytes"), int):
-                    used: int = proc["used_bytes"]
-                    return used / MIB
+        """The server's VRAM (MiB) from the GPU watcher's last NVML sample, if it lists the pid."""
+        sample = self._gpu_sample()
+        for proc in (sample.processes or ()) if sample is not None else ():
+            if proc.pid == pid and proc.used_bytes is not None:
+                return proc.used_bytes / MIB
         return None
 
     # ------------------------------------------------------------ status

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.policy_steps import Result, _exit
+from llama_guard.core.policy.steps import Result, exit_daemon
 from llama_guard.core.types import AfterStop, Emit, ResetOutcome, State, StopRequest
 from llama_guard.exitcodes import EXIT_OK
 
@@ -41,7 +41,7 @@ def stop_during_reset(state: State, event: StopRequest, now: float) -> Result:
         skipped = Emit("gpu_reset", {"outcome": ResetOutcome.SKIPPED.value, "gpu_index": index,
                                      "reason": "a stop was requested before the reset command ran",
                                      "trigger": state.reset_reason})
-        new, actions = _exit(state, EXIT_OK, event.reason)
+        new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [Emit("daemon_stopping", {"reason": event.reason, "server_pid": None}), skipped, *actions]
     left = max(0.0, (state.deadline if state.deadline is not None else now) - now)
     running = now - state.reset_command_at

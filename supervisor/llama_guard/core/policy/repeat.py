@@ -3,7 +3,7 @@ ready, or right after (before it ran ``stable_after_s``) — is a verdict (exit 
 fix named), not a restart loop that ends in a crash-loop exit that systemd restarts again.
 
 Pure, like the rest of the policy; :func:`repeat_verdict` is asked by every counted failure
-(:func:`llama_guard.core.policy_steps._count_failure`). The chain of identical failures is broken by a
+(:func:`llama_guard.core.policy.steps.count_failure`). The chain of identical failures is broken by a
 different failure, by a failure that says nothing about the binary (a SIGKILL from outside, an out
 of memory, a busy GPU, a taken port: other processes can cause those and go away) and by a server
 that stayed up ``stable_after_s``: the same message once or twice a day under load is a restart

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.policy_steps import Result, _exit, _exit_fields
+from llama_guard.core.policy.steps import Result, exit_daemon, exit_fields
 from llama_guard.core.types import Emit, Exited, FindPortHolder, Line, Phase, PortHolder, State
 from llama_guard.exitcodes import EXIT_CONFIG
 
@@ -50,14 +50,14 @@ def exited_port_taken(state: State, event: Exited, now: float) -> Result:
     has been taken for less than ``port_wait_s``; then exit 78 naming the holder."""
     p = state.params
     assert state.pid is not None and state.port_taken_since is not None
-    fields = _exit_fields(state.pid, event.returncode, state.last_error)
+    fields = exit_fields(state.pid, event.returncode, state.last_error)
     exited = Emit("server_exited", {**fields, "phase": "loading"})
     waited = now - state.port_taken_since
     holder = _holder_text(state)
     if waited >= p.port_wait_s:
         cause = (f"port {p.port} is held by {holder}, still after {waited:.0f} s of retries; fix: stop that "
                  f"process or choose another [server].port")
-        new, actions = _exit(replace(state, port_taken_since=None), EXIT_CONFIG, cause)
+        new, actions = exit_daemon(replace(state, port_taken_since=None), EXIT_CONFIG, cause)
         return new, [exited, Emit("server_boot_failure", {"cause": cause, "port": p.port, "holder": holder,
                                                           "waited_s": round(waited, 1), **fields}), *actions]
     wait = min(p.port_retry_s, max(0.0, p.port_wait_s - waited))
