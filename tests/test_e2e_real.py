@@ -124,9 +124,11 @@ def test_port_taken_exits_78(real: Any) -> None:
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     try:
-        run = real({"server": {"port": holder.getsockname()[1]}}).start()
+        # Retried for [recovery].port_wait_s (the holder named), then the verdict naming it.
+        run = real({"server": {"port": holder.getsockname()[1]}, "recovery": {"port_wait_s": 3.0}}).start()
         assert run.wait_exit(60) == 78
-        assert "bind" in run.wait_event("server_boot_failure")["cause"]
+        cause = run.wait_event("server_boot_failure")["cause"]
+        assert f"pid {os.getpid()}" in cause and "choose another [server].port" in cause, cause
     finally:
         holder.close()
 

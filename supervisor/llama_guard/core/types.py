@@ -556,6 +556,7 @@ class State:
     boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
     identical: int = 0          # how many consecutive starts ended that way
     last_line: str = ""         # the last line the failed server printed (Exited)
+    failure_line: str = ""      # the server's line that decided the current failure (a fault, no GPU)
     build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
     port_taken: bool = False    # the current server said its port is taken

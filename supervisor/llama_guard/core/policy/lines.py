@@ -67,13 +67,14 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
     if fault is not None:
         name, fields = fault
         cause = RestartCause.OOM if verdict.family is Family.OOM else RestartCause.CUDA_ERROR
-        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause)
+        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause, failure_line=event.text.strip())
         new, actions = stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
         if phase:
             fields = {**fields, "phase": phase}
         return new, [Emit(name, fields), *actions]
     if verdict.family is Family.GPU_ABORT:
         new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause),
+                      failure_line=event.text.strip(),
                       cause=RestartCause.CUDA_ERROR)
         return stop_for_fault(new, now, trigger, verdict.cause)
     return None
@@ -126,7 +127,8 @@ def on_starting_line(state: State, event: Line, now: float) -> Result:
     if verdict.family is Family.GPU_UNAVAILABLE and not state.params.require_gpu:
         return on_cpu(state, event)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
-        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE)
+        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE,
+                      failure_line=event.text.strip())
         new, actions = stop(new, now, AfterStop.FAILURE, "GPU unavailable")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
                                                      "cause": verdict.cause}), *actions]

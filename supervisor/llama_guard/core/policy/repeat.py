@@ -36,8 +36,9 @@ FIX_BOOT = ("the server's own line says why it cannot start: fix the [server] se
 
 
 def _line(state: State) -> str:
-    """The line that names the failure: the last error line, else the last line printed."""
-    return state.last_error or state.last_line
+    """The line that names the failure: the one that decided it (a fault, no GPU: the lines after it
+    depend on how fast the stop was), else the last error line, else the last line printed."""
+    return state.failure_line or state.last_error or state.last_line
 
 
 def _signature(state: State) -> str:

@@ -51,7 +51,8 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             name, fields = fault
             reason = f"{name}: {event.verdict.cause}"
             restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
-            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause)
+            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause,
+                          failure_line=event.text.strip())
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
             trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
