@@ -174,7 +174,9 @@ def test_sighup_bad_file_keeps_running_good_file_restarts(real: Any) -> None:
     assert psutil.pid_exists(first) and chat(run.port)["choices"]
     run.config.write_text(good.replace("ctx_size = 1024", "ctx_size = 2048"))
     run.signal(signal.SIGHUP)
-    assert "server" in run.wait_event("config_reloaded", 10)["changed"]
+    reloaded = run.wait_event("config_reloaded", 10)
+    assert "server" in reloaded["changed"] and "server.ctx_size: 1024 → 2048" in reloaded["values"], reloaded
+    assert "server.ctx_size 1024 → 2048" in reloaded["message"], reloaded
     second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
     assert second != first
     assert "--ctx-size 2048" in run.wait_event("server_starting", skip=1)["argv"]
