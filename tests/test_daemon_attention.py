@@ -27,7 +27,6 @@ import pytest
 from fake_nvml import FakeNvml
 from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all, wait_gone
 from llama_guard.config import load_config
-from llama_guard.core import spawner as spawner_mod
 from llama_guard.core import tasks as tasks_mod
 from llama_guard.core.daemon import Daemon
 from llama_guard.core.types import GpuFault, GpuFaultKind, Input, StopRequest
@@ -611,36 +610,6 @@ def test_sighup_right_after_sigterm_sends_no_ready_after_stopping(
     # STOPPING=1 went out when the stop began, not when the server was gone (its stop takes 2 s).
     stopping_at = next(t for t, text in received if text.startswith("STOPPING=1"))
     assert exited_at - stopping_at > 1.5
-
-
-def test_server_that_outlives_sigkill_blocks_the_next_start(tmp_path: Path) -> None:
-    """Kind 4: after giving up on a SIGKILLed pid the daemon started a second server beside it.
-    Now the start waits for that pid to be gone and its port free, then escalates (exit 70)."""
-    path = _config(tmp_path, "/bin/true", tmp_path / "m.gguf")
-    emitter = _Recorder()
-    daemon = Daemon(load_config(path), path, emitter)
-    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        daemon.spawner.stale_pid = squatter.pid
-        spawner_mod.UNKILLABLE_WAIT_S, saved = 1.0, spawner_mod.UNKILLABLE_WAIT_S
-
-        async def go() -> str:
-            return await daemon.spawner.wait_stale_gone(daemon.config.server.port)
-
-        try:
-            reason = asyncio.run(go())
-        finally:
-            spawner_mod.UNKILLABLE_WAIT_S = saved
-        assert "outlived SIGKILL" in reason
-        assert emitter.named("server_unkillable")[0]["server_pid"] == squatter.pid
-        squatter.kill()
-        squatter.wait()
-        daemon.spawner.stale_pid = squatter.pid
-        assert asyncio.run(go()) == ""
-    finally:
-        if squatter.poll() is None:
-            squatter.kill()
-            squatter.wait()
 
 
 def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:

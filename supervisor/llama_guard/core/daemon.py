@@ -38,7 +38,7 @@ from llama_guard.core.policy import decide
 from llama_guard.core.reload import emit_reloaded, load_candidate
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
-from llama_guard.core.spawner import Spawner, Started, prepare
+from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.types import (
     Action,
@@ -247,8 +247,6 @@ class Daemon:
         gen = self._gen
         if isinstance(event, Exited) and gen is not None and gen.pid == event.pid:
             self._gen = None
-            if self.spawner.stale_pid == event.pid:
-                self.spawner.stale_pid = None
             pid, code = event.pid, event.returncode
             self._for_sources("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
             self.tasks.start(gen.end(), "end of a server")
@@ -303,8 +301,6 @@ class Daemon:
         elif isinstance(action, Kill):
             if gen is not None and gen.pid == action.pid:
                 gen.signal(signal.SIGKILL)
-                if self.state.phase is Phase.STOPPING and self.state.killed:
-                    self.spawner.stale_pid = action.pid  # cleared when its exit is seen
         elif isinstance(action, NotifyReady):
             self._write_status()
             self._ready()
@@ -353,9 +349,6 @@ class Daemon:
             return
         if isinstance(outcome, SpawnFailed):
             self.queue.put_nowait(outcome)
-            return
-        if not isinstance(outcome, Started):  # a server outlived SIGKILL: no second one beside it
-            self._fail(outcome.reason)
             return
         spawner = self.spawner
         gen = ServerWatch(outcome.server, self.ctx, self.sources, self.lanes, self.tasks, self.start_timeout,

@@ -1,12 +1,13 @@
 """Everything between "start a server" and a running llama-server child.
 
 In order: the binary and the model file (a configuration error is fatal, a hung filesystem is a
-failure retried after backoff), the wait for a server that outlived SIGKILL, the argv (the binary's
+failure retried after backoff), the argv (the binary's
 ``--help`` tells whether ``--mlock`` is known), the watchers' ``before_spawn`` (such as the wait for
 the old server's VRAM), the child set-up run between fork and exec (the watchers' rlimits, then the
 drop to ``[server].user``), the API key read, and the spawn itself. Blocking calls run on the
-daemon's lanes with deadlines. The answer is a :class:`Started`, a :class:`SpawnFailed` for the
-policy, or :class:`Unkillable` (the daemon exits 70). Never touches the loop.
+daemon's lanes with deadlines. The answer is a :class:`Started` or a :class:`SpawnFailed` for the
+policy (a server that outlives SIGKILL never gets a successor: the policy's verdict, exit 69). Never
+touches the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from llama_guard.config import Config, ConfigError, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, spawn
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
-from llama_guard.core.procs import alive, port_listener
 from llama_guard.core.types import SpawnFailed
 from llama_guard.core.watcher import Context, Source
 from llama_guard.preflight import model_problem
@@ -30,8 +30,6 @@ from llama_guard.preflight import model_problem
 MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
 PROC_TIMEOUT_S = 5.0  # a /proc scan (port owner, pipe holders)
-UNKILLABLE_WAIT_S = 30.0  # how long a start waits for a server that outlived SIGKILL to go away
-STALE_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -40,13 +38,6 @@ class Started:
 
     server: ServerProcess
     argv: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Unkillable:
-    """A server that outlived SIGKILL still holds its pid or port: no second server is started."""
-
-    reason: str
 
 
 def prepare(config: Config, config_path: Path) -> tuple[str, ServerIdentity]:
@@ -69,8 +60,7 @@ class Spawner:
 
     Holds what carries from one start to the next: the identity to drop to, the API key the running
     server was started with (``live_key``, which the probes send; never emitted), the last server's
-    pid (for ``before_spawn``) and a server that outlived SIGKILL (``stale_pid``, set by the daemon
-    when it sends SIGKILL during a stop, cleared when that server's exit is seen).
+    pid (for ``before_spawn``).
     """
 
     def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[str, Lane],
@@ -82,10 +72,9 @@ class Spawner:
         self.identity = ServerIdentity(None, None, None, "llama-guard's own user")
         self.live_key = ""
         self.last_pid: int | None = None
-        self.stale_pid: int | None = None
         self.cancellable = False  # True while the start may still be abandoned (before the fork)
 
-    async def start(self, config: Config, ctx: Context) -> Started | SpawnFailed | Unkillable:
+    async def start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
         """Prepare and start one server for ``config`` (``ctx`` for the sources' hooks). Cancelling
         it while :attr:`cancellable` abandons the start (nothing was forked)."""
         self.cancellable = True
@@ -94,7 +83,7 @@ class Spawner:
         finally:
             self.cancellable = False
 
-    async def _start(self, config: Config, ctx: Context) -> Started | SpawnFailed | Unkillable:
+    async def _start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
         server_cfg = config.server
         binary = resolve_binary(server_cfg.binary)
         if binary is None:
@@ -109,9 +98,6 @@ class Spawner:
             return SpawnFailed(f"server.model: {exc}", fatal=False)
         if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
             return SpawnFailed(f"server.model: {problem}")
-        refusal = await self.wait_stale_gone(server_cfg.port)
-        if refusal:
-            return Unkillable(refusal)
         try:
             argv = await self._lanes["probe"].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
                                                   f"{binary} --help")
@@ -145,27 +131,3 @@ class Spawner:
         self.live_key = key
         self.last_pid = server.pid
         return Started(server, tuple(argv))
-
-    async def wait_stale_gone(self, port: int) -> str:
-        """Before a start: a server that outlived SIGKILL must be gone and its ``port`` free, else no
-        second server is started (""; or the reason to exit 70 after UNKILLABLE_WAIT_S)."""
-        pid = self.stale_pid
-        if pid is None:
-            return ""
-        start = self._clock()
-        while True:
-            running = alive(pid)
-            try:
-                holds = await self._lanes["proc"].run(lambda: port_listener(port), PROC_TIMEOUT_S, "port scan")
-            except (CallTimeout, LaneBusy):
-                holds = 0  # cannot tell: keep waiting
-            if not running and holds is None:
-                self.stale_pid = None
-                return ""
-            waited = self._clock() - start
-            if waited >= UNKILLABLE_WAIT_S:
-                what = ", ".join(x for x in ((f"pid {pid} alive" if running else ""),
-                                             (f"port {port} held by pid {holds}" if holds else "")) if x)
-                self._emit("server_unkillable", server_pid=pid, waited_s=waited, holds=what)
-                return f"llama-server pid {pid} outlived SIGKILL ({what}); not starting a second server"
-            await asyncio.sleep(STALE_POLL_S)

@@ -54,7 +54,22 @@ class XidAction(enum.Enum):
     RESET = "reset"  # stop the server, reset the GPU
     RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
     FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
+    REBOOT = "reboot"  # the GPU cannot come back without a reboot: stop, no reset, advise a reboot
     EVENT_ONLY = "event_only"  # report, nothing else
+
+
+class RecoveryAction(enum.Enum):
+    """What the driver says the GPU needs (NVML's ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` field, and
+    the text of Xid 154); the values are NVML's ``NVML_GPU_RECOVERY_ACTION_*`` codes."""
+
+    NONE = 0
+    GPU_RESET = 1
+    NODE_REBOOT = 2
+    DRAIN_P2P = 3
+    DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
 
 
 class XidScope(enum.Enum):
@@ -216,6 +231,10 @@ class GpuFault(Input):
     origin: XidOrigin = XidOrigin.NVML
     gpu_index: int | None = None
     line: str = ""                    # the kernel-log text, when there is one
+    # Xid 154 (FOLLOW_RECOVERY_ACTION): what the driver asks for, from the kernel line or NVML's
+    # recovery-action field (None: neither said).
+    recovery: RecoveryAction | None = None
+    watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
 
 
 @dataclass(frozen=True)
@@ -283,6 +302,8 @@ class VramFacts(Input):
     need_mib: int | None
     holders: tuple[GpuHolder, ...] = ()
     error: str = ""
+    # NVML's recovery-action field read with the sample (None: not readable on this driver/GPU).
+    recovery: RecoveryAction | None = None
 
 
 @dataclass(frozen=True)
@@ -562,6 +583,8 @@ class State:
     port_taken: bool = False    # the current server said its port is taken
     port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
     port_holder: tuple[int | None, str] | None = None  # (pid, name) holding it, as last found
+    watchdog_hits: tuple[float, ...] = ()  # when a launch-watchdog timeout stopped a server (window)
+    crashes: tuple[tuple[float, str], ...] = ()  # (when, signature) of crashes after ready (window)
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -11,10 +11,12 @@ with RESETTING after a GPU fault, ending in EXITED. "Started" is not "ready": RE
 
 The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BACKOFF),
 :mod:`.lines` (classified server lines), :mod:`.stop` (STOPPING and what follows a stop),
-:mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission before a start) and
-:mod:`.steps` (start, stop, spawn, exit, count a failure; :func:`~.steps.after_fault`, the OOM decision),
-:mod:`.repeat` (the same failure on consecutive starts: a verdict), :mod:`.port` (a port another
-process holds) and :mod:`.reset_stop` (a stop during a GPU reset; the event that announces one).
+:mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission and the driver's recovery
+action before a start), :mod:`.verdicts` (what no restart or reset mends: a reboot, a server that
+outlives SIGKILL; faults said when they repeat), :mod:`.steps` (start, stop, spawn, exit, count a
+failure; :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on
+consecutive starts: a verdict), :mod:`.port` (a port another process holds) and :mod:`.reset_stop`
+(a stop during a GPU reset; the event that announces one).
 """
 
 from __future__ import annotations

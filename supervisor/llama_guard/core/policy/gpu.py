@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from llama_guard.core.policy.reset_stop import reset_started
 from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, stop
+from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.core.types import (
     AfterStop,
     Emit,
@@ -34,14 +35,20 @@ def on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     if event.kind is not GpuFaultKind.XID:
         return _act_on_gpu_fault(state, event, now)
     judged, ours = _judge_xid(state, event)
-    emit = Emit("gpu_xid", {
+    fields: dict[str, object] = {
         "gpu_index": event.gpu_index, "xid": event.xid, "meaning": event.reason.removeprefix(f"Xid {event.xid}: "),
         "action": judged.action.value,
         "table_action": event.action.value, "scope": event.scope.value, "source": event.origin.value,
         "xid_pid": event.faulting_pid, "xid_name": event.faulting_name, "ours": ours,
-        "server_pid": state.pid, "line": event.line})
+        "server_pid": state.pid, "line": event.line}
+    if event.action is XidAction.FOLLOW_RECOVERY_ACTION:
+        fields["recovery_action"] = "unknown" if event.recovery is None else event.recovery.name.lower()
     new, actions = _act_on_gpu_fault(state, judged, now)
-    return new, [emit, *actions]
+    if (judged.watchdog and judged.action is XidAction.RESTART and state.phase is not Phase.STOPPING
+            and new.phase is Phase.STOPPING):
+        new, repeated = watchdog_hit(new, now, event.reason)
+        actions = [*actions, *repeated]
+    return new, [Emit("gpu_xid", fields), *actions]
 
 
 def _judge_xid(state: State, event: GpuFault) -> tuple[GpuFault, bool | None]:
@@ -54,6 +61,8 @@ def _judge_xid(state: State, event: GpuFault) -> tuple[GpuFault, bool | None]:
     ours = None if event.faulting_pid is None else event.faulting_pid == state.pid
     if event.scope is XidScope.APP and ours is not True:
         return replace(event, action=XidAction.EVENT_ONLY), ours
+    if event.action is XidAction.FOLLOW_RECOVERY_ACTION:
+        return replace(event, action=recovery_step(event.recovery)), ours
     return event, ours
 
 
@@ -62,6 +71,10 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     lost = event.kind is GpuFaultKind.GPU_LOST or event.action is XidAction.RESET_ONCE_THEN_ESCALATE
     if event.action is XidAction.EVENT_ONLY:
         return state, []
+    if event.action is XidAction.REBOOT:
+        advice = "" if event.recovery is None else f" (the driver asks: {RECOVERY_ADVICE[event.recovery]})"
+        return needs_reboot(state, now, f"{event.reason}{advice}: a GPU reset cannot help",
+                            {"gpu_index": event.gpu_index, "server_pid": state.pid, "line": event.line})
     if state.phase is Phase.RESETTING:
         # Never reset while a reset is running; but remember a loss, so that a reset that is then
         # skipped does not restart the server onto a lost GPU.

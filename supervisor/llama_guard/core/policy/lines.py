@@ -10,6 +10,7 @@ from dataclasses import replace
 from llama_guard.core.judgement import incompatibility
 from llama_guard.core.policy.port import on_port_line
 from llama_guard.core.policy.steps import Result, after_fault, stop
+from llama_guard.core.policy.verdicts import watchdog_hit
 from llama_guard.core.server_log import Family, LineClass
 from llama_guard.core.types import (
     Action,
@@ -31,7 +32,23 @@ def fault_event(state: State, verdict: LineClass, text: str) -> tuple[str, dict[
         return "server_oom", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
     if verdict.family is Family.GPU_FATAL:
         return "server_cuda_error", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause}
+    if verdict.family is Family.GPU_WATCHDOG:
+        return "server_cuda_error", {"server_pid": state.pid, "line": text.strip(), "cause": verdict.cause,
+                                     "reset": "no: the watchdog ended one channel's work, the GPU is fine"}
+    if verdict.family is Family.DEVICE_LOST:
+        return "gpu_lost", {"server_pid": state.pid, "line": text.strip(), "reason": verdict.cause,
+                            "cause": verdict.cause}
     return None
+
+
+def reset_trigger(family: Family) -> ResetTrigger | None:
+    """The ``reset_on`` trigger of a fatal line's family; None: never a reset (the launch watchdog)."""
+    return {Family.OOM: ResetTrigger.OOM, Family.GPU_WATCHDOG: None,
+            Family.DEVICE_LOST: ResetTrigger.GPU_LOST}.get(family, ResetTrigger.CUDA_ERROR)
+
+
+#: The restart cause of a fatal line's family (a GPU error line by default).
+_CAUSE = {Family.OOM: RestartCause.OOM, Family.DEVICE_LOST: RestartCause.GPU_LOST}
 
 
 def stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str) -> Result:
@@ -62,21 +79,26 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
     verdict = event.verdict
     if verdict.family is Family.GPU_INCOMPATIBLE:
         return incompatible(state, now, verdict, event.text)
-    trigger = ResetTrigger.OOM if verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
+    trigger = reset_trigger(verdict.family)
     fault = fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
-        cause = RestartCause.OOM if verdict.family is Family.OOM else RestartCause.CUDA_ERROR
+        cause = _CAUSE.get(verdict.family, RestartCause.CUDA_ERROR)
         new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause, failure_line=event.text.strip())
-        new, actions = stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
+        repeated: list[Emit] = []
+        if trigger is None:  # restart only, never a reset; said when it repeats
+            new, actions = stop(new, now, AfterStop.FAILURE, f"{name}: {verdict.cause}")
+            new, repeated = watchdog_hit(new, now, verdict.cause)
+        else:
+            new, actions = stop_for_fault(new, now, trigger, f"{name}: {verdict.cause}")
         if phase:
             fields = {**fields, "phase": phase}
-        return new, [Emit(name, fields), *actions]
+        return new, [Emit(name, fields), *repeated, *actions]
     if verdict.family is Family.GPU_ABORT:
         new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause),
                       failure_line=event.text.strip(),
                       cause=RestartCause.CUDA_ERROR)
-        return stop_for_fault(new, now, trigger, verdict.cause)
+        return stop_for_fault(new, now, ResetTrigger.CUDA_ERROR, verdict.cause)
     return None
 
 

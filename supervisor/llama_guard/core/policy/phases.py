@@ -4,14 +4,16 @@ timeout and stall, exits while loading), READY/DRAINING (probes, planned restart
 
 from __future__ import annotations
 
+import signal
 from dataclasses import replace
 
-from llama_guard.core.judgement import answered, naming_model, progress_signals
+from llama_guard.core.judgement import answered, failure_signature, naming_model, progress_signals
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.core.policy.port import exited_port_taken
 from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
 from llama_guard.core.policy.stop import alloc_fatal
-from llama_guard.core.server_log import Family
+from llama_guard.core.policy.verdicts import crash_repeat
+from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -164,8 +166,13 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Exited) and event.pid == pid:
         fields = exit_fields(pid, event.returncode, state.last_error)
         new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH)
+        # A crash is restarted; the same crash again within the window is said, with the request
+        # kind its exception names (a SIGKILL comes from outside: not the server's own crash).
+        signature = "" if event.returncode == -signal.SIGKILL or not state.last_error else failure_signature(
+            exit_text(event.returncode), state.last_error)
+        new, repeated = crash_repeat(new, now, signature, classify_line(state.last_error).request_kind)
         new, actions = count_failure(new, now)
-        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
+        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *repeated, *actions]
     if isinstance(event, Probe) and event.pid == pid:
         return _on_probe(state, event, now)
     if isinstance(event, Tick):

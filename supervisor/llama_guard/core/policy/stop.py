@@ -8,9 +8,10 @@ import signal
 from dataclasses import replace
 
 from llama_guard.core.policy.gpu import begin_reset
-from llama_guard.core.policy.lines import fault_event, incompatible
+from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
 from llama_guard.core.policy.reset_stop import stop_during_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
+from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
 from llama_guard.core.types import (
     Action,
@@ -55,7 +56,10 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
                           failure_line=event.text.strip())
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
-            trigger = ResetTrigger.OOM if event.verdict.family is Family.OOM else ResetTrigger.CUDA_ERROR
+            trigger = reset_trigger(event.verdict.family)
+            if trigger is None:  # the launch watchdog: a restart only, even after an abort line
+                new, repeated = watchdog_hit(replace(new, after_stop=AfterStop.FAILURE), now, event.verdict.cause)
+                return new, [Emit(name, fields), *repeated]
             if new.after_stop is AfterStop.FAILURE:
                 after = after_fault(state.params, trigger, loading=state.ready_at is None)
                 if after is not AfterStop.FAILURE:
@@ -78,8 +82,9 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             new = replace(state, killed=True, deadline=now + p.kill_wait_s)
             return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": p.stop_grace_s}),
                          Kill(state.pid)]
-        # SIGKILL did not end it either (uninterruptible sleep in the driver): stop waiting.
-        return finish_stop(replace(state, last_failure="server did not exit after SIGKILL"), now)
+        # SIGKILL did not end it either (uninterruptible sleep in the driver): a verdict, no
+        # reset and no second server.
+        return unkillable(state)
     return state, []
 
 

@@ -1,5 +1,7 @@
 """VRAM admission before each start: wait while another process holds what this server needs, with
-a deadline; an OOM at load that no other process explains goes on as :func:`after_fault` says. Pure.
+a deadline; an OOM at load that no other process explains goes on as :func:`after_fault` says. The
+same check carries NVML's recovery-action field: a GPU that asks for a reset is reset first, one that
+asks for a reboot or a drain gets no server (exit 69). Pure.
 """
 
 from __future__ import annotations
@@ -8,16 +10,19 @@ from dataclasses import replace
 
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, spawn
+from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
 from llama_guard.core.types import (
     AfterStop,
     CheckVram,
     Emit,
     Input,
+    RecoveryAction,
     ResetTrigger,
     RestartCause,
     State,
     Tick,
     VramFacts,
+    XidAction,
 )
 
 
@@ -69,9 +74,33 @@ def _vram_timed_out(state: State, now: float) -> Result:
     return count_failure(new, now, judged=False)
 
 
+def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:
+    """NVML's recovery-action field, read before this start, asks for something (an Xid that went by
+    unseen, a daemon started after the fault): a reset when it asks for one and one may run (and the
+    window's reset budget is not spent); else no start: exit 69 with the driver's advice."""
+    assert facts.recovery is not None
+    emit = Emit("gpu_recovery_action", recovery_fields(facts.recovery, "nvml", facts.gpu_index))
+    reason = f"NVML says GPU {facts.gpu_index} needs: {RECOVERY_ADVICE[facts.recovery]}"
+    p = state.params
+    if recovery_step(facts.recovery) is XidAction.RESET:
+        if not (p.reset_possible and ResetTrigger.XID in p.reset_on):
+            reason += " (no reset is configured or allowed by [recovery].reset_on)"
+        elif len([t for t in state.resets if now - t < p.reset_window_s]) >= p.max_resets:
+            reason += f" (the {p.max_resets} GPU resets allowed within {p.reset_window_s:.0f} s are spent)"
+        else:
+            new, actions = begin_reset(replace(state, reset_reason=reason, pid=None, vram_after_oom=False,
+                                               after_stop=AfterStop.FAILURE, cause=RestartCause.XID), now)
+            return new, [emit, *actions]
+    new, actions = needs_reboot(replace(state, pid=None), now, reason,
+                                {"gpu_index": facts.gpu_index, "server_pid": None})
+    return new, [emit, *actions]
+
+
 def on_waiting_vram(state: State, event: Input, now: float) -> Result:
     p = state.params
     waiting = state.vram_wait_until is not None
+    if isinstance(event, VramFacts) and event.recovery not in (None, RecoveryAction.NONE):
+        return _recovery_before_start(state, event, now)
     if isinstance(event, VramFacts):
         if event.error and waiting:  # a failed check (reported) tells nothing: keep waiting
             if state.vram_wait_until is not None and now >= state.vram_wait_until:
