@@ -153,8 +153,9 @@ class ServerProbe:
             return False, f"canary completion answered HTTP {resp.status_code}"
         return True, ""
 
-    async def liveness(self) -> LivenessRound:
-        """One round: /health; then the canary while watching /slots and the decode counters."""
+    async def liveness(self, *, canary: bool = True) -> LivenessRound:
+        """One round: /health; then the canary (unless ``canary`` is False: real traffic completed a
+        request since the previous round) while watching /slots and the decode counters."""
         start = time.monotonic()
         if not await self.health():
             self._last_progress = None
@@ -163,7 +164,7 @@ class ServerProbe:
         before = self._last_progress if self._last_progress is not None else await self.progress()
         canary_ok: bool | None = None
         detail = ""
-        if self.canary:
+        if self.canary and canary:
             canary_ok, detail = await self.canary_completion()
         view = await self.slots()
         after = await self.progress()

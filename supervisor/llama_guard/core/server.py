@@ -147,10 +147,12 @@ class ServerWatch:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
+            round_start = ctx.clock()
             await asyncio.sleep(health.interval_s)
             if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
                 return
-            result = await self.probe.liveness()
+            # No canary in a round where a client request completed: the traffic showed progress.
+            result = await self.probe.liveness(canary=not ctx.get_state().request_completed_since(round_start))
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             ctx.emit("server_probe", server_pid=pid, health_ok=result.health_ok,

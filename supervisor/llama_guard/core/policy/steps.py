@@ -100,7 +100,8 @@ def spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
-                    last_line="", failure_line="", on_cpu_reported=False, port_taken=False),
+                    last_line="", failure_line="", on_cpu_reported=False, port_taken=False,
+                    stalls=0, http_errors=0),
             [Spawn()])
 
 
