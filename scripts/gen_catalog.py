@@ -216,6 +216,30 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "@LINE@\n\n"
         "It is reported rather than dropped; nothing was done about it. Please report the line\n"
         "so that the parser can learn its format."),
+    "server_port_taken": (
+        "llama-server's port is held by another process",
+        "llama-server could not bind port @PORT@: it is held by @HOLDER@. After a crash a client or\n"
+        "another service can hold it for a while, so llama-guard retries every 2 s, without counting\n"
+        "a crash, for [recovery].port_wait_s (@PORT_WAIT_S@ s); then it exits 78 naming the holder.\n"
+        "Find it with `ss -ltnp 'sport = :@PORT@'`."),
+    "server_on_cpu": (
+        "llama-server runs on the CPU though asked to offload",
+        "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"
+        "usable GPU (@LINE@): it serves, slowly, on the CPU. Reported whatever [gpu].enabled says.\n\n"
+        "@FIX@"),
+    "server_failure_repeated": (
+        "llama-server fails the same way right after every start",
+        "llama-server failed the same way soon after each of several consecutive starts, before it\n"
+        "had run [recovery].stable_after_s: @CAUSE@\n\n"
+        "Restarting cannot help, so llama-guard exits 78 and systemd does not restart it. The line\n"
+        "and the build (@BUILD@) are named: try another llama.cpp build, or change the setting that\n"
+        "reaches the failing code, then `systemctl restart llama-guard`."),
+    "gpu_reset_started": (
+        "GPU reset begins",
+        "llama-guard begins resetting GPU @GPU_INDEX@ after @TRIGGER@. It waits for @WAITS_FOR@,\n"
+        "at most @DEADLINE_S@ s in all. A stop (systemctl stop) during the reset command waits for it:\n"
+        "the command is never interrupted (a reset killed half way can leave the GPU unusable until a\n"
+        "reboot); llama-guard tells systemd how long is left (EXTEND_TIMEOUT_USEC)."),
     "gpu_reset": (
         "GPU reset",
         "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"

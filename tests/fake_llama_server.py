@@ -10,6 +10,8 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 - ``oom_runtime``: ready, then on the first completion a CUDA OOM block and SIGABRT.
 - ``cuda_error_hang``: ready, then on the first completion an illegal-memory-access block, after
   which the process stays alive, /health keeps answering 200 and completions hang.
+- ``crash_first_request``: ready, then on the first completion an illegal-memory-access block and
+  SIGABRT — on every start (a build regression on this GPU).
 - ``gpu_unavailable``: the "no usable GPU" lines, then a normal (CPU) start.
 - ``ignore_term``: ready, ignores SIGTERM (the supervisor must escalate to SIGKILL).
 - ``ready_line_no_health``: prints "listening" but /health stays 503.
@@ -28,6 +30,7 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
+``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
@@ -160,6 +163,11 @@ class Handler(BaseHTTPRequestHandler):
                 "CUDA error: the provided PTX was compiled with an unsupported toolchain.")
             os.kill(os.getpid(), signal.SIGABRT)
             return
+        if FAULT == "crash_first_request":
+            log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
+            cuda_block("an illegal memory access was encountered")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
         if FAULT == "oom_runtime":
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
             cuda_block("out of memory")
@@ -181,6 +189,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str]) -> int:
+    if "--version" in argv:
+        raw("version: 4242 (fake0001)\nbuilt with GNU 12.2.0 for Linux x86_64")
+        return 0
     host, port = "127.0.0.1", 8080
     for i, word in enumerate(argv):
         if word == "--host":

@@ -74,7 +74,7 @@ def base_sections(tmp: Path, binary: str, model: str, port: int) -> dict[str, di
                    "load_timeout_s": 60.0},
         "gpu": {"enabled": "off"},
         "recovery": {"backoff_initial_s": 0.1, "stop_grace_s": 3.0, "max_restarts": 3,
-                     "restart_window_s": 60.0},
+                     "restart_window_s": 60.0, "repeat_confirm_s": 0.5},
         "schedule": {"restart_cron": ""},
         "log": {"level": "debug", "format": "json"},
         "runtime": {"dir": str(tmp / "run")},

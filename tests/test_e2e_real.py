@@ -124,9 +124,11 @@ def test_port_taken_exits_78(real: Any) -> None:
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     try:
-        run = real({"server": {"port": holder.getsockname()[1]}}).start()
+        # Retried for [recovery].port_wait_s (the holder named), then the verdict naming it.
+        run = real({"server": {"port": holder.getsockname()[1]}, "recovery": {"port_wait_s": 3.0}}).start()
         assert run.wait_exit(60) == 78
-        assert "bind" in run.wait_event("server_boot_failure")["cause"]
+        cause = run.wait_event("server_boot_failure")["cause"]
+        assert f"pid {os.getpid()}" in cause and "choose another [server].port" in cause, cause
     finally:
         holder.close()
 
@@ -172,7 +174,9 @@ def test_sighup_bad_file_keeps_running_good_file_restarts(real: Any) -> None:
     assert psutil.pid_exists(first) and chat(run.port)["choices"]
     run.config.write_text(good.replace("ctx_size = 1024", "ctx_size = 2048"))
     run.signal(signal.SIGHUP)
-    assert "server" in run.wait_event("config_reloaded", 10)["changed"]
+    reloaded = run.wait_event("config_reloaded", 10)
+    assert "server" in reloaded["changed"] and "server.ctx_size: 1024 → 2048" in reloaded["values"], reloaded
+    assert "server.ctx_size 1024 → 2048" in reloaded["message"], reloaded
     second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
     assert second != first
     assert "--ctx-size 2048" in run.wait_event("server_starting", skip=1)["argv"]

@@ -15,6 +15,7 @@ from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     AfterStop,
+    BuildInfo,
     ExitDaemon,
     Exited,
     HealthOk,
@@ -24,6 +25,7 @@ from llama_guard.core.types import (
     Params,
     Phase,
     Probe,
+    ReadBuild,
     ResetTrigger,
     Spawned,
     State,
@@ -262,7 +264,7 @@ ABORT = ["llama_context: n_ctx = 1", "common_init_from_params: warming up the mo
 
 
 class TestBootFailure:
-    def test_the_same_abort_on_two_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
+    def test_the_same_abort_on_three_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
         s = started()
         s, _ = feed(s, 100, ABORT, 0.5)
         s, acts = decide(s, Exited(100, -6), 0.6)
@@ -270,21 +272,65 @@ class TestBootFailure:
         assert "get_sub_batch" in str(exited.fields["last_error"])
         assert "get_sub_batch" in str(exited.fields["exit_text"])
         assert s.phase is Phase.BACKOFF
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = feed(s, 101, [ABORT[0], ABORT[2].replace("token 0", "token 7")], 2.5)
-        s, acts = decide(s, Exited(101, -6), 2.6)
+        for i, at in ((1, 2.0), (2, 6.0)):
+            when = max(at, s.deadline or at)  # the confirming start waits for repeat_confirm_s
+            s, _ = decide(s, Tick(), when)
+            s, _ = decide(s, Spawned(100 + i), when)
+            s, _ = feed(s, 100 + i, [ABORT[0], ABORT[2].replace("token 0", f"token {7 * i}")], when + 0.5)
+            s, acts = decide(s, Exited(100 + i, -6), when + 0.6)
+            if i == 1:
+                assert s.phase is Phase.BACKOFF, "two identical starts are not yet a verdict"
+                assert ReadBuild() in acts  # the verdict to come names the build
+                s, _ = decide(s, BuildInfo("version: 4242 (abc1234)"), when + 0.7)
         assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
         failure = emitted(acts, "server_boot_failure")
         assert "get_sub_batch" in str(failure.fields["cause"]) and "consecutive" in str(failure.fields["cause"])
+        assert failure.fields["consecutive_starts"] == 3 and "get_sub_batch" in str(failure.fields["line"])
+        assert failure.fields["build"] == "version: 4242 (abc1234)" and failure.fields["fix"]
 
-    def test_exit_status_0_before_ready_twice_is_a_boot_failure(self) -> None:
+    def test_exit_status_0_before_ready_three_times_is_a_boot_failure(self) -> None:
         s = started()
         s, _ = decide(s, Exited(100, 0), 0.5)
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = decide(s, Exited(101, 0), 2.5)
+        for i in (1, 2):
+            when = max(10.0 * i, s.deadline or 0.0)
+            s, _ = decide(s, Tick(), when)
+            s, _ = decide(s, Spawned(100 + i), when)
+            s, _ = decide(s, Exited(100 + i, 0), when + 0.5)
         assert s.exit_code == EXIT_CONFIG and "exit status 0" in s.exit_reason
+
+    def test_the_confirming_start_waits_so_a_fault_that_goes_away_is_ridden_out(self) -> None:
+        """The same line twice, then the fault is gone (a driver that came back): the third start
+        waits until repeat_confirm_s after the first failure, serves, and no verdict is given."""
+        s = started()
+        confirm = s.params.repeat_confirm_s
+        assert confirm >= 30  # the shipped default rides out a half-minute fault
+        s, _ = feed(s, 100, ABORT, 0.5)
+        s, _ = decide(s, Exited(100, -6), 0.6)
+        s, _ = decide(s, Tick(), s.deadline or 0.6)
+        s, _ = decide(s, Spawned(101), s.deadline or 0.6)
+        s, _ = feed(s, 101, ABORT, 3.0)
+        s, acts = decide(s, Exited(101, -6), 3.1)
+        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(0.6 + confirm)
+        assert emitted(acts, "server_backoff").fields["backoff_s"] == pytest.approx(0.6 + confirm - 3.1)
+        s, _ = decide(s, Tick(), 20.0)
+        assert s.phase is Phase.BACKOFF, "not before the confirm time"
+        s, acts = decide(s, Tick(), s.deadline)
+        s, _ = decide(s, Spawned(102), s.deadline or 0.0)
+        s, acts = decide(s, HealthOk(102), 0.6 + confirm + 1.0)
+        assert s.phase is Phase.READY
+
+    def test_a_third_identical_failure_too_soon_is_not_yet_a_verdict(self) -> None:
+        """Whatever ran the third start early, the verdict needs repeat_confirm_s of the same fault."""
+        s = started(params=replace(P, repeat_confirm_s=40.0))
+        for i, at in enumerate((0.5, 2.0, 5.0)):
+            if i:
+                s = replace(s, deadline=at)  # an early start (the deadline moved by hand)
+                s, _ = decide(s, Tick(), at)
+                s, _ = decide(s, Spawned(100 + i), at)
+            s, _ = feed(s, 100 + i, ABORT, at + 0.1)
+            s, acts = decide(s, Exited(100 + i, -6), at + 0.2)
+        assert s.phase is Phase.BACKOFF
+        assert s.deadline == pytest.approx(0.7 + 40.0)  # the first failure (0.7 s) + repeat_confirm_s
 
     @pytest.mark.parametrize(("first", "second"), [
         ((-6, ABORT[2]), (-11, ABORT[2])),                           # another signal

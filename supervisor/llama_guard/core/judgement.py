@@ -54,3 +54,12 @@ def incompatibility(verdict: LineClass) -> LineClass | None:
         if inner.family is Family.GPU_INCOMPATIBLE:
             return inner
     return None
+
+
+def naming_model(cause: str, model_path: str) -> str:
+    """``cause`` with the model file's path added when it is about the model and does not name it
+    (llama.cpp's "error loading model: tensor '…' data is not within the file bounds, model is
+    corrupted or incomplete" names a tensor, not the file)."""
+    if not model_path or model_path in cause or "model" not in cause.lower():
+        return cause
+    return f"{cause} (model file {model_path})"

@@ -32,6 +32,7 @@ from llama_guard.core.types import Drained, Exited, HealthOk, Line, LoadProgress
 from llama_guard.core.watcher import Context, Source
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
+LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled load's verdict
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
@@ -71,6 +72,7 @@ class ServerWatch:
         self.log = open_server_log(path, ctx.emit) if path else None
         self.tasks: list[asyncio.Task[None]] = []
         self.lines = 0  # lines printed so far (a progress signal)
+        self.last_line = ""  # the last of them (clipped), named when a load stalls after it
         self.last_eval_tps: float | None = None  # the speed of the last request of >= MIN_SPEED_TOKENS
 
     def start(self) -> None:
@@ -93,6 +95,7 @@ class ServerWatch:
         """Every line of the server's output: kept, classified, queued."""
         async for text in self.server.lines():
             self.lines += 1
+            self.last_line = text.strip()[:LAST_LINE_MAX]
             if self.log is not None:
                 with contextlib.suppress(OSError):
                     self.log.write(text + "\n")
@@ -205,7 +208,7 @@ class ServerWatch:
                     os.kill(holder, signal.SIGKILL)
             await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
         server.close_pidfd()
-        self._ctx.post(Exited(pid, code))
+        self._ctx.post(Exited(pid, code, self.last_line))
 
     async def _drain(self) -> None:
         timeout = self._ctx.get_config().schedule.drain_timeout_s

@@ -143,7 +143,10 @@ RESET_DEADLINE_MARGIN_S = 30.0
 def reset_deadline_s(recovery: RecoveryConfig, gpu: GpuConfig) -> float:
     """How long one GPU reset may take in all, seconds: the reset command, the VRAM release, the
     wait for other processes to leave, the server's stop, and :data:`RESET_DEADLINE_MARGIN_S`."""
-    return (recovery.reset_timeout_s + gpu.vram_release_timeout_s + recovery.foreign_wait_s
+    # The command may run twice (once more with persistence mode off): its own timeout must fire
+    # before this deadline, so that a stop waiting for it never outlasts it.
+    runs = 2 if recovery.reset_toggles_persistence else 1
+    return (recovery.reset_timeout_s * runs + gpu.vram_release_timeout_s + recovery.foreign_wait_s
             + recovery.stop_grace_s + RESET_DEADLINE_MARGIN_S)
 
 
@@ -169,6 +172,13 @@ class Params:
     max_resets: int = _RECOVERY.max_resets
     reset_window_s: float = _RECOVERY.reset_window_s
     reset_deadline_s: float = reset_deadline_s(_RECOVERY, _GPU)
+    # The steps of a reset, for the event that announces it: [gpu].vram_release_timeout_s,
+    # [recovery].foreign_wait_s, reset_timeout_s and whether the command may run twice
+    # (reset_toggles_persistence). reset_deadline_s bounds them all.
+    vram_release_s: float = _GPU.vram_release_timeout_s
+    foreign_wait_s: float = _RECOVERY.foreign_wait_s
+    reset_timeout_s: float = _RECOVERY.reset_timeout_s
+    reset_retry: bool = _RECOVERY.reset_toggles_persistence
     gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
     vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
     vram_wait_timeout_s: float = _GPU.vram_wait_timeout_s  # how long to wait for another process to free VRAM
@@ -177,6 +187,16 @@ class Params:
     load_stall_s: float = _HEALTH.load_stall_s
     # CPU seconds of the server's process tree within one liveness round that count as progress.
     progress_cpu_s: float = _HEALTH.progress_cpu_s
+    model_path: str = ""  # [server].model, named in a boot failure about the model file
+    offload_layers: int = 0  # [server].n_gpu_layers: layers llama-server is asked to put on a GPU
+    # The same failure on this many consecutive starts (before ready, or before stable_after_s) is
+    # a verdict (exit 78) instead of a restart (core/policy/repeat.py).
+    identical_failures: int = 3
+    # ... and the confirming start waits until this long after the chain's first failure, seconds.
+    repeat_confirm_s: float = _RECOVERY.repeat_confirm_s
+    port: int = 8080            # [server].port
+    port_wait_s: float = _RECOVERY.port_wait_s  # a port taken by another process is retried this long, then exit 78
+    port_retry_s: float = 2.0   # ... every this many seconds
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -319,6 +339,24 @@ class Line(Input):
 
 
 @dataclass(frozen=True)
+class PortHolder(Input):
+    """The answer to :class:`FindPortHolder`: who listens on TCP ``port`` — ``pid`` (None: nobody
+    any more, or it cannot be told) and its process ``name`` ("" when unknown)."""
+
+    port: int
+    pid: int | None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class BuildInfo(Input):
+    """The answer to :class:`ReadBuild`: what ``llama-server --version`` printed (one line; an
+    explanation when it could not be read)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class HealthOk(Input):
     """``GET /health`` answered 200 for server ``pid`` (and, with a GPU, it runs there).
     ``port_pid``/``port_comm``: the process listening on the port when it is not ``pid`` itself
@@ -365,10 +403,12 @@ class LoadProgress(Input):
 
 @dataclass(frozen=True)
 class Exited(Input):
-    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal."""
+    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal; ``last_line``
+    the last line it printed ("" when none), which names a load that stalled after it."""
 
     pid: int
     returncode: int | None
+    last_line: str = ""
 
 
 @dataclass(frozen=True)
@@ -500,6 +540,19 @@ class PlannedStop(Action):
 
 
 @dataclass(frozen=True)
+class ReadBuild(Action):
+    """Run ``llama-server --version`` (bounded, off the loop); answer :class:`BuildInfo`. Asked only
+    when a verdict that names the build may follow (a binary is not run for nothing)."""
+
+
+@dataclass(frozen=True)
+class FindPortHolder(Action):
+    """Find the process listening on TCP ``port`` (from /proc); answer :class:`PortHolder`."""
+
+    port: int
+
+
+@dataclass(frozen=True)
 class CheckVram(Action):
     """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
 
@@ -560,6 +613,7 @@ class State:
     reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
+    on_cpu_reported: bool = False  # server_on_cpu was reported for the current server
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
     vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
     vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
@@ -568,7 +622,16 @@ class State:
     last_progress_at: float | None = None  # the last progress signal of a loading server
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
-    boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
+    boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
+    identical: int = 0          # how many consecutive starts ended that way
+    identical_since: float = 0.0  # when the first of them failed (monotonic seconds)
+    last_line: str = ""         # the last line the failed server printed (Exited)
+    failure_line: str = ""      # the server's line that decided the current failure (a fault, no GPU)
+    build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
+    reset_command_at: float | None = None  # while RESETTING: when the reset command was started
+    port_taken: bool = False    # the current server said its port is taken
+    port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
+    port_holder: tuple[int | None, str] | None = None  # (pid, name) holding it, as last found
     watchdog_hits: tuple[float, ...] = ()  # when a launch-watchdog timeout stopped a server (window)
     crashes: tuple[tuple[float, str], ...] = ()  # (when, signature) of crashes after ready (window)
     last_request_at: float | None = None  # when the front door last saw a request completed (progress)

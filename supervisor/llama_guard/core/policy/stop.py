@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
+from llama_guard.core.policy.reset_stop import stop_during_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
@@ -51,7 +52,8 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             name, fields = fault
             reason = f"{name}: {event.verdict.cause}"
             restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
-            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause)
+            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause,
+                          failure_line=event.text.strip())
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
             trigger = reset_trigger(event.verdict.family)
@@ -118,10 +120,9 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
 
 
 def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
-    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase is Phase.RESETTING:
-        # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
-        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
+        return stop_during_reset(state, event, now)
+    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]

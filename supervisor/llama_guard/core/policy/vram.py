@@ -71,7 +71,7 @@ def _vram_timed_out(state: State, now: float) -> Result:
         reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
     new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", vram_facts_at=None,
                   last_failure=reason, cause=RestartCause.VRAM_WAIT)
-    return count_failure(new, now)
+    return count_failure(new, now, judged=False)
 
 
 def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:
