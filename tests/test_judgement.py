@@ -328,7 +328,7 @@ class TestBootFailure:
                 s, _ = decide(s, Tick(), at)
                 s, _ = decide(s, Spawned(100 + i), at)
             s, _ = feed(s, 100 + i, ABORT, at + 0.1)
-            s, acts = decide(s, Exited(100 + i, -6), at + 0.2)
+            s, _ = decide(s, Exited(100 + i, -6), at + 0.2)
         assert s.phase is Phase.BACKOFF
         assert s.deadline == pytest.approx(0.7 + 40.0)  # the first failure (0.7 s) + repeat_confirm_s
 
