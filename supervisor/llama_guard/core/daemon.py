@@ -90,6 +90,8 @@ from llama_guard.preflight import model_problem
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
+# llama-server's line when a slot finishes a request ("slot release: id 0 | task 5 | stop processing: ...").
+REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
@@ -163,6 +165,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
         load_stall_s=config.health.load_stall_s,
         progress_cpu_s=config.health.progress_cpu_s,
+        silent_limit_s=config.health.silent_limit_s,
     )
 
 
@@ -175,6 +178,7 @@ class _Generation:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log: TextIO | None = None
     lines: int = 0  # lines printed so far (a progress signal)
+    completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
 
 
 class Daemon:
@@ -617,6 +621,8 @@ class Daemon:
             speed = EVAL_SPEED.search(text)
             if speed is not None and int(speed.group(1)) >= MIN_SPEED_TOKENS:
                 self._last_eval_tps = float(speed.group(2))
+            if REQUEST_DONE.search(text):
+                gen.completed_at = self.clock()
             self.emitter.emit("server_line", server_pid=pid, line=text, family=verdict.family.value)
             if self.state.phase is Phase.STARTING:
                 self._extend_start_timeout()
@@ -664,16 +670,18 @@ class Daemon:
             await asyncio.sleep(health.interval_s)
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
-            result = await gen.probe.liveness()
+            result = await gen.probe.liveness(completed_at=gen.completed_at)
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
-                              canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
-                              detail=result.detail, elapsed_s=round(result.elapsed_s, 3),
+                              canary_ok=result.canary_ok, canary=result.canary.value, busy=result.busy,
+                              progressed=result.progressed, traffic=result.traffic, detail=result.detail,
+                              elapsed_s=round(result.elapsed_s, 3), silent_s=round(result.silent_s, 1),
                               cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
             self.queue.put_nowait(Probe(pid, result.health_ok, result.canary_ok, result.busy,
                                         result.progressed, result.detail, cpu_s=moved.cpu_s,
-                                        lines=moved.lines, gpu_busy=moved.gpu_busy))
+                                        lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
+                                        canary_status=result.status, canary_error=result.error))
 
     async def _load_progress(self, gen: _Generation, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from

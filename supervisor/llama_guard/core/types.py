@@ -129,6 +129,7 @@ class Params:
     load_stall_s: float = 60.0
     # CPU seconds of the server's process tree within one liveness round that count as progress.
     progress_cpu_s: float = 0.05
+    silent_limit_s: float = 60.0  # a server that answers no HTTP request this long is hung, whatever its CPU does
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -286,7 +287,10 @@ class Probe(Input):
     used since the previous round (None: unknown); ``lines``, output lines it printed since then;
     ``gpu_busy``, whether a GPU watcher saw this pid use the GPU (None: no watcher says).
     A probe that timed out is unknown, not stuck: only a round without an answer *and* without
-    progress counts against the server.
+    progress counts against the server — except that ``silent_s``, the seconds since the server
+    last answered any HTTP request, is bounded (``Params.silent_limit_s``) whatever the progress
+    signals say, and a canary the server answered with an error (``canary_status``, the HTTP
+    status, with the server's message ``canary_error``) is a failure, not an unknown.
     """
 
     pid: int
@@ -298,6 +302,9 @@ class Probe(Input):
     cpu_s: float | None = None
     lines: int = 0
     gpu_busy: bool | None = None
+    silent_s: float = 0.0
+    canary_status: int | None = None
+    canary_error: str = ""
 
 
 @dataclass(frozen=True)

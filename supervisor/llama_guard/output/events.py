@@ -67,6 +67,9 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
         EventSpec("server_hang", _S.ERROR,
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
+        EventSpec("server_completion_error", _S.ERROR,
+                  "llama-server pid {server_pid} answers /health but its completions fail: HTTP {status_code}: "
+                  "{error} ({failures} rounds in a row)"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
         EventSpec("server_load_stalled", _S.ERROR,

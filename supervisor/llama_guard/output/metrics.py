@@ -28,7 +28,8 @@ from llama_guard.core.watcher import Context, Source
 
 # Events that are the cause of the next server restart (the fault, or the plan).
 CAUSE_EVENTS = frozenset({
-    "server_exited", "server_oom", "server_cuda_error", "server_hang", "server_load_timeout",
+    "server_exited", "server_oom", "server_cuda_error", "server_hang", "server_completion_error",
+    "server_load_timeout",
     "server_gpu_unavailable", "gpu_lost", "gpu_xid", "scheduled_restart", "restart_requested",
     "decay_detected", "config_reloaded", "resource_exhausted",
 })
