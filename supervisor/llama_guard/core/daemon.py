@@ -179,6 +179,7 @@ class _Generation:
     log: TextIO | None = None
     lines: int = 0  # lines printed so far (a progress signal)
     completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
+    answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round yet)
 
 
 class Daemon:
@@ -671,6 +672,9 @@ class Daemon:
             if self.state.pid != pid or self.state.phase not in (Phase.READY, Phase.DRAINING):
                 return
             result = await gen.probe.liveness(completed_at=gen.completed_at)
+            if gen.answering is not result.answered:
+                gen.answering = result.answered
+                self._write_status()  # `status` must not say ready while nothing answers
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             self.emitter.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
@@ -893,6 +897,8 @@ class Daemon:
         extra = ""
         if s.phase is Phase.BACKOFF and s.deadline is not None:
             extra = f", next start in {max(0.0, s.deadline - self.clock()):.1f} s"
+        if self._gen is not None and self._gen.answering is False and s.phase in (Phase.READY, Phase.DRAINING):
+            extra += f", not answering for {self._gen.probe.silent_s():.0f} s"
         if self._last_eval_tps is not None and s.phase in (Phase.READY, Phase.DRAINING):
             extra += f", {self._last_eval_tps:.1f} tok/s last request"
         for source in self.sources:
@@ -917,8 +923,16 @@ class Daemon:
             "last_failure": s.last_failure,
             "updated": time.time(),
             "events": list(self.emitter.recent)[-10:],
+            "liveness": self._liveness(),
             **{src.name: snap for src in self.sources if (snap := self._safe_snapshot(src)) is not None},
         }
+
+    def _liveness(self) -> dict[str, Any] | None:
+        """The serving server's answers to liveness rounds, for ``status``; None before a round."""
+        gen = self._gen
+        if gen is None or gen.answering is None or self.state.phase not in (Phase.READY, Phase.DRAINING):
+            return None
+        return {"answering": gen.answering, "silent_s": round(gen.probe.silent_s(), 1)}
 
     @staticmethod
     def _safe_snapshot(source: Source) -> dict[str, Any] | None:
