@@ -5,6 +5,8 @@ with ``llama-guard status`` not saying ready meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 import stat
@@ -82,7 +84,7 @@ def test_liveness_rounds_between_turns_never_displace_the_conversation(real: Any
     # Turns 2 and 3 evaluate only what is new (the last answer and the question), never the history.
     assert all(n < 60 for n in evaluated[1:]), evaluated
     rounds = [e for e in run.events() if e["event"] == "server_probe" and e["server_pid"] == pid]
-    for (_, _, end), (_, start, _) in zip(turns, turns[1:], strict=False):
+    for (_, _, end), (_, start, _) in itertools.pairwise(turns):
         between = [r for r in rounds if end < stamp(r) < start]
         assert len(between) >= 2, (end, start, rounds)  # liveness rounds really ran between the turns
         assert all(r["health_ok"] for r in between), between
@@ -155,7 +157,5 @@ def test_a_spinning_process_whose_server_answers_nothing_is_hung_within_the_sile
 
 
 def with_continue(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
