@@ -14,7 +14,10 @@ after one warm-up completion. The figure is llama-server's own eval speed
   interval: ``bare+health`` (GET /health), ``bare+metrics`` (GET /metrics), ``bare+slots``
   (GET /slots), ``bare+old-round`` (what a round used to send: /health, /metrics + /slots twice and
   a 1-token "ping" completion on any slot), ``bare+psutil`` (a process-tree CPU-time walk), and
-  ``guard-quiet`` (the daemon with liveness rounds every 10 min: its own base cost).
+  ``guard-quiet`` (the daemon with liveness rounds every 10 min: its own base cost), and on a GPU
+  host ``guard-nogpu`` (supervised, GPU watch off) and ``bare+nvml`` (a bare server while this
+  process samples NVML as the GPU watch does: every ``[gpu].sample_interval_s``, plus the
+  per-process utilisation read of each round).
 
 Part 2, a 3-turn chat (``/v1/chat/completions``, a ~600-token system prompt) under llama-guard with
 liveness rounds between the turns (``--turn-gap`` seconds at ``[health].interval_s`` 1 s), for
@@ -30,7 +33,8 @@ On a GPU host (e.g. CUDA llama-server, the reference flags of an H200 run)::
 
     .venv/bin/python benchmarks/bench_liveness.py --binary /path/llama-server --model /path/model.gguf \\
         --ngl 99 --ctx 8192 --parallel 1 --batch 512 --ubatch 256 --ctk q8_0 --ctv q8_0 --fa on --threads 8 \\
-        --gpu auto --rounds 5 --runs 5 --tokens 256 [--modes bare,guard,guard-nocanary,bare+metrics]
+        --gpu auto --rounds 5 --runs 5 --tokens 256 \
+        --modes bare,guard,guard-nocanary,guard-nogpu,bare+nvml,bare+old-round
 
 ``--gpu auto`` turns llama-guard's GPU watch on (NVML) in the supervised modes; ``--part 1`` or
 ``--part 2`` runs one part. The load average printed at both ends says how far to trust the figures.
@@ -60,7 +64,7 @@ sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "bench
 from benchlib import poll_health_200  # noqa: E402
 from harness import DaemonRun, config_text, free_port  # noqa: E402
 from llama_guard.argv import build_argv  # noqa: E402
-from llama_guard.config import HealthConfig, load_config  # noqa: E402
+from llama_guard.config import GpuConfig, HealthConfig, load_config  # noqa: E402
 from llama_guard.core.progress import tree_cpu_seconds  # noqa: E402
 
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
@@ -129,7 +133,26 @@ def _old_round(client: httpx.Client, _pid: int) -> None:
     client.get("/slots")
 
 
+def nvml_poller(port: int, pid: int, stop: threading.Event) -> None:
+    """What the GPU watch does alone: one NVML sample every [gpu].sample_interval_s, plus the
+    per-process utilisation read of each liveness round (GPU hosts only)."""
+    from llama_guard.gpu.nvml import Nvml
+
+    nvml = Nvml()
+    since, last_sample = 0, 0.0
+    try:
+        while not stop.wait(INTERVAL_S):
+            if time.monotonic() - last_sample >= GpuConfig().sample_interval_s:
+                nvml.sample()
+                last_sample = time.monotonic()
+            with contextlib.suppress(Exception):
+                since = nvml.process_busy(frozenset({pid}), since)[1]
+    finally:
+        nvml.close()
+
+
 POLLERS: dict[str, Callable[[int, int, threading.Event], None]] = {
+    "bare+nvml": nvml_poller,
     "bare+health": every(lambda c, _p: c.get("/health") and None),
     "bare+metrics": every(lambda c, _p: c.get("/metrics") and None),
     "bare+slots": every(lambda c, _p: c.get("/slots") and None),
@@ -156,9 +179,12 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path, port: int, argv: li
         with Bare(argv, port, POLLERS.get(mode)):
             measure()
         return speeds
-    health = {"guard": {}, "guard-nocanary": {"canary": False}, "guard-quiet": {"interval_s": 600.0}}[mode]
+    health = {"guard": {}, "guard-nocanary": {"canary": False}, "guard-quiet": {"interval_s": 600.0},
+              "guard-nogpu": {}}[mode]
     sections = server_sections(args, port, tmp)
     sections["health"] = dict(health)
+    if mode == "guard-nogpu":
+        sections["gpu"] = {"enabled": "off"}
     daemon = DaemonRun(tmp, sections)
     daemon.start()
     try:
@@ -178,6 +204,7 @@ def part1(args: argparse.Namespace, tmp: Path) -> None:
     argv = build_argv(cfg.server, Path(args.binary))
     print(f"llama-server argv (every mode, same port {port}): {' '.join(argv)}", flush=True)
     speeds: dict[str, list[float]] = {m: [] for m in modes}
+    per_round: dict[str, list[float]] = {m: [] for m in modes}  # each round's median
     for rnd in range(args.rounds):
         order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
         for mode in order:
@@ -185,16 +212,21 @@ def part1(args: argparse.Namespace, tmp: Path) -> None:
             sub.mkdir()
             got = run_mode(mode, args, sub, port, argv)
             speeds[mode] += got
+            per_round[mode].append(statistics.median(got))
             print(f"  round {rnd + 1} {mode:16s} {' '.join(f'{s:.1f}' for s in got)} tok/s", flush=True)
     bare = statistics.median(speeds["bare"]) if speeds.get("bare") else None
     print()
-    print(f"{'mode':18s} {'n':>3s} {'median tok/s':>13s} {'min':>8s} {'max':>8s} {'ratio to bare':>14s}")
+    print(f"{'mode':18s} {'n':>3s} {'median tok/s':>13s} {'min':>8s} {'max':>8s} {'ratio to bare':>14s} "
+          f"{'paired ratio':>13s}")
     for mode in modes:
         vals = speeds[mode]
         med = statistics.median(vals)
         ratio = f"{med / bare:.4f}" if bare else "-"
-        print(f"{mode:18s} {len(vals):3d} {med:13.2f} {min(vals):8.2f} {max(vals):8.2f} {ratio:>14s}")
-    print("(eval tokens/s as llama-server reports it, timings.predicted_per_second; goal: guard/bare ≥ 0.995)")
+        paired = (f"{statistics.median(m / b for m, b in zip(per_round[mode], per_round['bare'], strict=True)):.4f}"
+                  if bare else "-")
+        print(f"{mode:18s} {len(vals):3d} {med:13.2f} {min(vals):8.2f} {max(vals):8.2f} {ratio:>14s} {paired:>13s}")
+    print("(eval tokens/s as llama-server reports it, timings.predicted_per_second; paired ratio: the median over "
+          "rounds of the mode's round median over bare's in the same round; goal: guard/bare ≥ 0.995)")
 
 
 # ---------------------------------------------------------------- part 2: the conversation
