@@ -19,11 +19,12 @@ after one warm-up completion. The figure is llama-server's own eval speed
   process samples NVML as the GPU watch does: every ``[gpu].sample_interval_s``, plus the
   per-process utilisation read of each round).
 
-Part 2, a 3-turn chat (``/v1/chat/completions``, a ~600-token system prompt) under llama-guard with
-liveness rounds between the turns (``--turn-gap`` seconds at ``[health].interval_s`` 1 s), for
-``--cache-ram 0`` and the build's default host prompt cache, ``-np 1`` and ``-np 2``, canary on
-and off. Printed per turn: prompt tokens evaluated (``timings.prompt_n``), tokens reused from the
-cache, prompt seconds. A turn that evaluates only its new tokens left the conversation in the KV cache.
+Part 2, a 3-turn chat (``/v1/chat/completions``, a ~600-token system prompt) with liveness rounds
+between the turns (``--turn-gap`` seconds at ``[health].interval_s`` 1 s), for ``--cache-ram 0`` and
+the build's default host prompt cache, ``-np 1`` and ``-np 2``: under llama-guard with the canary on
+and off, and a bare server beside the requests a round used to send (``bare+old-round``, every 1 s).
+Printed per turn: prompt tokens evaluated (``timings.prompt_n``), tokens reused from the cache,
+prompt seconds. A turn that evaluates only its new tokens left the conversation in the KV cache.
 
 On this CPU host (``. .work/real/env`` sets the binary and model)::
 
@@ -111,12 +112,13 @@ class Bare:
         self.proc.wait()
 
 
-def every(action: Callable[[httpx.Client, int], None]) -> Callable[[int, int, threading.Event], None]:
-    """A poller that runs ``action`` every INTERVAL_S seconds until stopped."""
+def every(action: Callable[[httpx.Client, int], None],
+          interval_s: float = INTERVAL_S) -> Callable[[int, int, threading.Event], None]:
+    """A poller that runs ``action`` every ``interval_s`` seconds until stopped."""
 
     def run(port: int, pid: int, stop: threading.Event) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0, trust_env=False) as client:
-            while not stop.wait(INTERVAL_S):
+            while not stop.wait(interval_s):
                 with contextlib.suppress(httpx.HTTPError):
                     action(client, pid)
 
@@ -258,20 +260,33 @@ def conversation(port: int, tokens: int, gap_s: float) -> list[tuple[int, int, f
     return out
 
 
+CHAT_VARIANTS = ("guard", "guard-nocanary", "bare+old-round")
+
+
 def part2(args: argparse.Namespace, tmp: Path) -> None:
     rows = []
+    variants = [v for v in args.chat_variants.split(",") if v]
     for cache_ram in ("0", "default"):
-        for parallel in (1, 2):
-            for canary in (True, False):
+        for parallel in (int(n) for n in args.chat_parallel.split(",")):
+            for variant in variants:
                 port = free_port()
-                sub = tmp / f"chat-{cache_ram}-{parallel}-{canary}"
+                sub = tmp / f"chat-{cache_ram}-{parallel}-{variant}"
                 sub.mkdir()
                 sections = server_sections(args, port, sub)
                 sections["server"]["parallel"] = parallel
                 sections["server"]["ctx_size"] = max(args.ctx, 2048 * parallel)
                 if cache_ram == "0":
                     sections["server"]["extra_args"] = [*(args.extra_arg or []), "--cache-ram", "0"]
-                sections["health"] = {"interval_s": 1.0, "canary": canary}
+                if variant == "bare+old-round":  # what a round used to send, once a second, beside a bare server
+                    cfg_path = sub / "argv.toml"
+                    cfg_path.write_text(config_text(sections))
+                    argv = build_argv(load_config(cfg_path).server, Path(args.binary))
+                    with Bare(argv, port, every(_old_round, 1.0)):
+                        time.sleep(2.5)
+                        turns = conversation(port, args.chat_tokens, args.turn_gap)
+                    rows.append((cache_ram, parallel, variant, turns, "-"))
+                    continue
+                sections["health"] = {"interval_s": 1.0, "canary": variant == "guard"}
                 sections["log"] = {"level": "debug", "format": "json"}
                 daemon = DaemonRun(sub, sections)
                 daemon.start()
@@ -283,18 +298,18 @@ def part2(args: argparse.Namespace, tmp: Path) -> None:
                 finally:
                     daemon.stop()
                 sent = sum(1 for e in probes if e.get("canary") not in (None, "not_sent"))
-                rows.append((cache_ram, parallel, canary, turns, len(probes), sent))
+                rows.append((cache_ram, parallel, variant, turns, f"{len(probes)} ({sent})"))
     print()
-    print(f"{'host cache':>10s} {'-np':>3s} {'canary':>6s} | {'prompt tokens evaluated per turn':>32s} | "
-          f"{'cached':>14s} | {'prompt s per turn':>20s} | rounds (canaries sent)")
-    for cache_ram, parallel, canary, turns, rounds, sent in rows:
+    print(f"{'host cache':>10s} {'-np':>3s} {'liveness':>15s} | {'prompt tokens evaluated':>23s} | "
+          f"{'cached':>14s} | {'prompt s per turn':>18s} | rounds (canaries)")
+    for cache_ram, parallel, variant, turns, rounds in rows:
         evaluated = ", ".join(str(t[0]) for t in turns)
         cached = ", ".join(str(t[1]) for t in turns)
         secs = ", ".join(f"{t[2]:.2f}" for t in turns)
         label = "off (0)" if cache_ram == "0" else "default"
-        print(f"{label:>10s} {parallel:3d} {'on' if canary else 'off':>6s} | {evaluated:>32s} | {cached:>14s} | "
-              f"{secs:>20s} | {rounds} ({sent})")
-    print("(turns 2 and 3 should evaluate only their new tokens: the history stays in the KV cache)")
+        print(f"{label:>10s} {parallel:3d} {variant:>15s} | {evaluated:>23s} | {cached:>14s} | {secs:>18s} | {rounds}")
+    print("(turns 2 and 3 should evaluate only their new tokens: the history stays in the KV cache; "
+          "bare+old-round: the requests a round used to send, every second, beside a bare server)")
 
 
 def main() -> int:
@@ -318,6 +333,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
     ap.add_argument("--chat-tokens", type=int, default=24, help="max_tokens per chat turn")
+    ap.add_argument("--chat-parallel", default="1,2", help="part 2: the -np values, comma-separated")
+    ap.add_argument("--chat-variants", default=",".join(CHAT_VARIANTS), help="part 2: comma-separated")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")
     ap.add_argument("--part", choices=("1", "2", "all"), default="all")
     args = ap.parse_args()
