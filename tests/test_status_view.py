@@ -75,3 +75,12 @@ def test_gpu_watch_off_and_durations() -> None:
     text = "\n".join(render(document(snapshot(gpu={"watch": "off", "reason": "no NVIDIA driver"}), now=NOW)))
     assert "not watched: no NVIDIA driver" in text
     assert [duration(x) for x in (None, 5, 65, 3700, 90000)] == ["-", "5 s", "1 min 5 s", "1 h 1 min", "1 d 1 h"]
+
+
+def test_a_ready_server_that_answers_no_round_is_not_ready() -> None:
+    silent = snapshot(liveness={"answering": False, "silent_s": 14.2})
+    assert exit_code(silent) == EXIT_NOT_READY and document(silent, now=NOW)["ready"] is False
+    assert "ready (server NOT ready: no HTTP answer for 14 s)" in render(document(silent, now=NOW),
+                                                                         clock=lambda: NOW)[0]
+    answering = snapshot(liveness={"answering": True, "silent_s": 0.0})
+    assert exit_code(answering) == EXIT_READY and exit_code(snapshot(liveness=None)) == EXIT_READY
