@@ -168,6 +168,19 @@ class TestLiveness:
         reason = str(emitted(acts, "server_hang").fields["reason"])
         assert "no HTTP answer at all for 60 s" in reason and "cpu" in reason
 
+    def test_a_main_loop_that_answers_no_task_is_no_answer(self) -> None:
+        # /health (the HTTP thread) answers, /metrics (a main-loop task) times out, nothing moves.
+        wedged = Probe(100, True, None, False, False, "/metrics gave no answer within 3.0 s", cpu_s=0.0,
+                       loop_ok=False)
+        s = ready()
+        for t in (10.0, 15.0):
+            s, acts = decide(s, wedged, t)
+        s, acts = decide(s, wedged, 20.0)
+        assert names(acts) == ["server_hang"]
+        s = ready()  # ... while the CPU works (one big batch holds the loop): unknown, no strike
+        s, acts = decide(s, replace(wedged, cpu_s=1.5), 10.0)
+        assert acts == [] and s.strikes == 0
+
     def test_a_processing_request_whose_counters_stand_still_is_no_answer(self) -> None:
         # /health and /metrics answer, a request is processing, nothing moves (a deadlock): strikes.
         stuck = Probe(100, True, None, True, False, "a request is processing and the counters did not move",

@@ -685,7 +685,8 @@ class Daemon:
             self.queue.put_nowait(Probe(pid, result.health_ok, result.canary_ok, result.busy,
                                         result.progressed, result.detail, cpu_s=moved.cpu_s,
                                         lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
-                                        canary_status=result.status, canary_error=result.error))
+                                        canary_status=result.status, canary_error=result.error,
+                                        loop_ok=result.loop_ok))
 
     async def _load_progress(self, gen: _Generation, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from

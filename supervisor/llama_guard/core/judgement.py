@@ -32,9 +32,10 @@ def progress_signals(event: Probe, params: Params) -> list[str]:
 
 
 def answered(event: Probe) -> bool:
-    """Whether the server answered this round: /health 200, the canary (when sent) finished, and
-    no request sat processing while the decode counters stood still."""
-    return event.health_ok and event.canary_ok is not False and not (event.busy and not event.progressed)
+    """Whether the server answered this round: /health 200, its main loop answered (/metrics),
+    the canary (when sent) finished, and no request sat processing while the counters stood still."""
+    return (event.health_ok and event.loop_ok and event.canary_ok is not False
+            and not (event.busy and not event.progressed))
 
 
 def completion_failed(event: Probe) -> bool:

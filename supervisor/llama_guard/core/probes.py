@@ -101,7 +101,8 @@ class LivenessRound:
     ``progressed``: the decode counters moved since the previous round. ``traffic``: a request
     other than the canary completed or ran since the previous round (counters, or ``completed_at``
     given to :meth:`ServerProbe.liveness`). ``silent_s``: seconds since the server last answered
-    any request (0 when this round got an answer)."""
+    any request (0 when this round got an answer). ``loop_ok``: ``/metrics``, a task of the
+    server's main loop, answered 200 in time (False when /health failed too)."""
 
     answered: bool
     health_ok: bool
@@ -114,6 +115,7 @@ class LivenessRound:
     silent_s: float = 0.0
     status: int | None = None
     error: str = ""
+    loop_ok: bool = True  # /metrics (a main-loop task) answered 200 in time
 
     @property
     def canary_ok(self) -> bool | None:
@@ -287,7 +289,7 @@ class ServerProbe:
             detail = (f"/health answered HTTP {status}" if status is not None
                       else f"/health failed within {self.timeout_s:.1f} s")
             return LivenessRound(status is not None, False, CanaryOutcome.NOT_SENT, False, False, False, detail,
-                                 self._clock() - start, silent_s=self.silent_s())
+                                 self._clock() - start, silent_s=self.silent_s(), loop_ok=False)
         view = await self.metrics()
         before, canaries = self._last, self._canaries
         self._last, self._canaries = view, 0
@@ -315,7 +317,7 @@ class ServerProbe:
                 detail = "no canary: every idle slot holds a conversation" if slots is not None else (
                     "no canary: /slots gave no answer")
         return LivenessRound(True, True, outcome, busy, progressed, traffic, detail, self._clock() - start,
-                             silent_s=self.silent_s(), status=code, error=error)
+                             silent_s=self.silent_s(), status=code, error=error, loop_ok=view is not None)
 
     async def wait_idle(self, poll_s: float = 0.5) -> None:
         """Return once no slot is processing (callers bound it with a deadline)."""

@@ -290,7 +290,8 @@ class Probe(Input):
     progress counts against the server — except that ``silent_s``, the seconds since the server
     last answered any HTTP request, is bounded (``Params.silent_limit_s``) whatever the progress
     signals say, and a canary the server answered with an error (``canary_status``, the HTTP
-    status, with the server's message ``canary_error``) is a failure, not an unknown.
+    status, with the server's message ``canary_error``) is a failure, not an unknown. ``loop_ok``:
+    the server's main loop answered a task (``/metrics``) this round.
     """
 
     pid: int
@@ -305,6 +306,7 @@ class Probe(Input):
     silent_s: float = 0.0
     canary_status: int | None = None
     canary_error: str = ""
+    loop_ok: bool = True
 
 
 @dataclass(frozen=True)
