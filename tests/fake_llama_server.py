@@ -16,6 +16,9 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
 - ``busy_http``: ready, then for ``$FAKE_LLAMA_BUSY_S`` seconds (default 40) one big batch holds the
   HTTP loop (as reported for the ik_llama.cpp fork): ``/slots``, ``/metrics`` and completions wait
   until it ends, ``/health`` still answers, and a thread burns CPU the whole time.
+- ``completion_hang``: ready, then every completion hangs without a line (a decode wedged in a
+  kernel that never returns): /health answers 200, /slots and /metrics show the slot processing
+  with counters that never move, and the process uses no CPU.
 - ``completion_500``: ready, /health, /slots and /metrics answer, and every completion answers
   HTTP 500 with llama-server's error body (``{"error": {"code": 500, "message": ..., "type":
   "server_error"}}``), as a server whose compute fails per request does.
@@ -170,6 +173,10 @@ class Handler(BaseHTTPRequestHandler):
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
             cuda_block("out of memory")
             os.kill(os.getpid(), signal.SIGABRT)
+            return
+        if FAULT == "completion_hang":
+            WEDGED.set()
+            time.sleep(3600)
             return
         if FAULT == "cuda_error_hang" or WEDGED.is_set():
             if not WEDGED.is_set():

@@ -52,6 +52,17 @@ def test_busy_http_loop_that_burns_cpu_is_not_killed(fake: Any) -> None:
     assert all(r["canary"] == "not_sent" for r in blocked), blocked  # no canary queued behind the batch
 
 
+def test_completions_that_hang_while_health_answers_are_a_hang_within_60_s(fake: Any) -> None:
+    run = fake("completion_hang", {"health": SHIPPED, "recovery": {"stop_grace_s": 1.0}}).start()
+    ready = run.wait_event("server_ready", 30)
+    hang = run.wait_event("server_hang", 75)
+    assert hang["server_pid"] == ready["server_pid"] and hang["failures"] == SHIPPED["hang_strikes"]
+    assert stamp(hang) - stamp(ready) <= 60.0, stamp(hang) - stamp(ready)
+    rounds = [e for e in run.events() if e["event"] == "server_probe" and e["server_pid"] == ready["server_pid"]]
+    assert rounds[0]["canary"] == "timed_out" and all(r["health_ok"] for r in rounds), rounds
+    assert any(r["busy"] and not r["progressed"] for r in rounds[1:]), rounds
+
+
 def test_completions_answering_500_are_reported_with_the_status_and_message(fake: Any) -> None:
     # /health 200, /metrics and /slots answer, every completion answers HTTP 500 (shipped [health]).
     run = fake("completion_500", {"health": SHIPPED, "recovery": {"stop_grace_s": 1.0}}).start()
