@@ -4,6 +4,7 @@ ModelFacts for models too big to write (a 27B-class model's metadata with its te
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter
@@ -71,3 +72,68 @@ def facts_27b(*, arch: str = "qwen2", n_layer: int = 64, n_embd: int = 5120, n_h
                       n_head_kv=(n_head_kv,) * n_layer, key_length=head_dim, value_length=head_dim,
                       n_vocab=n_vocab, n_ff=n_ff, n_ctx_train=32768, tensors=tuple(tensors),
                       sliding_window=sliding_window, swa_layers=swa)
+
+
+def _q4_k_m_type(name: str, layer: int, n_layer: int) -> Any:
+    """The type llama.cpp's Q4_K_M recipe gives a tensor (``llama-quant.cpp``: Q6_K for the output and, in
+    the "more bits" layers — the first and last eighth and every third in between — for attn_v and
+    ffn_down; Q4_K for the other matrices; F32 norms)."""
+    from gguf import GGMLQuantizationType as T
+
+    if name.endswith("_norm"):
+        return T.F32
+    if name == "output":
+        return T.Q6_K
+    more_bits = layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+    if name in ("attn_v", "ffn_down") and more_bits:
+        return T.Q6_K
+    return T.Q4_K
+
+
+def write_gguf_27b(path: Path, *, n_layer: int = 64, n_embd: int = 5120, n_head: int = 40, n_head_kv: int = 8,
+                   head_dim: int = 128, n_ff: int = 21504, n_vocab: int = 152064) -> Path:
+    """A 27B-class qwen2-shaped model at Q4_K_M as a real GGUF header and tensor index, its ~16 GB of tensor
+    data a hole (a sparse file: the size is right, no block is written). Enough for everything that reads
+    only the header (``llama-guard check``'s VRAM budget), never for llama-server."""
+    from gguf import GGML_QUANT_SIZES
+
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_block_count(n_layer)
+    w.add_context_length(32768)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(n_vocab)
+
+    def tensor(name: str, shape: tuple[int, ...], layer: int = 0) -> None:
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = _q4_k_m_type(kind, layer, n_layer)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(shape))
+        # shape in numpy order (rows, row length), as add_tensor takes it
+        w.add_tensor_info(name, shape, np.dtype(np.float32), n_elems // block * type_size, raw_dtype=qtype)
+
+    tensor("token_embd.weight", (n_vocab, n_embd))
+    for il in range(n_layer):
+        for name, shape in (("attn_norm", (n_embd,)), ("attn_q", (n_head * head_dim, n_embd)),
+                            ("attn_k", (n_head_kv * head_dim, n_embd)), ("attn_v", (n_head_kv * head_dim, n_embd)),
+                            ("attn_output", (n_embd, n_head * head_dim)), ("ffn_norm", (n_embd,)),
+                            ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))):
+            tensor(f"blk.{il}.{name}.weight", shape, il)
+    tensor("output_norm.weight", (n_embd,))
+    tensor("output.weight", (n_vocab, n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    out = w.fout[0]
+    header_end = out.tell()
+    data_start = GGUFWriter.ggml_pad(header_end, w.data_alignment)
+    data = sum(GGUFWriter.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+    w.close()
+    with path.open("r+b") as f:
+        f.truncate(data_start + data)
+    return path

@@ -10,6 +10,23 @@ from typing import NoReturn
 
 import pytest
 
+#: Every host program the test suite runs, and the Debian/Ubuntu package that ships it. The README's
+#: prerequisite line and ``.ci/run`` install exactly these packages (tests/test_prerequisites.py keeps
+#: the three in step), so a fresh machine runs the whole suite with nothing skipped.
+HOST_PROGRAMS: dict[str, str] = {
+    "/usr/lib/systemd/systemd-journald": "systemd",   # the private journald (systemd_fixtures.py)
+    "/usr/lib/systemd/systemd": "systemd",            # the private systemd --user manager
+    "systemctl": "systemd",
+    "journalctl": "systemd",
+    "systemd-analyze": "systemd",                     # unit verification (test_units.py)
+    "unshare": "util-linux",                          # mount/cgroup namespaces for the manager
+    "setpriv": "util-linux",                          # the unit's credentials, uid 65534 (privileges, limits)
+    "promtool": "prometheus",                         # alert rules and dashboard queries
+    "prometheus": "prometheus",                       # scrapes a daemon run for the dashboard test
+    "/usr/lib/systemd/systemd-journal-remote": "systemd-journal-remote",  # journald to a central box
+    "/usr/lib/systemd/systemd-journal-upload": "systemd-journal-remote",
+}
+
 
 def unavailable(why: str) -> NoReturn:
     """Skip the test with ``why`` — or fail it when ``CI=true``."""

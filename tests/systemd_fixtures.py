@@ -37,7 +37,24 @@ from needs import unavailable
 
 JOURNALD = Path("/usr/lib/systemd/systemd-journald")
 SYSTEMD = Path("/usr/lib/systemd/systemd")
-UNIFIED_CGROUP = Path("/sys/fs/cgroup/unified")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def unified_cgroup() -> Path:
+    """The cgroup v2 hierarchy the private manager's cgroup is made in: ``/sys/fs/cgroup/unified`` on a
+    host with the hybrid layout, ``/sys/fs/cgroup`` itself on a cgroup-v2-only host (``cgroup2fs``)."""
+    hybrid = CGROUP_ROOT / "unified"
+    if hybrid.is_dir():
+        return hybrid
+    try:
+        kind = subprocess.run(["stat", "-f", "-c", "%T", str(CGROUP_ROOT)], capture_output=True, text=True,
+                              timeout=5, check=False).stdout.strip()
+    except OSError:
+        kind = ""
+    return CGROUP_ROOT if kind == "cgroup2fs" else hybrid
+
+
+UNIFIED_CGROUP = unified_cgroup()
 
 
 def require(*paths: Path | str, what: str = "") -> None:

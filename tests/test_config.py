@@ -35,10 +35,10 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_shipped_config_is_the_tuned_v100_setup() -> None:
+def test_shipped_config_is_the_16_gb_setup() -> None:
     c = load_config(SHIPPED)
     s = c.server
-    assert (s.n_gpu_layers, s.ctx_size, s.parallel, s.batch_size, s.ubatch_size) == (999, 8192, 1, 512, 256)
+    assert (s.n_gpu_layers, s.ctx_size, s.parallel, s.batch_size, s.ubatch_size) == (56, 8192, 1, 512, 256)
     assert (s.cache_type_k, s.cache_type_v, s.flash_attn, s.threads) == ("q8_0", "q8_0", "on", 8)
     assert s.env == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "8"}
     assert s.host == "127.0.0.1"

@@ -362,19 +362,46 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
     assert LR.verify_applied(plan, LR.read_limits(proc.pid)) == []
 
 
-def test_kernel_refusal_is_caught_by_verify(sleeper: list[subprocess.Popen[bytes]]) -> None:
-    """A plan that believed it was privileged (user namespace case): the child still starts, and
-    reading back names the limit that was not raised."""
+REFUSAL_SCRIPT = textwrap.dedent("""
+    import json, subprocess
+    from llama_guard.config import Config, LimitsConfig
+    from llama_guard.limits import own as LO, plan as LP, readback as LR
     own = LO.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     if LO.can_raise_hard_limits() or own.nr_open is None or hard >= own.nr_open:
-        unavailable("needs a process that cannot raise its nofile hard limit")
-    plan = LP.plan_child_limits(_cfg(nofile=own.nr_open), own, True)  # wrongly privileged
-    proc = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
-    sleeper.append(proc)
-    (text,) = LR.verify_applied(plan, LR.read_limits(proc.pid))
+        print(json.dumps({"skip": f"cannot set up: privileged {LO.can_raise_hard_limits()}, hard {hard}, "
+                                  f"nr_open {own.nr_open}"}))
+        raise SystemExit(0)
+    plan = LP.plan_child_limits(Config(limits=LimitsConfig(nofile=own.nr_open)), own, True)  # wrongly privileged
+    child = subprocess.Popen(["sleep", "30"], preexec_fn=plan.preexec)
+    try:
+        print(json.dumps({"hard": hard, "verify": LR.verify_applied(plan, LR.read_limits(child.pid))}))
+    finally:
+        child.kill(); child.wait()
+""")
+
+
+def test_kernel_refusal_is_caught_by_verify() -> None:
+    """A plan that believed it was privileged (user namespace case): the child still starts, and
+    reading back names the limit that was not raised. Run where raising is refused: as root, in a
+    child whose bounding set lacks CAP_SYS_RESOURCE (setpriv), as a container's root is."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            unavailable("needs setpriv (util-linux) to drop CAP_SYS_RESOURCE")
+        prefix = [setpriv, "--bounding-set=-sys_resource", "--inh-caps=-sys_resource"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
+    env["PYTHONPATH"] = str(Path(L.__file__).resolve().parents[1])
+    out = subprocess.run([*prefix, sys.executable, "-c", REFUSAL_SCRIPT], capture_output=True, text=True,
+                         timeout=60, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    if "skip" in result:
+        unavailable(f"needs a process that cannot raise its nofile hard limit ({result['skip']})")
+    (text,) = result["verify"]
     assert "RLIMIT_NOFILE" in text
-    assert f"hard {hard}" in text
+    assert f"hard {result['hard']}" in text
     assert "LimitNOFILE=" in text
 
 

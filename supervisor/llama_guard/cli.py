@@ -74,18 +74,38 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from llama_guard.preflight import run_checks
 
+    if args.json:
+        return _check_json(args)
     path, config = _load(args)
     results = run_checks(config, path, nvml_module=args.nvml_module)
     worst = EXIT_CONFIG if any(r.verdict is Verdict.FAIL for r in results) else EXIT_OK
-    if args.json:
-        print(json.dumps({"ok": worst == EXIT_OK, "checks": [
-            {"name": r.name, "verdict": r.verdict, "detail": r.detail, **({"data": r.data} if r.data else {})}
-            for r in results]}, indent=2))
-        return worst
     width = max(len(r.name) for r in results)
     for r in results:
         print(f"{r.verdict:<5} {r.name:<{width}}  {r.detail}")
     return worst
+
+
+def _check_json(args: argparse.Namespace) -> int:
+    """``check --json``: one node verdict and action (exit 0 pass/warn, 1 fail, 2 unknown), then the lines."""
+    from llama_guard.check_report import document, overall, unknown
+    from llama_guard.config import ConfigError, load_config
+    from llama_guard.preflight import CheckResult, run_checks
+
+    path = resolve_config_path(args.config)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        results = [CheckResult("config", Verdict.FAIL, line) for line in exc.lines]
+        node = overall(results)
+    else:
+        try:
+            results = run_checks(config, path, nvml_module=args.nvml_module)
+            node = overall(results)
+        except Exception as exc:  # a gate must answer: "unknown" (exit 2) rather than a traceback
+            results = []
+            node = unknown(f"the check did not finish: {type(exc).__name__}: {exc}")
+    print(json.dumps(document(results, node), indent=2))
+    return node.exit_code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -208,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("run", "run the daemon in the foreground (what systemd starts)").set_defaults(func=cmd_run)
     p = add("check", "preflight: config, binary and flags, model, GPU, limits, VRAM budget")
-    p.add_argument("--json", action="store_true", help="machine-readable result (the VRAM budget under data)")
+    p.add_argument("--json", action="store_true", help="one node verdict (pass/warn/fail/unknown) and recommended "
+                                                       "action (none/fix_config/reset_gpu/reboot), then every line; "
+                                                       "exit 0 pass or warn, 1 fail, 2 unknown")
     p.set_defaults(func=cmd_check)
     p = add("status", "what the running daemon sees now (exit 0 ready, 1 not ready, 3 not running)")
     p.add_argument("--json", action="store_true", help="the snapshot as a versioned document (schema 1)")

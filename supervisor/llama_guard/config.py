@@ -337,10 +337,13 @@ class GpuConfig(_Section):
 class RecoveryConfig(_Section):
     """``[recovery]``: restart backoff, crash-loop limit and GPU reset."""
 
-    backoff_initial_s: PositiveFloat = 0.1
-    backoff_factor: float = Field(3.0, ge=1.0)
+    # Waits 0, 2, 4, 8, 16, 32, 60 s: a fault that clears within ~2 min of its first failure is ridden
+    # out; one that fails the same way before ready is a verdict (exit 78) long before that.
+    # core.types.Params carries the same defaults.
+    backoff_initial_s: PositiveFloat = 2.0
+    backoff_factor: float = Field(2.0, ge=1.0)
     backoff_max_s: PositiveFloat = 60.0
-    max_restarts: int = Field(5, ge=0)
+    max_restarts: int = Field(7, ge=0)
     restart_window_s: PositiveFloat = 600.0
     stable_after_s: PositiveFloat = 60.0
     stop_grace_s: PositiveFloat = 15.0

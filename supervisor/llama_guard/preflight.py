@@ -20,8 +20,19 @@ from llama_guard.core.privileges import (
     reset_precondition,
     resolve_identity,
 )
-from llama_guard.gpu.nvml import NvmlError, WatchOff
-from llama_guard.verdicts import Verdict
+from llama_guard.gpu.nvml import (
+    DeviceNotFound,
+    DriverMismatch,
+    DriverNotLoaded,
+    GpuLost,
+    LibraryNotFound,
+    NvmlError,
+    NvmlHung,
+    ResetRequired,
+    UnknownError,
+    WatchOff,
+)
+from llama_guard.verdicts import NodeAction, Verdict
 
 GGUF_MAGIC = b"GGUF"
 MODEL_CHECK_TIMEOUT_S = 10.0
@@ -29,12 +40,36 @@ MODEL_CHECK_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation)."""
+    """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation).
+    ``action``: what this line asks of the operator when it is not OK (a FAIL that names none is a
+    configuration problem: :mod:`llama_guard.check_report`)."""
 
     name: str
     verdict: Verdict
     detail: str
     data: dict[str, Any] | None = field(default=None, compare=False)
+    action: NodeAction = NodeAction.NONE
+
+
+# What an NVML error at check time asks of the operator. A GPU off the bus (NVIDIA's Xid 79 family,
+# NVML_ERROR_GPU_IS_LOST), a driver not loaded or not matching its library (an upgrade without a
+# reboot), an NVML call that never returns: the host needs a reboot. NVML_ERROR_RESET_REQUIRED: a GPU
+# reset. No driver library or a selector that names no GPU: the configuration ([gpu]) is wrong for
+# this host. (NVML API reference, nvmlReturn_t; NVIDIA's Xid catalog for the recovery actions.)
+GPU_ERROR_ACTIONS: tuple[tuple[type[NvmlError], NodeAction], ...] = (
+    (ResetRequired, NodeAction.RESET_GPU),
+    (GpuLost, NodeAction.REBOOT), (UnknownError, NodeAction.REBOOT), (DriverNotLoaded, NodeAction.REBOOT),
+    (DriverMismatch, NodeAction.REBOOT), (NvmlHung, NodeAction.REBOOT),
+    (LibraryNotFound, NodeAction.FIX_CONFIG), (DeviceNotFound, NodeAction.FIX_CONFIG),
+)
+
+
+def gpu_error_action(error: NvmlError | None) -> NodeAction:
+    """The :data:`GPU_ERROR_ACTIONS` row of ``error``'s type; ``fix_config`` for any other (or None)."""
+    for kind, action in GPU_ERROR_ACTIONS:
+        if isinstance(error, kind):
+            return action
+    return NodeAction.FIX_CONFIG
 
 
 def check_binary(config: Config) -> list[CheckResult]:
@@ -243,12 +278,14 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
     opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
     if isinstance(opened, WatchOff):
-        verdict = Verdict.FAIL if config.gpu.enabled is GpuWatchMode.ON else Verdict.WARN
-        return [CheckResult("gpu", verdict, f"GPU watch off: {opened.reason}")]
+        if config.gpu.enabled is GpuWatchMode.ON:
+            return [CheckResult("gpu", Verdict.FAIL, f"GPU watch off: {opened.reason}",
+                                action=gpu_error_action(opened.error))]
+        return [CheckResult("gpu", Verdict.WARN, f"GPU watch off: {opened.reason}")]
     try:
         sample = opened.sample()
     except NvmlError as exc:
-        return [CheckResult("gpu", Verdict.FAIL, f"the GPU does not answer NVML: {exc}")]
+        return [CheckResult("gpu", Verdict.FAIL, f"the GPU does not answer NVML: {exc}", action=gpu_error_action(exc))]
     finally:
         opened.close()
     mib = 2**20
@@ -261,6 +298,12 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     if expected and sample.driver_version and not driver_in_series(sample.driver_version, expected):
         results.append(CheckResult("driver", Verdict.WARN, f"driver {sample.driver_version} is outside the "
                                                      f"configured series {expected!r} ([gpu].driver_version)"))
+    rows = sample.remapped_rows
+    if rows is not None and rows.pending:
+        # A row remap is applied at the next GPU reset (NVIDIA, "GPU Memory Error Management": row remapping).
+        results.append(CheckResult("remapped rows", Verdict.WARN, f"a row remap is pending ({rows.uncorrectable} "
+                                   f"uncorrectable, {rows.correctable} correctable rows remapped): it takes effect "
+                                   "at the next GPU reset", action=NodeAction.RESET_GPU))
     if sample.persistence_mode is False:
         results.append(CheckResult("persistence", Verdict.WARN, "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))

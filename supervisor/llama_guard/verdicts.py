@@ -1,4 +1,5 @@
-"""The verdict of one line of ``llama-guard check`` (an enum, so no code decides by comparing strings)."""
+"""The verdict of one line of ``llama-guard check`` (an enum, so no code decides by comparing strings),
+and the node-level verdict and recommended action of ``check --json``."""
 
 from __future__ import annotations
 
@@ -16,3 +17,31 @@ class Verdict(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class NodeVerdict(str, enum.Enum):
+    """The one verdict of ``check --json`` for this node, as node-health gates give it: ``pass`` (every
+    line OK), ``warn`` (WARN lines only: the server can run), ``fail`` (a FAIL line: it cannot, or should
+    not, start here), ``unknown`` (the check itself could not finish)."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    UNKNOWN = "unknown"
+
+
+class NodeAction(str, enum.Enum):
+    """What the operator (or the fleet's automation) should do about this node, least drastic first:
+    nothing; fix the configuration (llama-guard's file, the model, the unit, the account); reset the GPU
+    (``nvidia-smi --gpu-reset``, with nothing on it); reboot the host (a GPU off the bus, a driver that is
+    not loaded or does not match its library, NVML that does not answer)."""
+
+    NONE = "none"
+    FIX_CONFIG = "fix_config"
+    RESET_GPU = "reset_gpu"
+    REBOOT = "reboot"
+
+    @property
+    def severity(self) -> int:
+        """0 for ``none`` up to 3 for ``reboot``: the most severe action of all lines is the node's."""
+        return list(NodeAction).index(self)

@@ -102,14 +102,15 @@ class RestartCause(enum.Enum):
 
 @dataclass(frozen=True)
 class Params:
-    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds."""
+    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds. Each default
+    equals the config key's of the same name (tests/test_recovery_defaults.py keeps them equal)."""
 
     load_timeout_s: float = 900.0
     hang_strikes: int = 3
-    backoff_initial_s: float = 1.0
+    backoff_initial_s: float = 2.0
     backoff_factor: float = 2.0
     backoff_max_s: float = 60.0
-    max_restarts: int = 5
+    max_restarts: int = 7
     restart_window_s: float = 600.0
     stable_after_s: float = 60.0
     stop_grace_s: float = 15.0

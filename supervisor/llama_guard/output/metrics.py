@@ -203,6 +203,14 @@ class MetricsSource(Source, Collector):
                 ("llama_guard_gpu_memory_total_bytes", "memory_total_bytes", 1.0, "VRAM total")):
             if isinstance(sample.get(key), (int, float)):
                 yield _gauge(metric, text, labels, gpu_id, sample[key] * scale)
+        server_pid = self.ctx.state.pid if self.ctx is not None else None
+        procs = sample.get("processes")
+        if server_pid is not None and isinstance(procs, (list, tuple)):
+            # NVML's per-process figure for llama-server's pid (0 until it appears on the GPU); the rest of
+            # llama_guard_gpu_memory_used_bytes is other processes and the driver's own.
+            held = sum(p.get("used_bytes") or 0 for p in procs if p.get("pid") == server_pid)
+            yield _gauge("llama_guard_server_vram_bytes", "VRAM held by llama-server (NVML, its pid)", labels,
+                         gpu_id, float(held))
         reasons = sample.get("clock_event_reasons")
         if isinstance(reasons, int):
             fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",

@@ -1,0 +1,82 @@
+"""A fault that lasts half a minute does not end the daemon at the default restart settings.
+
+The server binary is a small wrapper around the real llama-server: for the first 30 s after its first
+start, each start is killed with SIGKILL a moment into its load (as the kernel's OOM killer does while
+another job holds the host's memory); after that it is the real server, unchanged. With the shipped
+[recovery] defaults the daemon rides the blip out and serves; with the old defaults (0.1 s × 3, five
+restarts) the same blip ended it as a crash loop within seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import DaemonRun, RunPool
+from llama_guard.config import RecoveryConfig
+from llama_guard.exitcodes import EXIT_CRASH_LOOP
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(180)]
+
+BLIP_S = 30
+
+WRAPPER = """#!/bin/sh
+# llama-server for the first {blip} s after its first start is killed 0.3 s into each load; then the real one.
+start="{dir}/blip-start"
+[ -s "$start" ] || date +%s > "$start"
+if [ $(( $(date +%s) - $(cat "$start") )) -lt {blip} ]; then
+  date +%s.%N >> "{dir}/killed-starts"
+  ( sleep 0.3; kill -KILL $$ ) &
+fi
+exec "{real}" "$@"
+"""
+
+DEFAULTS = RecoveryConfig()
+RESTARTS = {"backoff_initial_s": DEFAULTS.backoff_initial_s, "backoff_factor": DEFAULTS.backoff_factor,
+            "backoff_max_s": DEFAULTS.backoff_max_s, "max_restarts": DEFAULTS.max_restarts,
+            "restart_window_s": DEFAULTS.restart_window_s}
+OLD = {"backoff_initial_s": 0.1, "backoff_factor": 3.0, "max_restarts": 5}
+
+
+@pytest.fixture
+def blip(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
+    pool = RunPool()
+    wrapper = tmp_path / "llama-server-blip"
+    wrapper.write_text(WRAPPER.format(blip=BLIP_S, dir=tmp_path, real=llama_server_bin))
+    wrapper.chmod(0o755)
+
+    def make(recovery: dict[str, object]) -> DaemonRun:
+        return pool.new(tmp_path, str(wrapper), str(real_model), {"recovery": recovery})
+
+    yield make
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def test_a_30_s_blip_is_ridden_out_at_the_default_restart_settings(blip: Any, tmp_path: Path) -> None:
+    run = blip(RESTARTS).start()
+    ready = run.wait_event("server_ready", BLIP_S + 90)
+    killed = (tmp_path / "killed-starts").read_text().split()
+    first = float(killed[0])
+    assert len(killed) >= 4, killed  # the blip covered several starts
+    assert run.proc is not None and run.proc.poll() is None
+    assert "crash_loop" not in run.names()
+    exits = [e for e in run.events() if e["event"] == "server_exited"]
+    assert len(exits) == len(killed) and all(e["signal"] == 9 for e in exits), exits
+    waits = [e["backoff_s"] for e in run.events() if e["event"] == "server_backoff"]
+    expected = [0.0] + [min(DEFAULTS.backoff_initial_s * DEFAULTS.backoff_factor ** i, DEFAULTS.backoff_max_s)
+                        for i in range(len(waits) - 1)]
+    assert waits == pytest.approx(expected)  # the first restart at once, then the default backoff
+    assert time.time() - first >= BLIP_S
+    assert httpx.get(f"http://127.0.0.1:{run.port}/health", timeout=10).status_code == 200
+    assert ready["server_pid"] == run.wait_event("server_starting", skip=len(killed))["server_pid"]
+
+
+def test_the_old_defaults_gave_up_on_the_same_blip(blip: Any) -> None:
+    run = blip(OLD).start()
+    assert run.wait_exit(BLIP_S) == EXIT_CRASH_LOOP
+    assert "crash_loop" in run.names() and "server_ready" not in run.names()

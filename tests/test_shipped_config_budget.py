@@ -1,0 +1,78 @@
+"""The shipped etc/llama-guard.toml tells the truth about the card it names: `llama-guard check` passes
+it on a stated 16 GiB GPU with a 27B-shaped Q4_K_M model, and the figures its header quotes are the
+ones `check` prints (all layers on the GPU would not fit, as the header says)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf_synth import write_gguf_27b
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "etc" / "llama-guard.toml"
+MIB_PER_GIB = 1024
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf_27b(tmp_path_factory.mktemp("m27b") / "model-27b-Q4_K_M.gguf")
+
+
+def check(binary: Path, model: Path, **overrides: str) -> tuple[int, dict[str, Any]]:
+    """`llama-guard check --json` on the shipped file; only what this host cannot have is overridden:
+    the binary and model paths, the server account (no `llama-server` user here), and the stated card."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
+    env.update({"LLAMA_GUARD_SERVER__BINARY": str(binary), "LLAMA_GUARD_SERVER__MODEL": str(model),
+                "LLAMA_GUARD_SERVER__USER": "", "LLAMA_GUARD_SERVER__GROUP": "",
+                "LLAMA_GUARD_SERVER__SUPPLEMENTARY_GROUPS": "[]", "LLAMA_GUARD_GPU__VRAM_TOTAL_MIB": "16384",
+                **{f"LLAMA_GUARD_{k.upper()}": v for k, v in overrides.items()}})
+    out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--json", "--config", str(SHIPPED)],
+                         capture_output=True, text=True, env=env, timeout=90, check=False)
+    return out.returncode, json.loads(out.stdout)
+
+
+def vram_row(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in doc["checks"] if c["name"] == "vram budget" and "data" in c)
+
+
+def header_gib(pattern: str) -> float:
+    header = SHIPPED.read_text().split("\n[server]")[0]
+    found = re.search(pattern, header.replace("\n# ", " "))
+    assert found, pattern
+    return float(found.group(1))
+
+
+def test_check_passes_the_shipped_file_on_a_16_gib_card(llama_server_bin: Path, model_27b: Path) -> None:
+    code, doc = check(llama_server_bin, model_27b)
+    failed = [c for c in doc["checks"] if c["verdict"] == "FAIL"]
+    assert code == 0 and not failed, failed
+    row = vram_row(doc)
+    assert row["verdict"] == "OK", row["detail"]  # not even "tight" (within the estimate's ±10 %)
+    budget = row["data"]["budget"]
+    assert budget["available"] == 16384 * 2**20
+    # The header's figures are the product's: what it budgets, and the weights on the GPU.
+    assert budget["total"] / 2**30 == pytest.approx(header_gib(r"it budgets ~([\d.]+) GiB"), abs=0.05)
+    assert budget["weights_gpu"] / 2**30 == pytest.approx(header_gib(r"output layer \(~([\d.]+) GiB"), abs=0.05)
+
+
+def test_all_layers_do_not_fit_as_the_header_says(llama_server_bin: Path, model_27b: Path) -> None:
+    code, doc = check(llama_server_bin, model_27b, server__n_gpu_layers="999")
+    row = vram_row(doc)
+    assert code == 1 and row["verdict"] == "FAIL", row["detail"]  # --json: a node gate's "fail"
+    assert (doc["verdict"], doc["action"]) == ("fail", "fix_config") and doc["reasons"][0].startswith("vram budget")
+    budget = row["data"]["budget"]
+    assert budget["total"] / 2**30 == pytest.approx(header_gib(r"this cache ~([\d.]+) GiB"), abs=0.05)
+    assert budget["weights_gpu"] / 2**30 == pytest.approx(header_gib(r"weights alone are ~([\d.]+) GiB"), abs=0.05)
+    # The ladder names the three changes the header names, each of which would fit.
+    steps = {s["change"].split(" ")[0]: s for s in row["data"]["ladder"]}
+    assert {"n_gpu_layers", "ctx_size", "cache_type_k"} <= set(steps)
+    assert all(steps[k]["fits_after"] for k in ("n_gpu_layers", "ctx_size", "cache_type_k"))
