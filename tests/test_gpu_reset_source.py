@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
@@ -234,3 +235,29 @@ async def test_a_failing_need_estimate_is_raised_once_then_unknown(tmp_path: Pat
         await src.vram_facts(ctx)
     facts = await src.vram_facts(ctx)
     assert facts is not None and facts.need_mib is None and facts.error == ""
+
+
+def test_gpu_busy_is_the_servers_tree_in_nvml_per_process_samples() -> None:
+    # A wrapper (sh) whose child is the process that uses the GPU.
+    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 30; true"])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = psutil.Process(proc.pid).children()[0].pid
+        fake = FakeNvml()
+        source = GpuSource(nvml_module=fake)
+        assert source.gpu_busy(proc.pid) is None  # the watch is off (not started): cannot tell
+        source.nvml = Nvml(module=fake)
+        assert source.gpu_busy(proc.pid) is False  # an idle GPU
+        fake.gpus[0].values["process_util"] = [(child, 64, 20)]
+        assert source.gpu_busy(proc.pid) is True
+        fake.gpus[0].values["process_util"] = [(4_000_000, 64, 20)]  # someone else's work
+        assert source.gpu_busy(proc.pid) is False
+        fake.fail("nvmlDeviceGetProcessUtilization", 3)  # no per-process samples on this GPU
+        assert source.gpu_busy(proc.pid) is None
+        calls = fake.calls["nvmlDeviceGetProcessUtilization"]
+        assert source.gpu_busy(proc.pid) is None and fake.calls["nvmlDeviceGetProcessUtilization"] == calls
+    finally:
+        proc.kill()
+        proc.wait()
