@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -170,6 +171,9 @@ def completion_speed(port: int, tokens: int) -> float:
     return float(resp.json()["timings"]["predicted_per_second"])
 
 
+DAEMON_CPU: dict[str, list[float]] = {}  # mode -> the daemon's CPU share of one core while measured
+
+
 def run_mode(mode: str, args: argparse.Namespace, tmp: Path, port: int, argv: list[str]) -> list[float]:
     speeds: list[float] = []
 
@@ -191,7 +195,10 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path, port: int, argv: li
     daemon.start()
     try:
         daemon.wait_event("server_ready", 120.0)
+        me = psutil.Process(daemon.pid)
+        cpu0, t0 = sum(me.cpu_times()[:2]), time.monotonic()
         measure()
+        DAEMON_CPU.setdefault(mode, []).append((sum(me.cpu_times()[:2]) - cpu0) / (time.monotonic() - t0))
     finally:
         daemon.stop()
     return speeds
@@ -227,6 +234,8 @@ def part1(args: argparse.Namespace, tmp: Path) -> None:
         paired = (f"{statistics.median(m / b for m, b in zip(per_round[mode], per_round['bare'], strict=True)):.4f}"
                   if bare else "-")
         print(f"{mode:18s} {len(vals):3d} {med:13.2f} {min(vals):8.2f} {max(vals):8.2f} {ratio:>14s} {paired:>13s}")
+    for mode, shares in DAEMON_CPU.items():
+        print(f"  {mode}: llama-guard's own CPU while measured: {100 * statistics.median(shares):.2f} % of one core")
     print("(eval tokens/s as llama-server reports it, timings.predicted_per_second; paired ratio: the median over "
           "rounds of the mode's round median over bare's in the same round; goal: guard/bare ≥ 0.995)")
 
