@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """What liveness costs the API: decode speed bare vs supervised, and a conversation's KV cache.
 
+Part 0, each request alone: the server's CPU time per request of each kind a round may send
+(idle bare server, one request a second).
+
 Part 1, decode speed. The same llama-server argv (built by llama-guard from the same ``[server]``
 keys) on the same port, in interleaved rounds; each round runs every mode once, in a rotated order,
 and each mode runs ``--runs`` completions of ``--tokens`` tokens (``ignore_eos``, one fixed prompt)
@@ -37,8 +40,8 @@ On a GPU host (e.g. CUDA llama-server, the reference flags of an H200 run)::
         --gpu auto --rounds 5 --runs 5 --tokens 256 \
         --modes bare,guard,guard-nocanary,guard-nogpu,bare+nvml,bare+old-round
 
-``--gpu auto`` turns llama-guard's GPU watch on (NVML) in the supervised modes; ``--part 1`` or
-``--part 2`` runs one part. The load average printed at both ends says how far to trust the figures.
+``--gpu auto`` turns llama-guard's GPU watch on (NVML) in the supervised modes; ``--part 0``, ``1``
+or ``2`` runs one part. The load average printed at both ends says how far to trust the figures.
 """
 
 from __future__ import annotations
@@ -240,6 +243,40 @@ def part1(args: argparse.Namespace, tmp: Path) -> None:
           "rounds of the mode's round median over bare's in the same round; goal: guard/bare ≥ 0.995)")
 
 
+# ---------------------------------------------------------------- part 0: each request alone
+
+def part0(args: argparse.Namespace, tmp: Path) -> None:
+    """The server's CPU seconds per request of each kind a round may send, on an idle bare server,
+    one request a second (so that each pays its own wake-up), against doing nothing."""
+    port = free_port()
+    cfg_path = tmp / "argv0.toml"
+    cfg_path.write_text(config_text(server_sections(args, port, tmp)))
+    argv = build_argv(load_config(cfg_path).server, Path(args.binary))
+    canary = {"prompt": "ping", "n_predict": 1, "cache_prompt": True, "id_slot": 0, "seed": 0x6C670001}
+    kinds: list[tuple[str, Callable[[httpx.Client], object]]] = [
+        ("nothing", lambda c: None), ("GET /health", lambda c: c.get("/health")),
+        ("GET /metrics", lambda c: c.get("/metrics")), ("GET /slots", lambda c: c.get("/slots")),
+        ("POST /completion (canary, its own slot)", lambda c: c.post("/completion", json=canary))]
+    rows = []
+    with Bare(argv, port, None) as bare, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0,
+                                                      trust_env=False) as client:
+        assert bare.proc is not None
+        proc = psutil.Process(bare.proc.pid)
+        client.post("/completion", json=canary)
+        for name, call in kinds:
+            time.sleep(1.0)
+            cpu0 = sum(proc.cpu_times()[:2])
+            for _ in range(args.calls):
+                call(client)
+                time.sleep(1.0)
+            rows.append((name, (sum(proc.cpu_times()[:2]) - cpu0) / args.calls))
+    print()
+    print(f"{'request (idle server, 1 per second)':42s} {'server CPU ms per request':>26s}")
+    for name, cpu in rows:
+        print(f"{name:42s} {1000 * cpu:26.2f}")
+    print("(psutil user+system time of the server; 'nothing' is the idle server's own per-second baseline)")
+
+
 # ---------------------------------------------------------------- part 2: the conversation
 
 SYSTEM = ("You are a careful assistant for a harbour office. " + " ".join(
@@ -345,7 +382,8 @@ def main() -> int:
     ap.add_argument("--chat-parallel", default="1,2", help="part 2: the -np values, comma-separated")
     ap.add_argument("--chat-variants", default=",".join(CHAT_VARIANTS), help="part 2: comma-separated")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")
-    ap.add_argument("--part", choices=("1", "2", "all"), default="all")
+    ap.add_argument("--calls", type=int, default=8, help="part 0: requests of each kind")
+    ap.add_argument("--part", choices=("0", "1", "2", "all"), default="all")
     args = ap.parse_args()
     if not (args.binary and Path(args.binary).is_file() and args.model and Path(args.model).is_file()):
         print("bench_liveness: give --binary and --model (or `. .work/real/env`)", file=sys.stderr)
@@ -355,6 +393,8 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-liveness-") as tmpdir:
         tmp = Path(tmpdir)
+        if args.part in ("0", "all"):
+            part0(args, tmp)
         if args.part in ("1", "all"):
             part1(args, tmp)
         if args.part in ("2", "all"):
