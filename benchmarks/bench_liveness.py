@@ -116,7 +116,7 @@ class Bare:
         self.proc.wait()
 
 
-def every(action: Callable[[httpx.Client, int], None],
+def every(action: Callable[[httpx.Client, int], object],
           interval_s: float = INTERVAL_S) -> Callable[[int, int, threading.Event], None]:
     """A poller that runs ``action`` every ``interval_s`` seconds until stopped."""
 
@@ -159,11 +159,11 @@ def nvml_poller(port: int, pid: int, stop: threading.Event) -> None:
 
 POLLERS: dict[str, Callable[[int, int, threading.Event], None]] = {
     "bare+nvml": nvml_poller,
-    "bare+health": every(lambda c, _p: c.get("/health") and None),
-    "bare+metrics": every(lambda c, _p: c.get("/metrics") and None),
-    "bare+slots": every(lambda c, _p: c.get("/slots") and None),
+    "bare+health": every(lambda c, _p: c.get("/health")),
+    "bare+metrics": every(lambda c, _p: c.get("/metrics")),
+    "bare+slots": every(lambda c, _p: c.get("/slots")),
     "bare+old-round": every(_old_round),
-    "bare+psutil": every(lambda _c, p: tree_cpu_seconds(p) and None),
+    "bare+psutil": every(lambda _c, p: tree_cpu_seconds(p)),
 }
 
 
@@ -188,8 +188,9 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path, port: int, argv: li
         with Bare(argv, port, POLLERS.get(mode)):
             measure()
         return speeds
-    health = {"guard": {}, "guard-nocanary": {"canary": False}, "guard-quiet": {"interval_s": 600.0},
-              "guard-nogpu": {}}[mode]
+    by_mode: dict[str, dict[str, object]] = {"guard": {}, "guard-nocanary": {"canary": False},
+                                             "guard-quiet": {"interval_s": 600.0}, "guard-nogpu": {}}
+    health = by_mode[mode]
     sections = server_sections(args, port, tmp)
     sections["health"] = dict(health)
     if mode == "guard-nogpu":
