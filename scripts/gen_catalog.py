@@ -183,6 +183,23 @@ TEXT: dict[str, tuple[str, str]] = {
         "GPU @GPU_INDEX@ no longer answers: @REASON@. llama-guard stops llama-server and, per\n"
         "[recovery].reset_on, tries a GPU reset. If the GPU fell off the bus, only a reboot (or\n"
         "a power cycle) brings it back; see `journalctl -k | grep -i xid`."),
+    "gpu_recovery_action": (
+        "the GPU driver asks for a recovery action",
+        "NVML (or Xid 154) says GPU @GPU_INDEX@ needs: @RECOVERY_ACTION@ (read from @SOURCE@).\n"
+        "A GPU reset is run when that is what it asks for and [recovery] allows one; otherwise no\n"
+        "server is started and llama-guard exits with status 69.\n\n"
+        "@ADVICE@"),
+    "gpu_watchdog_repeated": (
+        "the GPU launch watchdog keeps ending llama-server's work",
+        "The driver's launch watchdog ended a kernel of llama-server @COUNT@ times within @WINDOW_S@ s\n"
+        "(\"the launch timed out and was terminated\", Xid 8). Each time the server was restarted; the\n"
+        "GPU was not reset (one channel timed out, not the GPU).\n\n"
+        "@ADVICE@"),
+    "server_crash_repeated": (
+        "llama-server crashes the same way again",
+        "llama-server crashed @COUNT@ times within @WINDOW_S@ s with the same last line: @LINE@\n"
+        "The request kind its exception points at: @REQUEST_KIND@. Each crash was restarted.\n\n"
+        "Find the client sending such requests, or update llama.cpp; the server's log holds the request."),
     "gpu_xid": (
         "GPU reported an Xid error",
         "GPU @GPU_INDEX@ reported Xid @XID@: @MEANING@.\n\n"
@@ -277,9 +294,11 @@ TEXT: dict[str, tuple[str, str]] = {
         "Check what the server (or a wrapper script) starts."),
     "server_unkillable": (
         "llama-server outlived SIGKILL",
-        "llama-server pid @SERVER_PID@ did not go away after SIGKILL (@HOLDS@). A second server would\n"
-        "fail on the same port or GPU, so llama-guard exits with status 70 instead.\n\n"
-        "The process is likely stuck in the driver (state D): check the kernel log; a reboot may be needed."),
+        "llama-server pid @SERVER_PID@ did not go away after SIGKILL (@HOLDS@). It is stuck in the\n"
+        "kernel (state D, typically inside the GPU driver). A second server would fail on the same port\n"
+        "or GPU and a GPU reset refuses a GPU in use, so llama-guard starts neither and exits with\n"
+        "status 69.\n\n"
+        "Reboot the host; check the kernel log for the driver's messages first."),
     "status_write_failed": (
         "status file cannot be written",
         "llama-guard cannot write its status or pid file under @RUNTIME_DIR@: @REASON@\n\n"

@@ -27,6 +27,10 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
 - ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
   llama.cpp's "retrying without pipeline parallelism", then a normal start.
 
+- ``replay_request_abort``: ready, then on every completion it prints the lines of the file named by
+  ``$FAKE_LLAMA_REPLAY`` (a report's log excerpt, tests/fixtures/public_reports/) and aborts (SIGABRT).
+- ``replay_load_abort``: prints those lines while loading, then aborts.
+
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
@@ -96,6 +100,14 @@ def cuda_block(message: str) -> None:
     raw("[New LWP 4242]\n#0  0x00007f2a in __GI___wait4 () at ../sysdeps/unix/sysv/linux/wait4.c:30")
 
 
+def replay_and_abort() -> None:
+    """Print ``$FAKE_LLAMA_REPLAY``'s lines as the server's own output, then abort (SIGABRT)."""
+    with open(os.environ["FAKE_LLAMA_REPLAY"], encoding="utf-8") as f:
+        for line in f.read().splitlines():
+            raw(line)
+    os.kill(os.getpid(), signal.SIGABRT)
+
+
 def burn_cpu(until: float) -> None:
     """Spin (CPU time) until monotonic ``until``, as a prompt batch does."""
     x = 0
@@ -156,6 +168,9 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = {}
         wait_busy()
+        if FAULT == "replay_request_abort":
+            replay_and_abort()
+            return
         if FAULT == "completion_500":
             log("E", "srv ", f"   send_error: task id = 1, error: {COMPLETION_ERROR}")
             self.reply(500, {"error": {"code": 500, "message": COMPLETION_ERROR, "type": "server_error"}})
@@ -221,6 +236,10 @@ def main(argv: list[str]) -> int:
         log("E", "", "graph_reserve: failed to allocate compute buffers")
         log("W", "", "sched_reserve: compute buffer allocation failed, retrying without pipeline parallelism")
         log("I", "srv ", "  load_model: initializing, n_slots = 1, n_ctx_slot = 50176, kv_unified = 'false'")
+    if FAULT == "replay_load_abort":
+        time.sleep(LOAD_S)
+        replay_and_abort()
+        return 134
     if FAULT == "oom_abort_at_load":
         time.sleep(LOAD_S)
         log("E", "", "CUDA error: out of memory")

@@ -11,6 +11,8 @@ Pass a :class:`FakeNvml` as ``module=`` to :class:`llama_guard.gpu.nvml.Nvml`. S
 * ``fake.init_error = 9`` (DriverNotLoaded) or ``12`` (LibraryNotFound) — ``nvmlInit`` fails;
 * ``fake.hang(call)`` — the pynvml function ``call`` never returns (it blocks until
   ``fake.unhang(call)``): a wedged driver;
+* ``gpu.values["recovery_action"] = 1`` — the driver asks for a GPU reset (field values as NVML's
+  ``nvmlDeviceGetFieldValues`` gives them: the call succeeds, each field has its own return code);
 * ``fake.push_xid(79)`` — the next ``nvmlEventSetWait_v2`` returns that Xid; with none queued it
   raises Timeout (10) at once.
 
@@ -36,6 +38,8 @@ NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
 nvmlEventTypeXidCriticalError = 0x8
 NVML_CLOCK_MEM = 2
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # nvidia-ml-py's field id
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
 
 GIB = 1024**3
 
@@ -85,6 +89,9 @@ DEFAULTS: dict[str, Any] = {
     "process_util": [],
     "mem_bus_width_bits": 6016,  # the H200 reading of facts/gpu.md
     "mem_clock_max_mhz": 3201,
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0 none (the H200's reading, tests/fixtures/h200_recovery);
+    # None: a driver that does not know the field (its per-field return is INVALID_ARGUMENT, 2).
+    "recovery_action": 0,
 }
 
 
@@ -326,6 +333,20 @@ class FakeNvml:
 
     def nvmlDeviceGetPerformanceState(self, h: Handle) -> int:
         return int(self._read("nvmlDeviceGetPerformanceState", h, "pstate"))
+
+    def nvmlDeviceGetFieldValues(self, h: Handle, field_ids: list[int]) -> list[_Obj]:
+        """As the real call: one value per field id; the call itself succeeds, and a field this
+        driver does not know has ``nvmlReturn`` INVALID_ARGUMENT (2) — the H200's answer for an
+        unknown id (tests/fixtures/h200_recovery/field_values.json)."""
+        self._enter("nvmlDeviceGetFieldValues", h)
+        out = []
+        for fid in field_ids:
+            value = h.gpu.get("recovery_action") if fid == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION else None
+            known = value is not None
+            out.append(_Obj({"fieldId": fid, "scopeId": 0, "nvmlReturn": 0 if known else 2,
+                             "valueType": NVML_VALUE_TYPE_UNSIGNED_INT if known else 0,
+                             "value": _Obj({"uiVal": int(value) if known else 0})}))
+        return out
 
     # -- events ---------------------------------------------------------------------------------
     def nvmlEventSetCreate(self) -> str:

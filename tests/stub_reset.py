@@ -6,7 +6,8 @@ Appends one JSON line to ``$STUB_RESET_RECORD``: its argv and what the fake NVML
 ``$STUB_RESET_MODE`` picks the outcome:
 
 * ``ok`` (default): prints nvidia-smi's success line, exits 0; a fake GPU marked lost in
-  ``$FAKE_NVML_SCRIPT`` comes back (the reset "worked");
+  ``$FAKE_NVML_SCRIPT`` comes back, and a recovery action "GPU reset" (1) there goes back to none
+  (the reset "worked");
 * ``fail``: prints nvidia-smi's "could not be reset" text, exits 1;
 * ``hang``: sleeps far past any reset timeout.
 
@@ -66,8 +67,11 @@ def main(argv: list[str]) -> int:
             data = json.loads(Path(script).read_text())
         except (OSError, ValueError):
             data = {}
-        if data.get("lost"):
+        values = data.get("values") or {}
+        if data.get("lost") or values.get("recovery_action") == 1:
             data["lost"] = False
+            if values.get("recovery_action") == 1:  # a reset clears "GPU reset required"
+                data["values"] = {**values, "recovery_action": 0}
             tmp = Path(script + ".stub")
             tmp.write_text(json.dumps(data))
             os.replace(tmp, script)

@@ -169,7 +169,7 @@ def test_attack_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_p
 
     asyncio.run(go())
     assert daemon.config.runtime.dir == tmp_path / "new"
-    assert daemon.status_file.dir == tmp_path / "new"
+    assert daemon.runtime.status_file.dir == tmp_path / "new"
 
 
 def test_attack_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) -> None:
@@ -240,6 +240,7 @@ def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> Non
     blocks open() inside the event loop forever: the server is spawned but never reported,
     SIGTERM is not handled (only SIGKILL ends the daemon)."""
     from llama_guard.core.daemon import Daemon
+    from llama_guard.core.server import open_server_log
     from llama_guard.output.eventlog import Emitter
 
     fifo = tmp_path / "fifo"
@@ -249,7 +250,7 @@ def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> Non
     done = threading.Event()
 
     def opener() -> None:
-        handle = daemon._open_server_log()
+        handle = open_server_log(str(fifo), daemon.emitter.emit)
         if handle is not None:
             handle.close()
         done.set()

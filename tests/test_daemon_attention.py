@@ -27,7 +27,7 @@ import pytest
 from fake_nvml import FakeNvml
 from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all, wait_gone
 from llama_guard.config import load_config
-from llama_guard.core import daemon as daemon_mod
+from llama_guard.core import tasks as tasks_mod
 from llama_guard.core.daemon import Daemon
 from llama_guard.core.types import GpuFault, GpuFaultKind, Input, StopRequest
 from llama_guard.core.watcher import Context, Source
@@ -319,7 +319,7 @@ def test_watcher_that_raises_is_reported_restarted_and_then_ends_the_daemon_with
     """Kind 3: a watcher task that raised ended silently (collected only at shutdown). Now each
     failure is a watcher_failed event with the exception, the watcher is restarted with backoff,
     and one that keeps failing ends the daemon with exit 70 (systemd restarts it)."""
-    monkeypatch.setattr(daemon_mod, "WATCHER_BACKOFF_S", 0.05)
+    monkeypatch.setattr(tasks_mod, "WATCHER_BACKOFF_S", 0.05)
     path = _config(tmp_path, str(llama_server_bin), real_model)
     emitter = _Recorder()
     raising = Raising()
@@ -327,8 +327,8 @@ def test_watcher_that_raises_is_reported_restarted_and_then_ends_the_daemon_with
     code = asyncio.run(asyncio.wait_for(daemon.run(), 60))
     failed = emitter.named("watcher_failed")
     assert code == EXIT_SOFTWARE
-    assert raising.runs == daemon_mod.WATCHER_MAX_FAILURES + 1
-    assert [f["failures"] for f in failed] == list(range(1, daemon_mod.WATCHER_MAX_FAILURES + 2))
+    assert raising.runs == tasks_mod.WATCHER_MAX_FAILURES + 1
+    assert [f["failures"] for f in failed] == list(range(1, tasks_mod.WATCHER_MAX_FAILURES + 2))
     assert "ValueError: watcher bug #1" in failed[0]["error"] and "restarting" in failed[0]["action"]
     assert "exiting with status 70" in failed[-1]["action"]
     assert emitter.named("daemon_exit")[-1]["exit_code"] == EXIT_SOFTWARE
@@ -371,7 +371,7 @@ def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin
     async def go() -> tuple[int, int]:
         task = asyncio.ensure_future(daemon.run())
         await asyncio.sleep(0.5)
-        before = len(daemon._tasks)
+        before = len(daemon.tasks.tasks)
         for _ in range(200):
             os.kill(os.getpid(), signal.SIGHUP)
             await asyncio.sleep(0.005)
@@ -380,7 +380,7 @@ def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin
         if reload is not None:
             await asyncio.wait([reload], timeout=max(0.0, deadline - time.monotonic()))
         await asyncio.sleep(0.1)
-        after = len(daemon._tasks)
+        after = len(daemon.tasks.tasks)
         daemon.queue.put_nowait(StopRequest("test over"))
         await asyncio.wait_for(task, 10)
         return before, after
@@ -610,36 +610,6 @@ def test_sighup_right_after_sigterm_sends_no_ready_after_stopping(
     # STOPPING=1 went out when the stop began, not when the server was gone (its stop takes 2 s).
     stopping_at = next(t for t, text in received if text.startswith("STOPPING=1"))
     assert exited_at - stopping_at > 1.5
-
-
-def test_server_that_outlives_sigkill_blocks_the_next_start(tmp_path: Path) -> None:
-    """Kind 4: after giving up on a SIGKILLed pid the daemon started a second server beside it.
-    Now the start waits for that pid to be gone and its port free, then escalates (exit 70)."""
-    path = _config(tmp_path, "/bin/true", tmp_path / "m.gguf")
-    emitter = _Recorder()
-    daemon = Daemon(load_config(path), path, emitter)
-    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        daemon._stale_pid = squatter.pid
-        daemon_mod.UNKILLABLE_WAIT_S, saved = 1.0, daemon_mod.UNKILLABLE_WAIT_S
-
-        async def go() -> str:
-            return await daemon._wait_stale_gone()
-
-        try:
-            reason = asyncio.run(go())
-        finally:
-            daemon_mod.UNKILLABLE_WAIT_S = saved
-        assert "outlived SIGKILL" in reason
-        assert emitter.named("server_unkillable")[0]["server_pid"] == squatter.pid
-        squatter.kill()
-        squatter.wait()
-        daemon._stale_pid = squatter.pid
-        assert asyncio.run(go()) == ""
-    finally:
-        if squatter.poll() is None:
-            squatter.kill()
-            squatter.wait()
 
 
 def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:

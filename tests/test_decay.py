@@ -152,7 +152,7 @@ def test_growth_exactly_at_bound_does_not_fire() -> None:
     assert not tr.observe(1, 2500).fire
     d = tr.observe(2, 2501)
     assert d.fire
-    assert d.reason.startswith("rss_growth: RSS 2501 MiB")
+    assert d.reason.startswith("rss_growth: anonymous memory (RSS + swap) 2501 MiB")
 
 
 def test_zero_bound_measures_but_never_fires() -> None:

@@ -343,7 +343,8 @@ def test_xid_waiter_gives_up_when_not_supported() -> None:
 
 @pytest.mark.parametrize(
     ("xid", "scope", "action"),
-    [(79, XidScope.DEVICE, XidAction.RESET_ONCE_THEN_ESCALATE), (48, XidScope.DEVICE, XidAction.RESET),
+    [(79, XidScope.DEVICE, XidAction.REBOOT), (8, XidScope.APP, XidAction.RESTART),
+     (48, XidScope.DEVICE, XidAction.RESET),
      (119, XidScope.DEVICE, XidAction.RESET), (74, XidScope.DEVICE, XidAction.RESET),
      (13, XidScope.APP, XidAction.RESTART), (31, XidScope.APP, XidAction.RESTART),
      (43, XidScope.APP, XidAction.RESTART), (94, XidScope.APP, XidAction.RESTART),

@@ -153,9 +153,9 @@ def test_status_metrics_and_bench_on_a_running_daemon(real: Any, tmp_path: Path,
     os.kill(ready["server_pid"], signal.SIGKILL)
     run.wait_event("server_ready", 60, skip=1)
     m = scrape(metrics_port)
-    assert m[("llama_guard_restarts_total", (("cause", "server_exited"),))] == 1
+    assert m[("llama_guard_restarts_total", (("cause", "crash"),))] == 1
     human = cli("status", "--config", cfg).stdout
-    assert "restarts  1 (server_exited 1)" in human or "(server_exited 1)" in human, human
+    assert "restarts  1 (crash 1)" in human or "(crash 1)" in human, human
 
     run.signal(signal.SIGTERM)
     assert run.wait_exit(30) == 0

@@ -9,13 +9,34 @@ import re
 import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
-from llama_guard.core.types import Emit, Phase, Spawn, State
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.policy import decide
+from llama_guard.core.types import (
+    Boot,
+    Drained,
+    Emit,
+    Exited,
+    GpuFault,
+    GpuFaultKind,
+    HealthOk,
+    Input,
+    Params,
+    ParamsChanged,
+    Phase,
+    Spawn,
+    Spawned,
+    State,
+    Tick,
+    XidAction,
+    XidScope,
+    initial_state,
+)
+from llama_guard.core.watcher import Context
+from llama_guard.gpu.readings import GpuIdentity, GpuSample
+from llama_guard.limits.usage import UsageSample
 from llama_guard.output.metrics import MetricsSource
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,23 +50,15 @@ class Clock:
         return self.now
 
 
-class Peer(Source):
-    def __init__(self, name: str, snap: dict[str, Any]) -> None:
-        self.name, self.snap = name, snap
-
-    def snapshot(self) -> dict[str, Any] | None:
-        return self.snap
-
-
-def make(tmp: Path, listen: str = "",
-         peers: list[Source] | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
+def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None,
+         usage: UsageSample | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
     cfg = Config.model_validate({"runtime": {"dir": str(tmp)}, "metrics": {"listen": listen}})
     holder = {"state": State()}
     clock = Clock()
     ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=clock,
                   loop=asyncio.get_event_loop_policy().get_event_loop())
-    return MetricsSource(peers=peers or []), ctx, holder, clock
+    return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
 def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -58,11 +71,11 @@ def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 
 async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None:
-    gpu = Peer("gpu", {"sample": {"identity": {"index": 0}, "temperature_c": 61, "power_mw": 250_000,
-                                  "power_limit_mw": 700_000, "memory_used_bytes": 5 * 2**30,
-                                  "memory_total_bytes": 80 * 2**30, "clock_event_reasons": 0x20}})
-    limits = Peer("limits", {"usage": {"fds": 40, "nofile_limit": 4096, "threads": 9, "nproc_limit": -1}})
-    src, ctx, holder, clock = make(tmp_path, peers=[gpu, limits])
+    gpu = GpuSample(GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200"), temperature_c=61, power_mw=250_000,
+                    power_limit_mw=700_000, memory_used_bytes=5 * 2**30, memory_total_bytes=80 * 2**30,
+                    clock_event_reasons=0x20)
+    usage = UsageSample(pid=1, fds=40, threads=9, nofile_limit=4096, nproc_limit=-1)
+    src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
     src.on_action(ctx, Spawn())
@@ -70,14 +83,13 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
     src.on_action(ctx, Emit("server_ready", {"server_pid": 1}))
     clock.now += 30
-    for cause in ("server_oom", "server_hang", "server_oom"):
-        src.on_action(ctx, Emit(cause, {}))
-        src.on_action(ctx, Emit("server_restart", {"reason": "x"}))
+    for cause in ("oom", "hang", "oom"):
+        src.on_action(ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
     src.on_action(ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
     src.on_action(ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
     m = scrape(src)
-    assert m[("llama_guard_restarts_total", (("cause", "server_oom"),))] == 2
-    assert m[("llama_guard_restarts_total", (("cause", "server_hang"),))] == 1
+    assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 2
+    assert m[("llama_guard_restarts_total", (("cause", "hang"),))] == 1
     assert m[("llama_guard_gpu_resets_total", (("outcome", "succeeded"), ("trigger", "oom")))] == 1
     assert m[("llama_guard_phase", (("phase", "ready"),))] == 1
     assert m[("llama_guard_phase", (("phase", "stopped"),))] == 0
@@ -92,7 +104,7 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     assert m[("llama_guard_rlimit_used", (("limit", "RLIMIT_NOFILE"),))] == 40
     assert m[("llama_guard_gpu_reset_budget_remaining", ())] == 2  # state.resets is empty here
     snap = src.snapshot()
-    assert snap is not None and snap["restarts_by_cause"] == {"server_oom": 2, "server_hang": 1}
+    assert snap is not None and snap["restarts_by_cause"] == {"oom": 2, "hang": 1}
 
 
 async def test_bench_figures_exported_when_recorded(tmp_path: Path) -> None:
@@ -166,9 +178,108 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     emitter.emit("server_line", server_pid=1, line="x")
     metrics.on_action(ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
-    emitter.emit("server_restart", reason="oom")
+    emitter.emit("server_restart", reason="oom", restart_cause="oom")
     m = scrape(metrics)
     assert m[("llama_guard_events_total", (("event", "gpu_temperature_high"),))] == 1
     assert m[("llama_guard_events_total", (("event", "server_oom"),))] == 1
     assert ("llama_guard_events_total", (("event", "server_line"),)) not in m
-    assert m[("llama_guard_restarts_total", (("cause", "server_oom"),))] == 1
+    assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 1
+
+
+class PolicyRun:
+    """The real policy driven input by input, each action handed to the metrics source as the daemon
+    does (``on_action`` with ``ctx.state`` already the state that asked for it)."""
+
+    def __init__(self, src: MetricsSource, ctx: Context, holder: dict[str, State], clock: Clock,
+                 params: Params) -> None:
+        self.src, self.ctx, self.holder, self.clock = src, ctx, holder, clock
+        holder["state"] = initial_state(params)
+
+    def feed(self, event: Input, after_s: float = 0.1) -> State:
+        self.clock.now += after_s
+        state, actions = decide(self.holder["state"], event, self.clock.now)
+        self.holder["state"] = state
+        for action in actions:
+            self.src.on_action(self.ctx, action)
+        return state
+
+    def until_restart(self) -> State:
+        """Ticks until the backoff's deadline has passed and the restart is decided."""
+        while self.holder["state"].phase is Phase.BACKOFF:
+            deadline = self.holder["state"].deadline
+            self.feed(Tick(), after_s=max(0.1, (deadline or self.clock.now) - self.clock.now))
+        return self.holder["state"]
+
+    def start(self, pid: int, *, ready: bool = True) -> None:
+        self.feed(Spawned(pid, ("llama-server",)))
+        if ready:
+            self.feed(HealthOk(pid))
+
+
+PARAMS = Params(load_stall_s=5.0, load_timeout_s=600.0, backoff_initial_s=0.1)
+
+
+def restarts(src: MetricsSource) -> dict[str, float]:
+    return {dict(labels)["cause"]: v for (name, labels), v in scrape(src).items()
+            if name == "llama_guard_restarts_total"}
+
+
+async def test_a_load_stall_restart_counts_as_load_stalled(tmp_path: Path) -> None:
+    src, ctx, holder, clock = make(tmp_path)
+    await src.start(ctx)
+    run = PolicyRun(src, ctx, holder, clock, PARAMS)
+    run.feed(Boot())
+    run.start(100, ready=False)
+    assert run.feed(Tick(), after_s=6.0).phase is Phase.STOPPING  # no progress for load_stall_s
+    run.feed(Exited(100, -15))
+    assert run.until_restart().phase is Phase.STARTING
+    assert restarts(src) == {"load_stalled": 1}
+
+
+async def test_a_reload_followed_by_a_crash_counts_as_crash(tmp_path: Path) -> None:
+    src, ctx, holder, clock = make(tmp_path)
+    await src.start(ctx)
+    run = PolicyRun(src, ctx, holder, clock, PARAMS)
+    run.feed(Boot())
+    run.start(100)
+    src.on_action(ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
+    assert run.feed(ParamsChanged(PARAMS, server_changed=False)).phase is Phase.READY
+    run.feed(Exited(100, -9))
+    run.until_restart()
+    assert restarts(src) == {"crash": 1}
+
+
+async def test_an_xid_that_restarted_nothing_is_not_the_cause_of_a_later_restart(tmp_path: Path) -> None:
+    src, ctx, holder, clock = make(tmp_path)
+    await src.start(ctx)
+    run = PolicyRun(src, ctx, holder, clock, PARAMS)
+    run.feed(Boot())
+    run.start(100)
+    # Another process's application Xid: reported, nothing restarted.
+    assert run.feed(GpuFault(GpuFaultKind.XID, "Xid 31: MMU fault", XidAction.RESTART, 31, XidScope.APP,
+                             faulting_pid=4242)).phase is Phase.READY
+    assert src.events["gpu_xid"] == 1
+    run.feed(Exited(100, 1))
+    run.until_restart()
+    run.start(101, ready=False)
+    run.feed(Tick(), after_s=6.0)
+    run.feed(Exited(101, -15))
+    run.until_restart()
+    assert restarts(src) == {"crash": 1, "load_stalled": 1}
+
+
+async def test_a_planned_restart_counts_by_its_plan_and_an_xid_it_acted_on_as_xid(tmp_path: Path) -> None:
+    src, ctx, holder, clock = make(tmp_path)
+    await src.start(ctx)
+    run = PolicyRun(src, ctx, holder, clock, PARAMS)
+    run.feed(Boot())
+    run.start(100)
+    assert run.feed(ParamsChanged(PARAMS, server_changed=True)).phase is Phase.DRAINING  # changed flags
+    assert run.feed(Drained(100)).phase is Phase.STOPPING
+    run.feed(Exited(100, -15))
+    run.start(101)
+    run.feed(GpuFault(GpuFaultKind.XID, "Xid 31: MMU fault", XidAction.RESTART, 31, XidScope.APP,
+                      faulting_pid=101))
+    run.feed(Exited(101, -15))
+    run.until_restart()
+    assert restarts(src) == {"reload": 1, "xid": 1}

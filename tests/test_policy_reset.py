@@ -242,12 +242,16 @@ class TestOomReset:
         s, _ = into_reset(ready(), line(100, OOM))
         assert s.next_deadline() == pytest.approx(5.5 + P.reset_deadline_s)
 
-    def test_server_that_survives_sigkill_still_gets_a_bounded_reset(self) -> None:
+    def test_server_that_survives_sigkill_gets_no_reset_and_no_successor(self) -> None:
+        # Stuck in the driver: a reset would refuse a GPU in use and a second server would fail on
+        # it; the verdict is a reboot (exit 69), not a reset attempt.
         s, _ = stop_for(ready(), line(100, OOM))
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s)
         assert Kill(100) in acts
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
-        assert s.phase is Phase.RESETTING and InspectGpu(100, s.reset_reason) in acts
+        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+        assert "reboot" in s.exit_reason and names(acts) == ["server_unkillable"]
+        assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
 
 # ------------------------------------------------------------------------------------------- budget
@@ -342,21 +346,21 @@ class TestLostAndXid:
         assert emitted(acts, "gpu_reset").fields["trigger"] == LOST.reason
         assert not s.gpu_lost and s.phase is Phase.BACKOFF
 
-    def test_xid_79_reset_once_then_escalate_success(self) -> None:
-        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+    def test_lost_gpu_reset_once_then_escalate_success(self) -> None:
+        s, _ = into_reset(ready(), LOST)
         assert s.gpu_lost
         s, _ = run_reset(s, 7.0)
         assert s.phase is Phase.BACKOFF and not s.gpu_lost
         restart_after_backoff(s, 101, 10.0)
 
-    def test_xid_79_failed_reset_escalates(self) -> None:
-        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+    def test_lost_gpu_failed_reset_escalates(self) -> None:
+        s, _ = into_reset(ready(), LOST)
         s, acts = run_reset(s, 7.0, failed="nvidia-smi exited 255: Unknown Error")
         assert names(acts) == ["gpu_reset", "gpu_lost"]
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
 
-    def test_xid_79_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
-        s, _ = into_reset(ready(), xid(79, "reset_once_then_escalate"))
+    def test_lost_gpu_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
+        s, _ = into_reset(ready(), LOST)
         s, acts = decide(s, ResetFacts(0, True, 0.1, (), False, "llama-guard is not root"), 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"] and not of_type(acts, RunReset)
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
@@ -404,10 +408,10 @@ class TestLostAndXid:
         for t in (5.0, 6.0):
             s, acts = decide(s, Probe(100, health_ok=False, canary_ok=None, busy=False, progressed=False), t)
         assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.FAILURE
-        s, acts = decide(s, xid(79, "reset_once_then_escalate"), 6.5)
+        s, acts = decide(s, xid(48, "reset"), 6.5)
         assert but_xid(acts) == [] and s.after_stop is AfterStop.RESET
         s, acts = decide(s, Exited(100, -15), 7.0)
-        assert InspectGpu(100, "Xid 79: test") in acts
+        assert InspectGpu(100, "Xid 48: test") in acts
 
     def test_second_fault_while_stopping_for_a_reset_does_not_reset_twice(self) -> None:
         s, _ = stop_for(ready(), line(100, OOM))
@@ -509,8 +513,7 @@ class TestXidOwnership:
         assert s2 == s and emitted(acts, "gpu_xid").fields["ours"] is None
 
     @pytest.mark.parametrize(("n", "action"), [(48, "reset"), (62, "reset"), (64, "reset"), (74, "reset"),
-                                               (95, "reset"), (119, "reset"), (120, "reset"),
-                                               (79, "reset_once_then_escalate")])
+                                               (95, "reset"), (119, "reset"), (120, "reset")])
     def test_device_xid_acts_whoever_the_pid(self, n: int, action: str) -> None:
         s, acts = decide(ready(pid=100), xid(n, action, pid=4711), 5.0)
         assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.RESET and Terminate(100) in acts
@@ -545,7 +548,7 @@ class TestXidMatcher:
 class TestDuringReset:
     def test_gpu_lost_during_the_reset_does_not_start_a_second_reset(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
-        for fault in (LOST, xid(79, "reset_once_then_escalate"), xid(48, "reset"), xid(13, "restart")):
+        for fault in (LOST, xid(79, "reboot"), xid(48, "reset"), xid(13, "restart")):
             s2, acts = decide(s, fault, 6.0)
             assert but_xid(acts) == [] and s2.phase is Phase.RESETTING and s2.resets == s.resets
             assert s2.deadline == s.deadline

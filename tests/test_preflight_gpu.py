@@ -8,6 +8,7 @@ from fake_nvml import GIB, FakeNvml
 from gguf_synth import write_gguf
 from llama_guard.config import Config
 from llama_guard.preflight import check_gpu, check_vram
+from llama_guard.verdicts import NodeAction
 
 
 def cfg(tmp: Path, model_bytes: int = 1024, **gpu: object) -> Config:
@@ -67,3 +68,17 @@ def test_no_offload_on_a_gpu_host_still_counts_the_cuda_context(tmp_path: Path) 
     row = check_vram(config, nvml_module=FakeNvml())[0]
     assert row.verdict == "OK" and "CUDA context 518" in row.detail and "weights 0" in row.detail
 
+
+
+def test_a_gpu_that_asks_for_a_reset_or_a_reboot_fails_check(tmp_path: Path) -> None:
+    fake = FakeNvml()
+    assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))  # 0: none
+    fake.gpus[0].values["recovery_action"] = 1
+    [row] = [r for r in check_gpu(cfg(tmp_path), nvml_module=fake) if r.name == "recovery"]
+    assert row.verdict == "FAIL" and "gpu_reset" in row.detail and "nvidia-smi --gpu-reset" in row.detail
+    assert row.action is NodeAction.RESET_GPU
+    fake.gpus[0].values["recovery_action"] = 2
+    [row] = [r for r in check_gpu(cfg(tmp_path), nvml_module=fake) if r.name == "recovery"]
+    assert "reboot the host" in row.detail and row.action is NodeAction.REBOOT
+    fake.gpus[0].values["recovery_action"] = None  # a driver without the field: nothing to say
+    assert "recovery" not in rows(check_gpu(cfg(tmp_path), nvml_module=fake))

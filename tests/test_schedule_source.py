@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from llama_guard.config import Config, ScheduleConfig
+from llama_guard.config import Config, ScheduleConfig, ServerConfig
 from llama_guard.core.policy import decide
 from llama_guard.core.types import (
     AfterStop,
@@ -25,7 +25,8 @@ from llama_guard.core.types import (
     State,
     Tick,
 )
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.restarts.watcher import ScheduleSource
 
 UTC = timezone.utc
@@ -40,10 +41,10 @@ def metrics(tokens: float, seconds: float) -> str:
 class Rig:
     """A ScheduleSource with a fake daemon around it: clocks, policy state, emitted and posted."""
 
-    def __init__(self, **schedule: Any) -> None:
+    def __init__(self, server: dict[str, Any] | None = None, **schedule: Any) -> None:
         keys: dict[str, Any] = {"restart_cron": "30 4 * * *", "timezone": "UTC", "min_uptime_s": 0.0}
         keys.update(schedule)
-        self.config = Config(schedule=ScheduleConfig(**keys))
+        self.config = Config(schedule=ScheduleConfig(**keys), server=ServerConfig(**(server or {})))
         self.wall = T0
         self.mono = 1000.0
         self.state = State(phase=Phase.STOPPED)
@@ -51,8 +52,9 @@ class Rig:
         self.posted: list[Any] = []
         self.rss: list[float] = []
         self.texts: list[str] = []
-        self.peers: list[Source] = []
-        self.source = ScheduleSource(peers=self.peers, wall_clock=lambda: self.wall, sample_interval_s=3600,
+        self.gpu: GpuSample | None = None
+        self.source = ScheduleSource(gpu_sample=lambda: self.gpu, wall_clock=lambda: self.wall,
+                                     sample_interval_s=3600,
                                      rss_reader=self._rss, metrics_reader=self._metrics)
         self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
                            emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
@@ -217,8 +219,9 @@ async def test_a_fault_while_draining_is_not_called_drained() -> None:
 
 
 async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
-    rig = await Rig(restart_cron="", rss_growth_mib=100.0, decay_warmup_s=0.0, decay_baseline_samples=1,
-                    decay_confirm=2).start()
+    # No host prompt cache (--cache-ram 0): all growth over the bound counts.
+    rig = await Rig(server={"extra_args": ["--cache-ram", "0"]}, restart_cron="", rss_growth_mib=100.0,
+                    decay_warmup_s=0.0, decay_baseline_samples=1, decay_confirm=2).start()
     rig.serve(100)
     rig.rss = [1000.0, 1150.0, 1160.0, 1170.0]
     for _ in range(4):
@@ -241,17 +244,32 @@ async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     assert rig.event("planned_restart_done")["kind"] == "rss_growth"
 
 
-async def test_vram_comes_from_the_gpu_source_snapshot() -> None:
-    class Gpu(Source):
-        name = "gpu"
+@pytest.mark.parametrize(("extra_args", "series", "fires"), [
+    # The host prompt cache fills up to its default cap (8192 MiB) and stays: a plateau, no leak.
+    ([], [500.0, 2500.0, 6500.0, 8600.0, 8650.0, 8640.0, 8650.0], False),
+    # The same cap, and memory still growing past it: a leak.
+    ([], [500.0, 4500.0, 8650.0, 9200.0, 9580.0, 9900.0, 10200.0], True),
+    # A smaller cap given as --cache-ram=N; the plateau at 2 GiB over the baseline is past it.
+    (["--cache-ram=1024"], [500.0, 1500.0, 2600.0, 2650.0, 2640.0, 2650.0, 2650.0], True),
+    # -1 (no limit): growth is no evidence; measured, never fired.
+    (["-cram", "-1"], [500.0, 9000.0, 20000.0, 30000.0, 40000.0, 50000.0, 60000.0], False),
+])
+async def test_host_prompt_cache_plateau_is_not_a_leak(extra_args: list[str], series: list[float],
+                                                       fires: bool) -> None:
+    rig = await Rig(server={"extra_args": extra_args}, restart_cron="", rss_growth_mib=256.0,
+                    decay_warmup_s=0.0, decay_baseline_samples=1, decay_confirm=2).start()
+    rig.serve(100)
+    rig.rss = list(series)
+    for _ in series:
+        await rig.source._sample(rig.ctx)
+        rig.advance(10)
+    assert ("decay_detected" in rig.names()) is fires, rig.emitted
 
-        def snapshot(self) -> dict[str, Any] | None:
-            return {"sample": {"processes": ({"pid": 100, "used_bytes": 2048 << 20},
-                                             {"pid": 7, "used_bytes": 1 << 30})}}
 
+async def test_vram_comes_from_the_gpu_watchers_last_sample() -> None:
     rig = await Rig(decay_warmup_s=0.0, decay_baseline_samples=1).start()
-    rig.peers.append(Gpu())
-    rig.source._peers = rig.peers
+    rig.gpu = GpuSample(GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200"),
+                        processes=(GpuProcess(100, 2048 << 20), GpuProcess(7, 1 << 30)))
     rig.serve(100)
     await rig.source._sample(rig.ctx)
     assert rig.source.monitor.vram.last_mib == 2048.0

@@ -31,8 +31,7 @@ def snapshot(**over: object) -> dict[str, object]:
                            "memory_total_bytes": 143_771 * 2**20, "clock_event_reasons": 0x1}},
         "planned_restarts": {"cron": "30 4 * * *", "timezone": "UTC", "next_fire": "2027-01-15T04:30:00+00:00",
                              "decay": {"enabled": False}, "history": []},
-        "metrics": {"listen": None, "ready_since": NOW - 600, "restarts_by_cause": {"server_oom": 1,
-                                                                                     "scheduled_restart": 1},
+        "metrics": {"listen": None, "ready_since": NOW - 600, "restarts_by_cause": {"oom": 1, "scheduled": 1},
                     "resets": []},
     }
     snap.update(over)
@@ -59,7 +58,7 @@ def test_human_layout_has_no_raw_json() -> None:
     text = "\n".join(lines)
     assert "{" not in text and "}" not in text and "[" not in text.replace("[limits]", "")
     assert "ready for 10 min 0 s" in text
-    assert "restarts" in text and "scheduled_restart 1, server_oom 1" in text and "last failure: server_oom" in text
+    assert "restarts" in text and "oom 1, scheduled 1" in text and "last failure: server_oom" in text
     assert "next planned restart  2027-01-15T04:30:00+00:00 (cron \"30 4 * * *\" UTC)" in text
     assert "0 NVIDIA H200, 41 °C, 126 W of 700 W, 796 of 143,771 MiB used" in text
     assert "server_ready: llama-server pid 42 ready after 1.20 s" in text

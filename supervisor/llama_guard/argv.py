@@ -54,6 +54,31 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
     return argv
 
 
+# llama-server's host-RAM prompt cache: ``--cache-ram N`` MiB (default 8192 in current builds,
+# 0 off, -1 no limit; llama.cpp PR 16391). Its filling up is growth by design, not a leak.
+HOST_CACHE_DEFAULT_MIB = 8192.0
+
+
+def host_cache_cap_mib(server: ServerConfig) -> float:
+    """How far llama-server's host prompt cache may grow (MiB) with ``server``'s flags: the last
+    ``--cache-ram``/``-cram`` of ``extra_args`` (``N``, ``=N``), else the build default; ``math.inf``
+    for -1 (no limit). A value that does not parse counts as the default (llama-server refuses it)."""
+    value: str | None = None
+    args = server.extra_args
+    for i, arg in enumerate(args):
+        if arg in ("--cache-ram", "-cram") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--cache-ram="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return HOST_CACHE_DEFAULT_MIB
+    try:
+        mib = float(value)
+    except ValueError:
+        return HOST_CACHE_DEFAULT_MIB
+    return float("inf") if mib < 0 else mib
+
+
 HELP_TIMEOUT_S = 20.0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -13,6 +14,7 @@ from typing import Any
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
 from llama_guard.core.offload import CallTimeout, run_with_deadline
+from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
     Credentials,
     identity_problem,
@@ -20,6 +22,7 @@ from llama_guard.core.privileges import (
     reset_precondition,
     resolve_identity,
 )
+from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.nvml import (
     DeviceNotFound,
     DriverMismatch,
@@ -282,8 +285,11 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
             return [CheckResult("gpu", Verdict.FAIL, f"GPU watch off: {opened.reason}",
                                 action=gpu_error_action(opened.error))]
         return [CheckResult("gpu", Verdict.WARN, f"GPU watch off: {opened.reason}")]
+    recovery: RecoveryAction | None = None
     try:
         sample = opened.sample()
+        with contextlib.suppress(NvmlError):  # not reported by this driver/GPU: nothing to say
+            recovery = opened.recovery_action()
     except NvmlError as exc:
         return [CheckResult("gpu", Verdict.FAIL, f"the GPU does not answer NVML: {exc}", action=gpu_error_action(exc))]
     finally:
@@ -307,6 +313,12 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     if sample.persistence_mode is False:
         results.append(CheckResult("persistence", Verdict.WARN, "persistence mode is off: enable the "
                                                           "nvidia-persistenced service"))
+    if recovery is not None and recovery is not RecoveryAction.NONE:
+        results.append(CheckResult("recovery", Verdict.FAIL,
+                                   f"the driver asks for a recovery action ({recovery.name.lower()}, NVML's "
+                                   f"GPU recovery action field): {RECOVERY_ADVICE[recovery]}",
+                                   action=NodeAction.RESET_GPU if recovery is RecoveryAction.GPU_RESET
+                                   else NodeAction.REBOOT))
     for proc in sample.processes or ():
         verdict = Verdict.FAIL if config.gpu.foreign_processes is ForeignProcesses.REFUSE else Verdict.WARN
         results.append(CheckResult("gpu process", verdict,

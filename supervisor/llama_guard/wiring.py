@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.daemon import ServiceNotifier
+from llama_guard.core.service import ServiceNotifier
 from llama_guard.core.watcher import Source
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink, journald_enabled
@@ -42,8 +42,9 @@ def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | 
     from llama_guard.restarts.watcher import ScheduleSource
 
     gpu = GpuSource(nvml_module=nvml_module, estimate_need_mib=estimated_need_mib_in_child)
-    sources: list[Source] = [LimitsSource(), gpu, ScheduleSource(peers=[gpu])]
-    metrics = MetricsSource(peers=sources)
+    limits = LimitsSource()
+    sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample)]
+    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
     if emitter is not None:
         emitter.sinks.append(metrics)
         metrics.attached = True

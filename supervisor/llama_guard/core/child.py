@@ -141,15 +141,6 @@ class ServerProcess:
                 return
             yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
 
-    async def wait(self) -> int:
-        """Wait for the child to exit and return its status (negative: killed by that signal).
-
-        Afterwards, any process left in its group gets SIGKILL, so nothing outlives the server.
-        """
-        code = await self.proc.wait()
-        self.signal_group(signal.SIGKILL)
-        return code
-
 
 async def spawn(argv: list[str], env: Mapping[str, str], *,
                 preexec_extra: Callable[[], None] | None = None,

@@ -1,17 +1,22 @@
-"""What a reload (SIGHUP) can apply: whether the new file could start a server, and, key by key,
-whether a change takes effect now, at the next server start, or only at the next daemon start.
+"""A reload (SIGHUP): load and check the new file (:func:`load_candidate`: could it start a
+server?), and, key by key, whether a change takes effect now, at the next server start, or only at
+the next daemon start (:func:`reload_report`). The daemon applies an accepted candidate.
 
-Pure except :func:`startable` (it looks at the binary and the model file: blocking, so the daemon
-runs it on a lane with a deadline).
+Pure except :func:`startable` (it looks at the binary and the model file: blocking) and
+:func:`load_candidate`, which runs the blocking steps on the daemon's ``config`` lane with deadlines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_guard.argv import resolve_binary
-from llama_guard.config import Config
+from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.privileges import ServerIdentity
+from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, prepare
 from llama_guard.preflight import model_problem
 
 # Keys read live (from the current config, by the policy's parameters or a watcher's on_reload):
@@ -91,3 +96,48 @@ def startable(config: Config) -> str:
         return f"server.binary: {config.server.binary!r} not found"
     problem = model_problem(Path(config.server.model))
     return f"server.model: {problem}" if problem else ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A reloaded configuration that could start a server, with its API key and identity."""
+
+    config: Config
+    key: str
+    identity: ServerIdentity
+
+
+async def load_candidate(path: Path, lanes: dict[str, Lane], emit: Callable[..., None]) -> Candidate | None:
+    """Load and check ``path`` for a reload on the ``config`` lane, each step bounded by
+    MODEL_CHECK_TIMEOUT_S (a model on a hung filesystem, a FIFO). None when it is refused: every
+    reason is reported as ``config_error`` and the running configuration stays."""
+    keep = " (keeping the running configuration)"
+    try:
+        new = await lanes["config"].run(lambda: load_config(path), MODEL_CHECK_TIMEOUT_S, f"loading {path}")
+        problem = await lanes["config"].run(lambda: startable(new), MODEL_CHECK_TIMEOUT_S,
+                                            f"checking {new.server.model}")
+        key, identity = await lanes["config"].run(lambda: prepare(new, path), MODEL_CHECK_TIMEOUT_S,
+                                                  "reading [server].api_key_file")
+    except ConfigError as exc:
+        for line in exc.lines:
+            emit("config_error", reason=line + keep)
+        return None
+    except (CallTimeout, LaneBusy) as exc:
+        emit("config_error", reason=f"{path}: {exc}{keep}")
+        return None
+    except Exception as exc:  # never leave systemd in "reloading"
+        emit("config_error", reason=f"{path}: cannot be loaded: {exc!r}{keep}")
+        return None
+    if problem:
+        emit("config_error", reason=f"{path}: {problem}{keep}")
+        return None
+    return Candidate(new, key, identity)
+
+
+def emit_reloaded(emit: Callable[..., None], path: Path, old: Config, new: Config) -> None:
+    """The ``config_reloaded`` event: which changed keys take effect when (:func:`reload_report`)."""
+    report = reload_report(old, new)
+    emit("config_reloaded", config_path=str(path), changed=",".join(report.changed),
+         applied=",".join(report.applied), server_restart=",".join(report.server_restart),
+         next_server_start=",".join(report.next_server_start),
+         needs_daemon_restart=",".join(report.daemon_restart), changed_text=report.text())

@@ -23,6 +23,10 @@ class Family(enum.Enum):
     READY_HINT = "ready_hint"          # "listening on", "model loaded": informative, not readiness
     OOM = "oom"                        # out of GPU memory, at load or at run time
     GPU_FATAL = "gpu_fatal"            # fatal GPU runtime error other than OOM
+    # The kernel's launch watchdog ended one of the server's kernels (one channel, not the GPU):
+    # restart the server, never reset the GPU.
+    GPU_WATCHDOG = "gpu_watchdog"
+    DEVICE_LOST = "device_lost"        # the backend lost its device (Vulkan's ErrorDeviceLost)
     GPU_ABORT = "gpu_abort"            # the "<file>.cu:<line>: CUDA error" abort line, message elsewhere
     BOOT_CONFIG = "boot_config"        # cannot start for a configuration reason
     LOAD_FAILED = "load_failed"        # model load failed; the cause is on another line
@@ -35,6 +39,8 @@ class Family(enum.Enum):
     # A fixed property of the binary, the driver or the card: no restart or reset can fix it.
     GPU_INCOMPATIBLE = "gpu_incompatible"
     ERROR = "error"                    # any other error or abort line (kept to name a failure)
+    # An exception the server caught: it answered that request with an error and carries on.
+    HANDLED_ERROR = "handled_error"
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,13 @@ class LineClass:
     family: Family
     cause: str = ""
     limit: str = ""
+    request_kind: str = ""  # for exception lines: the kind of request the text points at ("" unknown)
 
 
 # Families whose lines name a failure (the "last error line" of a server that then exits).
-ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_ABORT, Family.BOOT_CONFIG,
-                            Family.LOAD_FAILED, Family.RESOURCE_LIMIT, Family.ALLOC_FAILED,
-                            Family.GPU_INCOMPATIBLE, Family.ERROR})
+ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_WATCHDOG, Family.DEVICE_LOST,
+                            Family.GPU_ABORT, Family.BOOT_CONFIG, Family.LOAD_FAILED, Family.RESOURCE_LIMIT,
+                            Family.ALLOC_FAILED, Family.GPU_INCOMPATIBLE, Family.ERROR})
 
 
 _GPU_API = r"(?:CUDA|HIP|ROCm|MUSA|SYCL)"
@@ -100,7 +107,9 @@ TABLE: tuple[_Row, ...] = (
     # Out of memory, fatal by itself: the CUDA_CHECK abort (the process aborts next) and a KV cache
     # that does not fit (the context is not created; the server exits).
     _row(_GPU_API + r" error: out of memory", F.OOM, _fixed("GPU runtime out of memory")),
-    _row(r"ErrorOutOfDeviceMemory", F.OOM, _fixed("device out of memory")),
+    # Vulkan words it as vulkan.hpp's result name or the C enum (ggml-vulkan.cpp).
+    _row(r"ErrorOutOfDeviceMemory|VK_ERROR_OUT_OF_DEVICE_MEMORY|OutOfDeviceMemoryError", F.OOM,
+         _fixed("device out of memory (Vulkan)")),
     _row(r"failed to allocate buffer for kv cache", F.OOM, _fixed("failed to allocate the KV cache")),
     # An allocation failed; llama.cpp may recover from it (the policy judges by what follows).
     _row(r"cudaMalloc failed: out of memory", F.ALLOC_FAILED, _fixed("cudaMalloc failed: out of memory")),
@@ -108,9 +117,18 @@ TABLE: tuple[_Row, ...] = (
          _group("failed to allocate {0} buffer of {1} bytes")),
     _row(r"unable to allocate (\S+) buffer", F.ALLOC_FAILED, _group("unable to allocate {0} buffer")),
     _row(r"failed to allocate compute buffers", F.ALLOC_FAILED, _fixed("failed to allocate compute buffers")),
+    _row(r"Device memory allocation of size (\d+) failed", F.ALLOC_FAILED,
+         _group("Vulkan device memory allocation of {0} bytes failed")),
     # llama.cpp's own recovery from a failed allocation.
     _row(r"retrying without pipeline parallelism", F.ALLOC_RECOVERED,
          _fixed("compute buffers reserved again without pipeline parallelism")),
+    # The launch watchdog: a kernel ran past the time the driver allows on its channel (CUDA's
+    # cudaErrorLaunchTimeout, HIP's hipErrorLaunchTimeOut).
+    _row(r"launch timed out and was terminated|ErrorLaunchTimeOut|CUDA_ERROR_LAUNCH_TIMEOUT", F.GPU_WATCHDOG,
+         _fixed("the launch watchdog ended a kernel (the launch timed out and was terminated)")),
+    # Vulkan: the device was lost (driver reset, hang, GPU gone).
+    _row(r"ErrorDeviceLost|VK_ERROR_DEVICE_LOST|DeviceLostError", F.DEVICE_LOST,
+         _fixed("the GPU device was lost (Vulkan ErrorDeviceLost)")),
     # Fatal GPU runtime errors other than OOM.
     _row(_GPU_API + r" error: (.+?)\s*$", F.GPU_FATAL, _group("{0}")),
     _row(r"\.cu[h]?:\d+: " + _GPU_API + r" error", F.GPU_ABORT, _fixed("GPU runtime error (abort)")),
@@ -140,13 +158,46 @@ TABLE: tuple[_Row, ...] = (
     # Progress that is informative only (readiness is /health 200).
     _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
     _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
+    # An exception the HTTP handler caught: that request got an error reply; the server carries on.
+    # (llama-server's "got exception:" / "got another exception:" of the HTTP layer, "send_error" of a
+    # task, a grammar that does not parse: the client gets a 4xx/5xx answer.)
+    _row(r"(?:got|caught)(?: another)? exception:\s*(.+?)\s*$", F.HANDLED_ERROR, _group("request failed: {0}")),
+    _row(r"send_error: task id = \d+, error: (.+?)\s*$", F.HANDLED_ERROR, _group("request failed: {0}")),
+    _row(r"error parsing grammar|failed to parse grammar", F.HANDLED_ERROR,
+         _fixed("request failed: its grammar does not parse")),
+    _row(r"failed to launch slot with task", F.HANDLED_ERROR, _fixed("request failed: its slot was not launched")),
     # Any other error or abort line: not a verdict by itself, but it names why a server exited.
     _row(r"GGML_ASSERT\((.+?)\) failed", F.ERROR, _group("assertion failed: {0}")),
-    _row(r"terminate called after throwing|what\(\):", F.ERROR, _fixed("uncaught exception")),
+    _row(r"terminate called after throwing an instance of '([^']+)'", F.ERROR, _group("uncaught exception {0}")),
+    _row(r"what\(\):\s*(.+?)\s*$", F.ERROR, _group("uncaught exception: {0}")),
+    _row(r"terminate called", F.ERROR, _fixed("uncaught exception")),
+    # glibc's heap checks abort the process (often while unwinding after another error).
+    _row(r"(double free or corruption[^\n]*|free\(\): invalid \w+|malloc\(\): [\w ]+|corrupted size vs\. prev_size"
+         r"|munmap_chunk\(\): invalid pointer)", F.ERROR, _group("glibc heap check aborted: {0}")),
     _row(r"\b(?:error|failed|fatal|abort(?:ed|ing)?|panic)\b", F.ERROR, _fixed("error line")),
 )
 
 _HARMLESS = LineClass(Family.HARMLESS)
+
+
+# What an exception's text says about the request that raised it (first match wins).
+_REQUEST_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), kind) for pattern, kind in (
+        (r"grammar|json[_ ]schema|response_format", "grammar-constrained request (grammar, json_schema, "
+                                                    "response_format)"),
+        (r"tool[_ ]?(?:call|choice)|\btools\b|parse tool|function call", "tool-call request"),
+        (r"jinja|chat template|template", "chat-template rendering"),
+        (r"embedding|pooling", "embeddings request"),
+        (r"rerank", "rerank request"),
+        (r"infill", "infill request"),
+        (r"json\.exception|parse_error|invalid json", "malformed JSON request"),
+        (r"image|mtmd|multimodal|clip", "multimodal (image) request"),
+    ))
+
+
+def request_kind(text: str) -> str:
+    """The kind of request an exception's text points at; "" when it names none."""
+    return next((kind for pattern, kind in _REQUEST_KINDS if pattern.search(text)), "")
 
 
 def classify_line(line: str) -> LineClass:
@@ -155,5 +206,7 @@ def classify_line(line: str) -> LineClass:
         match = pattern.search(line)
         if match:
             text, limit = cause(match)
-            return LineClass(family, text, limit)
+            exception = family is Family.HANDLED_ERROR or (family is Family.ERROR and "exception" in text)
+            kind = request_kind(text) if exception else ""
+            return LineClass(family, text, limit, kind)
     return _HARMLESS

@@ -54,7 +54,22 @@ class XidAction(enum.Enum):
     RESET = "reset"  # stop the server, reset the GPU
     RESET_ONCE_THEN_ESCALATE = "reset_once_then_escalate"  # try one reset; if it fails, escalate
     FOLLOW_RECOVERY_ACTION = "follow_recovery_action"  # Xid 154: read the recovery action
+    REBOOT = "reboot"  # the GPU cannot come back without a reboot: stop, no reset, advise a reboot
     EVENT_ONLY = "event_only"  # report, nothing else
+
+
+class RecoveryAction(enum.Enum):
+    """What the driver says the GPU needs (NVML's ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` field, and
+    the text of Xid 154); the values are NVML's ``NVML_GPU_RECOVERY_ACTION_*`` codes."""
+
+    NONE = 0
+    GPU_RESET = 1
+    NODE_REBOOT = 2
+    DRAIN_P2P = 3
+    DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
 
 
 class XidScope(enum.Enum):
@@ -92,12 +107,27 @@ class ResetOutcome(enum.Enum):
 
 
 class RestartCause(enum.Enum):
-    """Why a graceful restart is asked for; the policy names the event from it."""
+    """Why the server is restarted: set by the policy when it decides the stop (or counts the
+    failure) and carried on ``server_restart`` as ``restart_cause`` (journald ``RESTART_CAUSE``;
+    the ``cause`` label of ``llama_guard_restarts_total``). The last four are planned restarts, the
+    causes a :class:`RestartRequest` carries; the policy names the request's event from them."""
 
-    OPERATOR = "operator"            # SIGUSR1, ``llama-guard restart``
-    SCHEDULE = "schedule"            # the cron schedule
-    DECAY = "decay"                  # a decay trigger (VRAM/RSS growth, speed drop)
-    CONFIG_CHANGE = "config_change"  # a reload changed the server's flags
+    CRASH = "crash"                      # the server exited on its own (a signal, an exit status)
+    OOM = "oom"                          # out of GPU (or host) memory: an OOM line, an allocation failure
+    CUDA_ERROR = "cuda_error"            # a fatal CUDA/GPU error line or an abort after one
+    HANG = "hang"                        # liveness: probes failed with no progress, hang_strikes rounds
+    COMPLETION_ERROR = "completion_error"  # /health answers but the canary completion answers HTTP 5xx
+    LOAD_STALLED = "load_stalled"        # loading showed no progress signal for load_stall_s
+    LOAD_TIMEOUT = "load_timeout"        # not ready within load_timeout_s
+    GPU_UNAVAILABLE = "gpu_unavailable"  # the server is not on the GPU it must use
+    GPU_LOST = "gpu_lost"                # NVML or the kernel lost the GPU
+    XID = "xid"                          # an Xid that calls for a restart or a reset
+    SPAWN_FAILED = "spawn_failed"        # the start itself failed (a hung model file, before_spawn refused)
+    VRAM_WAIT = "vram_wait"              # another process kept the VRAM past vram_wait_timeout_s
+    OPERATOR = "requested"               # SIGUSR1, ``llama-guard restart``
+    SCHEDULE = "scheduled"               # the cron schedule
+    DECAY = "decay"                      # a decay trigger (VRAM/RSS growth, speed drop)
+    CONFIG_CHANGE = "reload"             # a reload changed the server's flags
 
 
 @dataclass(frozen=True)
@@ -188,6 +218,10 @@ class GpuFault(Input):
     origin: XidOrigin = XidOrigin.NVML
     gpu_index: int | None = None
     line: str = ""                    # the kernel-log text, when there is one
+    # Xid 154 (FOLLOW_RECOVERY_ACTION): what the driver asks for, from the kernel line or NVML's
+    # recovery-action field (None: neither said).
+    recovery: RecoveryAction | None = None
+    watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
 
 
 @dataclass(frozen=True)
@@ -255,6 +289,8 @@ class VramFacts(Input):
     need_mib: int | None
     holders: tuple[GpuHolder, ...] = ()
     error: str = ""
+    # NVML's recovery-action field read with the sample (None: not readable on this driver/GPU).
+    recovery: RecoveryAction | None = None
 
 
 @dataclass(frozen=True)
@@ -485,6 +521,7 @@ class State:
     fault: str = ""             # why the current/last server is being stopped
     pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
     last_failure: str = ""
+    cause: RestartCause = RestartCause.CRASH  # why the next restart happens (set with the fault or plan)
     restarts: int = 0
     resets: tuple[float, ...] = ()
     reset_reason: str = ""
@@ -499,6 +536,8 @@ class State:
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
     boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
+    watchdog_hits: tuple[float, ...] = ()  # when a launch-watchdog timeout stopped a server (window)
+    crashes: tuple[tuple[float, str], ...] = ()  # (when, signature) of crashes after ready (window)
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -42,6 +42,12 @@ _NAME = re.compile(r"\bname=(?P<name><unknown>|[^,]+?)(?:,|$)")
 _FELL_ONE_LINE = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*fallen off the bus")
 _FELL_START = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*(?P<rest>.*)$")
 _FELL_END = re.compile(r"fallen off the bus")
+# The driver could not initialise the GPU (after it fell off the bus, or a dead card): every open of
+# the device then fails, and the server falls back to the CPU.
+# Older drivers name no bus id ("NVRM: RmInitAdapter failed! (0x25:0x65:1211)"): such a line is
+# taken as ours, since the driver could not even identify the GPU it failed on.
+_ADAPTER = re.compile(r"NVRM: (?:GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+):?\s.*?)?"
+                      r"(?:RmInitAdapter|rm_init_adapter) failed")
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,15 @@ class XidRecord:
 
 
 @dataclass(frozen=True)
+class AdapterInitFailed:
+    """The driver could not initialise the GPU at ``pci`` (``RmInitAdapter failed!``; "" when neither
+    the line nor the parser names one): no reset brings it back; ``text`` is the message."""
+
+    pci: str
+    text: str
+
+
+@dataclass(frozen=True)
 class UnparsedXid:
     """An ``NVRM: Xid`` line the parser could not read: ``text`` is the message as it came."""
 
@@ -77,8 +92,10 @@ def strip_prefix(line: str) -> str:
 
 
 class KmsgParser:
-    """Fed kernel-log lines one at a time; returns the :class:`XidRecord` s for ``pci_bus_id`` (and
-    an :class:`UnparsedXid` for any ``NVRM: Xid`` line it cannot read, whatever its GPU).
+    """Fed kernel-log lines one at a time; returns the :class:`XidRecord` s and
+    :class:`AdapterInitFailed` s for ``pci_bus_id`` (and an :class:`UnparsedXid` for any ``NVRM: Xid``
+    line it cannot read, whatever its GPU). The driver's second line about one adapter failure
+    (``rm_init_adapter failed`` right after ``RmInitAdapter failed!``) is not reported again.
 
     ``pci_bus_id`` in any spelling; None keeps every GPU's records. Stateful only for the
     three-line fallen-off-the-bus message.
@@ -87,11 +104,12 @@ class KmsgParser:
     def __init__(self, pci_bus_id: str | None) -> None:
         self.pci = normalise_pci(pci_bus_id) if pci_bus_id else None
         self._pending: tuple[str, list[str]] | None = None  # (pci, lines) of a multi-line message
+        self._adapter_pci: str | None = None  # the GPU of an adapter failure on the previous NVRM line
 
     def _ours(self, pci: str | None) -> bool:
         return pci is not None and (self.pci is None or pci == self.pci)
 
-    def feed(self, line: str) -> list[XidRecord | UnparsedXid]:
+    def feed(self, line: str) -> list[XidRecord | AdapterInitFailed | UnparsedXid]:
         """Parse one line (kmsg record, dmesg line or bare text); kmsg continuation lines
         (starting with a space, e.g. `` SUBSYSTEM=pci``) are ignored."""
         if line.startswith(" ") and "=" in line and "NVRM" not in line:
@@ -99,7 +117,15 @@ class KmsgParser:
         text = strip_prefix(line)
         if "NVRM:" not in text:
             return []
-        out: list[XidRecord | UnparsedXid] = []
+        adapter = _ADAPTER.search(text)
+        previous, self._adapter_pci = self._adapter_pci, None
+        if adapter is not None:
+            pci = normalise_pci(adapter["pci"]) if adapter["pci"] else (self.pci or "")
+            self._adapter_pci = pci
+            if pci is None or pci == previous or (pci and not self._ours(pci)):
+                return []
+            return [AdapterInitFailed(pci, text)]
+        out: list[XidRecord | AdapterInitFailed | UnparsedXid] = []
         if self._pending is not None:
             pending_pci, lines = self._pending
             lines.append(text)

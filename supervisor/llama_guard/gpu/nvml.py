@@ -25,7 +25,7 @@ The ``pynvml`` module is injectable (``module=``): tests pass a fake. The method
 "fastest first" unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so the index in ``CUDA_VISIBLE_DEVICES``
 may name another GPU: start the server with ``CUDA_VISIBLE_DEVICES=<uuid>`` (:attr:`GpuIdentity.uuid`).
 
-Size (~650 lines): the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
+Size (~700 lines): the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
 call, its deadline, its error translation and its cache live here so nothing else touches ``pynvml``.
 """
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llama_guard.config import GpuWatchMode
+from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
@@ -614,6 +615,35 @@ class Nvml:
             except _SESSION_ERRORS:
                 self._release()
                 raise
+
+    def recovery_action(self) -> RecoveryAction:
+        """What the driver says the GPU needs: the ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` field
+        (``nvmlDeviceGetFieldValues``; 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and
+        reset, ...). The call succeeds even for a field the driver does not know: the field's own
+        return code then says so (INVALID_ARGUMENT or NOT_SUPPORTED: :class:`NotSupported`, as is a
+        ``pynvml`` without the constant). Raises like :meth:`sample` otherwise."""
+        call = "nvmlDeviceGetFieldValues(GPU_RECOVERY_ACTION)"
+        with self._lock:
+            self.open()
+            m = self._load_module()
+            try:
+                field_id = m.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+            except AttributeError:
+                raise NotSupported(call, 13, "this pynvml has no NVML_FI_DEV_GET_GPU_RECOVERY_ACTION") from None
+            try:
+                (value,) = self._dev("nvmlDeviceGetFieldValues", [field_id])
+            except _SESSION_ERRORS:
+                self._release()
+                raise
+        code = int(value.nvmlReturn)
+        if code in (2, 3):  # INVALID_ARGUMENT (a field this driver does not know), NOT_SUPPORTED
+            raise NotSupported(call, code, "the driver does not report the GPU recovery action")
+        if code != 0:
+            raise _BY_CODE.get(code, NvmlError)(call, code, f"field return code {code}")
+        try:
+            return RecoveryAction(int(value.value.uiVal))
+        except ValueError:
+            raise NvmlError(call, -1, f"unknown recovery action {int(value.value.uiVal)}") from None
 
     def set_persistence(self, enabled: bool) -> None:
         """The ONE writing call: set persistence mode (root only). Raises :class:`NoPermission`

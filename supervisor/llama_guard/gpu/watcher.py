@@ -11,6 +11,7 @@ tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
@@ -22,10 +23,19 @@ import psutil
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFault, GpuFaultKind, Phase, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.types import (
+    GpuFault,
+    GpuFaultKind,
+    Phase,
+    RecoveryAction,
+    ResetDone,
+    ResetFacts,
+    VramFacts,
+    XidAction,
+)
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
-from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
+from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
@@ -35,7 +45,7 @@ from llama_guard.gpu.rules import (
     sample_once,
     server_on_gpu,
 )
-from llama_guard.gpu.xid import XidMatcher, XidReport, run_xid_waiter, xid_info
+from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
@@ -71,6 +81,7 @@ class GpuSource(Source):
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
+        self._nvml_recovery: RecoveryAction | None = None  # the field as read with NVML's latest Xid 154
         # The estimate of the start being admitted: read once per start (the GGUF read costs seconds
         # of CPU), not per VRAM poll; shared by the polls while it runs in its thread.
         self._need_estimate: asyncio.Future[int | None] | None = None
@@ -121,7 +132,13 @@ class GpuSource(Source):
         nvml, index = self.nvml, self.identity.index
 
         def on_xid(xid: int) -> None:
-            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid)
+            # NVML's Xid 154 carries no text: what the driver asks for is read from its field here,
+            # in this thread (each NVML call has its deadline), not on the loop.
+            recovery = None
+            if xid_info(xid).action is XidAction.FOLLOW_RECOVERY_ACTION:
+                with contextlib.suppress(NvmlError):
+                    recovery = nvml.recovery_action()
+            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid, recovery)
 
         def on_error(exc: NvmlError) -> None:
             return None  # the sampler reports a lost GPU; the waiter re-registers by itself
@@ -191,15 +208,21 @@ class GpuSource(Source):
 
     # ------------------------------------------------------------ observations
 
-    def _on_nvml_xid(self, ctx: Context, xid: int) -> None:
+    def _on_nvml_xid(self, ctx: Context, xid: int, recovery: RecoveryAction | None = None) -> None:
+        if recovery is not None:
+            self._nvml_recovery = recovery
         self._post_xids(ctx, self.xids.nvml(xid, ctx.clock()))
         due = self.xids.next_due()
         if due is not None:  # an application Xid waits (bounded) for its kernel line
             ctx.loop.call_later(max(0.0, due - ctx.clock()) + 0.01, self._flush_xids, ctx)
 
-    def _on_kmsg_record(self, ctx: Context, record: XidRecord | UnparsedXid) -> None:
+    def _on_kmsg_record(self, ctx: Context, record: XidRecord | AdapterInitFailed | UnparsedXid) -> None:
         if isinstance(record, UnparsedXid):
             ctx.emit("gpu_xid_unparsed", gpu_index=self._gpu_index(), line=record.text)
+            return
+        if isinstance(record, AdapterInitFailed):
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, f"the driver cannot initialise GPU {record.pci} (RmInitAdapter "
+                              "failed)", XidAction.REBOOT, gpu_index=self._gpu_index(), line=record.text))
             return
         self._post_xids(ctx, self.xids.kmsg(record, ctx.clock()))
 
@@ -213,8 +236,15 @@ class GpuSource(Source):
         """Hand each Xid to the policy with its table row; the policy judges whose it is."""
         for rep in reports:
             info = xid_info(rep.xid)
+            # Xid 154: the kernel line says which recovery action, else NVML's field as read with the
+            # event; neither (None): the policy resets, and the field is read again before the next start.
+            recovery = None
+            if info.action is XidAction.FOLLOW_RECOVERY_ACTION:
+                recovery = recovery_action_of(rep.text)
+                recovery = self._nvml_recovery if recovery is None else recovery
             ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
-                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text))
+                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text,
+                              recovery=recovery, watchdog=info.watchdog))
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:
@@ -304,7 +334,17 @@ class GpuSource(Source):
             return VramFacts(index, None, need, error=why)
         own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
         free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
-        return VramFacts(index, free, need, holders_of(sample, own))
+        return VramFacts(index, free, need, holders_of(sample, own), recovery=await self._recovery_action())
+
+    async def _recovery_action(self) -> RecoveryAction | None:
+        """NVML's recovery-action field, read before each start (an Xid may have gone by unseen);
+        None where this driver or GPU does not report it, or NVML fails (the sample says why)."""
+        if self.nvml is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.nvml.recovery_action)
+        except NvmlError:
+            return None
 
     def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
         """One sampler tick, or None while a reset holds our NVML session released."""
@@ -423,9 +463,14 @@ class GpuSource(Source):
             return None
         return busy
 
+    def last_sample(self) -> GpuSample | None:
+        """The latest NVML sample of the watched GPU (frozen); None while the watch is off or before
+        the first one. The typed accessor other watchers read (decay's VRAM, metrics)."""
+        return self.watch.last_sample if self.watch is not None else None
+
     def status_fragment(self) -> str:
         """``GPU 0 61°C 212 W`` from the latest sample, for sd_notify STATUS= (empty when off)."""
-        last = self.watch.last_sample if self.watch is not None else None
+        last = self.last_sample()
         if last is None:
             return ""
         parts = [f"GPU {last.identity.index}"]

@@ -13,15 +13,17 @@ and where that comes from.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llama_guard.core.types import XidAction, XidOrigin, XidScope
+from llama_guard.core.types import RecoveryAction, XidAction, XidOrigin, XidScope
 from llama_guard.gpu.kmsg import XidRecord
 from llama_guard.gpu.nvml import NotSupported, Nvml, NvmlError, XidEventSet
 
-__all__ = ["XID_TABLE", "XidAction", "XidInfo", "XidMatcher", "XidReport", "run_xid_waiter", "xid_info"]
+__all__ = ["XID_TABLE", "XidAction", "XidInfo", "XidMatcher", "XidReport", "recovery_action_of", "run_xid_waiter",
+           "xid_info"]
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,19 @@ class XidInfo:
     action: XidAction
     scope: XidScope
     source: str = "facts/gpu.md"
+    watchdog: bool = False  # a watchdog timeout on one channel (the policy says when it repeats)
 
 
 _A, _S = XidAction, XidScope
 _APP = "facts/gpu.md: app-level fault of the process named by pid=/name="
+_CATALOGUE = "NVIDIA Xid catalogue (docs.nvidia.com/deploy/xid-errors)"
 XID_TABLE: dict[int, XidInfo] = {
     info.xid: info
     for info in (
+        # The channel's idle watchdog (ROBUST_CHANNEL_FIFO_ERROR_IDLE_TIMEOUT): one process's work
+        # stopped on its channel; NVIDIA's catalogue says restart the application.
+        XidInfo(8, "GPU stopped processing on one channel (watchdog timeout)", _A.RESTART, _S.APP, _CATALOGUE,
+                watchdog=True),
         XidInfo(13, "graphics engine exception", _A.RESTART, _S.APP, _APP),
         XidInfo(31, "GPU memory page fault (MMU fault)", _A.RESTART, _S.APP, _APP),
         XidInfo(43, "GPU stopped processing (channel reset)", _A.RESTART, _S.APP, _APP),
@@ -55,12 +63,48 @@ XID_TABLE: dict[int, XidInfo] = {
         XidInfo(95, "uncontained ECC error", _A.RESET, _S.DEVICE),
         XidInfo(119, "GSP RPC timeout", _A.RESET, _S.DEVICE),
         XidInfo(120, "GSP error", _A.RESET, _S.DEVICE),
-        XidInfo(79, "GPU has fallen off the bus", _A.RESET_ONCE_THEN_ESCALATE, _S.DEVICE),
+        # Off the bus: the driver cannot reach the card, a reset cannot either; the catalogue's
+        # immediate action is restarting the machine.
+        XidInfo(79, "GPU has fallen off the bus", _A.REBOOT, _S.DEVICE, _CATALOGUE),
         XidInfo(63, "ECC page retirement or row remap recording (pending)", _A.EVENT_ONLY, _S.DEVICE),
         XidInfo(92, "high single-bit ECC error rate", _A.EVENT_ONLY, _S.DEVICE),
         XidInfo(154, "GPU recovery action changed", _A.FOLLOW_RECOVERY_ACTION, _S.DEVICE),
     )
 }
+
+
+# Xid 154's text: "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"; the
+# "from" part, the "0x" and the parenthesised name are each optional, and a name alone is read too.
+_RECOVERY_TO = re.compile(r"recovery action changed\s+(?:from\s+.*?\s+)?to\s+(?P<to>.+)$", re.IGNORECASE)
+_CODE = re.compile(r"^(?:0x)?(?P<code>[0-9a-fA-F]+)\b")
+_NAMES: tuple[tuple[re.Pattern[str], RecoveryAction], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), action) for pattern, action in (
+        (r"drain\s+and\s+reset", RecoveryAction.DRAIN_AND_RESET),
+        (r"drain\s+p2p|drain peer", RecoveryAction.DRAIN_P2P),
+        (r"imex", RecoveryAction.RECOVER_IMEX_DOMAIN),
+        (r"bus\s+reset", RecoveryAction.BUS_RESET),
+        (r"system\s+reboot|power\s+cycle", RecoveryAction.SYSTEM_REBOOT),
+        (r"node\s+reboot|reboot", RecoveryAction.NODE_REBOOT),
+        (r"gpu\s+reset|reset\s+required", RecoveryAction.GPU_RESET),
+        (r"\bnone\b", RecoveryAction.NONE),
+    ))
+
+
+def recovery_action_of(text: str) -> RecoveryAction | None:
+    """The recovery action an Xid 154 line changed *to* (its code, else its name); None when the
+    text names none or an unknown code (the policy then resets, and NVML's recovery-action field is
+    read again before the next start)."""
+    match = _RECOVERY_TO.search(text)
+    if match is None:
+        return None
+    to = match["to"].strip()
+    code = _CODE.match(to)
+    if code is not None:
+        try:
+            return RecoveryAction(int(code["code"], 16))
+        except ValueError:
+            return None
+    return next((action for pattern, action in _NAMES if pattern.search(to)), None)
 
 
 def xid_info(xid: int) -> XidInfo:

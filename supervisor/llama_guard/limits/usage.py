@@ -72,7 +72,7 @@ class UsageSampler:
     """Samples one llama-server process (keeps one :class:`psutil.Process` between samples).
 
     ``limits`` are the pid's limits (default: :func:`~llama_guard.limits.rlimits.read_limits` at
-    construction; call :meth:`refresh_limits` after a ``prlimit`` from outside).
+    construction).
     ``connections``: also count inet connections. That costs ~10 ms per count (psutil reads
     every fd link and ``/proc/net/tcp*``; see ``benchmarks/bench_usage_sample.py``) against
     ~0.2 ms for fds + threads, so it is counted on every ``connections_every``-th sample
@@ -98,10 +98,6 @@ class UsageSampler:
         self._count = 0
         self._last_connections: int | None = None
         self._cgroup = cgroup
-
-    def refresh_limits(self) -> None:
-        """Re-read the pid's limits (``/proc/<pid>/limits`` or ``prlimit``)."""
-        self.limits = read_limits(self.pid)
 
     def sample(self) -> UsageSample:
         """One :class:`UsageSample`; a count that cannot be read (process gone, no access) is ``None``."""

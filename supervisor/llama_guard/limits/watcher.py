@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from llama_guard.core.watcher import Context, Source
@@ -19,7 +20,7 @@ from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
 from llama_guard.limits.plan import LimitPlan, plan_child_limits
 from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
 from llama_guard.limits.rlimits import format_limit
-from llama_guard.limits.usage import UsageSampler, UsageTracker
+from llama_guard.limits.usage import UsageSample, UsageSampler, UsageTracker
 
 
 class LimitsSource(Source):
@@ -34,7 +35,7 @@ class LimitsSource(Source):
         self._pid: int | None = None
         self._sampler: UsageSampler | None = None
         self._tracker: UsageTracker | None = None
-        self._last_usage: dict[str, Any] = {}
+        self._last_usage: UsageSample | None = None
 
     def _say_once(self, ctx: Context, name: str, **fields: Any) -> None:
         key = f"{name}:{fields.get('limit', '')}:{fields.get('reason', '')}"
@@ -89,10 +90,7 @@ class LimitsSource(Source):
                 sample = await asyncio.to_thread(sampler.sample)
             except (ProcessLookupError, OSError):
                 continue
-            self._last_usage = {"pid": sample.pid, "fds": sample.fds, "threads": sample.threads,
-                                "connections": sample.connections, "nofile_limit": sample.nofile_limit,
-                                "nproc_limit": sample.nproc_limit, "pids_current": sample.pids_current,
-                                "pids_max": sample.pids_max}
+            self._last_usage = sample
             for event in tracker.update(sample, ctx.clock()):
                 ctx.emit(event.name, **event.fields)
 
@@ -102,5 +100,10 @@ class LimitsSource(Source):
     def snapshot(self) -> dict[str, Any] | None:
         if self.plan is None:
             return None
-        return {"rows": limits_report(self.plan, self.applied), "usage": self._last_usage,
-                "daemon_pid": os.getpid()}
+        usage = {} if self._last_usage is None else asdict(self._last_usage)
+        return {"rows": limits_report(self.plan, self.applied), "usage": usage, "daemon_pid": os.getpid()}
+
+    def last_usage(self) -> UsageSample | None:
+        """The server's latest resource reading (open fds, threads and their soft limits); None before
+        the first. The typed accessor metrics reads."""
+        return self._last_usage

@@ -63,6 +63,8 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("server_stopped", _S.INFO, "llama-server pid {server_pid} stopped ({exit_text})"),
         EventSpec("server_oom", _S.ERROR, "llama-server pid {server_pid} ran out of GPU memory: {line}"),
         EventSpec("server_cuda_error", _S.ERROR, "llama-server pid {server_pid} hit a fatal GPU error: {line}"),
+        EventSpec("server_crash_repeated", _S.ERROR,
+                  "llama-server crashed the same way {count} times in {window_s:.0f} s ({request_kind}): {line}"),
         EventSpec("server_gpu_unavailable", _S.ERROR,
                   "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
         EventSpec("server_hang", _S.ERROR,
@@ -79,7 +81,7 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} recovered from a failed allocation ({recovery}): {line}"),
         EventSpec("server_gpu_incompatible", _S.CRITICAL,
                   "llama-server pid {server_pid} cannot run on this GPU/driver: {cause}; fix: {fix}"),
-        EventSpec("server_restart", _S.NOTICE, "restarting llama-server: {reason}"),
+        EventSpec("server_restart", _S.NOTICE, "restarting llama-server ({restart_cause}): {reason}"),
         EventSpec("server_backoff", _S.WARNING,
                   "waiting {backoff_s:.1f} s before starting llama-server again "
                   "(restart {restart_count} of {max_restarts} in {window_s:.0f} s)"),
@@ -106,6 +108,10 @@ CATALOG: dict[str, EventSpec] = {
                   "GPU driver {driver_version} is outside the configured series {expected}"),
         EventSpec("gpu_lost", _S.CRITICAL, "GPU {gpu_index} is lost: {reason}"),
         EventSpec("gpu_xid", _S.ERROR, "GPU {gpu_index} reported Xid {xid}: {meaning}"),
+        EventSpec("gpu_recovery_action", _S.CRITICAL,
+                  "GPU {gpu_index}: the driver's recovery action is {recovery_action} ({source}); {advice}"),
+        EventSpec("gpu_watchdog_repeated", _S.WARNING,
+                  "the launch watchdog ended llama-server's GPU work {count} times in {window_s:.0f} s: {advice}"),
         EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
         EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
         EventSpec("gpu_power_ok", _S.INFO, "GPU {gpu_index} power back to {gpu_power_w:.0f} W"),
@@ -153,7 +159,7 @@ CATALOG: dict[str, EventSpec] = {
                   "still holds its output; killed"),
         EventSpec("server_unkillable", _S.CRITICAL,
                   "llama-server pid {server_pid} outlived SIGKILL for {waited_s:.0f} s ({holds}); not starting "
-                  "a second server"),
+                  "a second server, no GPU reset; reboot the host"),
         EventSpec("status_write_failed", _S.WARNING,
                   "cannot write status under {runtime_dir}: {reason}; `llama-guard status` and "
                   "`llama-guard restart` will not find this daemon"),

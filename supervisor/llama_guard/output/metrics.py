@@ -2,8 +2,9 @@
 
 :class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
 counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions from
-``on_action``), times the phases (``on_action``) and reads the live policy state and its peers' snapshots (GPU, limits,
-planned restarts) when Prometheus scrapes, so the daemon needs nothing but the source in its list.
+``on_action``), times the phases (``on_action``) and reads the live policy state, the GPU watcher's
+last sample and the limits watcher's last usage reading (typed accessors) when Prometheus scrapes,
+so the daemon needs nothing but the source in its list.
 Its :meth:`MetricsSource.snapshot` (``status.json``'s ``"metrics"``) keeps restart causes and the
 wall-clock time the server became ready for ``llama-guard status``.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,9 @@ from prometheus_client.registry import Collector
 
 from llama_guard.core.types import Action, Emit, Phase
 from llama_guard.core.watcher import Context, Source
+from llama_guard.gpu.readings import GpuSample
+from llama_guard.limits.usage import UsageSample
 
-# Events that are the cause of the next server restart (the fault, or the plan).
-CAUSE_EVENTS = frozenset({
-    "server_exited", "server_oom", "server_cuda_error", "server_hang", "server_completion_error",
-    "server_load_timeout",
-    "server_gpu_unavailable", "gpu_lost", "gpu_xid", "scheduled_restart", "restart_requested",
-    "decay_detected", "config_reloaded", "resource_exhausted",
-})
 THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
                  "power_brake": 0x80}
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
@@ -40,14 +36,16 @@ NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one p
 
 
 class MetricsSource(Source, Collector):
-    """Counts events, times phases, and exports everything on scrape. ``peers``: the other sources
-    (their ``snapshot()`` gives GPU, limits and planned-restart figures); ``bench_dir`` where
-    ``llama-guard bench`` records its last result (default ``[runtime].dir``)."""
+    """Counts events, times phases, and exports everything on scrape. ``gpu_sample``: the GPU
+    watcher's latest NVML sample; ``usage``: the limits watcher's latest reading of the server (each
+    None when unknown). ``llama-guard bench``'s last result is read from ``[runtime].dir``."""
 
     name = "metrics"
 
-    def __init__(self, peers: Sequence[Source] = (), *, serve: bool = True) -> None:
-        self.peers = list(peers)
+    def __init__(self, *, gpu_sample: Callable[[], GpuSample | None] = lambda: None,
+                 usage: Callable[[], UsageSample | None] = lambda: None, serve: bool = True) -> None:
+        self._gpu_sample = gpu_sample
+        self._usage = usage
         self.serve = serve
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -57,7 +55,6 @@ class MetricsSource(Source, Collector):
         self.resets: Counter[tuple[str, str]] = Counter()
         self.phase_time: dict[str, tuple[int, float]] = {}  # phase -> (count, sum seconds) of finished stays
         self.vram_wait: tuple[int, float] = (0, 0.0)
-        self.last_cause = ""
         self._phase: Phase | None = None
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
@@ -91,13 +88,11 @@ class MetricsSource(Source, Collector):
             self.count(name, record)
 
     def count(self, name: str, fields: Mapping[str, Any]) -> None:
-        """Count event ``name``; a cause event is remembered for the next ``server_restart``."""
+        """Count event ``name``; a ``server_restart`` also by its ``restart_cause`` (set by the policy,
+        a :class:`~llama_guard.core.types.RestartCause` value)."""
         self.events[name] += 1
-        if name in CAUSE_EVENTS:
-            self.last_cause = name
-        elif name == "server_restart":
-            self.restarts[self.last_cause or "unknown"] += 1
-            self.last_cause = ""
+        if name == "server_restart":
+            self.restarts[str(fields.get("restart_cause") or "unknown")] += 1
         elif name == "gpu_reset":
             self.resets[(str(fields.get("outcome", "?")), str(fields.get("trigger", "")))] += 1
         elif name == "server_ready":
@@ -181,55 +176,44 @@ class MetricsSource(Source, Collector):
         yield from self._peer_metrics()
         yield from self._bench_metrics(ctx.config.runtime.dir)
 
-    def _peer_snapshot(self, name: str) -> dict[str, Any] | None:
-        for peer in self.peers:
-            if peer.name == name:
-                try:
-                    return peer.snapshot()
-                except Exception:
-                    return None
-        return None
-
     def _peer_metrics(self) -> Iterator[Any]:
-        gpu = self._peer_snapshot("gpu") or {}
-        sample = gpu.get("sample") or {}
-        labels = ["gpu"]
-        gpu_id = [str((sample.get("identity") or {}).get("index", ""))]
-        for metric, key, scale, text in (
-                ("llama_guard_gpu_temperature_celsius", "temperature_c", 1.0, "GPU temperature"),
-                ("llama_guard_gpu_power_watts", "power_mw", 1e-3, "GPU power draw"),
-                ("llama_guard_gpu_power_limit_watts", "power_limit_mw", 1e-3, "enforced power limit"),
-                ("llama_guard_gpu_memory_used_bytes", "memory_used_bytes", 1.0, "VRAM used (all processes)"),
-                ("llama_guard_gpu_memory_total_bytes", "memory_total_bytes", 1.0, "VRAM total")):
-            if isinstance(sample.get(key), (int, float)):
-                yield _gauge(metric, text, labels, gpu_id, sample[key] * scale)
-        server_pid = self.ctx.state.pid if self.ctx is not None else None
-        procs = sample.get("processes")
-        if server_pid is not None and isinstance(procs, (list, tuple)):
-            # NVML's per-process figure for llama-server's pid (0 until it appears on the GPU); the rest of
-            # llama_guard_gpu_memory_used_bytes is other processes and the driver's own.
-            held = sum(p.get("used_bytes") or 0 for p in procs if p.get("pid") == server_pid)
-            yield _gauge("llama_guard_server_vram_bytes", "VRAM held by llama-server (NVML, its pid)", labels,
-                         gpu_id, float(held))
-        reasons = sample.get("clock_event_reasons")
-        if isinstance(reasons, int):
-            fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",
-                                    labels=["gpu", "reason"])
-            for reason, bit in THROTTLE_BITS.items():
-                fam.add_metric([*gpu_id, reason], float(bool(reasons & bit)))
-            yield fam
-        limits = self._peer_snapshot("limits") or {}
-        usage = limits.get("usage") or {}
+        sample = self._gpu_sample()
+        if sample is not None:
+            labels, gpu_id = ["gpu"], [str(sample.identity.index)]
+            for metric, value, scale, text in (
+                    ("llama_guard_gpu_temperature_celsius", sample.temperature_c, 1.0, "GPU temperature"),
+                    ("llama_guard_gpu_power_watts", sample.power_mw, 1e-3, "GPU power draw"),
+                    ("llama_guard_gpu_power_limit_watts", sample.power_limit_mw, 1e-3, "enforced power limit"),
+                    ("llama_guard_gpu_memory_used_bytes", sample.memory_used_bytes, 1.0, "VRAM used (all processes)"),
+                    ("llama_guard_gpu_memory_total_bytes", sample.memory_total_bytes, 1.0, "VRAM total")):
+                if value is not None:
+                    yield _gauge(metric, text, labels, gpu_id, value * scale)
+            server_pid = self.ctx.state.pid if self.ctx is not None else None
+            if server_pid is not None and sample.processes is not None:
+                # NVML's per-process figure for llama-server's pid (0 until it appears on the GPU); the rest of
+                # llama_guard_gpu_memory_used_bytes is other processes and the driver's own.
+                held = sum(p.used_bytes or 0 for p in sample.processes if p.pid == server_pid)
+                yield _gauge("llama_guard_server_vram_bytes", "VRAM held by llama-server (NVML, its pid)", labels,
+                             gpu_id, float(held))
+            reasons = sample.clock_event_reasons
+            if reasons is not None:
+                fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",
+                                        labels=["gpu", "reason"])
+                for reason, bit in THROTTLE_BITS.items():
+                    fam.add_metric([*gpu_id, reason], float(bool(reasons & bit)))
+                yield fam
+        usage = self._usage()
         fam = GaugeMetricFamily("llama_guard_rlimit_used", "the server's use of a limited resource",
                                 labels=["limit"])
         lim = GaugeMetricFamily("llama_guard_rlimit_soft", "the server's soft limit (-1 unlimited)",
                                 labels=["limit"])
-        for limit, used_key, limit_key in (("RLIMIT_NOFILE", "fds", "nofile_limit"),
-                                           ("RLIMIT_NPROC", "threads", "nproc_limit")):
-            if isinstance(usage.get(used_key), (int, float)):
-                fam.add_metric([limit], float(usage[used_key]))
-            if isinstance(usage.get(limit_key), (int, float)):
-                lim.add_metric([limit], float(usage[limit_key]))
+        if usage is not None:
+            for limit, used, soft in (("RLIMIT_NOFILE", usage.fds, usage.nofile_limit),
+                                      ("RLIMIT_NPROC", usage.threads, usage.nproc_limit)):
+                if used is not None:
+                    fam.add_metric([limit], float(used))
+                if soft is not None:
+                    lim.add_metric([limit], float(soft))
         yield fam
         yield lim
 

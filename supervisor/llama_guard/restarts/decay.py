@@ -3,7 +3,8 @@
 Pure trackers, fed by the daemon's samplers with an injected monotonic clock (seconds):
 
 * :class:`GrowthTracker` — a memory figure (the server's VRAM from NVML's process list, or its
-  RSS from psutil, in MiB) growing more than a bound over its own baseline after load;
+  anonymous memory ``RssAnon + VmSwap`` from ``/proc/PID/status``, in MiB) growing more than a
+  bound over its own baseline after load (plus, for memory, the host prompt cache's cap);
 * :class:`SpeedTracker` — generation speed (predicted tokens per second of generation time, from
   ``/metrics`` counters ``llamacpp:tokens_predicted_total`` and
   ``llamacpp:tokens_predicted_seconds_total``) falling more than a fraction below its own early
@@ -117,15 +118,19 @@ class GrowthTracker:
     ``bound_mib`` 0 measures without firing. ``warmup_s``: seconds after :meth:`reset` whose
     samples are ignored; ``baseline_samples``: how many samples after that form the baseline
     (their median); ``confirm``: consecutive samples over the bound needed to fire.
+    ``allowance_mib``: growth the server makes by design on top of the bound (the host prompt
+    cache filling up to ``--cache-ram``: a plateau, not a leak); ``math.inf`` (no cap) measures
+    without firing, since growth is then no evidence of a leak.
     Raises ``ValueError`` for negative or zero counts.
     """
 
     def __init__(self, trigger: Trigger, *, bound_mib: float, warmup_s: float = 600.0,
-                 baseline_samples: int = 5, confirm: int = 3) -> None:
-        if bound_mib < 0 or warmup_s < 0 or baseline_samples < 1 or confirm < 1:
-            raise ValueError("bound_mib and warmup_s must be >= 0; baseline_samples and confirm >= 1")
+                 baseline_samples: int = 5, confirm: int = 3, allowance_mib: float = 0.0) -> None:
+        if bound_mib < 0 or warmup_s < 0 or baseline_samples < 1 or confirm < 1 or allowance_mib < 0:
+            raise ValueError("bound_mib, warmup_s and allowance_mib must be >= 0; baseline_samples and confirm >= 1")
         self.trigger = trigger
         self.bound_mib = bound_mib
+        self.allowance_mib = allowance_mib
         self.warmup_s = warmup_s
         self.baseline_samples = baseline_samples
         self.confirm = confirm
@@ -165,14 +170,19 @@ class GrowthTracker:
             "bound_mib": self.bound_mib, "age_s": age}
         if self.bound_mib <= 0:
             return DecayDecision(self.trigger, False, f"{name}: measuring only (no bound set)", measurements)
+        if math.isinf(self.allowance_mib):
+            return DecayDecision(self.trigger, False, f"{name}: measuring only (the host prompt cache has no "
+                                 "size limit, --cache-ram -1: its growth cannot be told from a leak)", measurements)
+        measurements["allowance_mib"] = self.allowance_mib
         if self.fired:
             return DecayDecision(self.trigger, False, f"{name}: already fired; waiting for the restart",
                                  measurements)
-        self._over = self._over + 1 if growth > self.bound_mib else 0
+        self._over = self._over + 1 if growth > self.bound_mib + self.allowance_mib else 0
         measurements["consecutive"] = self._over
-        what = "VRAM" if self.trigger is Trigger.VRAM_GROWTH else "RSS"
+        what = "VRAM" if self.trigger is Trigger.VRAM_GROWTH else "anonymous memory (RSS + swap)"
+        allowed = f" + {self.allowance_mib:.0f} MiB host prompt cache" if self.allowance_mib else ""
         text = (f"{what} {value_mib:.0f} MiB is {growth:.0f} MiB over its post-load baseline "
-                f"{self.baseline_mib:.0f} MiB (bound {self.bound_mib:.0f} MiB)")
+                f"{self.baseline_mib:.0f} MiB (bound {self.bound_mib:.0f} MiB{allowed})")
         if self._over >= self.confirm:
             self.fired = True
             return DecayDecision(self.trigger, True, f"{name}: {text} for {self._over} samples", measurements)
@@ -317,22 +327,24 @@ class DecayMonitor:
 
     def __init__(self, *, vram_growth_mib: float = 0.0, rss_growth_mib: float = 0.0,
                  speed_drop_fraction: float = 0.0, warmup_s: float = 600.0, baseline_samples: int = 5,
-                 confirm: int = 3, window_tokens: int = 4096) -> None:
+                 confirm: int = 3, window_tokens: int = 4096, host_cache_mib: float = 0.0) -> None:
         self.vram = GrowthTracker(Trigger.VRAM_GROWTH, bound_mib=vram_growth_mib, warmup_s=warmup_s,
                                   baseline_samples=baseline_samples, confirm=confirm)
+        # The host prompt cache lives in the server's anonymous memory: its cap is growth by design.
         self.rss = GrowthTracker(Trigger.RSS_GROWTH, bound_mib=rss_growth_mib, warmup_s=warmup_s,
-                                 baseline_samples=baseline_samples, confirm=confirm)
+                                 baseline_samples=baseline_samples, confirm=confirm, allowance_mib=host_cache_mib)
         self.speed = SpeedTracker(drop_fraction=speed_drop_fraction, warmup_s=warmup_s,
                                   window_tokens=window_tokens, confirm=confirm)
         self.fired: DecayDecision | None = None
 
     @classmethod
-    def from_config(cls, config: ScheduleConfig) -> DecayMonitor:
-        """Build from ``[schedule]``'s decay keys."""
+    def from_config(cls, config: ScheduleConfig, host_cache_mib: float = 0.0) -> DecayMonitor:
+        """Build from ``[schedule]``'s decay keys; ``host_cache_mib``: the server's host prompt
+        cache cap (:func:`llama_guard.argv.host_cache_cap_mib`)."""
         return cls(vram_growth_mib=config.vram_growth_mib, rss_growth_mib=config.rss_growth_mib,
                    speed_drop_fraction=config.speed_drop_fraction, warmup_s=config.decay_warmup_s,
                    baseline_samples=config.decay_baseline_samples, confirm=config.decay_confirm,
-                   window_tokens=config.speed_window_tokens)
+                   window_tokens=config.speed_window_tokens, host_cache_mib=host_cache_mib)
 
     @property
     def enabled(self) -> bool:
@@ -357,7 +369,8 @@ class DecayMonitor:
         return self._latch(self.vram.observe(now_mono, vram_mib))
 
     def observe_rss(self, now_mono: float, rss_mib: float) -> DecayDecision:
-        """The server's resident memory (MiB; anonymous RSS is best, see docs/schedule.md)."""
+        """The server's anonymous memory (MiB: ``RssAnon + VmSwap``, so a leak paged out to swap still
+        counts; see docs/schedule.md)."""
         return self._latch(self.rss.observe(now_mono, rss_mib))
 
     def observe_metrics(self, now_mono: float, metrics_text: str) -> DecayDecision:

@@ -1,0 +1,81 @@
+"""The supervision policy: one pure ``decide(state, event, now) -> (state, actions)``.
+
+No I/O and no clock reads happen in this package: the daemon feeds observations (:class:`Input`
+subclasses) and a monotonic ``now`` in seconds, and carries out the returned actions
+(:class:`Action` subclasses). Every restart, stop, reset, backoff and give-up rule lives here, so it
+can be tested by setting a state and calling :func:`decide`.
+
+Phases: STOPPED → (WAITING_VRAM →) STARTING → READY ⇄ DRAINING → STOPPING → BACKOFF → STARTING …,
+with RESETTING after a GPU fault, ending in EXITED. "Started" is not "ready": READY only after
+``/health`` answered 200.
+
+The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BACKOFF),
+:mod:`.lines` (classified server lines), :mod:`.stop` (STOPPING and what follows a stop),
+:mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission and the driver's recovery
+action before a start), :mod:`.verdicts` (what no restart or reset mends: a reboot, a server that
+outlives SIGKILL; faults said when they repeat) and :mod:`.steps` (start, stop, spawn, exit, count a
+failure; :func:`~.steps.after_fault`, the OOM decision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
+from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
+from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
+from llama_guard.core.policy.stop import on_stop_request, on_stopping
+from llama_guard.core.policy.vram import on_waiting_vram
+from llama_guard.core.server_log import ERROR_FAMILIES
+from llama_guard.core.types import (
+    GpuFault,
+    Input,
+    Line,
+    ParamsChanged,
+    Phase,
+    RestartCause,
+    RestartRequest,
+    State,
+    StopRequest,
+)
+
+__all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
+
+
+def decide(state: State, event: Input, now: float) -> Result:
+    """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
+    if state.phase is Phase.EXITED:
+        return state, []
+    if isinstance(event, Line) and event.pid == state.pid and event.verdict.family in ERROR_FAMILIES:
+        state = replace(state, last_error=event.text.strip())
+    if isinstance(event, StopRequest):
+        return on_stop_request(state, event, now)
+    if isinstance(event, ParamsChanged):
+        return _on_params(state, event, now)
+    if isinstance(event, GpuFault):
+        return on_gpu_fault(state, event, now)
+    handler = _HANDLERS.get(state.phase)
+    if handler is None:
+        return state, []
+    return handler(state, event, now)
+
+
+def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
+    """New parameters (a reload); changed server flags restart a loading or serving server."""
+    state = replace(state, params=event.params)
+    if event.server_changed and state.phase in (*SERVING, Phase.STARTING):
+        return decide(state, RestartRequest("configuration changed", cause=RestartCause.CONFIG_CHANGE), now)
+    return state, []
+
+
+_HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
+    Phase.WAITING_VRAM: on_waiting_vram,
+    Phase.RESETTING: on_resetting,
+    Phase.STOPPED: on_stopped,
+    Phase.STARTING: on_starting,
+    Phase.READY: on_serving,
+    Phase.DRAINING: on_serving,
+    Phase.STOPPING: on_stopping,
+    Phase.BACKOFF: on_backoff,
+}

@@ -1,0 +1,260 @@
+"""The handlers of the server's life outside stops and GPU work: STOPPED, STARTING (readiness, load
+timeout and stall, exits while loading), READY/DRAINING (probes, planned restarts, exits), BACKOFF. Pure.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from llama_guard.core.judgement import (
+    answered,
+    completion_failed,
+    failure_signature,
+    progress_signals,
+    silent_too_long,
+)
+from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
+from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
+from llama_guard.core.policy.stop import alloc_fatal
+from llama_guard.core.policy.verdicts import crash_repeat
+from llama_guard.core.server_log import Family, classify_line
+from llama_guard.core.types import (
+    Action,
+    AfterStop,
+    Boot,
+    Drained,
+    Emit,
+    Exited,
+    HealthOk,
+    Input,
+    Line,
+    LoadProgress,
+    NotifyReady,
+    NotOnGpu,
+    Phase,
+    PlannedRestart,
+    PlannedStop,
+    Probe,
+    RestartCause,
+    RestartRequest,
+    Spawned,
+    SpawnFailed,
+    StartDrain,
+    State,
+    Tick,
+    exit_text,
+)
+from llama_guard.exitcodes import EXIT_CONFIG
+
+
+def on_stopped(state: State, event: Input, now: float) -> Result:
+    if isinstance(event, Boot):
+        return start(state, now)
+    return state, []
+
+
+def on_starting(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    if isinstance(event, Spawned):
+        new = replace(state, pid=event.pid, started_at=now, deadline=now + p.load_timeout_s,
+                      last_progress_at=now)
+        return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
+    if isinstance(event, SpawnFailed):
+        if not event.fatal:
+            return count_failure(replace(state, last_failure=event.reason, cause=RestartCause.SPAWN_FAILED), now)
+        new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
+        return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
+    if isinstance(event, RestartRequest):
+        if event.cause is not RestartCause.CONFIG_CHANGE:
+            # Restarting a load does not make it faster: a plain request waits for READY.
+            return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason,
+                                                      "ignored": "the server is still loading"})]
+        # Changed server flags: the process being started has the old argv (even before its pid is
+        # known: the stop then waits for the spawn to answer).
+        new, actions = stop(replace(state, cause=event.cause), now, AfterStop.RESTART, event.reason)
+        planned: list[Action] = [PlannedRestart(state.pid, event.cause, event.reason, 0.0)]
+        if state.pid is not None:
+            planned.append(PlannedStop(state.pid, drained=False))
+        return new, [Emit(restart_event(event.cause), {"server_pid": state.pid, "reason": event.reason,
+                                                       "cause": event.cause.value}), *planned, *actions]
+    if state.pid is None:
+        return state, []
+    if isinstance(event, NotOnGpu) and event.pid == state.pid:
+        new = replace(state, last_failure=f"GPU unavailable: {event.reason}", cause=RestartCause.GPU_UNAVAILABLE)
+        new, actions = stop(new, now, AfterStop.FAILURE, "not on the GPU")
+        return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
+                                                     "cause": event.reason}), *actions]
+    if isinstance(event, HealthOk) and event.pid == state.pid:
+        load_s = now - (state.started_at if state.started_at is not None else now)
+        recovered = alloc_recovered(state, "the server became ready")
+        new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
+                      alloc_failure="", boot_signature="")
+        fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+        if event.port_pid is not None and event.port_pid != state.pid:
+            # A wrapper script: the port belongs to a process it forked.
+            fields["port_pid"] = event.port_pid
+            fields["port_owner"] = (f"descendant pid {event.port_pid}"
+                                    f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
+        return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
+    if isinstance(event, LoadProgress) and event.pid == state.pid:
+        return replace(state, last_progress_at=now), []
+    if isinstance(event, Line) and event.pid == state.pid:
+        return on_starting_line(replace(state, last_progress_at=now), event, now)
+    if isinstance(event, Exited) and event.pid == state.pid:
+        return _exited_while_loading(state, event, now)
+    if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
+        return stalled
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        new = replace(state, last_failure="load timeout", boot_signature="", cause=RestartCause.LOAD_TIMEOUT)
+        new, actions = stop(new, now, AfterStop.FAILURE, "load timeout")
+        return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
+                     *actions]
+    return state, []
+
+
+def _load_stalled(state: State, now: float) -> Result | None:
+    """Stop a load that showed no progress signal for ``load_stall_s``; None while it progresses."""
+    p = state.params
+    if p.load_stall_s <= 0 or state.last_progress_at is None or now - state.last_progress_at < p.load_stall_s:
+        return None
+    quiet = now - state.last_progress_at
+    reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
+    new = replace(state, last_failure=reason, boot_signature="", cause=RestartCause.LOAD_STALLED)
+    new, actions = stop(new, now, AfterStop.FAILURE, "load stalled")
+    loading = now - (state.started_at if state.started_at is not None else now)
+    return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
+                                              "load_stall_s": p.load_stall_s, "loading_s": round(loading, 1),
+                                              "phase": "loading"}), *actions]
+
+
+def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
+    """An exit before the first ready: a configuration failure, a fatal OOM, or a failure that, when
+    the previous start ended the same way, is deterministic (a boot failure, exit 78)."""
+    assert state.pid is not None
+    if state.alloc_failure:
+        return alloc_fatal(state, event, now, "loading")
+    fields = exit_fields(event.pid, event.returncode, state.last_error)
+    if state.boot_cause:
+        new, actions = exit_daemon(state, EXIT_CONFIG, state.boot_cause)
+        return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
+    exited = Emit("server_exited", {**fields, "phase": "loading"})
+    # A SIGKILL comes from outside (the kernel's OOM killer, an operator): not the binary's own doing.
+    signature = "" if event.returncode == -signal.SIGKILL else failure_signature(
+        exit_text(event.returncode), state.last_error)
+    if signature and signature == state.boot_signature:
+        named = state.last_error or exit_text(event.returncode)
+        cause = (f"llama-server fails the same way before it is ready on consecutive starts "
+                 f"({exit_text(event.returncode)}): {named}")
+        new, actions = exit_daemon(replace(state, boot_signature=""), EXIT_CONFIG, cause)
+        return new, [exited, Emit("server_boot_failure", {"cause": cause, "line": state.last_error,
+                                                          "consecutive_starts": 2, **fields}), *actions]
+    failure = f"exited while loading: {fields['exit_text']}"
+    new = replace(state, last_failure=failure, boot_signature=signature, cause=RestartCause.CRASH)
+    new, actions = count_failure(new, now)
+    return new, [exited, *actions]
+
+
+def on_serving(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    pid = state.pid
+    assert pid is not None
+    if isinstance(event, Line) and event.pid == pid:
+        fatal = fault_line(state, event, now, "")
+        if fatal is not None:
+            return fatal
+        if event.verdict.family is Family.RESOURCE_LIMIT:
+            return limit_line(state, event)
+        if event.verdict.family is Family.ALLOC_FAILED:
+            # A runtime pool OOM may be answered as one request's HTTP 500: judged by what follows.
+            return replace(state, alloc_failure=state.alloc_failure or event.text.strip()), []
+        if event.verdict.family is Family.ALLOC_RECOVERED:
+            return replace(state, alloc_failure=""), alloc_recovered(state, event.text.strip())
+        return state, []
+    if isinstance(event, Exited) and event.pid == pid and state.alloc_failure:
+        return alloc_fatal(state, event, now, state.phase.value)
+    if isinstance(event, Exited) and event.pid == pid:
+        fields = exit_fields(pid, event.returncode, state.last_error)
+        new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH)
+        # A crash is restarted; the same crash again within the window is said, with the request
+        # kind its exception names (a SIGKILL comes from outside: not the server's own crash).
+        signature = "" if event.returncode == -signal.SIGKILL or not state.last_error else failure_signature(
+            exit_text(event.returncode), state.last_error)
+        new, repeated = crash_repeat(new, now, signature, classify_line(state.last_error).request_kind)
+        new, actions = count_failure(new, now)
+        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *repeated, *actions]
+    if isinstance(event, Probe) and event.pid == pid:
+        return _on_probe(state, event, now)
+    if isinstance(event, Tick):
+        if (state.phase is Phase.READY and not state.stable and state.ready_at is not None
+                and now - state.ready_at >= p.stable_after_s):
+            return replace(state, stable=True, next_backoff_s=p.backoff_initial_s), []
+        if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
+            new, actions = stop(state, now, AfterStop.RESTART, state.fault)
+            return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
+                                                "reason": state.fault}), PlannedStop(pid, drained=False), *actions]
+        return state, []
+    if isinstance(event, RestartRequest):
+        if state.phase is Phase.DRAINING:
+            return state, []
+        state = replace(state, cause=event.cause)
+        uptime = now - (state.ready_at or now)
+        emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
+                                                 "cause": event.cause.value, "uptime_s": uptime})
+        planned = PlannedRestart(pid, event.cause, event.reason, uptime)
+        if not event.drain:
+            new, actions = stop(state, now, AfterStop.RESTART, event.reason)
+            return new, [emit, planned, PlannedStop(pid, drained=False), *actions]
+        new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason)
+        return new, [emit, planned, StartDrain(pid)]
+    if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
+        new, actions = stop(state, now, AfterStop.RESTART, state.fault)
+        return new, [PlannedStop(pid, drained=True), *actions]
+    return state, []
+
+
+def _on_probe(state: State, event: Probe, now: float) -> Result:
+    # Liveness rests on progress, not on the HTTP loop answering: a server whose CPU time, output
+    # or counters move is working even when its probes time out (a busy loop); only a round with
+    # neither an answer nor progress is a strike (a SIGSTOPped or wedged server).
+    moving = progress_signals(event, state.params)
+    recovered: list[Action] = []
+    if state.alloc_failure and event.health_ok:
+        recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")
+        state = replace(state, alloc_failure="")
+    failed, silent = completion_failed(event), silent_too_long(event, state.params)
+    if not (failed or silent) and (answered(event) or moving):
+        return (replace(state, strikes=0) if state.strikes else state), recovered
+    strikes = state.strikes + 1
+    if strikes < state.params.hang_strikes and not silent:
+        return replace(state, strikes=strikes), recovered
+    assert state.pid is not None
+    if failed:  # it answers, and says its completions fail: not a hang
+        reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
+        new = replace(state, strikes=strikes, last_failure=reason, cause=RestartCause.COMPLETION_ERROR)
+        new, actions = stop(new, now, AfterStop.FAILURE, reason)
+        return new, [*recovered, Emit("server_completion_error", {
+            "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
+            "error": event.canary_error, "phase": state.phase.value}), *actions]
+    reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
+    if silent:
+        reason += (f"; no HTTP answer at all for {event.silent_s:.0f} s (silent_limit_s "
+                   f"{state.params.silent_limit_s:.0f} s), whatever its CPU time says ({', '.join(moving) or 'no'} "
+                   "progress signal)")
+    else:
+        reason += "; no progress (CPU time, output lines, token counters, GPU use) since the last probe"
+    new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
+    new, actions = stop(new, now, AfterStop.FAILURE, "hang")
+    return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
+                                                  "phase": state.phase.value}), *actions]
+
+
+def on_backoff(state: State, event: Input, now: float) -> Result:
+    due = isinstance(event, Tick) and state.deadline is not None and now >= state.deadline
+    if due or isinstance(event, RestartRequest):
+        reason = event.reason if isinstance(event, RestartRequest) else f"after {state.last_failure}"
+        new, actions = start(replace(state, restarts=state.restarts + 1), now)
+        return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures),
+                                             "restart_cause": state.cause.value}),
+                     *actions]
+    return state, []

@@ -1,0 +1,140 @@
+"""Steps every phase of the policy takes: start a server (a VRAM check first on a watched GPU), stop
+it, spawn one, exit, count a failure (back off or give up on a crash loop), the fields of an exit
+event, and :func:`after_fault`, the one place that decides what follows a GPU fault (an OOM: check
+the VRAM, reset, or count a failure). Pure, like the rest of the policy: no I/O, no clock reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llama_guard.core.types import (
+    Action,
+    AfterStop,
+    CheckVram,
+    Emit,
+    ExitDaemon,
+    Params,
+    Phase,
+    ResetTrigger,
+    RestartCause,
+    Spawn,
+    State,
+    Terminate,
+    exit_text,
+)
+from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
+
+Result = tuple[State, list[Action]]
+"""What every handler answers: the next state and the actions to carry out, in order."""
+
+# A VRAM check that does not answer within this is skipped (the start goes on). The daemon bounds
+# each check below it (VRAM_CHECK_TIMEOUT_S): the first check of a start also reads the model's GGUF
+# for the need estimate, seconds of CPU on a large tokenizer.
+VRAM_ANSWER_S = 30.0
+
+
+VRAM_CHECK_TIMEOUT_S = 25.0
+
+
+#: The phases in which a server serves (liveness probes, drains).
+SERVING = (Phase.READY, Phase.DRAINING)
+
+#: The event that reports a graceful restart of each planned cause.
+RESTART_EVENT: dict[RestartCause, str] = {
+    RestartCause.OPERATOR: "restart_requested",
+    RestartCause.SCHEDULE: "scheduled_restart",
+    RestartCause.DECAY: "decay_restart",
+    RestartCause.CONFIG_CHANGE: "restart_requested",
+}
+
+
+def restart_event(cause: RestartCause) -> str:
+    """The event name for a graceful restart asked for with ``cause`` (``restart_requested`` for any
+    cause that is not a plan)."""
+    return RESTART_EVENT.get(cause, "restart_requested")
+
+
+def after_fault(params: Params, trigger: ResetTrigger, *, loading: bool) -> AfterStop:
+    """What follows the stop for a GPU fault (the one rule, wherever the fault is seen).
+
+    An OOM while loading on a watched GPU (``vram_admission``) first checks whether another process
+    holds the VRAM (:attr:`AfterStop.VRAM_CHECK`); otherwise a reset when one can be verified and
+    ``trigger`` is in ``[recovery].reset_on``; otherwise the fault is counted as a failure.
+    ``loading``: the server had not become ready (false again once the VRAM check has been made).
+    """
+    if trigger is ResetTrigger.OOM and loading and params.vram_admission:
+        return AfterStop.VRAM_CHECK
+    if params.reset_possible and trigger in params.reset_on:
+        return AfterStop.RESET
+    return AfterStop.FAILURE
+
+
+def exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[str, object]:
+    """The fields of an exit event; ``last_error`` (the server's last error/abort line) is kept in
+    ``last_error`` and appended to ``exit_text``."""
+    fields: dict[str, object] = {"server_pid": pid, "exit_text": exit_text(returncode)}
+    if returncode is not None and returncode < 0:
+        fields["signal"] = -returncode
+    elif returncode is not None:
+        fields["exit_status"] = returncode
+    if last_error:
+        fields["last_error"] = last_error
+        fields["exit_text"] = f"{fields['exit_text']} after: {last_error}"
+    return fields
+
+
+def stop(state: State, now: float, after: AfterStop, fault: str, *,
+          code: int = EXIT_OK, reason: str = "") -> Result:
+    """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline)."""
+    new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
+                  deadline=now + state.params.stop_grace_s, killed=False,
+                  exit_code=code, exit_reason=reason or state.exit_reason)
+    if state.pid is None:
+        return new, []
+    return new, [Terminate(state.pid)]
+
+
+def spawn(state: State) -> Result:
+    return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
+                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
+                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error=""),
+            [Spawn()])
+
+
+def exit_daemon(state: State, code: int, reason: str) -> Result:
+    return (replace(state, phase=Phase.EXITED, pid=None, deadline=None, exit_code=code, exit_reason=reason),
+            [ExitDaemon(code, reason)])
+
+
+def count_failure(state: State, now: float) -> Result:
+    """After a failed server: back off, or give up when the window holds too many failures."""
+    p = state.params
+    recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
+    state = replace(state, failures=recent, pid=None)
+    if len(recent) > p.max_restarts:
+        new, actions = exit_daemon(state, EXIT_CRASH_LOOP, f"crash loop: {state.last_failure}")
+        emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
+                                   "max_restarts": p.max_restarts, "last_failure": state.last_failure})
+        return new, [emit, *actions]
+    if state.stable or (len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s):
+        # A server that had run stably (or the first failure in the window) restarts at once; the
+        # backoff starts with the next failure.
+        wait = 0.0
+        following = p.backoff_initial_s
+    else:
+        wait = state.next_backoff_s
+        following = min(wait * p.backoff_factor, p.backoff_max_s)
+    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
+    return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
+                                         "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
+                                         "last_failure": state.last_failure})]
+
+
+def start(state: State, now: float) -> Result:
+    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
+    if not state.params.vram_admission:
+        return spawn(replace(state, vram_after_oom=False))
+    new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
+                  vram_wait_until=None, vram_short="", vram_facts_at=None)
+    return new, [CheckVram()]

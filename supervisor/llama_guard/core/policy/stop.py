@@ -1,0 +1,137 @@
+"""Stopping a server and what comes after it (:class:`~llama_guard.core.types.AfterStop`): the
+STOPPING phase, a stop request, the exit after an unrecovered allocation failure. Pure.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from llama_guard.core.policy.gpu import begin_reset
+from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
+from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
+from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
+from llama_guard.core.server_log import Family
+from llama_guard.core.types import (
+    Action,
+    AfterStop,
+    Emit,
+    Exited,
+    Input,
+    Kill,
+    Line,
+    Phase,
+    ResetTrigger,
+    RestartCause,
+    Spawned,
+    SpawnFailed,
+    State,
+    StopRequest,
+    Terminate,
+    Tick,
+)
+from llama_guard.exitcodes import EXIT_OK
+
+
+def on_stopping(state: State, event: Input, now: float) -> Result:
+    p = state.params
+    if state.pid is None:
+        # A stop was requested before the spawn answered.
+        if isinstance(event, Spawned):
+            return replace(state, pid=event.pid, deadline=now + p.stop_grace_s), [Terminate(event.pid)]
+        if isinstance(event, SpawnFailed):
+            return finish_stop(state, now)
+        return state, []
+    if (isinstance(event, Line) and event.pid == state.pid and event.verdict.family is Family.GPU_INCOMPATIBLE
+            and state.after_stop is not AfterStop.EXIT):
+        return incompatible(state, now, event.verdict, event.text)
+    if isinstance(event, Line) and event.pid == state.pid and state.pending_event is not None:
+        fault = fault_event(state, event.verdict, event.text)
+        if fault is not None:
+            name, fields = fault
+            reason = f"{name}: {event.verdict.cause}"
+            restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
+            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause)
+            # The abort line can come before the message (seen on an H200): the message decides
+            # whether this fault calls for a reset.
+            trigger = reset_trigger(event.verdict.family)
+            if trigger is None:  # the launch watchdog: a restart only, even after an abort line
+                new, repeated = watchdog_hit(replace(new, after_stop=AfterStop.FAILURE), now, event.verdict.cause)
+                return new, [Emit(name, fields), *repeated]
+            if new.after_stop is AfterStop.FAILURE:
+                after = after_fault(state.params, trigger, loading=state.ready_at is None)
+                if after is not AfterStop.FAILURE:
+                    new = replace(new, after_stop=after, reset_reason=reason)
+            return new, [Emit(name, fields)]
+        return state, []
+    if isinstance(event, Exited) and event.pid == state.pid:
+        actions: list[Action] = []
+        fields = exit_fields(state.pid, event.returncode, state.last_error)
+        if state.killed and event.returncode == -signal.SIGKILL:
+            fields["exit_text"] = "killed by SIGKILL (sent by llama-guard)"
+        if state.pending_event is not None:
+            name, cause = state.pending_event
+            actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))
+        actions.append(Emit("server_stopped", {**fields, "reason": state.fault}))
+        new, more = finish_stop(replace(state, pending_event=None), now)
+        return new, actions + more
+    if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
+        if not state.killed:
+            new = replace(state, killed=True, deadline=now + p.kill_wait_s)
+            return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": p.stop_grace_s}),
+                         Kill(state.pid)]
+        # SIGKILL did not end it either (uninterruptible sleep in the driver): a verdict, no
+        # reset and no second server.
+        return unkillable(state)
+    return state, []
+
+
+def finish_stop(state: State, now: float) -> Result:
+    """The stopped server is gone: carry out ``state.after_stop`` (exit, reset, VRAM check, restart, a failure)."""
+    if state.after_stop is AfterStop.EXIT:
+        return exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+    if state.after_stop is AfterStop.RESET:
+        return begin_reset(state, now)
+    if state.after_stop is AfterStop.VRAM_CHECK:
+        return start(replace(state, pid=None, vram_after_oom=True), now)
+    if state.after_stop is AfterStop.RESTART:
+        new, actions = start(replace(state, restarts=state.restarts + 1), now)
+        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
+                                             "restart_cause": state.cause.value}), *actions]
+    return count_failure(state, now)
+
+
+def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
+    """The server exited after an allocation failure it did not recover from: a fatal OOM."""
+    assert state.pid is not None
+    fields = exit_fields(state.pid, event.returncode, state.last_error)
+    reason = f"server_oom: {state.alloc_failure}"
+    oom = Emit("server_oom", {"server_pid": state.pid, "line": state.alloc_failure,
+                              "cause": state.alloc_failure, "phase": phase, **{
+                                  k: v for k, v in fields.items() if k != "server_pid"}})
+    new = replace(state, last_failure=reason, alloc_failure="", boot_signature="", reset_reason=reason,
+                  cause=RestartCause.OOM)
+    # As for an OOM line that stops the server (after_fault): VRAM check, reset or a failure.
+    after = after_fault(state.params, ResetTrigger.OOM, loading=phase == "loading")
+    new, actions = finish_stop(replace(new, after_stop=after), now)
+    return new, [oom, Emit("server_exited", {**fields, "phase": phase}), *actions]
+
+
+def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
+    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
+    if state.phase is Phase.RESETTING:
+        # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
+        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
+    if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
+        new, actions = exit_daemon(state, EXIT_OK, event.reason)
+        return new, [emit, *actions]
+    if state.phase is Phase.STOPPING:
+        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+        if event.immediate and state.pid is not None and not state.killed:
+            return replace(new, killed=True, deadline=now + state.params.kill_wait_s), [emit, Kill(state.pid)]
+        return new, []
+    new, actions = stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_OK, reason=event.reason)
+    if event.immediate and state.pid is not None:
+        new = replace(new, killed=True, deadline=now + state.params.kill_wait_s)
+        actions = [Kill(state.pid)]
+    return new, [emit, *actions]

@@ -1,0 +1,234 @@
+"""One llama-server process and the tasks that watch it, from the spawn to the end of its output.
+
+A :class:`ServerWatch` owns its process's tasks: the line reader (each output line kept, classified
+by :mod:`.server_log`, emitted as ``server_line`` and, unless harmless, queued as a policy
+:class:`~llama_guard.core.types.Line`), readiness polling and load progress while STARTING, liveness
+rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It reads the
+policy state and posts inputs through the :class:`~llama_guard.core.watcher.Context`; it never calls
+back into the daemon loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from llama_guard.core.child import ServerProcess, pipe_holders
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.policy.steps import SERVING
+from llama_guard.core.probes import ServerProbe
+from llama_guard.core.procs import port_owner
+from llama_guard.core.progress import ProgressSampler
+from llama_guard.core.server_log import Family, classify_line
+from llama_guard.core.service import StartTimeout
+from llama_guard.core.spawner import PROC_TIMEOUT_S
+from llama_guard.core.tasks import TaskSet
+from llama_guard.core.types import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Phase, Probe
+from llama_guard.core.watcher import Context, Source
+
+# llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
+EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
+# llama-server's line when a slot finishes a request ("slot release: id 0 | task 5 | stop processing: ...").
+REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
+MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
+EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
+LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
+PROBE_CLOSE_TIMEOUT_S = 5.0
+
+
+def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
+    """``[log].server_log_file`` opened for appending the server's lines; None (reported as
+    ``config_error``) when it cannot be opened. O_NONBLOCK: a FIFO without a reader fails at once
+    (ENXIO) instead of wedging the loop; later writes that would block are dropped."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o640)
+        return open(fd, "a", buffering=1, encoding="utf-8", errors="replace")
+    except OSError as exc:
+        emit("config_error", reason=f"cannot open server_log_file {path}: {exc.strerror}")
+        return None
+
+
+class ServerWatch:
+    """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them."""
+
+    def __init__(self, server: ServerProcess, ctx: Context, sources: Sequence[Source], lanes: dict[str, Lane],
+                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str]) -> None:
+        config = ctx.get_config()
+        self.server = server
+        self.pid = server.pid
+        self._ctx = ctx
+        self._sources = sources
+        self._lanes = lanes
+        self._taskset = tasks
+        self._start_timeout = start_timeout
+        self.probe = ServerProbe(config.server.base_url, timeout_s=config.health.timeout_s,
+                                 canary_timeout_s=config.health.canary_timeout_s,
+                                 canary=config.health.canary, get_key=get_key)
+        path = config.log.server_log_file
+        self.log = open_server_log(path, ctx.emit) if path else None
+        self.tasks: list[asyncio.Task[None]] = []
+        self.lines = 0  # lines printed so far (a progress signal)
+        self.last_eval_tps: float | None = None  # the speed of the last request of >= MIN_SPEED_TOKENS
+        self.completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
+        self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
+
+    def start(self) -> None:
+        """Begin the line reader, the health watch and the exit watch."""
+        self.tasks += [self._taskset.start(self._read_lines(), "server output"),
+                       self._taskset.start(self._watch_health(), "health probe"),
+                       self._taskset.start(self._watch_exit(), "exit watch")]
+
+    def drain(self) -> None:
+        """Wait (bounded by ``[schedule].drain_timeout_s``) for the server to go idle; posts Drained."""
+        self.tasks.append(self._taskset.start(self._drain(), "drain"))
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the server's process group."""
+        self.server.signal_group(sig)
+
+    # ------------------------------------------------------------ the tasks
+
+    async def _read_lines(self) -> None:
+        """Every line of the server's output: kept, classified, queued."""
+        async for text in self.server.lines():
+            self.lines += 1
+            if self.log is not None:
+                with contextlib.suppress(OSError):
+                    self.log.write(text + "\n")
+            verdict = classify_line(text)
+            speed = EVAL_SPEED.search(text)
+            if speed is not None and int(speed.group(1)) >= MIN_SPEED_TOKENS:
+                self.last_eval_tps = float(speed.group(2))
+            if REQUEST_DONE.search(text):
+                self.completed_at = self._ctx.clock()
+            self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
+            if self._ctx.get_state().phase is Phase.STARTING:
+                self._start_timeout.extend()
+            if verdict.family is not Family.HARMLESS:
+                self._ctx.post(Line(self.pid, verdict, text))
+
+    def _gpu_busy(self, pid: int) -> bool | None:
+        """Our pid's GPU use as the sources see it (the first that can tell); None: unknown."""
+        for source in self._sources:
+            busy = source.gpu_busy(pid)
+            if busy is not None:
+                return busy
+        return None
+
+    async def _watch_health(self) -> None:
+        """Readiness polling and load-progress sampling while STARTING, then liveness rounds
+        (probes plus progress signals) while the server serves."""
+        pid = self.pid
+        ctx = self._ctx
+        health = ctx.get_config().health
+        sampler = ProgressSampler(pid, lambda: self.lines, gpu_busy=self._gpu_busy)
+        sampled_at = ctx.clock()
+        answered = False
+        while ctx.get_state().pid in (None, pid) and ctx.get_state().phase is Phase.STARTING:
+            status = await self.probe.health_status()
+            owner = await self._port_owner() if status == 200 else None
+            if owner is not None:
+                for source in self._sources:
+                    refusal = await source.ready_check(ctx, pid)
+                    if refusal:
+                        ctx.post(NotOnGpu(pid, refusal))
+                        return
+                ctx.post(HealthOk(pid, owner[0] if owner[0] != pid else None, owner[1]))
+                break
+            answered = answered or status is not None
+            if ctx.clock() - sampled_at >= LOAD_SAMPLE_S:
+                sampled_at = ctx.clock()
+                await self._load_progress(sampler, answered)
+                answered = False
+            await asyncio.sleep(health.startup_poll_s)
+        while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
+        while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
+            await asyncio.sleep(health.interval_s)
+            if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
+                return
+            result = await self.probe.liveness(completed_at=self.completed_at)
+            self.answering = result.answered
+            moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
+            cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
+            ctx.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
+                     canary_ok=result.canary_ok, canary=result.canary.value, busy=result.busy,
+                     progressed=result.progressed, traffic=result.traffic, detail=result.detail,
+                     elapsed_s=round(result.elapsed_s, 3), silent_s=round(result.silent_s, 1),
+                     cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
+            ctx.post(Probe(pid, result.health_ok, result.canary_ok, result.busy,
+                           result.progressed, result.detail, cpu_s=moved.cpu_s,
+                           lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
+                           canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok))
+
+    async def _load_progress(self, sampler: ProgressSampler, answered: bool) -> None:
+        """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
+        its own port) to the policy, and keep systemd's start timeout ahead while they move."""
+        threshold = self._ctx.get_config().health.progress_cpu_s
+        moved = await asyncio.to_thread(lambda: sampler.sample(accumulate_below_s=threshold))
+        signals = list(moved.signals(threshold))
+        if answered and await self._port_owner() is not None:
+            signals.append("http")
+        if signals:
+            self._ctx.post(LoadProgress(self.pid, tuple(signals)))
+            self._start_timeout.extend()
+
+    async def _port_owner(self) -> tuple[int, str] | None:
+        """The process (pid, name) of this server's tree that listens on ``[server].port``; None
+        when none does yet, or the scan did not answer (asked again at the next poll)."""
+        pid, port = self.pid, self._ctx.get_config().server.port
+        try:
+            return await self._lanes["proc"].run(lambda: port_owner(pid, port), PROC_TIMEOUT_S, "port owner")
+        except (CallTimeout, LaneBusy):
+            return None
+
+    async def _watch_exit(self) -> None:
+        """The server's exit, from the kernel (pidfd), not from its pipe: then up to
+        EXIT_PIPE_GRACE_S for its last lines; whoever still holds the pipe escaped the process
+        group (setsid) and is named (``server_escaped_process``) and killed. Posts Exited."""
+        server = self.server
+        pid = self.pid
+        code = await server.exited()
+        server.signal_group(signal.SIGKILL)  # nothing of its group outlives it
+        reader = self.tasks[0] if self.tasks else None
+        if reader is not None and not reader.done():
+            await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
+        if reader is not None and not reader.done():
+            inode = server.pipe_inode()
+            holders: list[tuple[int, str]] = []
+            if inode is not None:
+                with contextlib.suppress(CallTimeout, LaneBusy):
+                    holders = await self._lanes["proc"].run(
+                        lambda: pipe_holders(inode, frozenset({os.getpid()})), PROC_TIMEOUT_S, "pipe holders")
+            for holder, comm in holders:
+                self._ctx.emit("server_escaped_process", server_pid=pid, escaped_pid=holder, escaped_name=comm)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(holder, signal.SIGKILL)
+            await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
+        server.close_pidfd()
+        self._ctx.post(Exited(pid, code))
+
+    async def _drain(self) -> None:
+        timeout = self._ctx.get_config().schedule.drain_timeout_s
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.probe.wait_idle(), timeout)
+            self._ctx.post(Drained(self.pid))
+
+    async def end(self) -> None:
+        """Cancel this server's tasks and close its probe client, log file and pidfd (bounded)."""
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
+        if self.log is not None:
+            self.log.close()
+        self.server.close_pidfd()

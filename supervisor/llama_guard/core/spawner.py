@@ -1,0 +1,133 @@
+"""Everything between "start a server" and a running llama-server child.
+
+In order: the binary and the model file (a configuration error is fatal, a hung filesystem is a
+failure retried after backoff), the argv (the binary's
+``--help`` tells whether ``--mlock`` is known), the watchers' ``before_spawn`` (such as the wait for
+the old server's VRAM), the child set-up run between fork and exec (the watchers' rlimits, then the
+drop to ``[server].user``), the API key read, and the spawn itself. Blocking calls run on the
+daemon's lanes with deadlines. The answer is a :class:`Started` or a :class:`SpawnFailed` for the
+policy (a server that outlives SIGKILL never gets a successor: the policy's verdict, exit 69). Never
+touches the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_guard.argv import build_argv, resolve_binary
+from llama_guard.config import Config, ConfigError, read_api_key
+from llama_guard.core.child import ServerProcess, child_environ, spawn
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
+from llama_guard.core.types import SpawnFailed
+from llama_guard.core.watcher import Context, Source
+from llama_guard.preflight import model_problem
+
+MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config
+HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
+PROC_TIMEOUT_S = 5.0  # a /proc scan (port owner, pipe holders)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A running llama-server child and the argv it was started with."""
+
+    server: ServerProcess
+    argv: tuple[str, ...]
+
+
+def prepare(config: Config, config_path: Path) -> tuple[str, ServerIdentity]:
+    """The API key and llama-server's identity for ``config``. Blocking (reads files, the user
+    database). Raises ConfigError naming ``config_path``."""
+    key = read_api_key(config.server)
+    try:
+        identity = resolve_identity(config.server.user, config.server.group,
+                                    config.server.supplementary_groups)
+        problem = identity_problem(identity)
+    except (ValueError, OSError) as exc:
+        raise ConfigError([f"{config_path}: {exc}"]) from None
+    if problem:
+        raise ConfigError([f"{config_path}: {problem}"])
+    return key, identity
+
+
+class Spawner:
+    """Starts one llama-server at a time for the daemon.
+
+    Holds what carries from one start to the next: the identity to drop to, the API key the running
+    server was started with (``live_key``, which the probes send; never emitted), the last server's
+    pid (for ``before_spawn``).
+    """
+
+    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[str, Lane],
+                 clock: Callable[[], float]) -> None:
+        self._emit = emit
+        self._sources = sources
+        self._lanes = lanes
+        self._clock = clock
+        self.identity = ServerIdentity(None, None, None, "llama-guard's own user")
+        self.live_key = ""
+        self.last_pid: int | None = None
+        self.cancellable = False  # True while the start may still be abandoned (before the fork)
+
+    async def start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
+        """Prepare and start one server for ``config`` (``ctx`` for the sources' hooks). Cancelling
+        it while :attr:`cancellable` abandons the start (nothing was forked)."""
+        self.cancellable = True
+        try:
+            return await self._start(config, ctx)
+        finally:
+            self.cancellable = False
+
+    async def _start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
+        server_cfg = config.server
+        binary = resolve_binary(server_cfg.binary)
+        if binary is None:
+            return SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found")
+        model = Path(server_cfg.model)
+        try:
+            problem = await self._lanes["config"].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
+                                                      f"checking {model}")
+        except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
+            self._emit("blocking_call_timeout", call=f"checking {model}", timeout_s=MODEL_CHECK_TIMEOUT_S,
+                           effect="the server is not started now")
+            return SpawnFailed(f"server.model: {exc}", fatal=False)
+        if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
+            return SpawnFailed(f"server.model: {problem}")
+        try:
+            argv = await self._lanes["probe"].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
+                                                  f"{binary} --help")
+        except (CallTimeout, LaneBusy) as exc:
+            self._emit("blocking_call_timeout", call=f"{binary} --help", timeout_s=HELP_PROBE_TIMEOUT_S,
+                           effect=f"starting with --mlock unverified ({exc})")
+            argv = [str(binary), *build_argv(server_cfg, None)[1:]]  # no binary: plain --mlock
+        env = child_environ(os.environ, server_cfg.env)
+        for source in self._sources:
+            refused = await source.before_spawn(ctx, self.last_pid)
+            if refused:
+                return SpawnFailed(refused, fatal=False)
+        # The sources' hooks (rlimits) first: raising a hard limit needs the privileges that
+        # the drop to [server].user then takes away.
+        hooks = [h for h in (src.preexec() for src in self._sources) if h is not None]
+        hooks.append(make_drop(self.identity, os.getpid()))
+        try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
+            key = await asyncio.to_thread(read_api_key, server_cfg)
+        except ConfigError as exc:
+            return SpawnFailed(exc.lines[0])
+
+        def preexec_all() -> None:
+            for hook in hooks:
+                hook()
+
+        self.cancellable = False  # from here on the answer is Started (or an exec error)
+        try:
+            server = await asyncio.shield(spawn(argv, env, preexec_extra=preexec_all))
+        except OSError as exc:
+            return SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}")
+        self.live_key = key
+        self.last_pid = server.pid
+        return Started(server, tuple(argv))
