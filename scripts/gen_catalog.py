@@ -262,6 +262,26 @@ TEXT: dict[str, tuple[str, str]] = {
         "llama-server still busy when draining ended",
         "llama-server was still busy after @DRAIN_TIMEOUT_S@ s of draining and was restarted\n"
         "anyway. Raise [schedule].drain_timeout_s to let long requests finish."),
+    "front_listening": (
+        "front door listening",
+        "The front door accepts client requests on @LISTEN@ and forwards them to llama-server at\n"
+        "@UPSTREAM@, holding them while the server is not ready. Clients use @LISTEN@."),
+    "front_held": (
+        "requests held while llama-server was not ready",
+        "While llama-server was @PHASE@ the front door held @HELD@ requests (the longest @LONGEST_S@ s);\n"
+        "@FAILED@ of them failed (held past [front].hold_timeout_s, more than [front].max_held, or\n"
+        "the daemon ended). A failed count above zero means clients saw the restart: raise\n"
+        "hold_timeout_s to cover the server's load time, or max_held."),
+    "server_stream_stalled": (
+        "a streaming response stalled",
+        "A response of llama-server @SERVER_PID@ had begun and then got no byte for @STALLED_S@ s.\n"
+        "[health].hang_strikes stalls with no completed request and no token progress between them\n"
+        "are a hang: the server is restarted (server_hang)."),
+    "server_http_errors": (
+        "llama-server answers with HTTP 5xx",
+        "llama-server @SERVER_PID@ answered @ERRORS@ client requests in a row with a 5xx status (the\n"
+        "last @STATUS@). llama-guard does not restart for this (a client can cause 500s); read the\n"
+        "server's lines around it (server_log_file, journalctl) for the cause."),
     "config_reloaded": (
         "configuration reloaded",
         "llama-guard reloaded @CONFIG_PATH@ (SIGHUP, `systemctl reload llama-guard`)."),

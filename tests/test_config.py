@@ -41,7 +41,8 @@ def test_shipped_config_is_the_16_gb_setup() -> None:
     assert (s.n_gpu_layers, s.ctx_size, s.parallel, s.batch_size, s.ubatch_size) == (56, 8192, 1, 512, 256)
     assert (s.cache_type_k, s.cache_type_v, s.flash_attn, s.threads) == ("q8_0", "q8_0", "on", 8)
     assert s.env == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "8"}
-    assert s.host == "127.0.0.1"
+    assert (s.host, s.port) == ("127.0.0.1", 8081)  # private: clients keep 8080 at the front door
+    assert c.front.address == ("127.0.0.1", 8080)
 
 
 def test_shipped_config_comments_every_key() -> None:

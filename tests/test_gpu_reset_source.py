@@ -197,46 +197,6 @@ async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, mon
     assert fake.persistence_writes == []
 
 
-async def test_the_need_estimate_is_read_once_per_start_not_per_vram_poll(tmp_path: Path) -> None:
-    # The GGUF read costs seconds of CPU (the tokenizer arrays): at every poll it starved the H200
-    # run's sampler and loop. Polls while it runs share it; the next start reads it again.
-    fake = FakeNvml()
-    src, ctx = make(fake, stub(tmp_path), tmp_path)
-    reads: list[str] = []
-
-    def estimate(config: Config) -> int:
-        reads.append(config.server.model)
-        time.sleep(0.3)  # the GGUF read, in its thread
-        return 700
-
-    src._estimate_need_mib = estimate
-    first = [asyncio.ensure_future(src.vram_facts(ctx)) for _ in range(3)]  # polls while it runs
-    with pytest.raises(asyncio.TimeoutError):  # a poll cut short by the daemon's deadline ...
-        await asyncio.wait_for(src.vram_facts(ctx), 0.05)
-    answers = await asyncio.gather(*first)
-    assert [a.need_mib for a in answers] == [700] * 3 and len(reads) == 1  # ... does not lose it
-    for _ in range(3):
-        facts = await src.vram_facts(ctx)
-        assert facts is not None and facts.need_mib == 700 and facts.free_mib is not None
-    assert len(reads) == 1
-    src.on_spawn(ctx, 4242)  # a start: the next one estimates afresh
-    await src.vram_facts(ctx)
-    assert len(reads) == 2
-
-
-async def test_a_failing_need_estimate_is_raised_once_then_unknown(tmp_path: Path) -> None:
-    src, ctx = make(FakeNvml(), stub(tmp_path), tmp_path)
-
-    def estimate(config: Config) -> int:
-        raise ValueError("odd GGUF")
-
-    src._estimate_need_mib = estimate
-    with pytest.raises(ValueError, match="odd GGUF"):
-        await src.vram_facts(ctx)
-    facts = await src.vram_facts(ctx)
-    assert facts is not None and facts.need_mib is None and facts.error == ""
-
-
 def test_gpu_busy_is_the_servers_tree_in_nvml_per_process_samples() -> None:
     # A wrapper (sh) whose child is the process that uses the GPU.
     proc = subprocess.Popen(["/bin/sh", "-c", "sleep 30; true"])

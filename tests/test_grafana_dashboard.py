@@ -223,7 +223,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
         os.kill(server, signal.SIGSTOP)  # a hang: no answer, no progress
         run.wait_event("server_hang", 30)
         next_ready()
-        nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 60}, "xids": [79]}))
+        nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 60}, "xids": [48]}))
         run.wait_event("gpu_xid", 15)
         next_ready()
         if FRONT:

@@ -484,6 +484,46 @@ class MetricsConfig(_Section):
         return parse_listen(self.listen) if self.listen else None
 
 
+class FrontConfig(_Section):
+    """``[front]``: the front door, a reverse proxy that holds requests while llama-server is not
+    ready (off unless ``listen`` is set; see docs/front.md).
+
+    ``listen``: ``"HOST:PORT"`` (or ``"PORT"``, bound to 127.0.0.1) where clients connect; then
+    ``[server].host``/``port`` are llama-server's private address. ``hold_timeout_s``: how long a
+    request may wait for a ready server (seconds) before it gets 503 with ``Retry-After``.
+    ``max_held``: requests held at once (more get 503 at once). ``max_body_bytes``: the largest request
+    body (413 above it). ``max_buffered_bytes``: request bodies kept in memory at once, held and in
+    flight together (each is kept until its answer began, for a replay); past it, 503.
+    ``header_timeout_s``: a connection must deliver a request's head within this many seconds of
+    connecting or of its previous answer (else closed); ``body_timeout_s``: the whole body within
+    this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
+    byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
+    connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
+    """
+
+    listen: str = ""
+    hold_timeout_s: PositiveFloat = 120.0
+    max_held: int = Field(256, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_buffered_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    header_timeout_s: PositiveFloat = 15.0
+    body_timeout_s: PositiveFloat = 60.0
+    stall_timeout_s: float = Field(120.0, ge=0.0)
+    max_connections: int = Field(16384, ge=1)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)  # ValueError names the problem
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` to bind, or None when the front door is off."""
+        return parse_listen(self.listen) if self.listen else None
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""
     text = value.strip()
@@ -530,6 +570,19 @@ class Config(BaseSettings):
     log: LogConfig = Field(default_factory=LogConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    front: FrontConfig = Field(default_factory=FrontConfig)
+
+    @model_validator(mode="after")
+    def _front_port(self) -> Config:
+        address = self.front.address
+        if address is not None and address[1] == self.server.port:
+            raise ValueError(f"front.listen {self.front.listen!r} uses port {self.server.port}, which is "
+                             "[server].port: with the front door on, [server].port is llama-server's private "
+                             "port (e.g. 8081) and clients use front.listen")
+        metrics = self.metrics.address
+        if address is not None and metrics is not None and metrics[1] == address[1]:
+            raise ValueError(f"front.listen {self.front.listen!r} and metrics.listen use the same port")
+        return self
 
     @classmethod
     def settings_customise_sources(

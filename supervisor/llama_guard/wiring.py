@@ -33,19 +33,23 @@ def make_notifier() -> ServiceNotifier:
 
 def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | None = None) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
-    set; it counts every event of ``emitter``). ``nvml_module``: the pynvml module the GPU watcher
-    uses (None: the real ``pynvml``; tests inject a fake)."""
+    set; it counts every event of ``emitter``), the front door (when [front].listen is set).
+    ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
+    fake)."""
+    from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
-    from llama_guard.insight.vram_check import estimated_need_mib_in_child
+    from llama_guard.insight.need_cache import NeedCache
+    from llama_guard.insight.vram_check import need_mib_in_child
     from llama_guard.limits.watcher import LimitsSource
     from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
-    gpu = GpuSource(nvml_module=nvml_module, estimate_need_mib=estimated_need_mib_in_child)
+    gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
     sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample)]
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
     if emitter is not None:
         emitter.sinks.append(metrics)
         metrics.attached = True
-    return [*sources, metrics]
+    # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.
+    return [*sources, FrontSource(registry=metrics.registry), metrics]

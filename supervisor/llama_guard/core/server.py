@@ -153,7 +153,10 @@ class ServerWatch:
             await asyncio.sleep(health.interval_s)
             if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
                 return
-            result = await self.probe.liveness(completed_at=self.completed_at)
+            # A request that completed since the previous round (the server's own log line for it, or
+            # the front door's last_request_at) already showed progress: no canary in that round.
+            seen = [t for t in (self.completed_at, ctx.get_state().last_request_at) if t is not None]
+            result = await self.probe.liveness(completed_at=max(seen) if seen else None)
             self.answering = result.answered
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)

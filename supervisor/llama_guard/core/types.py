@@ -401,6 +401,31 @@ class ParamsChanged(Input):
     server_changed: bool
 
 
+@dataclass(frozen=True)
+class RequestCompleted(Input):
+    """The front door saw a client request to server ``pid`` answered in full with a 2xx status: real
+    traffic, the first liveness signal (progress)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class StreamStalled(Input):
+    """A response from server ``pid`` had begun and then got no byte for ``stalled_s`` seconds
+    (``[front].stall_timeout_s``): a decode that stopped under a client."""
+
+    pid: int
+    stalled_s: float
+
+
+@dataclass(frozen=True)
+class UpstreamError(Input):
+    """Server ``pid`` answered a client request with HTTP ``status`` (5xx)."""
+
+    pid: int
+    status: int
+
+
 # ---------------------------------------------------------------- actions
 
 class Action:
@@ -538,6 +563,14 @@ class State:
     boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
     watchdog_hits: tuple[float, ...] = ()  # when a launch-watchdog timeout stopped a server (window)
     crashes: tuple[tuple[float, str], ...] = ()  # (when, signature) of crashes after ready (window)
+    last_request_at: float | None = None  # when the front door last saw a request completed (progress)
+    stalls: int = 0             # stalled streams since the last progress of the current server
+    http_errors: int = 0        # 5xx answers in a row (no 2xx in between) from the current server
+
+    def request_completed_since(self, since: float) -> bool:
+        """Whether the front door saw a client request completed at or after monotonic ``since``
+        (the liveness rounds send no canary then: real traffic already showed progress)."""
+        return self.last_request_at is not None and self.last_request_at >= since
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

@@ -16,12 +16,12 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psutil
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import (
     GpuFault,
@@ -46,11 +46,15 @@ from llama_guard.gpu.rules import (
     server_on_gpu,
 )
 from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
+from llama_guard.insight.budget import Settings
+from llama_guard.insight.need_cache import NeedCache, need_key
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
 KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up
+NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
+NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
 class GpuSource(Source):
@@ -58,14 +62,13 @@ class GpuSource(Source):
 
     name = "gpu"
 
-    def __init__(self, *, nvml_module: Any = None,
-                 estimate_need_mib: Callable[[Config], int | None] | None = None,
+    def __init__(self, *, nvml_module: Any = None, need_cache: NeedCache | None = None,
                  nvml_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, hung_as_lost_s: float = HUNG_AS_LOST_S) -> None:
         """Every NVML call has a deadline of ``nvml_call_timeout_s`` seconds; one stuck
-        ``hung_as_lost_s`` seconds counts as a lost GPU."""
+        ``hung_as_lost_s`` seconds counts as a lost GPU. ``need_cache``: the VRAM budget's estimates
+        (wiring), for a start before any good one and without ``[gpu].expected_vram_mib``."""
         self._nvml_module = nvml_module
-        # Before any good start and without [gpu].expected_vram_mib: the VRAM budget's estimate (wiring).
-        self._estimate_need_mib = estimate_need_mib
+        self._needs = need_cache
         self._call_timeout_s = nvml_call_timeout_s
         self._hung_as_lost_s = hung_as_lost_s
         self.degraded = ""
@@ -82,9 +85,14 @@ class GpuSource(Source):
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
         self._nvml_recovery: RecoveryAction | None = None  # the field as read with NVML's latest Xid 154
-        # The estimate of the start being admitted: read once per start (the GGUF read costs seconds
-        # of CPU), not per VRAM poll; shared by the polls while it runs in its thread.
-        self._need_estimate: asyncio.Future[int | None] | None = None
+        # The estimate of the configuration's need, learned in a thread when the watch starts and after
+        # a reload (the GGUF read costs seconds of CPU): never on a start's path unless another process
+        # holds VRAM; then the admission's polls share it.
+        self._learning: asyncio.Future[int | None] | None = None
+        self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
+        self._needs_opened = False
+        self._need_lane = Lane("vram-need", max_calls=2)  # daemon threads: never delay the exit
+        self._stat_lane = Lane("vram-need-key", max_calls=4)
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""
@@ -124,7 +132,35 @@ class GpuSource(Source):
         self.executor = ResetExecutor(opened, halt_xid=self._halt_xid, resume_xid=self._resume_xid)
         self._can_reset = True
         self._start_threads(ctx)
+        self._learn_need(ctx.config)
         return None
+
+    def _learn_need(self, config: Config) -> asyncio.Future[int | None] | None:
+        """Estimate ``config``'s VRAM need in a thread (a no-op when it is known, nothing is offloaded or
+        ``[gpu].expected_vram_mib`` states it); returns the estimate's future (None: nothing to learn)."""
+        needs = self._needs
+        if needs is None or self.executor is None or config.server.n_gpu_layers == 0 or config.gpu.expected_vram_mib:
+            return None
+        model, settings, directory = str(config.server.model), Settings.from_server(config.server), config.runtime.dir
+        first = not self._needs_opened
+        self._needs_opened = True
+
+        def learn() -> int | None:
+            if first:
+                needs.open(directory)
+            return needs.learn(model, settings)
+
+        previous = self._learning
+        self._learning_for = (model, settings)
+
+        async def run() -> int | None:
+            if previous is not None:  # one read at a time: this one after it
+                await asyncio.gather(previous, return_exceptions=True)
+            return await self._need_lane.run(learn, NEED_LEARN_S, f"the VRAM need of {model}")
+
+        self._learning = asyncio.ensure_future(run())
+        self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
+        return self._learning
 
     def _start_threads(self, ctx: Context) -> None:
         assert self.nvml is not None
@@ -300,33 +336,42 @@ class GpuSource(Source):
         if used:
             self._measured_mib, self._measured_pid = used // MIB, pid
 
-    async def _estimated_need(self, ctx: Context) -> int | None:
-        """The need estimate (MiB) of the start being admitted, read once per start in a thread;
-        a caller that times out leaves it running for the next poll. Raises what the estimate
-        raised, once (the need is then unknown for this start)."""
-        if self._estimate_need_mib is None:
+    async def _estimated_need(self, ctx: Context, holders: bool) -> int | None:
+        """The need estimate (MiB) of the configuration, when known. Unknown and another process holds
+        VRAM (``holders``): waits for the estimate (started now unless under way); a caller that times
+        out leaves it running for the next poll. Raises what the estimate raised, once per read."""
+        if self._needs is None:
             return None
-        if self._need_estimate is None:
-            self._need_estimate = asyncio.ensure_future(asyncio.to_thread(self._estimate_need_mib, ctx.config))
-        estimate = self._need_estimate
+        config = ctx.config
+        settings = Settings.from_server(config.server)
         try:
-            return await asyncio.shield(estimate)
-        except Exception:
-            if estimate.done():  # the estimate itself failed: reported once, unknown for this start
-                self._need_estimate = ctx.loop.create_future()
-                self._need_estimate.set_result(None)
-            raise
+            key = await self._stat_lane.run(lambda: need_key(str(config.server.model), settings), NEED_KEY_S,
+                                            "stat of the model file")
+        except (CallTimeout, LaneBusy):  # a hung filesystem: the need is unknown for now
+            return None
+        found, mib = self._needs.known(key)
+        if found or key is None or not holders:
+            return mib
+        learning = self._learning
+        if learning is not None and learning.done() and self._learning_for == (str(config.server.model), settings) \
+                and (learning.cancelled() or learning.exception() is not None):
+            return None  # this configuration's read failed (raised to its first awaiter): unknown
+        if learning is None or learning.done():
+            learning = self._learn_need(config)
+        if learning is None:
+            return None
+        await asyncio.shield(learning)
+        return self._needs.known(key)[1]
 
     async def vram_facts(self, ctx: Context) -> VramFacts | None:
         """The GPU's free VRAM (MiB), what the server needs (MiB: measured at the last good start,
-        else ``[gpu].expected_vram_mib``, else the GGUF estimate, read once per start) and the other
-        processes holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here:
-        the daemon bounds each call."""
+        else ``[gpu].expected_vram_mib``, else the GGUF estimate when known — awaited only when another
+        process holds VRAM, the one case where the need decides anything) and the other processes
+        holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here: the daemon
+        bounds each call."""
         if self.executor is None:
             return None
         need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
-        if need is None:
-            need = await self._estimated_need(ctx)
         sample = await self.executor.sample()
         index = self._gpu_index()
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
@@ -334,7 +379,10 @@ class GpuSource(Source):
             return VramFacts(index, None, need, error=why)
         own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
         free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
-        return VramFacts(index, free, need, holders_of(sample, own), recovery=await self._recovery_action())
+        holders = holders_of(sample, own)
+        if need is None:
+            need = await self._estimated_need(ctx, bool(holders))
+        return VramFacts(index, free, need, holders, recovery=await self._recovery_action())
 
     async def _recovery_action(self) -> RecoveryAction | None:
         """NVML's recovery-action field, read before each start (an Xid may have gone by unseen);
@@ -369,9 +417,11 @@ class GpuSource(Source):
         ctx.emit("gpu_persistence_off", gpu_index=index,
                  action="enabled by llama-guard ([gpu].enable_persistence); prefer nvidia-persistenced")
 
+    def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
+        self._learn_need(new)  # a new model or settings: learn its need before its first start
+
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
-        self._need_estimate = None  # the next start estimates afresh (the model or config may change)
         if self.watch is not None:
             self.watch.set_server_pid(pid, ctx.clock())
 

@@ -218,10 +218,11 @@ def ceiling_for(config: Config, result: BenchResult, *, nvml_module: Any = None)
     source = gpu.bandwidth_source
     if gpu.bandwidth is None and not gpu.name:
         source = "no GPU found and [gpu].memory_bandwidth_gbs not set"
-    ceiling = Ceiling(bandwidth=gpu.bandwidth, source=source,
-                      weights_read=weights_read_bytes(facts, s, gpu=on_gpu),
+    weights = weights_read_bytes(facts, s, gpu=on_gpu)
+    host = weights_read_bytes(facts, s, gpu=False) - weights if on_gpu else 0
+    ceiling = Ceiling(bandwidth=gpu.bandwidth, source=source, weights_read=weights,
                       kv_read=kv_read_bytes(facts, s, result.context, layers), context=result.context,
-                      measured=result.eval.median, on_gpu=on_gpu)
+                      measured=result.eval.median, on_gpu=on_gpu, host_weights_read=max(0, host))
     out = ceiling.as_dict()
     if on_gpu and layers is not None and len(layers) < facts.n_layer:
         out["note"] = "partial offload: only the GPU's share is counted; the CPU layers are slower still"

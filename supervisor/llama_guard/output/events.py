@@ -166,6 +166,19 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("server_unauthenticated", _S.WARNING,
                   "llama-server listens on {host}:{port}, beyond loopback, without an API key "
                   "([server].api_key_file)"),
+        # The front door (client traffic; docs/front.md).
+        EventSpec("front_listening", _S.INFO,
+                  "front door listening on {listen} for llama-server at {upstream} "
+                  "(at most {max_connections} connections)"),
+        EventSpec("front_held", _S.NOTICE,
+                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
+                  "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
+        EventSpec("server_stream_stalled", _S.WARNING,
+                  "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
+                  "(stall {stalls} of {hang_strikes})"),
+        EventSpec("server_http_errors", _S.WARNING,
+                  "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
+                  "(last {status})"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,7 @@ from llama_guard.core.types import Action, Emit, Phase
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.limits.usage import UsageSample
+from llama_guard.output.health import liveness_from_thread, readiness, start_wsgi, with_health
 
 THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
                  "power_brake": 0x80}
@@ -69,7 +70,10 @@ class MetricsSource(Source, Collector):
         address = ctx.config.metrics.address
         if address is not None and self.serve:
             try:
-                self._server, _thread = start_http_server(address[1], addr=address[0], registry=self.registry)
+                # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
+                app = with_health(make_wsgi_app(self.registry), ready=lambda: readiness(ctx.state),
+                                  live=lambda: liveness_from_thread(ctx.loop, ctx.get_state))
+                self._server, _thread = start_wsgi(address[0], address[1], app)
             except OSError as exc:
                 return f"[metrics].listen = {ctx.config.metrics.listen!r}: cannot listen: {exc.strerror or exc}"
             self.listening = (address[0], int(self._server.server_address[1]))

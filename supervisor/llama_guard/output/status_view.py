@@ -6,7 +6,7 @@ JSON schema 1 (docs/status.md): every key of the snapshot as the daemon wrote it
 ``updated``, ``events``, ``liveness`` (``answering``: the server answered the last liveness
 round; ``silent_s``: seconds since it last answered any request; null before the first round),
 and one object per watcher: ``gpu``, ``limits``, ``planned_restarts``,
-``metrics``), plus ``schema`` (1), ``ready`` (bool), ``snapshot_age_s``, ``daemon_uptime_s`` and
+``metrics``, ``front``), plus ``schema`` (1), ``ready`` (bool), ``snapshot_age_s``, ``daemon_uptime_s`` and
 ``server_uptime_s`` (seconds, null when unknown). Keys are only ever added within a schema version.
 
 Exit codes (so that ``llama-guard status`` can be a health check): :data:`EXIT_READY` 0 when the
@@ -128,6 +128,10 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
                 text += f", unavailable {down:.1f} s"
             rows.append(("last planned restart", text))
     rows.append(("GPU", _gpu_line(doc.get("gpu"))))
+    front = doc.get("front") or {}
+    if front.get("listen"):
+        rows.append(("front door", f"http://{front['listen']} (clients): {front.get('waiting', 0)} held, "
+                                   f"{front.get('in_flight', 0)} in flight, {front.get('connections', 0)} connections"))
     if metrics.get("listen"):
         rows.append(("metrics", f"http://{metrics['listen']}/metrics"))
     width = max(len(name) for name, _ in rows)

@@ -13,7 +13,8 @@ The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BA
 :mod:`.lines` (classified server lines), :mod:`.stop` (STOPPING and what follows a stop),
 :mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission and the driver's recovery
 action before a start), :mod:`.verdicts` (what no restart or reset mends: a reboot, a server that
-outlives SIGKILL; faults said when they repeat) and :mod:`.steps` (start, stop, spawn, exit, count a
+outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic as the front door
+reports it: completions, stalls, 5xx) and :mod:`.steps` (start, stop, spawn, exit, count a
 failure; :func:`~.steps.after_fault`, the OOM decision).
 """
 

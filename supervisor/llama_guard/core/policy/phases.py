@@ -17,6 +17,7 @@ from llama_guard.core.judgement import (
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
 from llama_guard.core.policy.stop import alloc_fatal
+from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
@@ -185,6 +186,9 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *repeated, *actions]
     if isinstance(event, Probe) and event.pid == pid:
         return _on_probe(state, event, now)
+    traffic = on_traffic(state, event, now)
+    if traffic is not None:
+        return traffic
     if isinstance(event, Tick):
         if (state.phase is Phase.READY and not state.stable and state.ready_at is not None
                 and now - state.ready_at >= p.stable_after_s):
@@ -218,6 +222,8 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     # or counters move is working even when its probes time out (a busy loop); only a round with
     # neither an answer nor progress is a strike (a SIGSTOPped or wedged server).
     moving = progress_signals(event, state.params)
+    if event.progressed and state.stalls:
+        state = replace(state, stalls=0)  # the token counters moved: a stalled stream was not a wedged decode
     recovered: list[Action] = []
     if state.alloc_failure and event.health_ok:
         recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")

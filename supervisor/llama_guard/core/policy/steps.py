@@ -98,7 +98,8 @@ def stop(state: State, now: float, after: AfterStop, fault: str, *,
 def spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
-                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error=""),
+                    reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
+                    stalls=0, http_errors=0),
             [Spawn()])
 
 

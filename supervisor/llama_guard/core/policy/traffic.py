@@ -1,0 +1,61 @@
+"""Policy rules on real client traffic, as the front door reports it (pure; no I/O, no clock reads).
+
+Real traffic is the first liveness signal: a request answered in full is progress (it clears the
+hang strikes, and the liveness round after it sends no canary); a response that had begun and then
+got no byte for ``[front].stall_timeout_s`` is a stall — ``hang_strikes`` stalls with no progress in
+between (no completed request, no movement of the token counters) are a hang, found by the traffic
+itself. 5xx answers are counted and reported, never a reason to restart on their own: a client can
+make llama-server answer 500 at will, and one bad client must not restart the server for everyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llama_guard.core.policy.steps import Result, stop
+from llama_guard.core.types import (
+    AfterStop,
+    Emit,
+    Input,
+    RequestCompleted,
+    RestartCause,
+    State,
+    StreamStalled,
+    UpstreamError,
+)
+
+#: 5xx answers in a row (no 2xx between them) after which ``server_http_errors`` is reported, once per run.
+HTTP_ERRORS_REPORTED = 5
+
+
+def on_traffic(state: State, event: Input, now: float) -> Result | None:
+    """The transition for a traffic input about the current server while it serves; None when
+    ``event`` is no traffic input of this server."""
+    if isinstance(event, RequestCompleted) and event.pid == state.pid:
+        return replace(state, last_request_at=now, strikes=0, stalls=0, http_errors=0), []
+    if isinstance(event, StreamStalled) and event.pid == state.pid:
+        return _stalled(state, event, now)
+    if isinstance(event, UpstreamError) and event.pid == state.pid:
+        errors = state.http_errors + 1
+        actions: list[Emit] = []
+        if errors == HTTP_ERRORS_REPORTED:
+            actions.append(Emit("server_http_errors", {"server_pid": state.pid, "errors": errors,
+                                                       "status": event.status}))
+        return replace(state, http_errors=errors), list(actions)
+    return None
+
+
+def _stalled(state: State, event: StreamStalled, now: float) -> Result:
+    p = state.params
+    stalls = state.stalls + 1
+    emit = Emit("server_stream_stalled", {"server_pid": state.pid, "stalled_s": round(event.stalled_s, 1),
+                                          "stalls": stalls, "hang_strikes": p.hang_strikes})
+    if stalls < p.hang_strikes:
+        return replace(state, stalls=stalls), [emit]
+    reason = (f"{stalls} streaming responses got no byte for {event.stalled_s:.0f} s each, with no request "
+              "completed and no token counter moving in between")
+    new = replace(state, stalls=stalls, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
+    new, actions = stop(new, now, AfterStop.FAILURE, "hang")
+    hang = Emit("server_hang", {"server_pid": state.pid, "failures": stalls, "reason": reason,
+                                "phase": state.phase.value})
+    return new, [emit, hang, *actions]

@@ -1,0 +1,1 @@
+"""The front door: a reverse proxy before llama-server that holds requests while it is not ready."""

@@ -1,0 +1,245 @@
+"""The front door's HTTP server (aiohttp's low-level server): ``/livez``, ``/readyz``, everything else forwarded.
+
+What a bad client gets, and why no other client notices (each bound is a ``[front]`` key):
+
+- a connection that sends no complete request head within ``header_timeout_s`` (an idle one, or one
+  that trickles its headers) is closed — aiohttp's keep-alive timer, armed from the connection's start;
+- a request line or header line over 8190 bytes, or malformed HTTP, gets aiohttp's 400 and a close;
+- a body over ``max_body_bytes`` gets 413 (before it is read, when ``Content-Length`` says so);
+- a body not complete within ``body_timeout_s`` (a client trickling it) gets 408;
+- bodies in memory — being read, held, or in flight until their answer begins — never pass
+  ``max_buffered_bytes`` together: past it, 503 with ``Retry-After``;
+- past ``max_connections`` open connections, a new one is closed at once.
+Nothing here logs a header or a body: aiohttp's access log is off and its logger is silenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import resource
+import socket
+from collections.abc import Callable
+
+from aiohttp import hdrs, web
+
+from llama_guard.config import FrontConfig
+from llama_guard.core.types import State
+from llama_guard.front.admission import FailReason, Refused
+from llama_guard.front.forward import Forwarder
+from llama_guard.front.metrics import FrontMetrics
+from llama_guard.output.health import liveness, readiness
+
+RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
+FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
+# asyncio accepts at most its ``backlog`` connections in one loop step: a flood of connections is taken
+# in slices of ACCEPT_SLICE with the policy's decisions in between, while the kernel's queue holds
+# LISTEN_BACKLOG (capped by net.core.somaxconn) so that a burst waits there instead of in SYN retries.
+ACCEPT_SLICE = 128
+LISTEN_BACKLOG = 4096
+READ_CHUNK = 65536
+_STATUS = {FailReason.UPSTREAM_FAILED: 502}
+_MESSAGE = {
+    FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
+    FailReason.QUEUE_FULL: "too many requests are waiting for llama-server ([front].max_held)",
+    FailReason.BUFFER_FULL: "too many request bytes are waiting for llama-server ([front].max_buffered_bytes)",
+    FailReason.DAEMON_EXITING: "llama-guard is stopping llama-server",
+    FailReason.UPSTREAM_FAILED: "llama-server failed twice before answering this request",
+}
+
+
+def _quiet_logger() -> logging.Logger:
+    """A logger that writes nothing: aiohttp's error logs may quote the request they failed on."""
+    logger = logging.getLogger("llama_guard.front.http")
+    logger.propagate = False
+    logger.addHandler(logging.NullHandler())
+    return logger
+
+
+def error_response(status: int, message: str, *, retry_after: int | None = None) -> web.Response:
+    """A JSON error in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
+    kind = "unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
+    body = json.dumps({"error": {"code": status, "message": message, "type": kind}})
+    headers = {hdrs.RETRY_AFTER: str(retry_after)} if retry_after is not None else None
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+class BodyError(Exception):
+    """A request body the front door refuses: ``status`` (408, 413) and the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Budget:
+    """Request-body bytes in memory, bounded by ``limit()`` bytes (read at each take)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self._limit():
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def effective_max_connections(configured: int) -> int:
+    """``[front].max_connections``, lowered so that client connections never take the last
+    :data:`FD_RESERVE` file descriptors of the daemon's soft RLIMIT_NOFILE (its probes, its pidfd, its
+    status file and the upstream connections need them: a flood of connections must not blind the
+    supervision)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return max(1, min(configured, soft - FD_RESERVE))
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past ``max_connections``: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class FrontApp:
+    """Serves the front door on one listening socket; ``get_config``/``get_state`` are read live."""
+
+    def __init__(self, forwarder: Forwarder, metrics: FrontMetrics, *,
+                 get_config: Callable[[], FrontConfig], get_state: Callable[[], State]) -> None:
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self._config = get_config
+        self._state = get_state
+        self._seq = itertools.count()
+        self.budget = Budget(lambda: self._config().max_buffered_bytes)
+        self._server: web.Server | None = None
+        self._listener: asyncio.base_events.Server | None = None
+        self.max_connections = 0  # in force once listening
+
+    @property
+    def connections(self) -> int:
+        return len(self._server.connections) if self._server is not None else 0
+
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        """Open the listening socket (OSError when it cannot be bound); returns the bound address."""
+        front = self._config()
+        self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
+                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s)
+        max_connections = effective_max_connections(front.max_connections)
+        self.max_connections = max_connections
+        server = self._server
+
+        def factory() -> asyncio.Protocol:
+            if len(server.connections) >= max_connections:
+                return _Refuse()
+            return server()
+
+        loop = asyncio.get_running_loop()
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        try:
+            self._listener = await loop.create_server(factory, sock=sock, backlog=ACCEPT_SLICE)
+        except BaseException:
+            sock.close()
+            raise
+        sock.listen(LISTEN_BACKLOG)  # asyncio listened with its slice: the kernel's queue gets the full length
+        bound = self._listener.sockets[0].getsockname()
+        return str(bound[0]), int(bound[1])
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, then close every connection (bounded by ``timeout_s``)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._server is not None:
+            await self._server.shutdown(timeout_s)
+            self._server = None
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in ("/livez", "/readyz"):
+            return self._health(request.path)
+        seq = next(self._seq)
+        front = self._config()
+        try:
+            body, taken = await self._read_body(request, front)
+        except BodyError as exc:
+            return self._answer(error_response(exc.status, str(exc)))
+        except Refused as refused:
+            return self._refused(refused)
+        given = False
+
+        def release() -> None:  # once the answer began, or at the end
+            nonlocal given
+            if not given:
+                given = True
+                self.budget.give(taken)
+
+        try:
+            return await self.forwarder.forward(request, body, seq, release)
+        except Refused as refused:
+            return self._refused(refused)
+        finally:
+            release()
+
+    async def _read_body(self, request: web.BaseRequest, front: FrontConfig) -> tuple[bytes, int]:
+        """The whole body and the bytes it holds of the budget. Raises :class:`BodyError` (413 over
+        ``max_body_bytes``, 408 past ``body_timeout_s``) or :class:`Refused` (BUFFER_FULL: no room in
+        the budget); then it holds nothing of the budget."""
+        length = request.content_length or 0
+        if length > front.max_body_bytes:
+            raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes ([front].max_body_bytes)")
+        if not self.budget.take(length):
+            raise Refused(FailReason.BUFFER_FULL)
+        taken = length
+        chunks: list[bytes] = []
+
+        async def read_all() -> None:
+            nonlocal taken
+            if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+                # The client waits for this before it sends the body (curl does so for large bodies);
+                # aiohttp's router sends the same in its default expect handler.
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            size = 0
+            while chunk := await request.content.read(READ_CHUNK):
+                size += len(chunk)
+                if size > front.max_body_bytes:
+                    raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes "
+                                         "([front].max_body_bytes)")
+                if size > taken:
+                    if not self.budget.take(size - taken):
+                        raise Refused(FailReason.BUFFER_FULL)
+                    taken = size
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read_all(), front.body_timeout_s)
+        except asyncio.TimeoutError:
+            self.budget.give(taken)
+            raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
+                                 "([front].body_timeout_s)") from None
+        except BaseException:
+            self.budget.give(taken)
+            raise
+        return b"".join(chunks), taken
+
+    def _refused(self, refused: Refused) -> web.Response:
+        status = _STATUS.get(refused.reason, 503)
+        self.metrics.failed.labels(refused.reason.value).inc()
+        return self._answer(error_response(status, _MESSAGE[refused.reason],
+                                           retry_after=RETRY_AFTER_S if status == 503 else None))
+
+    def _answer(self, response: web.Response) -> web.Response:
+        self.metrics.requests.labels(str(response.status)).inc()
+        return response
+
+    def _health(self, path: str) -> web.Response:
+        status, body = (liveness if path == "/livez" else readiness)(self._state())
+        return web.json_response(body, status=status)

@@ -1,0 +1,32 @@
+"""How a response cut by a server failure ends: for Server-Sent Events, one well-formed error event.
+
+A stream that had begun cannot be replayed (the client already has part of it). When llama-server dies
+under it, the client gets one more SSE event, then the end of the body (the last chunk of a chunked
+response), so that it sees an error instead of waiting or guessing. The event has the name ``error``
+and a ``data:`` line holding ``{"type": "error", "error": {"code", "message", "type"}}``: the ``error``
+object is llama-server's own error shape (``format_error_response`` in llama.cpp's
+``tools/server/server-common.cpp``: code, message, type), the ``event: error`` line with the
+``"type": "error"`` wrapper is what Anthropic-style clients read, and OpenAI-style clients raise on a
+``data`` object with an ``error`` member. No ``data: [DONE]`` follows: the stream did not complete.
+Format: the WHATWG HTML standard, "Server-sent events" (fields ``event``/``data``, a blank line ends
+an event).
+"""
+
+from __future__ import annotations
+
+import json
+
+SSE_TYPE = "text/event-stream"
+
+
+def is_sse(content_type: str) -> bool:
+    """Whether a ``Content-Type`` header value is ``text/event-stream`` (parameters ignored)."""
+    return content_type.split(";", 1)[0].strip().lower() == SSE_TYPE
+
+
+def error_event(message: str, code: int = 502) -> bytes:
+    """The closing SSE error event for ``message`` (one line, UTF-8; ``code`` the HTTP-style status
+    the error stands for). Begins with a blank line so that it is an event of its own even when the
+    cut left an event unfinished."""
+    payload = {"type": "error", "error": {"code": code, "message": message, "type": "server_error"}}
+    return b"\n\nevent: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

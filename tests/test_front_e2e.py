@@ -1,0 +1,222 @@
+"""End to end: the front door before the REAL llama-server on the REAL SmolLM2 model (CPU).
+
+Each test starts ``python -m llama_guard run`` with ``[front].listen`` set, sends client requests to the
+front door and breaks the server under them (kill -9, a drained restart, a crash mid-stream); the
+clients must see no restart. The server that never becomes ready is the test double (a real one
+always becomes ready or exits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import FAKE_SERVER, DaemonRun, RunPool, free_port
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
+
+
+class FrontRun(DaemonRun):
+    """A daemon run with the front door on: ``port`` is llama-server's private port, ``front`` the
+    front door's, ``metrics`` the exporter's."""
+
+    port: int
+    front: int
+    metrics: int
+
+
+@pytest.fixture
+def front(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
+    pool = RunPool()
+
+    def make(extra: dict[str, dict[str, object]] | None = None, binary: str = "", model: str = "") -> FrontRun:
+        front_port, metrics_port = free_port(), free_port()
+        sections: dict[str, dict[str, object]] = {
+            "front": {"listen": f"127.0.0.1:{front_port}", "hold_timeout_s": 120.0},
+            "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
+            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0},
+            "recovery": {"stable_after_s": 1.0, "max_restarts": 5},
+        }
+        for name, keys in (extra or {}).items():
+            sections.setdefault(name, {}).update(keys)
+        run: Any = pool.new(tmp_path, binary or str(llama_server_bin), model or str(real_model), sections)
+        run.front, run.metrics = front_port, metrics_port
+        return run
+
+    yield make
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def completion(port: int, n_predict: int = 4, timeout: float = 240.0, prompt: str = "Hello") -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/completion", timeout=timeout,
+                      json={"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False})
+
+
+def metric(run: FrontRun, name: str) -> float:
+    """The sum of every series of ``name`` on the exporter (0 when absent)."""
+    text = httpx.get(f"http://127.0.0.1:{run.metrics}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_kill_9_while_5_clients_send_all_get_200(front: Any) -> None:
+    run = front().start()
+    first = run.wait_event("server_ready", 60)["server_pid"]
+    with ThreadPoolExecutor(5) as pool:
+        answers = [pool.submit(completion, run.front, 6) for _ in range(5)]
+        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "requests in flight")
+        os.kill(first, signal.SIGKILL)
+        results = [a.result() for a in answers]
+    assert [r.status_code for r in results] == [200] * 5, [r.text for r in results]
+    assert all(r.json()["tokens_predicted"] == 6 for r in results)
+    second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
+    assert second != first
+    assert run.wait_event("server_exited")["server_pid"] == first
+    assert metric(run, "llama_guard_front_requests_failed_total") == 0
+    held = run.wait_event("front_held", 30)
+    assert held["failed"] == 0 and held["held"] >= 1
+
+
+def test_drained_restart_3_long_and_5_new_all_get_200(front: Any) -> None:
+    run = front({"server": {"parallel": 3, "ctx_size": 1536}, "schedule": {"drain_timeout_s": 240.0}}).start()
+    first = run.wait_event("server_ready", 60)["server_pid"]
+    with ThreadPoolExecutor(8) as pool:
+        long = [pool.submit(completion, run.front, 24, 280.0, f"Story {i}:") for i in range(3)]
+        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 3, 30, "3 long requests in flight")
+        run.signal(signal.SIGUSR1)  # llama-guard restart: drained
+        run.wait_event("restart_requested", 10)
+        new = [pool.submit(completion, run.front, 2) for _ in range(5)]
+        wait_for(lambda: metric(run, "llama_guard_front_requests_waiting") >= 5, 30, "5 new requests held")
+        results = [f.result() for f in long + new]
+    assert [r.status_code for r in results] == [200] * 8, [r.text for r in results]
+    assert [r.json()["tokens_predicted"] for r in results] == [24] * 3 + [2] * 5
+    names = run.names()
+    assert "drain_timeout" not in names
+    stopped = run.wait_event("server_stopped")
+    assert stopped["server_pid"] == first
+    assert run.wait_event("server_ready", 10, skip=1)["server_pid"] != first
+    held = run.wait_event("front_held", 10)
+    assert held["held"] >= 5 and held["failed"] == 0 and "draining" in held["phase"]
+    assert metric(run, "llama_guard_front_requests_failed_total") == 0
+    assert metric(run, "llama_guard_front_requests_replayed_total") == 0  # drained: nothing was cut
+
+
+def test_server_never_ready_held_requests_get_503_within_hold_timeout(front: Any, tmp_path: Path) -> None:
+    fake_model = tmp_path / "fake.gguf"
+    fake_model.write_bytes(b"GGUF" + bytes(28))
+    run = front({"front": {"hold_timeout_s": 2.0}, "server": {"env": {"FAKE_LLAMA_LOAD_S": "3600"}},
+                 "health": {"load_timeout_s": 3600.0}},
+                binary=str(FAKE_SERVER), model=str(fake_model)).start()
+    run.wait_event("server_starting", 30)
+    wait_for(lambda: httpx.get(f"http://127.0.0.1:{run.front}/livez", timeout=5).status_code == 200, 20, "livez")
+    ready = httpx.get(f"http://127.0.0.1:{run.front}/readyz", timeout=5)
+    assert ready.status_code == 503 and ready.json() == {"ready": False, "phase": "starting"}
+    start = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: completion(run.front, timeout=30.0), range(3)))
+    elapsed = time.monotonic() - start
+    assert [r.status_code for r in results] == [503] * 3
+    assert all(r.headers["Retry-After"] == "5" for r in results)
+    assert all(r.json()["error"]["type"] == "unavailable_error" for r in results)
+    assert 1.9 <= elapsed < 2.0 + 8.0  # held for hold_timeout_s (2 s), then answered: never a hang
+    assert metric(run, "llama_guard_front_requests_failed_total") == 3
+
+
+def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: Any) -> None:
+    run = front().start()
+    first = run.wait_event("server_ready", 60)["server_pid"]
+    body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", f"http://127.0.0.1:{run.front}/completion", json=body, timeout=120.0) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():  # ends cleanly: the body was closed, not broken
+            lines.append(line)
+            if len(lines) == 2:
+                os.kill(first, signal.SIGKILL)
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    filled = [line for line in lines if line]
+    assert filled[-2] == "event: error" and filled[-1].startswith("data: ")
+    error = json.loads(events[-1])
+    assert error["type"] == "error" and error["error"]["code"] == 502 and "incomplete" in error["error"]["message"]
+    assert all("content" in json.loads(e) for e in events[:-1])  # the tokens that came before, untouched
+    assert "[DONE]" not in lines
+    second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
+    time.sleep(1.5)  # a replay would be sent as soon as the next server is ready
+    lines_of_second = [e["line"] for e in run.events() if e["event"] == "server_line" and e["server_pid"] == second]
+    assert not any("launch_slot" in line or "processing task" in line for line in lines_of_second)
+    assert metric(run, "llama_guard_front_requests_replayed_total") == 0
+    assert metric(run, 'llama_guard_front_requests_failed_total{reason="stream_cut"}') == 1
+
+
+def test_headers_body_and_api_key_pass_through_to_llama_server(front: Any, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-front-door-test\n")
+    key_file.chmod(0o600)
+    run = front({"server": {"api_key_file": str(key_file)}}).start()
+    run.wait_event("server_ready", 60)
+    url = f"http://127.0.0.1:{run.front}/completion"
+    no_key = httpx.post(url, json={"prompt": "Hi", "n_predict": 1}, timeout=60)
+    assert no_key.status_code == 401  # llama-server's own check: the front door adds none of its own
+    good = httpx.post(url, json={"prompt": "Hi", "n_predict": 1}, timeout=60,
+                      headers={"Authorization": "Bearer sk-front-door-test"})
+    assert good.status_code == 200 and good.json()["tokens_predicted"] == 1
+    assert good.headers["server"] == "llama.cpp"  # the server's own headers come back
+    text = run.log_path.read_text()
+    assert "sk-front-door-test" not in text and '"prompt"' not in text  # neither header nor body logged
+
+
+def test_livez_and_readyz_on_the_metrics_listener_without_the_front_door(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    pool = RunPool()
+    metrics_port = free_port()
+    run = pool.new(tmp_path, str(llama_server_bin), str(real_model),
+                   {"metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "health": {"canary": False}})
+    try:
+        run.start()
+        base = f"http://127.0.0.1:{metrics_port}"
+        wait_for(lambda: _status(base + "/livez") == 200, 30, "livez")
+        run.wait_event("server_ready", 60)
+        assert httpx.get(base + "/readyz", timeout=5).json() == {"ready": True, "phase": "ready"}
+        live = httpx.get(base + "/livez", timeout=5)
+        assert live.status_code == 200 and live.json()["live"] is True
+        assert "llama_guard_phase" in httpx.get(base + "/metrics", timeout=5).text
+    finally:
+        assert not pool.finish()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_no_canary_in_rounds_where_a_client_request_completed(front: Any) -> None:
+    run = front({"health": {"canary": True, "interval_s": 1.0, "canary_timeout_s": 30.0}}).start()
+    pid = run.wait_event("server_ready", 60)["server_pid"]
+    run.wait_event("server_probe", 30, where=lambda e: e["canary_ok"] is True)  # idle: the canary runs
+    busy_from = len(run.events())
+    deadline = time.monotonic() + 8.0
+    while time.monotonic() < deadline:  # steady traffic: a request completes in every round
+        assert completion(run.front, 1).status_code == 200
+    probes = [e for e in run.events()[busy_from:] if e["event"] == "server_probe" and e["server_pid"] == pid]
+    assert probes and any(e["canary_ok"] is None for e in probes), probes

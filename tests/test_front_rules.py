@@ -1,0 +1,227 @@
+"""The front door's own rules, in process: the gate and holding queue, the traffic rules of the policy,
+the hop-by-hop filter, the SSE error ending, /livez from another thread, the [front] config checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from llama_guard.config import ConfigError, load_config
+from llama_guard.core.policy import decide
+from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
+from llama_guard.core.types import (
+    AfterStop,
+    Emit,
+    Params,
+    Phase,
+    Probe,
+    RequestCompleted,
+    State,
+    StreamStalled,
+    Terminate,
+    UpstreamError,
+)
+from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
+from llama_guard.front.forward import REQUEST_DROP, end_to_end
+from llama_guard.front.sse import error_event, is_sse
+from llama_guard.output.health import liveness_from_thread, readiness
+from multidict import CIMultiDict, CIMultiDictProxy
+
+READY = State(params=Params(hang_strikes=3), phase=Phase.READY, pid=42, ready_at=0.0)
+
+
+def test_gate_follows_the_policy_phase() -> None:
+    assert gate_of(READY) is Gate.OPEN
+    for phase in (Phase.STARTING, Phase.STOPPING, Phase.BACKOFF, Phase.DRAINING, Phase.RESETTING,
+                  Phase.WAITING_VRAM, Phase.STOPPED):
+        assert gate_of(replace(READY, phase=phase)) is Gate.HOLD, phase
+    assert gate_of(replace(READY, phase=Phase.EXITED)) is Gate.CLOSED
+    assert gate_of(replace(READY, phase=Phase.STOPPING, after_stop=AfterStop.EXIT)) is Gate.CLOSED
+
+
+async def test_held_requests_are_released_in_arrival_order() -> None:
+    episodes: list[Episode] = []
+    admission = Admission(time.monotonic, episodes.append)
+    admission.update(replace(READY, phase=Phase.BACKOFF))
+    order: list[int] = []
+
+    async def one(seq: int) -> None:
+        pid, held_s = await admission.admit(seq, time.monotonic() + 10, max_held=10)
+        assert pid == 7 and held_s > 0
+        order.append(seq)
+
+    tasks = [asyncio.create_task(one(seq)) for seq in (5, 2, 9, 3)]
+    await asyncio.sleep(0.05)
+    assert admission.waiting == 4
+    admission.update(replace(READY, phase=Phase.STARTING))
+    await asyncio.sleep(0.01)
+    admission.update(replace(READY, pid=7))
+    await asyncio.gather(*tasks)
+    assert order == [2, 3, 5, 9]
+    [episode] = episodes
+    assert episode.fields()["phase"] == "backoff, starting"
+    assert (episode.held, episode.forwarded, episode.failed) == (4, 4, 0) and episode.longest_s > 0
+    assert await admission.admit(10, time.monotonic(), max_held=1) == (7, 0.0)  # open: no wait at all
+
+
+async def test_holding_is_bounded_by_max_held_and_the_deadline() -> None:
+    admission = Admission(time.monotonic, lambda e: None)
+    waiter = asyncio.create_task(admission.admit(1, time.monotonic() + 0.2, max_held=1))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Refused) as full:
+        await admission.admit(2, time.monotonic() + 10, max_held=1)
+    assert full.value.reason is FailReason.QUEUE_FULL
+    start = time.monotonic()
+    with pytest.raises(Refused) as late:
+        await waiter
+    assert late.value.reason is FailReason.HOLD_TIMEOUT and 0.15 < time.monotonic() - start < 1.0
+    assert admission.waiting == 0
+
+
+async def test_a_verdict_ending_the_daemon_refuses_held_and_new_requests_at_once() -> None:
+    episodes: list[Episode] = []
+    admission = Admission(time.monotonic, episodes.append)
+    waiters = [asyncio.create_task(admission.admit(i, time.monotonic() + 60, max_held=10)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    admission.update(replace(READY, phase=Phase.EXITED))
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(r, Refused) and r.reason is FailReason.DAEMON_EXITING for r in results)
+    with pytest.raises(Refused):
+        await admission.admit(9, time.monotonic() + 60, max_held=10)
+    assert episodes[0].failed == 3
+
+
+def test_a_completed_request_is_progress_and_skips_the_next_canary() -> None:
+    state = replace(READY, strikes=2, stalls=1, http_errors=3)
+    new, actions = decide(state, RequestCompleted(42), 100.0)
+    assert (new.strikes, new.stalls, new.http_errors, new.last_request_at) == (0, 0, 0, 100.0) and not actions
+    assert new.request_completed_since(99.0) and not new.request_completed_since(100.5)
+    assert decide(state, RequestCompleted(41), 100.0)[0] == state  # another server's
+
+
+def test_stalled_streams_without_progress_are_a_hang() -> None:
+    state = READY
+    for n in (1, 2):
+        state, actions = decide(state, StreamStalled(42, 120.0), float(n))
+        assert state.phase is Phase.READY and state.stalls == n
+        assert [a.name for a in actions if isinstance(a, Emit)] == ["server_stream_stalled"]
+    state, actions = decide(state, StreamStalled(42, 120.0), 3.0)
+    assert state.phase is Phase.STOPPING and state.after_stop is AfterStop.FAILURE
+    assert [a.name for a in actions if isinstance(a, Emit)] == ["server_stream_stalled", "server_hang"]
+    assert Terminate(42) in actions
+
+
+def test_token_progress_or_a_completion_clears_the_stalls() -> None:
+    state, _ = decide(READY, StreamStalled(42, 120.0), 1.0)
+    state, _ = decide(state, StreamStalled(42, 120.0), 2.0)
+    cpu_only = Probe(42, True, True, busy=True, progressed=False, cpu_s=5.0)
+    assert decide(state, cpu_only, 3.0)[0].stalls == 2  # a spinning CPU is no decode progress
+    moved = Probe(42, True, True, busy=True, progressed=True)
+    assert decide(state, moved, 3.0)[0].stalls == 0
+    assert decide(state, RequestCompleted(42), 3.0)[0].stalls == 0
+
+
+def test_5xx_answers_are_reported_once_and_never_restart() -> None:
+    state = READY
+    names: list[str] = []
+    for i in range(2 * HTTP_ERRORS_REPORTED):
+        state, actions = decide(state, UpstreamError(42, 500), float(i))
+        names += [a.name for a in actions if isinstance(a, Emit)]
+        assert state.phase is Phase.READY
+    assert names == ["server_http_errors"]
+
+
+def test_hop_by_hop_headers_are_dropped_the_rest_untouched() -> None:
+    raw = CIMultiDict([("Authorization", "Bearer k"), ("Connection", "keep-alive, X-Hop"), ("X-Hop", "1"),
+                       ("Keep-Alive", "timeout=5"), ("Content-Length", "12"), ("Expect", "100-continue"),
+                       ("X-Custom", "a"), ("X-Custom", "b"), ("Transfer-Encoding", "chunked")])
+    out = end_to_end(CIMultiDictProxy(raw), REQUEST_DROP)
+    assert list(out.items()) == [("Authorization", "Bearer k"), ("X-Custom", "a"), ("X-Custom", "b")]
+
+
+def test_the_sse_error_event_is_well_formed() -> None:
+    assert is_sse("text/event-stream; charset=utf-8") and not is_sse("application/json")
+    raw = error_event("cut", 502).decode()
+    assert raw.startswith("\n\n") and raw.endswith("\n\n")
+    lines = raw.strip("\n").split("\n")
+    assert lines[0] == "event: error" and lines[1].startswith("data: ") and len(lines) == 2
+    assert json.loads(lines[1][6:]) == {"type": "error", "error": {"code": 502, "message": "cut",
+                                                                   "type": "server_error"}}
+
+
+def test_livez_from_another_thread_needs_the_loop_to_answer() -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert liveness_from_thread(loop, lambda: READY) == (200, {"live": True, "phase": "ready"})
+        loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop is blocked for a second
+        status, body = liveness_from_thread(loop, lambda: READY, timeout_s=0.3)
+        assert status == 503 and "did not answer" in str(body["reason"])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert readiness(replace(READY, phase=Phase.DRAINING)) == (503, {"ready": False, "phase": "draining"})
+
+
+def test_a_front_port_equal_to_the_server_port_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 8080\n[front]\nlisten = "0.0.0.0:8080"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "front.listen" in err.value.lines[0] and "[server].port" in err.value.lines[0]
+    path.write_text('[server]\nport = 8081\n[front]\nlisten = "0.0.0.0:8080"\n')
+    assert load_config(path).front.address == ("0.0.0.0", 8080)
+    path.write_text('[front]\nlisten = "nope:port"\n')
+    with pytest.raises(ConfigError):
+        load_config(path)
+
+
+def test_check_names_both_addresses_and_refuses_a_shared_port(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from llama_guard.front.check import check_front
+    from llama_guard.verdicts import Verdict
+
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 18551\n[front]\nlisten = "127.0.0.1:18550"\n')
+    line = check_front(load_config(path))
+    assert line.verdict is Verdict.OK
+    assert line.detail == "clients connect to 127.0.0.1:18550; llama-server listens privately on 127.0.0.1:18551"
+    path.write_text('[server]\nport = 18551\nhost = "0.0.0.0"\n[front]\nlisten = "127.0.0.1:18550"\n')
+    assert check_front(load_config(path)).verdict is Verdict.WARN  # clients could go around it
+    path.write_text('[server]\nport = 18550\n[front]\nlisten = "127.0.0.1:18550"\n')
+    done = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78 and "front.listen" in done.stderr
+
+
+def test_client_connections_leave_file_descriptors_for_the_daemon() -> None:
+    import resource
+
+    from llama_guard.front.app import FD_RESERVE, effective_max_connections
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        assert effective_max_connections(16384) == 1024 - FD_RESERVE
+        assert effective_max_connections(100) == 100
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_status_shows_the_front_door() -> None:
+    from llama_guard.output.status_view import render
+
+    doc = {"daemon_pid": 1, "phase": "backoff", "ready": False, "base_url": "http://127.0.0.1:8081",
+           "front": {"listen": "127.0.0.1:8080", "waiting": 3, "in_flight": 0, "connections": 5}}
+    lines = render(doc, clock=lambda: 0.0)
+    assert any("front door" in line and "http://127.0.0.1:8080 (clients): 3 held, 0 in flight, 5 connections" in line
+               for line in lines)
