@@ -19,12 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "supervisor"))
 
-from llama_guard.output.events import CATALOG, Severity  # noqa: E402
+from llama_guard.output.events import CATALOG, EventName, Severity  # noqa: E402
 
 OUTPUT = ROOT / "deploy" / "journald" / "llama-guard.catalog"
 
 # name -> (subject, body). Bodies: what happened, then what to do.
-TEXT: dict[str, tuple[str, str]] = {
+TEXT: dict[EventName, tuple[str, str]] = {
     "daemon_started": (
         "llama-guard started",
         "llama-guard @VERSION@ started with configuration @CONFIG_PATH@. It will start llama-server\n"
@@ -136,9 +136,6 @@ TEXT: dict[str, tuple[str, str]] = {
         "llama-server pid @SERVER_PID@ did not exit within @GRACE_S@ s of SIGTERM and was killed\n"
         "with SIGKILL. Raise [recovery].stop_grace_s if requests need longer to finish (and keep\n"
         "the unit's TimeoutStopSec above it)."),
-    "server_line_warning": (
-        "llama-server logged a warning",
-        "llama-server pid @SERVER_PID@ logged: @LINE@"),
     "crash_loop": (
         "llama-server crash loop: llama-guard gives up",
         "llama-server failed @RESTART_COUNT@ times within @WINDOW_S@ s. llama-guard stops trying\n"

@@ -2,7 +2,7 @@
 """A small test double of llama-server, for the faults a CPU cannot produce (CUDA OOM, GPU errors).
 
 It accepts llama-server's argv (only ``--host`` and ``--port`` matter), prints real-format log
-lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/completions``,
+lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/completions``,
 ``/slots`` and ``/metrics``, and misbehaves on cue, chosen by ``$FAKE_LLAMA_FAULT``:
 
 - ``oom_at_load``: the allocation failure block of a model that does not fit, then exit 1.
@@ -23,7 +23,7 @@ lines (facts/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/c
   HTTP 500 with llama-server's error body (``{"error": {"code": 500, "message": ..., "type":
   "server_error"}}``), as a server whose compute fails per request does.
 - ``ptx_unsupported``: ready, then every request prints the "provided PTX was compiled with an
-  unsupported toolchain" abort block (issue 12's reproducer) and aborts (SIGABRT).
+  unsupported toolchain" abort block (as a CUDA binary on a too-old driver does) and aborts (SIGABRT).
 - ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
   llama.cpp's "retrying without pipeline parallelism", then a normal start.
 

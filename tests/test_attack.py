@@ -1,7 +1,7 @@
-"""ATTACK TESTS — failing reproductions of real bugs found by hostile testing (not fixes).
+"""Reproductions of real bugs found by hostile testing, kept as regression tests.
 
-Every test here FAILS on the code as found and describes the operator-visible defect in its
-docstring. Delete a test's ``ATTACK`` marker only when the bug is fixed (the test then passes).
+Each test's docstring (``ATTACK: …``) describes the operator-visible defect as it was found; every
+test failed on the code before its fix and passes since.
 """
 
 from __future__ import annotations
@@ -35,11 +35,7 @@ restart_cron = ""
 """
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _write(tmp_path: Path, text: str | bytes, name: str = "lg.toml") -> Path:

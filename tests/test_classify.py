@@ -1,4 +1,4 @@
-"""The log classifier on real-format lines of every family (facts/llama-server.md)."""
+"""The log classifier on real-format lines of every family (docs/llama-server.md)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from llama_guard.core.server_log import TABLE, Family, classify_line
 PREFIXES = ["", "0.00.450.903 E ", "[12345] ", "0.01.518.422 W srv  "]
 
 CASES: list[tuple[str, Family, str]] = [
-    # ready hints (informational)
-    ("I srv  llama_server: listening on http://127.0.0.1:18080", Family.READY_HINT, ""),
-    ("main: server is listening on http://0.0.0.0:8080 - starting the main loop", Family.READY_HINT, ""),
-    ("main: model loaded", Family.READY_HINT, ""),
+    # progress lines are harmless (readiness is /health 200, not a line)
+    ("I srv  llama_server: listening on http://127.0.0.1:18080", Family.HARMLESS, ""),
+    ("main: server is listening on http://0.0.0.0:8080 - starting the main loop", Family.HARMLESS, ""),
+    ("main: model loaded", Family.HARMLESS, ""),
     # OOM at run time and at load, several devices and sizes
     ("CUDA error: out of memory", Family.OOM, ""),
     ("HIP error: out of memory", Family.OOM, ""),

@@ -1,4 +1,4 @@
-"""The policy's judgement on real failure kinds (issue 12 items 1-5): a frozen load, liveness from
+"""The policy's judgement on real failure kinds: a frozen load, liveness from
 progress, recovered allocation failures, faults no restart can fix, the same failure on
 consecutive starts. Inputs are real-format lines through the real classifier."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from harness import emitted, names
+from harness import ready as policy_ready
+from harness import started as policy_started
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import (
     AfterStop,
-    Boot,
-    Emit,
     ExitDaemon,
     Exited,
     HealthOk,
@@ -28,7 +29,6 @@ from llama_guard.core.types import (
     State,
     Terminate,
     Tick,
-    initial_state,
 )
 from llama_guard.exitcodes import EXIT_CONFIG
 
@@ -36,24 +36,12 @@ P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts
            stop_grace_s=4, load_stall_s=20)
 
 
-def names(actions: list[object]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[object], name: str) -> Emit:
-    return next(a for a in actions if isinstance(a, Emit) and a.name == name)
-
-
 def started(pid: int = 100, now: float = 0.0, params: Params = P, state: State | None = None) -> State:
-    s, _ = decide(state or initial_state(params), Boot(), now)
-    s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
-    assert s.phase is Phase.STARTING
-    return s
+    return policy_started(params, pid, now, state)
 
 
 def ready(pid: int = 100, params: Params = P) -> State:
-    s, _ = decide(started(pid, params=params), HealthOk(pid), 1.0)
-    return s
+    return policy_ready(params, pid)
 
 
 def feed(s: State, pid: int, lines: list[str], now: float) -> tuple[State, list[object]]:
@@ -242,7 +230,7 @@ RESET = replace(P, reset_possible=True, reset_on=frozenset({ResetTrigger.OOM, Re
 
 
 class TestAllocation:
-    def test_the_issue_reproducer_is_a_warning_never_a_stop_or_reset(self) -> None:
+    def test_a_recovered_pipeline_parallel_allocation_is_a_warning_never_a_stop_or_reset(self) -> None:
         s = started(params=RESET)
         s, acts = feed(s, 100, REPRODUCER, 5.0)
         assert names(acts) == ["server_alloc_recovered"]
@@ -306,7 +294,7 @@ PTX = ["/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error",
 class TestIncompatible:
     @pytest.mark.parametrize("params", [
         P, RESET, replace(RESET, reset_on=frozenset({ResetTrigger.CUDA_ERROR, ResetTrigger.OOM}))])
-    def test_the_issue_reproducer_stops_with_exit_78_and_no_reset(self, params: Params) -> None:
+    def test_an_unsupported_ptx_toolchain_stops_with_exit_78_and_no_reset(self, params: Params) -> None:
         s, acts = feed(ready(params=params), 100, PTX, 10.0)
         assert "server_gpu_incompatible" in names(acts)
         event = emitted(acts, "server_gpu_incompatible")

@@ -1,4 +1,4 @@
-"""End to end through the daemon with the fake server, for what a CPU cannot produce (issue 12):
+"""End to end through the daemon with the fake server, for what a CPU cannot produce:
 an HTTP loop held by one big batch, a binary whose PTX the driver refuses, a recovered CUDA
 allocation failure at load."""
 
@@ -77,7 +77,7 @@ def test_completions_answering_500_are_reported_with_the_status_and_message(fake
 
 
 def test_ptx_unsupported_stops_with_exit_78_naming_the_fix(fake: Any) -> None:
-    # Issue 12's reproducer: on every request (the canary is one) the three lines, then SIGABRT.
+    # The PTX reproducer: on every request (the canary is one) the three lines, then SIGABRT.
     run = fake("ptx_unsupported", {"recovery": {"max_restarts": 5}}).start()
     code = run.wait_exit(60)
     assert code == 78

@@ -1,4 +1,4 @@
-"""End to end with the REAL llama-server (CPU build) on the REAL SmolLM2 model (issue 12): a server
+"""End to end with the REAL llama-server (CPU build) on the REAL SmolLM2 model: a server
 frozen right after spawn, a SIGSTOPped ready server at the shipped [health] defaults, a server busy
 with long prompt batches at those defaults, and a context the server cannot run (ctx_size = 1)."""
 

@@ -99,7 +99,7 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     assert m[("llama_guard_vram_wait_seconds_sum", ())] == 4.0
     assert m[("llama_guard_gpu_temperature_celsius", (("gpu", "0"),))] == 61
     assert m[("llama_guard_gpu_power_watts", (("gpu", "0"),))] == 250
-    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "sw_thermal")))] == 1
+    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "sw_thermal_slowdown")))] == 1
     assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "hw_slowdown")))] == 0
     assert m[("llama_guard_rlimit_used", (("limit", "RLIMIT_NOFILE"),))] == 40
     assert m[("llama_guard_gpu_reset_budget_remaining", ())] == 2  # state.resets is empty here

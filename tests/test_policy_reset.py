@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from harness import emitted, line, names
+from harness import ready as policy_ready
 from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
 from llama_guard.core.types import (
     Action,
     AfterStop,
@@ -70,31 +71,12 @@ def but_xid(actions: list[Action]) -> list[Action]:
     return [a for a in actions if not (isinstance(a, Emit) and a.name == "gpu_xid")]
 
 
-def names(actions: list[Action]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[Action], name: str) -> Emit:
-    found = [a for a in actions if isinstance(a, Emit) and a.name == name]
-    assert len(found) == 1, (name, actions)
-    return found[0]
+def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
+    return policy_ready(params, pid, now)
 
 
 def of_type(actions: list[Action], cls: type[Action]) -> list[Action]:
     return [a for a in actions if isinstance(a, cls)]
-
-
-def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
-    s, acts = decide(initial_state(params), Boot(), now - 1.0)
-    assert acts == [Spawn()]
-    s, _ = decide(s, Spawned(pid, ("llama-server",)), now - 1.0)
-    s, _ = decide(s, HealthOk(pid), now)
-    assert s.phase is Phase.READY
-    return s
-
-
-def line(pid: int, text: str) -> Line:
-    return Line(pid, classify_line(text), text)
 
 
 def stop_for(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:
@@ -302,7 +284,7 @@ class TestResetBudget:
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
     def test_skipped_resets_never_spend_the_budget(self) -> None:
-        # Issue 12 item 8 (H200 run): another process held all but 150 MiB; each OOM at load led
+        # The H200 run: another process held all but 150 MiB; each OOM at load led
         # to a reset that was skipped. Any number of skips leaves the whole budget for a real loss.
         holder = ResetFacts(3, True, 0.1, (GpuHolder(5151, 140_000, "python3"),), True)
         s = ready(params=replace(P, gpu_index=3))
@@ -480,7 +462,7 @@ def kernel_xid(text: str, *, nvml_first: bool = False) -> GpuFault:
 
 class TestXidOwnership:
     def test_xid_31_of_another_process_does_not_restart_our_server(self) -> None:
-        # Issue 12 item 6: the kernel line on our GPU names a pid that is not our server.
+        # The kernel line on our GPU names a pid that is not our server.
         s = ready(pid=100)
         s2, acts = decide(s, kernel_xid(XID31_OTHER.format(pid=4711)), 5.0)
         assert s2 == s and s2.phase is Phase.READY and names(acts) == ["gpu_xid"]

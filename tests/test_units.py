@@ -19,10 +19,9 @@ from llama_guard.core.privileges import (
     ServerIdentity,
     identity_problem,
     reset_precondition,
-    unit_capabilities,
 )
 from llama_guard.output.events import CATALOG
-from systemd_fixtures import require
+from systemd_fixtures import require, unit_capabilities
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))

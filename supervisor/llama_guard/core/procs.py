@@ -35,23 +35,3 @@ def port_owner(pid: int, port: int) -> tuple[int, str] | None:
             except psutil.Error:
                 return child.pid, ""
     return None
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` still exists as a process that is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def port_listener(port: int) -> int | None:
-    """The pid listening on TCP ``port`` (0 when it cannot be told whose), else None. Blocking."""
-    try:
-        conns = psutil.net_connections(kind="inet")
-    except psutil.Error:
-        return None
-    for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
-            return c.pid or 0
-    return None

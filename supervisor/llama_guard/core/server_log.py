@@ -1,6 +1,6 @@
 """Classification of llama-server's log lines into failure families.
 
-One ordered table of patterns → families (facts/llama-server.md). Patterns match the text
+One ordered table of patterns → families (docs/llama-server.md names the llama.cpp sources). Patterns match the text
 anywhere in a line, never a position: lines come with or without the elapsed/level prefix
 (``0.00.450.903 I srv ...``), with or without a ``[pid]`` prefix, and the logger's lines can
 interleave with an abort's direct stderr writes inside one physical line. The first matching
@@ -20,7 +20,6 @@ class Family(enum.Enum):
     """What one log line says about the server."""
 
     HARMLESS = "harmless"
-    READY_HINT = "ready_hint"          # "listening on", "model loaded": informative, not readiness
     OOM = "oom"                        # out of GPU memory, at load or at run time
     GPU_FATAL = "gpu_fatal"            # fatal GPU runtime error other than OOM
     # The kernel's launch watchdog ended one of the server's kernels (one channel, not the GPU):
@@ -93,7 +92,7 @@ TABLE: tuple[_Row, ...] = (
     # A GPU backend that cannot initialise: the server falls back to the CPU (the reason may be an
     # incompatibility below; the policy looks inside).
     _row(r"failed to initialize " + _GPU_API + r": (.+?)\s*$", F.GPU_UNAVAILABLE, _group("{0}")),
-    # Faults no restart or reset can fix (facts/llama-server.md): the binary was built for another
+    # Faults no restart or reset can fix (docs/llama-server.md): the binary was built for another
     # GPU architecture or toolkit, or the driver is too old for the CUDA runtime.
     _row(r"provided PTX was compiled with an unsupported toolchain", F.GPU_INCOMPATIBLE,
          _fixed("the binary's PTX was compiled with a newer CUDA toolchain than the driver supports",
@@ -155,9 +154,6 @@ TABLE: tuple[_Row, ...] = (
     _row(r"failed to load model '?([^'\s]*)", F.BOOT_CONFIG, _group("failed to load model {0}")),
     _row(r"failed to create_context", F.BOOT_CONFIG, _fixed("llama-server could not create a context")),
     _row(r"exiting due to model loading error", F.LOAD_FAILED, _fixed("model loading error")),
-    # Progress that is informative only (readiness is /health 200).
-    _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
-    _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
     # An exception the HTTP handler caught: that request got an error reply; the server carries on.
     # (llama-server's "got exception:" / "got another exception:" of the HTTP layer, "send_error" of a
     # task, a grammar that does not parse: the client gets a 4xx/5xx answer.)

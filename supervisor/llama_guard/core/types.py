@@ -14,8 +14,10 @@ import enum
 import signal
 from dataclasses import dataclass, field
 
+from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig
 from llama_guard.core.server_log import LineClass
 from llama_guard.exitcodes import EXIT_OK
+from llama_guard.output.events import EventName
 
 
 class Phase(enum.Enum):
@@ -48,7 +50,7 @@ class GpuFaultKind(enum.Enum):
 
 
 class XidAction(enum.Enum):
-    """What the Xid table (gpu/xid.py, source facts/gpu.md) says to do about an Xid."""
+    """What the Xid table (gpu/xid.py, from NVIDIA's Xid documentation) says to do about an Xid."""
 
     RESTART = "restart"  # app-level fault: restart the server
     RESET = "reset"  # stop the server, reset the GPU
@@ -130,37 +132,53 @@ class RestartCause(enum.Enum):
     CONFIG_CHANGE = "reload"             # a reload changed the server's flags
 
 
+# The policy's defaults are a default configuration's (config.py's models are the one truth);
+# what depends on the host (a watched GPU, its index, a possible reset) defaults to "none".
+_HEALTH, _GPU, _RECOVERY, _SCHEDULE = HealthConfig(), GpuConfig(), RecoveryConfig(), ScheduleConfig()
+
+
+#: Seconds added to a reset's waits for the command's own checks (see :func:`reset_deadline_s`).
+RESET_DEADLINE_MARGIN_S = 30.0
+
+
+def reset_deadline_s(recovery: RecoveryConfig, gpu: GpuConfig) -> float:
+    """How long one GPU reset may take in all, seconds: the reset command, the VRAM release, the
+    wait for other processes to leave, the server's stop, and :data:`RESET_DEADLINE_MARGIN_S`."""
+    return (recovery.reset_timeout_s + gpu.vram_release_timeout_s + recovery.foreign_wait_s
+            + recovery.stop_grace_s + RESET_DEADLINE_MARGIN_S)
+
+
 @dataclass(frozen=True)
 class Params:
-    """The policy's knobs (from ``[health]``, ``[recovery]`` and ``[schedule]``), in seconds. Each default
-    equals the config key's of the same name (tests/test_recovery_defaults.py keeps them equal)."""
+    """The policy's knobs (from ``[health]``, ``[recovery]``, ``[gpu]`` and ``[schedule]``), in
+    seconds; the defaults are those of the configuration's defaults."""
 
-    load_timeout_s: float = 900.0
-    hang_strikes: int = 3
-    backoff_initial_s: float = 2.0
-    backoff_factor: float = 2.0
-    backoff_max_s: float = 60.0
-    max_restarts: int = 7
-    restart_window_s: float = 600.0
-    stable_after_s: float = 60.0
-    stop_grace_s: float = 15.0
-    kill_wait_s: float = 10.0
-    drain_timeout_s: float = 300.0
+    load_timeout_s: float = _HEALTH.load_timeout_s
+    hang_strikes: int = _HEALTH.hang_strikes
+    backoff_initial_s: float = _RECOVERY.backoff_initial_s
+    backoff_factor: float = _RECOVERY.backoff_factor
+    backoff_max_s: float = _RECOVERY.backoff_max_s
+    max_restarts: int = _RECOVERY.max_restarts
+    restart_window_s: float = _RECOVERY.restart_window_s
+    stable_after_s: float = _RECOVERY.stable_after_s
+    stop_grace_s: float = _RECOVERY.stop_grace_s
+    kill_wait_s: float = 10.0  # after SIGKILL, how long to wait for the exit (not configurable)
+    drain_timeout_s: float = _SCHEDULE.drain_timeout_s
     require_gpu: bool = False
     reset_possible: bool = False
-    reset_on: frozenset[ResetTrigger] = frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM})
-    max_resets: int = 2
-    reset_window_s: float = 3600.0
-    reset_deadline_s: float = 180.0
+    reset_on: frozenset[ResetTrigger] = frozenset(ResetTrigger(t) for t in _RECOVERY.reset_on)
+    max_resets: int = _RECOVERY.max_resets
+    reset_window_s: float = _RECOVERY.reset_window_s
+    reset_deadline_s: float = reset_deadline_s(_RECOVERY, _GPU)
     gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
     vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
-    vram_wait_timeout_s: float = 300.0  # how long to wait for another process to free VRAM
-    vram_poll_s: float = 1.0  # how often VRAM is looked at again while waiting
+    vram_wait_timeout_s: float = _GPU.vram_wait_timeout_s  # how long to wait for another process to free VRAM
+    vram_poll_s: float = 1.0  # how often VRAM is looked at again while waiting (not configurable)
     # A start with no progress signal (line, CPU time, HTTP answer) for this long is stalled; 0: off.
-    load_stall_s: float = 60.0
+    load_stall_s: float = _HEALTH.load_stall_s
     # CPU seconds of the server's process tree within one liveness round that count as progress.
-    progress_cpu_s: float = 0.05
-    silent_limit_s: float = 60.0  # a server that answers no HTTP request this long is hung, whatever its CPU does
+    progress_cpu_s: float = _HEALTH.progress_cpu_s
+    silent_limit_s: float = _HEALTH.silent_limit_s  # no HTTP answer this long: hung, whatever the CPU does
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -455,7 +473,7 @@ class Kill(Action):
 class Emit(Action):
     """Report health event ``name`` (events.CATALOG) with ``fields``."""
 
-    name: str
+    name: EventName
     fields: dict[str, object] = field(default_factory=dict)
 
 
@@ -544,7 +562,7 @@ class State:
     strikes: int = 0
     boot_cause: str = ""
     fault: str = ""             # why the current/last server is being stopped
-    pending_event: tuple[str, str] | None = None  # (name, cause) still to report at exit
+    pending_event: tuple[EventName, str] | None = None  # (name, cause) still to report at exit
     last_failure: str = ""
     cause: RestartCause = RestartCause.CRASH  # why the next restart happens (set with the fault or plan)
     restarts: int = 0

@@ -6,10 +6,11 @@ command can run under our credentials (:class:`~llama_guard.core.types.ResetFact
 (:class:`~llama_guard.core.types.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
 to skip, run, refuse or escalate, and keeps the reset budget.
 
-Source of the mechanics: facts/gpu.md — ``nvidia-smi --gpu-reset -i <index>`` needs root and no
-process on the GPU; our own NVML session and persistence mode can count as users, so the session
-is released (:meth:`Nvml.suspend`) while the command runs and, on "In use", persistence mode is
-turned off for one more try and always restored ([recovery].reset_toggles_persistence).
+Source of the mechanics: NVIDIA's nvidia-smi documentation (docs/gpu.md) —
+``nvidia-smi --gpu-reset -i <index>`` needs root and no process on the GPU; our own NVML session
+and persistence mode can count as users, so the session is released (:meth:`Nvml.suspend`) while
+the command runs and, on "In use", persistence mode is turned off for one more try and always
+restored ([recovery].reset_toggles_persistence).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from llama_guard.core.types import GpuHolder, ResetDone, ResetFacts
 from llama_guard.gpu.nvml import Nvml, NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
+from llama_guard.units import MIB
 
 POLL_S = 0.25  # how often the bounded waits (VRAM release, other processes leaving) look again
-MIB = 1 << 20
 OUTPUT_MAX = 300  # characters of the command's output kept (nvidia-smi says what happened first)
 
 

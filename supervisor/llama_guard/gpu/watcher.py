@@ -38,7 +38,7 @@ from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlErr
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
-from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
+from llama_guard.gpu.reset import ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
     SampleVerdict,
     foreign_processes,
@@ -48,6 +48,7 @@ from llama_guard.gpu.rules import (
 from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import NeedCache, need_key
+from llama_guard.units import MIB
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)

@@ -1,7 +1,7 @@
 """The decode speed ceiling: memory bandwidth ÷ bytes read per generated token.
 
 Decoding one token reads every offloaded weight once, plus the KV cache up to the current context
-(facts/gpu.md, "The seed's arithmetic"): a 16 GB model on a ~900 GB/s V100 cannot beat ~56 tokens/s.
+(docs/insight.md): a 16 GB model on a ~900 GB/s V100 (NVIDIA's datasheet) cannot beat ~56 tokens/s.
 The bandwidth is ``[gpu].memory_bandwidth_gbs`` when set, else NVML's memory bus width (bits) ÷ 8 ×
 max memory clock (MHz) × 2 (double data rate): H200 6016 bit × 3201 MHz → 4.81 TB/s, V100 4096 bit ×
 877 MHz → 898 GB/s. Units: bytes, bytes/s, tokens/s.

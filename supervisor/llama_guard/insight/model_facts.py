@@ -64,11 +64,6 @@ class ModelFacts:
     name: str = ""
     notes: tuple[str, ...] = field(default=())
 
-    @property
-    def weights_bytes(self) -> int:
-        """All tensors' bytes (about the file size minus header and metadata)."""
-        return sum(t.n_bytes for t in self.tensors)
-
     def head_dims(self, layer: int) -> tuple[int, int]:
         """(K, V) elements per KV head of ``layer`` (``key_length_swa``/``value_length_swa`` on a
         sliding-window layer when the file declares them)."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import sys
 
-from llama_guard.insight.budget import MIB, Settings, estimate
+from llama_guard.insight.budget import Settings, estimate
 from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
+from llama_guard.units import MIB
 
 # The admission waits for this share of the estimate: the estimate is ±10 %, and a wait that was not
 # needed costs more (a delayed start) than one too short (the start then fails and is retried).

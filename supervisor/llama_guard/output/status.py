@@ -103,10 +103,6 @@ class RuntimeLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         """Drop the lock (the file stays); never raises."""
         if self._fd is not None:

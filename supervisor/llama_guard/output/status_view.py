@@ -22,12 +22,13 @@ from typing import Any
 
 import psutil
 
+from llama_guard.units import MIB
+
 SCHEMA = 1
 EXIT_READY = 0
 EXIT_NOT_READY = 1
 EXIT_NOT_RUNNING = 3
 EXIT_STATUS_UNKNOWN = 4  # LSB: "program or service status is unknown" (the runtime files may not be read)
-MIB = 2**20
 
 
 def _uptime(pid: Any, now: float) -> float | None:

@@ -54,10 +54,10 @@ from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
+from llama_guard.units import MIB
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
-MIB = 1024 * 1024
 #: The restart record's ``kind`` for each cause (a decay restart records its trigger instead).
 _KIND = {RestartCause.SCHEDULE: "scheduled", RestartCause.DECAY: "decay", RestartCause.OPERATOR: "requested",
          RestartCause.CONFIG_CHANGE: "requested"}

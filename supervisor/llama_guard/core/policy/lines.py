@@ -22,9 +22,10 @@ from llama_guard.core.types import (
     State,
 )
 from llama_guard.exitcodes import EXIT_CONFIG
+from llama_guard.output.events import EventName
 
 
-def fault_event(state: State, verdict: LineClass, text: str) -> tuple[str, dict[str, object]] | None:
+def fault_event(state: State, verdict: LineClass, text: str) -> tuple[EventName, dict[str, object]] | None:
     """The event for a fatal GPU line, or None when the line is not fatal."""
     assert state.pid is not None
     if verdict.family is Family.OOM:

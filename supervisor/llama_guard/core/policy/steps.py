@@ -24,6 +24,7 @@ from llama_guard.core.types import (
     exit_text,
 )
 from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.output.events import EventName
 
 Result = tuple[State, list[Action]]
 """What every handler answers: the next state and the actions to carry out, in order."""
@@ -41,7 +42,7 @@ VRAM_CHECK_TIMEOUT_S = 25.0
 SERVING = (Phase.READY, Phase.DRAINING)
 
 #: The event that reports a graceful restart of each planned cause.
-RESTART_EVENT: dict[RestartCause, str] = {
+RESTART_EVENT: dict[RestartCause, EventName] = {
     RestartCause.OPERATOR: "restart_requested",
     RestartCause.SCHEDULE: "scheduled_restart",
     RestartCause.DECAY: "decay_restart",
@@ -49,7 +50,7 @@ RESTART_EVENT: dict[RestartCause, str] = {
 }
 
 
-def restart_event(cause: RestartCause) -> str:
+def restart_event(cause: RestartCause) -> EventName:
     """The event name for a graceful restart asked for with ``cause`` (``restart_requested`` for any
     cause that is not a plan)."""
     return RESTART_EVENT.get(cause, "restart_requested")
