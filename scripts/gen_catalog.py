@@ -79,7 +79,17 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "time of its processes, no output line, no token counter moving (@REASON@). A probe that\n"
         "times out while the server makes progress does not count. llama-guard stops it\n"
         "(SIGTERM, then SIGKILL) and starts it again.\n\n"
-        "Repeated hangs: check GPU health events and the server's last lines."),
+        "Repeated hangs: check GPU health events and the server's last lines.\n"
+        "A server that answers no HTTP request at all (not /health, not /metrics, not the canary)\n"
+        "for [health].silent_limit_s is hung even while its CPU time moves: CPU time is a hint."),
+    "server_completion_error": (
+        "llama-server answers /health but its completions fail",
+        "llama-server pid @SERVER_PID@ answered the 1-token canary completion with HTTP\n"
+        "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes): @ERROR@.\n"
+        "The server is up (/health says 200) but cannot serve. llama-guard stops it and starts\n"
+        "it again, like a crash (backoff, crash-loop limit).\n\n"
+        "Read the error message: a GPU fault, a memory pool exhausted, a broken build. If it\n"
+        "repeats after restarts, the journal's server_line events before it name the cause."),
     "server_load_stalled": (
         "llama-server froze while loading",
         "llama-server pid @SERVER_PID@ showed no sign of progress for @STALLED_S@ s while loading: no\n"

@@ -147,6 +147,76 @@ class TestLiveness:
         s, acts = decide(s, probe(cpu=1.5), 10.0)
         assert names(acts) == ["server_hang"]
 
+    def test_silence_past_the_bound_is_a_hang_whatever_the_cpu_does(self) -> None:
+        # The tracked process spins (CPU, even lines and GPU use) while no HTTP request is answered.
+        s = ready(params=replace(P, silent_limit_s=60.0))
+        spinning = replace(probe(health=False, canary=None, cpu=5.0, lines=3, gpu=True), silent_s=55.0)
+        s, acts = decide(s, spinning, 70.0)
+        assert acts == [] and s.strikes == 0  # within the bound the signals still count
+        s, acts = decide(s, replace(spinning, silent_s=60.0), 75.0)
+        assert names(acts) == ["server_hang"] and s.phase is Phase.STOPPING
+        reason = str(emitted(acts, "server_hang").fields["reason"])
+        assert "no HTTP answer at all for 60 s" in reason and "cpu" in reason
+
+    def test_a_main_loop_that_answers_no_task_is_no_answer(self) -> None:
+        # /health (the HTTP thread) answers, /metrics (a main-loop task) times out, nothing moves.
+        wedged = Probe(100, True, None, False, False, "/metrics gave no answer within 3.0 s", cpu_s=0.0,
+                       loop_ok=False)
+        s = ready()
+        for t in (10.0, 15.0):
+            s, acts = decide(s, wedged, t)
+        s, acts = decide(s, wedged, 20.0)
+        assert names(acts) == ["server_hang"]
+        s = ready()  # ... while the CPU works (one big batch holds the loop): unknown, no strike
+        s, acts = decide(s, replace(wedged, cpu_s=1.5), 10.0)
+        assert acts == [] and s.strikes == 0
+
+    def test_a_processing_request_whose_counters_stand_still_is_no_answer(self) -> None:
+        # /health and /metrics answer, a request is processing, nothing moves (a deadlock): strikes.
+        stuck = Probe(100, True, None, True, False, "a request is processing and the counters did not move",
+                      cpu_s=0.0)
+        s = ready()
+        for t in (10.0, 15.0):
+            s, acts = decide(s, stuck, t)
+        s, acts = decide(s, stuck, 20.0)
+        assert names(acts) == ["server_hang"]
+        # ... but a decode that advances is an answer.
+        s = ready()
+        s, acts = decide(s, replace(stuck, progressed=True), 10.0)
+        assert acts == [] and s.strikes == 0
+
+
+class TestCompletionError:
+    def error(self, **kw: object) -> Probe:
+        base = Probe(100, True, False, False, False, "canary completion answered HTTP 500: boom", cpu_s=0.0,
+                     canary_status=500, canary_error="boom")
+        return replace(base, **kw)
+
+    def test_completions_answered_500_are_their_own_event_with_the_code_and_message(self) -> None:
+        s = ready()
+        s, _ = decide(s, self.error(), 10.0)
+        s, _ = decide(s, self.error(lines=2, cpu_s=1.0), 15.0)  # its error lines are no progress excuse
+        assert s.strikes == 2
+        s, acts = decide(s, self.error(), 20.0)
+        assert names(acts) == ["server_completion_error"] and s.phase is Phase.STOPPING
+        event = emitted(acts, "server_completion_error")
+        assert event.fields["status_code"] == 500 and event.fields["error"] == "boom"
+        assert "server_hang" not in names(acts)
+
+    def test_a_4xx_answer_is_not_a_server_failure(self) -> None:
+        # 401 after a key change is our request refused, not the server failing: no strike by itself
+        # when the server shows progress.
+        s = ready()
+        s, acts = decide(s, self.error(canary_status=401, canary_error="Invalid API Key", cpu_s=1.0), 10.0)
+        assert acts == [] and s.strikes == 0
+
+    def test_one_good_round_clears_the_errors(self) -> None:
+        s = ready()
+        s, _ = decide(s, self.error(), 10.0)
+        s, _ = decide(s, self.error(), 15.0)
+        s, _ = decide(s, Probe(100, True, True, False, False), 20.0)
+        assert s.strikes == 0
+
 
 # ------------------------------------------------------------ 3. recovered allocation failures
 

@@ -309,6 +309,7 @@ class HealthConfig(_Section):
     hang_strikes: int = Field(3, ge=1)
     load_stall_s: float = Field(60.0, ge=0.0)
     progress_cpu_s: PositiveFloat = 0.05
+    silent_limit_s: PositiveFloat = 60.0
 
 
 class GpuConfig(_Section):

@@ -71,7 +71,7 @@ from llama_guard.core.types import (
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.snapshot import RuntimeFiles, snapshot, status_line
+from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
@@ -407,14 +407,20 @@ class Daemon:
 
     # ------------------------------------------------------------ status
 
+    def _liveness(self) -> Liveness | None:
+        gen = self._gen
+        if gen is None or gen.answering is None:
+            return None
+        return Liveness(gen.answering, gen.probe.silent_s())
+
     def _status_line(self) -> str:
         tps = self._gen.last_eval_tps if self._gen is not None else None
-        return status_line(self.state, self.clock(), tps, self.sources)
+        return status_line(self.state, self.clock(), tps, self.sources, self._liveness())
 
     def _write_status(self) -> None:
         self._status_at = self.clock()
         self.runtime.status_file.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
-                                                list(self.emitter.recent), self.sources))
+                                                list(self.emitter.recent), self.sources, self._liveness()))
 
     # ------------------------------------------------------------ shutdown
 

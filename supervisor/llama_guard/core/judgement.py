@@ -32,8 +32,22 @@ def progress_signals(event: Probe, params: Params) -> list[str]:
 
 
 def answered(event: Probe) -> bool:
-    """Whether the server answered this round: /health 200 and the canary (when sent) finished."""
-    return event.health_ok and event.canary_ok is not False
+    """Whether the server answered this round: /health 200, its main loop answered (/metrics),
+    the canary (when sent) finished, and no request sat processing while the counters stood still."""
+    return (event.health_ok and event.loop_ok and event.canary_ok is not False
+            and not (event.busy and not event.progressed))
+
+
+def completion_failed(event: Probe) -> bool:
+    """The server answered the canary with a server error (HTTP 5xx): a failure, whatever the
+    progress signals say (the server told us; nothing is unknown)."""
+    return event.canary_status is not None and event.canary_status >= 500
+
+
+def silent_too_long(event: Probe, params: Params) -> bool:
+    """The server answered no HTTP request at all for ``params.silent_limit_s``: hung, whatever
+    its CPU time, lines or GPU use say (they are hints, not proof)."""
+    return event.silent_s >= params.silent_limit_s
 
 
 def failure_signature(exit_text: str, last_error: str) -> str:

@@ -42,4 +42,5 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         port=config.server.port,
         port_wait_s=config.recovery.port_wait_s,
         repeat_confirm_s=config.recovery.repeat_confirm_s,
+        silent_limit_s=config.health.silent_limit_s,
     )

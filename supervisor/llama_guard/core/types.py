@@ -118,6 +118,7 @@ class RestartCause(enum.Enum):
     OOM = "oom"                          # out of GPU (or host) memory: an OOM line, an allocation failure
     CUDA_ERROR = "cuda_error"            # a fatal CUDA/GPU error line or an abort after one
     HANG = "hang"                        # liveness: probes failed with no progress, hang_strikes rounds
+    COMPLETION_ERROR = "completion_error"  # /health answers but the canary completion answers HTTP 5xx
     LOAD_STALLED = "load_stalled"        # loading showed no progress signal for load_stall_s
     LOAD_TIMEOUT = "load_timeout"        # not ready within load_timeout_s
     GPU_UNAVAILABLE = "gpu_unavailable"  # the server is not on the GPU it must use
@@ -197,6 +198,7 @@ class Params:
     port: int = 8080            # [server].port
     port_wait_s: float = _RECOVERY.port_wait_s  # a port taken by another process is retried this long, then exit 78
     port_retry_s: float = 2.0   # ... every this many seconds
+    silent_limit_s: float = _HEALTH.silent_limit_s  # no HTTP answer this long: hung, whatever the CPU does
 
 
 # ---------------------------------------------------------------- inputs (observations)
@@ -378,7 +380,11 @@ class Probe(Input):
     used since the previous round (None: unknown); ``lines``, output lines it printed since then;
     ``gpu_busy``, whether a GPU watcher saw this pid use the GPU (None: no watcher says).
     A probe that timed out is unknown, not stuck: only a round without an answer *and* without
-    progress counts against the server.
+    progress counts against the server — except that ``silent_s``, the seconds since the server
+    last answered any HTTP request, is bounded (``Params.silent_limit_s``) whatever the progress
+    signals say, and a canary the server answered with an error (``canary_status``, the HTTP
+    status, with the server's message ``canary_error``) is a failure, not an unknown. ``loop_ok``:
+    the server's main loop answered a task (``/metrics``) this round.
     """
 
     pid: int
@@ -390,6 +396,10 @@ class Probe(Input):
     cpu_s: float | None = None
     lines: int = 0
     gpu_busy: bool | None = None
+    silent_s: float = 0.0
+    canary_status: int | None = None
+    canary_error: str = ""
+    loop_ok: bool = True
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ EventName = Literal[
     "server_cuda_error",
     "server_gpu_unavailable",
     "server_hang",
+    "server_completion_error",
     "server_load_timeout",
     "server_load_stalled",
     "server_alloc_recovered",
@@ -154,6 +155,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
         EventSpec("server_hang", _S.ERROR,
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
+        EventSpec("server_completion_error", _S.ERROR,
+                  "llama-server pid {server_pid} answers /health but its completions fail: HTTP {status_code}: "
+                  "{error} ({failures} rounds in a row)"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
         EventSpec("server_load_stalled", _S.ERROR,

@@ -10,6 +10,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,28 @@ from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 RECENT_EVENTS = 10  # how many of the latest events the snapshot carries
 
 
-def status_line(state: State, now: float, last_eval_tps: float | None, sources: Iterable[Source]) -> str:
+@dataclass(frozen=True)
+class Liveness:
+    """The serving server's answers to liveness rounds: ``answering``, the last round got an HTTP
+    answer; ``silent_s``, seconds since the server last answered any request."""
+
+    answering: bool
+    silent_s: float
+
+
+def status_line(state: State, now: float, last_eval_tps: float | None, sources: Iterable[Source],
+                liveness: Liveness | None = None) -> str:
     """One human line: ``ready: pid 4242, 38.6 tok/s last request, GPU 0 61°C 212 W, 2 restarts``.
 
     ``now``: monotonic seconds (the backoff's remaining time); ``last_eval_tps``: the speed of the
-    running server's last request (tokens/s), shown while it serves."""
+    running server's last request (tokens/s), shown while it serves; ``liveness``: said when the
+    server stopped answering."""
     pid = f" pid {state.pid}" if state.pid else ""
     extra = ""
     if state.phase is Phase.BACKOFF and state.deadline is not None:
         extra = f", next start in {max(0.0, state.deadline - now):.1f} s"
+    if liveness is not None and not liveness.answering and state.phase in (Phase.READY, Phase.DRAINING):
+        extra += f", not answering for {liveness.silent_s:.0f} s"
     if last_eval_tps is not None and state.phase in (Phase.READY, Phase.DRAINING):
         extra += f", {last_eval_tps:.1f} tok/s last request"
     for source in sources:
@@ -50,9 +64,11 @@ def _safe_snapshot(source: Source) -> dict[str, Any] | None:
 
 
 def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, Any]],
-             sources: Iterable[Source]) -> dict[str, Any]:
-    """The ``status.json`` document: the policy state, the status ``line``, the latest events and
-    each source's own section (under its name; a source whose snapshot raises is left out)."""
+             sources: Iterable[Source], liveness: Liveness | None = None) -> dict[str, Any]:
+    """The ``status.json`` document: the policy state, the status ``line``, the latest events,
+    ``liveness`` (null before the first round of a serving server) and each source's own section
+    (under its name; a source whose snapshot raises is left out)."""
+    serving = liveness is not None and state.phase in (Phase.READY, Phase.DRAINING)
     return {
         "daemon_pid": os.getpid(),
         "phase": state.phase.value,
@@ -64,6 +80,8 @@ def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, 
         "last_failure": state.last_failure,
         "updated": time.time(),
         "events": list(recent)[-RECENT_EVENTS:],
+        "liveness": ({"answering": liveness.answering, "silent_s": round(liveness.silent_s, 1)}
+                     if serving and liveness is not None else None),
         **{src.name: snap for src in sources if (snap := _safe_snapshot(src)) is not None},
     }
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.judgement import answered, failure_signature, naming_model, progress_signals
+from llama_guard.core.judgement import (
+    answered,
+    completion_failed,
+    failure_signature,
+    naming_model,
+    progress_signals,
+    silent_too_long,
+)
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.core.policy.port import exited_port_taken
 from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
@@ -218,16 +225,29 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     if state.alloc_failure and event.health_ok:
         recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")
         state = replace(state, alloc_failure="")
-    if answered(event) or moving:
+    failed, silent = completion_failed(event), silent_too_long(event, state.params)
+    if not (failed or silent) and (answered(event) or moving):
         return (replace(state, strikes=0) if state.strikes else state), recovered
     strikes = state.strikes + 1
-    if strikes < state.params.hang_strikes:
+    if strikes < state.params.hang_strikes and not silent:
         return replace(state, strikes=strikes), recovered
+    assert state.pid is not None
+    if failed:  # it answers, and says its completions fail: not a hang
+        reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
+        new = replace(state, strikes=strikes, last_failure=reason, cause=RestartCause.COMPLETION_ERROR)
+        new, actions = stop(new, now, AfterStop.FAILURE, reason)
+        return new, [*recovered, Emit("server_completion_error", {
+            "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
+            "error": event.canary_error, "phase": state.phase.value}), *actions]
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
-    reason += "; no progress (CPU time, output lines, token counters) since the last probe"
+    if silent:
+        reason += (f"; no HTTP answer at all for {event.silent_s:.0f} s (silent_limit_s "
+                   f"{state.params.silent_limit_s:.0f} s), whatever its CPU time says ({', '.join(moving) or 'no'} "
+                   "progress signal)")
+    else:
+        reason += "; no progress (CPU time, output lines, token counters, GPU use) since the last probe"
     new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang")
-    assert state.pid is not None
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
 
