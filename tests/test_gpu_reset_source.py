@@ -19,7 +19,8 @@ import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
 from llama_guard.core import privileges
-from llama_guard.core.types import GpuHolder, Params, initial_state
+from llama_guard.core.inputs import GpuHolder
+from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
 from llama_guard.gpu import watcher as gpu_source

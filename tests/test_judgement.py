@@ -10,28 +10,12 @@ import pytest
 from harness import emitted, names
 from harness import ready as policy_ready
 from harness import started as policy_started
+from llama_guard.core.actions import ExitDaemon, InspectGpu, ReadBuild, Terminate
+from llama_guard.core.inputs import BuildInfo, Exited, HealthOk, Line, LoadProgress, Probe, Spawned, Tick
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import (
-    AfterStop,
-    BuildInfo,
-    ExitDaemon,
-    Exited,
-    HealthOk,
-    InspectGpu,
-    Line,
-    LoadProgress,
-    Params,
-    Phase,
-    Probe,
-    ReadBuild,
-    ResetTrigger,
-    Spawned,
-    State,
-    Terminate,
-    Tick,
-)
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, State
 from llama_guard.exitcodes import EXIT_CONFIG
 
 P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts=5, restart_window_s=600,

@@ -8,33 +8,22 @@ import pytest
 from harness import emitted, line, names
 from harness import ready as policy_ready
 from harness import started as policy_started
-from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    AfterStop,
+from llama_guard.core.actions import ExitDaemon, Kill, Spawn, StartDrain, Terminate
+from llama_guard.core.inputs import (
     Boot,
     Drained,
-    ExitDaemon,
     Exited,
     HealthOk,
-    Kill,
-    Params,
     ParamsChanged,
-    Phase,
     Probe,
-    ResetTrigger,
-    RestartCause,
     RestartRequest,
-    Spawn,
     Spawned,
     SpawnFailed,
-    StartDrain,
-    State,
     StopRequest,
-    Terminate,
     Tick,
-    exit_text,
-    initial_state,
 )
+from llama_guard.core.policy import decide
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, RestartCause, State, exit_text, initial_state
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,

@@ -3,20 +3,10 @@ within ``port_wait_s``, then exit 78 naming the holder; a ready server ends the 
 
 from __future__ import annotations
 
+from llama_guard.core.actions import FindPortHolder
+from llama_guard.core.inputs import Boot, Exited, HealthOk, PortHolder, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Boot,
-    Exited,
-    FindPortHolder,
-    HealthOk,
-    Params,
-    Phase,
-    PortHolder,
-    Spawned,
-    State,
-    Tick,
-    initial_state,
-)
+from llama_guard.core.types import Params, Phase, State, initial_state
 from llama_guard.exitcodes import EXIT_CONFIG
 from test_judgement import emitted, feed, names
 

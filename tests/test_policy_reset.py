@@ -10,34 +10,29 @@ from dataclasses import replace
 import pytest
 from harness import emitted, line, names
 from harness import ready as policy_ready
-from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
+from llama_guard.core.actions import Action, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
+from llama_guard.core.inputs import (
     Boot,
-    Emit,
-    ExitDaemon,
     Exited,
     GpuFault,
-    GpuFaultKind,
     GpuHolder,
     HealthOk,
-    InspectGpu,
-    Kill,
     Line,
-    Params,
-    Phase,
     Probe,
     ResetDone,
     ResetFacts,
-    ResetTrigger,
-    RunReset,
-    Spawn,
     Spawned,
-    State,
     StopRequest,
-    Terminate,
     Tick,
+)
+from llama_guard.core.policy import decide
+from llama_guard.core.types import (
+    AfterStop,
+    GpuFaultKind,
+    Params,
+    Phase,
+    ResetTrigger,
+    State,
     XidAction,
     XidOrigin,
     initial_state,

@@ -9,24 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit, ExitDaemon, ReadBuild
+from llama_guard.core.inputs import Boot, BuildInfo, Exited, HealthOk, LoadProgress, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.policy.repeat import FIX_BUILD, FIX_GPU, FIX_STALL
-from llama_guard.core.types import (
-    Boot,
-    BuildInfo,
-    Emit,
-    ExitDaemon,
-    Exited,
-    HealthOk,
-    LoadProgress,
-    Params,
-    Phase,
-    ReadBuild,
-    Spawned,
-    State,
-    Tick,
-    initial_state,
-)
+from llama_guard.core.types import Params, Phase, State, initial_state
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
 from test_judgement import emitted, feed, names
 

@@ -29,9 +29,35 @@ from pathlib import Path
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError
+from llama_guard.core.actions import (
+    Action,
+    CheckVram,
+    Emit,
+    ExitDaemon,
+    FindPortHolder,
+    InspectGpu,
+    Kill,
+    NotifyReady,
+    ReadBuild,
+    RunReset,
+    Spawn,
+    StartDrain,
+    Terminate,
+)
 from llama_guard.core.child import kill_and_reap
 from llama_guard.core.facts import find_port_holder, read_build
 from llama_guard.core.gpu_requests import GpuRequests
+from llama_guard.core.inputs import (
+    Boot,
+    Exited,
+    Input,
+    ParamsChanged,
+    RestartRequest,
+    Spawned,
+    SpawnFailed,
+    StopRequest,
+    Tick,
+)
 from llama_guard.core.offload import Lane
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
@@ -40,34 +66,7 @@ from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
 from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Boot,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    Exited,
-    FindPortHolder,
-    Input,
-    InspectGpu,
-    Kill,
-    NotifyReady,
-    ParamsChanged,
-    Phase,
-    ReadBuild,
-    RestartRequest,
-    RunReset,
-    Spawn,
-    Spawned,
-    SpawnFailed,
-    StartDrain,
-    State,
-    StopRequest,
-    Terminate,
-    Tick,
-    initial_state,
-)
+from llama_guard.core.types import AfterStop, Phase, State, initial_state
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter

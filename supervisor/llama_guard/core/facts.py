@@ -1,6 +1,6 @@
 """Two facts the policy asks for by action, found off the loop and answered as typed inputs: who
-holds llama-server's port (:class:`~llama_guard.core.types.FindPortHolder` → ``PortHolder``) and
-what the binary's build is (:class:`~llama_guard.core.types.ReadBuild` → ``BuildInfo``, asked only
+holds llama-server's port (:class:`~llama_guard.core.actions.FindPortHolder` → ``PortHolder``) and
+what the binary's build is (:class:`~llama_guard.core.actions.ReadBuild` → ``BuildInfo``, asked only
 when a verdict that names it may follow)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from llama_guard.argv import build_of, resolve_binary
+from llama_guard.core.inputs import BuildInfo, PortHolder
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.procs import port_holder
-from llama_guard.core.types import BuildInfo, PortHolder
 
 PROC_TIMEOUT_S = 5.0  # a /proc scan for the port's listener
 

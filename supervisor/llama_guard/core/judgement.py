@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
+from llama_guard.core.inputs import Probe
 from llama_guard.core.server_log import Family, LineClass, classify_line
-from llama_guard.core.types import Params, Probe
+from llama_guard.core.types import Params
 
 # The "<elapsed> <level> " prefix of llama-server's logger and a "[pid] " prefix.
 _PREFIX = re.compile(r"^\s*(?:\[\d+\]\s*)?(?:\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+)?")

@@ -2,7 +2,7 @@
 
 A :class:`ServerWatch` owns its process's tasks: the line reader (each output line kept, classified
 by :mod:`.server_log`, emitted as ``server_line`` and, unless harmless, queued as a policy
-:class:`~llama_guard.core.types.Line`), readiness polling and load progress while STARTING, liveness
+:class:`~llama_guard.core.inputs.Line`), readiness polling and load progress while STARTING, liveness
 rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It reads the
 policy state and posts inputs through the :class:`~llama_guard.core.watcher.Context`; it never calls
 back into the daemon loop.
@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
+from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.probes import ServerProbe
@@ -28,7 +29,7 @@ from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.spawner import PROC_TIMEOUT_S
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.types import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Phase, Probe
+from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".

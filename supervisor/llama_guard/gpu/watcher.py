@@ -21,18 +21,10 @@ from typing import Any
 import psutil
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import (
-    GpuFault,
-    GpuFaultKind,
-    Phase,
-    RecoveryAction,
-    ResetDone,
-    ResetFacts,
-    VramFacts,
-    XidAction,
-)
+from llama_guard.core.types import GpuFaultKind, Phase, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg

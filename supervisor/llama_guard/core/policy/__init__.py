@@ -25,6 +25,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from llama_guard.core.inputs import (
+    BuildInfo,
+    Exited,
+    GpuFault,
+    Input,
+    Line,
+    ParamsChanged,
+    PortHolder,
+    RestartRequest,
+    StopRequest,
+)
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
 from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
 from llama_guard.core.policy.port import on_port_holder
@@ -32,20 +43,7 @@ from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
 from llama_guard.core.server_log import ERROR_FAMILIES
-from llama_guard.core.types import (
-    BuildInfo,
-    Exited,
-    GpuFault,
-    Input,
-    Line,
-    ParamsChanged,
-    Phase,
-    PortHolder,
-    RestartCause,
-    RestartRequest,
-    State,
-    StopRequest,
-)
+from llama_guard.core.types import Phase, RestartCause, State
 
 __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 

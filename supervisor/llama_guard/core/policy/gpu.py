@@ -6,25 +6,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit, InspectGpu, RunReset
+from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.core.policy.reset_stop import reset_started
 from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.core.types import (
     AfterStop,
-    Emit,
-    GpuFault,
     GpuFaultKind,
-    Input,
-    InspectGpu,
     Phase,
-    ResetDone,
-    ResetFacts,
     ResetOutcome,
     ResetTrigger,
     RestartCause,
-    RunReset,
     State,
-    Tick,
     XidAction,
     XidScope,
 )

@@ -1,4 +1,4 @@
-"""The policy's answer to a classified server line (:class:`~llama_guard.core.types.Line`): fatal GPU
+"""The policy's answer to a classified server line (:class:`~llama_guard.core.inputs.Line`): fatal GPU
 lines (OOM, CUDA error, abort, incompatible), allocation failures and recoveries, resource limits and
 the boot-configuration lines of a loading server. Pure.
 """
@@ -7,21 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit
+from llama_guard.core.inputs import Line
 from llama_guard.core.judgement import incompatibility
 from llama_guard.core.policy.port import on_port_line
 from llama_guard.core.policy.steps import Result, after_fault, stop
 from llama_guard.core.policy.verdicts import watchdog_hit
 from llama_guard.core.server_log import Family, LineClass
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Emit,
-    Line,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    State,
-)
+from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
 from llama_guard.exitcodes import EXIT_CONFIG
 from llama_guard.output.events import EventName
 

@@ -7,6 +7,22 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.inputs import (
+    Boot,
+    Drained,
+    Exited,
+    HealthOk,
+    Input,
+    Line,
+    LoadProgress,
+    NotOnGpu,
+    Probe,
+    RestartRequest,
+    Spawned,
+    SpawnFailed,
+    Tick,
+)
 from llama_guard.core.judgement import (
     answered,
     completion_failed,
@@ -22,32 +38,7 @@ from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Boot,
-    Drained,
-    Emit,
-    Exited,
-    HealthOk,
-    Input,
-    Line,
-    LoadProgress,
-    NotifyReady,
-    NotOnGpu,
-    Phase,
-    PlannedRestart,
-    PlannedStop,
-    Probe,
-    RestartCause,
-    RestartRequest,
-    Spawned,
-    SpawnFailed,
-    StartDrain,
-    State,
-    Tick,
-    exit_text,
-)
+from llama_guard.core.types import AfterStop, Phase, RestartCause, State, exit_text
 from llama_guard.exitcodes import EXIT_CONFIG
 
 

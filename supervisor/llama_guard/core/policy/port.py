@@ -3,7 +3,7 @@
 
 After a kill -9 of the server, a client's ephemeral socket or a quick other service can hold the
 port for a while; a port that served a minute ago is no configuration error. The daemon answers
-:class:`~llama_guard.core.types.FindPortHolder` with the holder (pid, name: typed facts); the
+:class:`~llama_guard.core.actions.FindPortHolder` with the holder (pid, name: typed facts); the
 policy reports it (``server_port_taken``), retries every ``port_retry_s`` without counting a crash
 failure, and gives its verdict once the port stayed taken for ``port_wait_s``. Pure.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit, FindPortHolder
+from llama_guard.core.inputs import Exited, Line, PortHolder
 from llama_guard.core.policy.steps import Result, exit_daemon, exit_fields
-from llama_guard.core.types import Emit, Exited, FindPortHolder, Line, Phase, PortHolder, State
+from llama_guard.core.types import Phase, State
 from llama_guard.exitcodes import EXIT_CONFIG
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit, ReadBuild
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import Action, Emit, ReadBuild, State, exit_text
+from llama_guard.core.types import State, exit_text
 from llama_guard.output.events import EventName
 
 # Failures another process can cause and end (the chain is broken, never a verdict).

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit
+from llama_guard.core.inputs import StopRequest
 from llama_guard.core.policy.steps import Result, exit_daemon
-from llama_guard.core.types import AfterStop, Emit, ResetOutcome, State, StopRequest
+from llama_guard.core.types import AfterStop, ResetOutcome, State
 from llama_guard.exitcodes import EXIT_OK
 
 

@@ -8,22 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    Params,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    Spawn,
-    State,
-    Terminate,
-    exit_text,
-)
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, RestartCause, State, exit_text
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.output.events import EventName
 

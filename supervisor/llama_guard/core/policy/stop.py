@@ -7,30 +7,15 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit, Kill, Terminate
+from llama_guard.core.inputs import Exited, Input, Line, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
 from llama_guard.core.policy.reset_stop import stop_during_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Emit,
-    Exited,
-    Input,
-    Kill,
-    Line,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    Spawned,
-    SpawnFailed,
-    State,
-    StopRequest,
-    Terminate,
-    Tick,
-)
+from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
 from llama_guard.exitcodes import EXIT_OK
 
 

@@ -8,22 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import CheckVram, Emit
+from llama_guard.core.inputs import Input, Tick, VramFacts
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, spawn
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
-from llama_guard.core.types import (
-    AfterStop,
-    CheckVram,
-    Emit,
-    Input,
-    RecoveryAction,
-    ResetTrigger,
-    RestartCause,
-    State,
-    Tick,
-    VramFacts,
-    XidAction,
-)
+from llama_guard.core.types import AfterStop, RecoveryAction, ResetTrigger, RestartCause, State, XidAction
 
 
 def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
