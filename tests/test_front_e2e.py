@@ -245,7 +245,7 @@ def test_three_kills_under_64_streams_every_client_gets_an_end_and_nothing_stays
                  "front": {"hold_timeout_s": 120.0}}).start()
     run.wait_event("server_ready", 60)
     with ThreadPoolExecutor(64) as pool:
-        streams = [pool.submit(_sse_stream, run.front, 8) for _ in range(64)]
+        streams = [pool.submit(_sse_stream, run.front, 24) for _ in range(64)]
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 4, 30, "streams in flight")
         for kill in range(3):
             pid = run.wait_event("server_ready", 90, skip=kill)["server_pid"]
