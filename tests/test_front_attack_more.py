@@ -1,0 +1,74 @@
+"""More hostile users and environments at the front door (before the REAL llama-server).
+
+A reload that would move llama-server onto the daemon's own listening port, a stop with many
+requests held, a body that never ends: each gets a clear answer, and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import RunPool, free_port
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
+
+FRONT = {"header_timeout_s": 2.0, "body_timeout_s": 2.0, "max_body_bytes": 65536,
+         "max_buffered_bytes": 100_000, "hold_timeout_s": 60.0}
+BODY = b'{"prompt":"Hi","n_predict":1}'
+REQUEST = b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+
+
+@pytest.fixture
+def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
+    pool = RunPool()
+
+    def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
+        port = free_port()
+        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), {
+            "front": {"listen": f"127.0.0.1:{port}", **FRONT, **(front or {})},
+            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}, **(extra or {})})
+        run.front = port
+        run.start()
+        run.first = run.wait_event("server_ready", 60)["server_pid"]
+        return run
+
+    yield make
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def served(port: int) -> bool:
+    """A normal client is answered in full."""
+    resp = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=120)
+    return resp.status_code == 200 and resp.json()["tokens_predicted"] == 1
+
+
+def raw(port: int, data: bytes, *, timeout: float = 30.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def test_reload_that_moves_llama_server_onto_the_front_port_is_refused(door: Any) -> None:
+    """Turning the front door off by reload and giving llama-server the clients' port: the front
+    door keeps its listener until a daemon restart, so the server could never bind it — refused,
+    the running server keeps serving."""
+    run = door()
+    text = re.sub(r'listen = "127\.0\.0\.1:\d+"', 'listen = ""', run.config.read_text())
+    run.config.write_text(re.sub(r"^port = \d+", f"port = {run.front}", text, flags=re.M))
+    run.signal(signal.SIGHUP)
+    error = run.wait_event("config_error", 30)
+    assert str(run.front) in error["reason"], error
+    assert served(run.front)
+    names = run.names()
+    assert "config_reloaded" not in names and "restart_requested" not in names, names
+    assert run.proc.poll() is None
