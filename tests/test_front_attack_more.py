@@ -6,9 +6,11 @@ requests held, a body that never ends: each gets a clear answer, and the daemon 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import RunPool, free_port
+from llama_guard.front.source import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -72,3 +75,30 @@ def test_reload_that_moves_llama_server_onto_the_front_port_is_refused(door: Any
     names = run.names()
     assert "config_reloaded" not in names and "restart_requested" not in names, names
     assert run.proc.poll() is None
+
+
+def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_at_once(door: Any) -> None:
+    """SIGTERM while llama-server loads, 20 requests held and 5 keep-alive connections idle: every
+    held request gets its 503 at once and the daemon is gone well before the front door's close
+    timeout — an idle connection must not hold up the exit."""
+    run = door()
+    starts = len([e for e in run.events() if e["event"] == "server_starting"])
+    run.signal(signal.SIGUSR1)
+    run.wait_event("server_starting", 30, skip=starts)
+    held = [raw(run.front, REQUEST) for _ in range(20)]
+    idle = [raw(run.front, b"") for _ in range(5)]
+    time.sleep(0.5)
+    begin = time.monotonic()
+    run.signal(signal.SIGTERM)
+    heads = [sock.recv(12) for sock in held]
+    answered_s = time.monotonic() - begin
+    assert heads == [b"HTTP/1.1 503"] * 20, heads
+    assert run.wait_exit(30) == 0
+    exited_s = time.monotonic() - begin
+    for sock in held + idle:
+        with contextlib.suppress(OSError):
+            while sock.recv(65536):
+                pass
+        sock.close()
+    assert answered_s < CLOSE_TIMEOUT_S - 1.0, answered_s
+    assert exited_s < CLOSE_TIMEOUT_S - 1.0, exited_s

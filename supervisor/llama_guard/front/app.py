@@ -155,11 +155,15 @@ class FrontApp:
         return str(bound[0]), int(bound[1])
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, then close every connection (bounded by ``timeout_s``)."""
+        """Stop accepting, then close every connection (bounded by ``timeout_s``): an idle keep-alive
+        one at once, one with a request once its answer is written. (aiohttp's ``shutdown`` alone
+        waits the whole ``timeout_s`` for an idle connection's next request.)"""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         if self._server is not None:
+            for connection in self._server.connections:
+                connection.close()
             await self._server.shutdown(timeout_s)
             self._server = None
 
