@@ -102,3 +102,27 @@ def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_a
         sock.close()
     assert answered_s < CLOSE_TIMEOUT_S - 1.0, answered_s
     assert exited_s < CLOSE_TIMEOUT_S - 1.0, exited_s
+
+
+def test_a_body_that_never_ends_gets_413_and_a_close_soon(door: Any) -> None:
+    """A chunked body sent as fast as the network allows, never ending: 413 once it passes
+    max_body_bytes, then the connection is closed within seconds — the front door does not go on
+    reading and dropping the client's bytes (aiohttp lingers 10 s by default) — and others are served."""
+    run = door()
+    sock = raw(run.front, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"400\r\n" + b"a" * 1024 + b"\r\n"
+    begin = time.monotonic()
+    sent = 0
+    with contextlib.suppress(OSError):
+        while time.monotonic() - begin < 30:
+            sock.sendall(chunk)
+            sent += len(chunk)
+    closed_s = time.monotonic() - begin
+    answer = b""
+    with contextlib.suppress(OSError):
+        while part := sock.recv(65536):
+            answer += part
+    sock.close()
+    assert closed_s < 6.0, (closed_s, sent)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
+    assert served(run.front)

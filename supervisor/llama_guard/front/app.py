@@ -40,6 +40,10 @@ FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_m
 ACCEPT_SLICE = 128
 LISTEN_BACKLOG = 4096
 READ_CHUNK = 65536
+# After a body the front door refused (413, 408), aiohttp reads and drops the rest of it before the
+# close (so that the client reads its answer rather than a TCP reset) — 10 s by default, at the
+# client's speed: a body that never ends would keep the loop copying garbage. One second is enough.
+LINGER_S = 1.0
 _STATUS = {FailReason.UPSTREAM_FAILED: 502}
 _MESSAGE = {
     FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
@@ -132,7 +136,8 @@ class FrontApp:
         """Open the listening socket (OSError when it cannot be bound); returns the bound address."""
         front = self._config()
         self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
-                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s)
+                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s,
+                                  lingering_time=LINGER_S)
         max_connections = effective_max_connections(front.max_connections)
         self.max_connections = max_connections
         server = self._server
