@@ -126,3 +126,31 @@ def test_a_body_that_never_ends_gets_413_and_a_close_soon(door: Any) -> None:
     assert closed_s < 6.0, (closed_s, sent)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
     assert served(run.front)
+
+
+def test_an_absolute_form_request_target_goes_to_llama_server_and_nowhere_else(door: Any) -> None:
+    """``POST http://host/completion`` (the absolute form a client configured with a proxy sends,
+    which a server must accept, RFC 9112 section 3.2.2) is answered by llama-server — not a 500 from
+    the front door — and the host it names is never contacted; a target that would read as a user
+    name in front of another host (``@host/``) is refused by the parser."""
+    run = door()
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    other.settimeout(1.0)
+    elsewhere = f"127.0.0.1:{other.getsockname()[1]}"
+    for target in (f"http://{elsewhere}/completion", f"@{elsewhere}/completion"):
+        sock = raw(run.front, f"POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                              f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while part := sock.recv(65536):
+                answer += part
+        sock.close()
+        expected = b"HTTP/1.1 200" if target.startswith("http") else b"HTTP/1.0 400"
+        assert answer.startswith(expected), (target, answer[:200])
+        if expected == b"HTTP/1.1 200":
+            assert b'"tokens_predicted":1' in answer, answer[-300:]
+        with pytest.raises(TimeoutError):
+            other.accept()
+    other.close()
