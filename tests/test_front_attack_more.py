@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import RunPool, free_port
+from harness import RunPool, free_port, merge
 from llama_guard.front.source import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -34,9 +34,9 @@ def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[A
 
     def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
         port = free_port()
-        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), {
+        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), merge({
             "front": {"listen": f"127.0.0.1:{port}", **FRONT, **(front or {})},
-            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}, **(extra or {})})
+            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}}, extra or {}))
         run.front = port
         run.start()
         run.first = run.wait_event("server_ready", 60)["server_pid"]
@@ -154,3 +154,55 @@ def test_an_absolute_form_request_target_goes_to_llama_server_and_nowhere_else(d
         with pytest.raises(TimeoutError):
             other.accept()
     other.close()
+
+
+def long_stream(port: int, n_predict: int) -> tuple[httpx.Client, Any, Iterator[bytes]]:
+    """A streaming completion that does not stop at end-of-text; returns its client, response and
+    chunk iterator (the first body chunk already came; dropping the iterator closes the response)."""
+    client = httpx.Client(timeout=120)
+    resp = client.send(client.build_request("POST", f"http://127.0.0.1:{port}/completion", json={
+        "prompt": "Once upon a time", "n_predict": n_predict, "ignore_eos": True, "stream": True}), stream=True)
+    assert resp.status_code == 200
+    chunks = resp.iter_raw()
+    next(chunks)
+    return client, resp, chunks
+
+
+def test_clients_that_leave_while_held_give_their_place_back(door: Any) -> None:
+    """max_held = 2: two requests held during a drain leave; two later ones are held and answered,
+    not refused as if the queue were still full."""
+    run = door({"max_held": 2}, {"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192}})
+    client, resp, _chunks = long_stream(run.front, 8000)
+    run.signal(signal.SIGUSR1)
+    run.wait_event("restart_requested", 10)
+    left = [raw(run.front, REQUEST) for _ in range(2)]
+    time.sleep(1.0)
+    for sock in left:
+        sock.close()
+    time.sleep(1.0)
+    later = [raw(run.front, REQUEST) for _ in range(2)]
+    resp.close()
+    client.close()  # the drain ends, the restart runs, the held ones go
+    for sock in later:
+        assert sock.recv(12) == b"HTTP/1.1 200"
+        sock.close()
+    held = run.wait_event("front_held", 30)
+    assert held["held"] == 4 and held["forwarded"] == 2, held
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_llama_server_slot(door: Any) -> None:
+    """The client closes after the first token of a long stream: llama-server's slot stops
+    processing within seconds (its connection from the front door was closed), and the next client
+    is answered at once rather than after the abandoned generation."""
+    run = door(extra={"server": {"ctx_size": 8192}})
+    client, resp, _chunks = long_stream(run.front, 8000)  # a minute or more of decoding
+    resp.close()
+    client.close()
+    deadline = time.monotonic() + 10.0
+    while True:
+        slots = httpx.get(f"http://127.0.0.1:{run.front}/slots", timeout=10).json()
+        if not any(slot["is_processing"] for slot in slots):
+            break
+        assert time.monotonic() < deadline, slots
+        time.sleep(0.2)
+    assert served(run.front)
