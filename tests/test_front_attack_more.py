@@ -132,7 +132,7 @@ def test_an_absolute_form_request_target_goes_to_llama_server_and_nowhere_else(d
     """``POST http://host/completion`` (the absolute form a client configured with a proxy sends,
     which a server must accept, RFC 9112 section 3.2.2) is answered by llama-server — not a 500 from
     the front door — and the host it names is never contacted; a target that would read as a user
-    name in front of another host (``@host/``) is refused by the parser."""
+    name in front of another host (``@host/``) is refused by the parser; ``OPTIONS *`` gets a 400."""
     run = door()
     other = socket.socket()
     other.bind(("127.0.0.1", 0))
@@ -154,6 +154,11 @@ def test_an_absolute_form_request_target_goes_to_llama_server_and_nowhere_else(d
         with pytest.raises(TimeoutError):
             other.accept()
     other.close()
+    sock = raw(run.front, b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = sock.recv(65536)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"request target" in answer, answer
+    assert served(run.front)
 
 
 def long_stream(port: int, n_predict: int) -> tuple[httpx.Client, Any, Iterator[bytes]]:

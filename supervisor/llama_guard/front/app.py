@@ -28,7 +28,7 @@ from aiohttp import hdrs, web
 from llama_guard.config import FrontConfig
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
-from llama_guard.front.forward import Forwarder
+from llama_guard.front.forward import Forwarder, origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.output.health import liveness, readiness
 
@@ -175,6 +175,8 @@ class FrontApp:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in ("/livez", "/readyz"):
             return self._health(request.path)
+        if origin_form(request) is None:
+            return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))
         seq = next(self._seq)
         front = self._config()
         try:
