@@ -211,3 +211,19 @@ def test_a_client_that_leaves_mid_stream_frees_the_llama_server_slot(door: Any) 
         assert time.monotonic() < deadline, slots
         time.sleep(0.2)
     assert served(run.front)
+
+
+@pytest.mark.parametrize("line", ['listen = "localhost"', 'listen = ":"', 'listen = "1.2.3.4:99999"',
+                                  "hold_timeout_s = 0", "hold_timeout_s = -5.0", "max_held = 0"])
+def test_a_reload_with_a_bad_front_value_is_refused_and_changes_nothing(door: Any, line: str) -> None:
+    run = door()
+    key = line.split(" =")[0]
+    text = run.config.read_text()
+    text = re.sub(rf"^{key} = .*$", line, text, flags=re.M) if f"\n{key} = " in text else \
+        text.replace("[front]\n", f"[front]\n{line}\n")
+    run.config.write_text(text)
+    run.signal(signal.SIGHUP)
+    error = run.wait_event("config_error", 30)
+    assert f"front.{key}" in error["reason"] and "keeping the running configuration" in error["reason"], error
+    assert served(run.front)
+    assert "config_reloaded" not in run.names() and run.proc.poll() is None
