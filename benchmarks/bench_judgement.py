@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Judgement latencies of ``llama-guard run`` with the real llama-server (issue 12), N rounds each:
+"""Judgement latencies of ``llama-guard run`` with the real llama-server, N rounds each:
 
 1. frozen at load → replaced: a launcher that SIGSTOPs itself right after spawn (before it execs the real
    llama-server; no line, no CPU time, no HTTP answer) → ``server_load_stalled``, and → the next
    ``server_ready`` (a real load), at ``[health].load_stall_s`` (shipped default unless ``--load-stall``);
 2. SIGSTOP → ``server_hang`` at the shipped ``[health]`` defaults (interval, timeout, canary, strikes):
-   the bench SIGSTOPs a ready server and times the event (issue 12's bound: within 30 s).
+   the bench SIGSTOPs a ready server and times the event (the goal: within 30 s).
 
 Times against the daemon's event timestamps use ``time.time()`` (same host). On a shared machine the load
 average printed at both ends says how much to trust the figures.
@@ -110,7 +110,7 @@ def main() -> int:
         (f"frozen at load → server_load_stalled (load_stall_s {args.load_stall:g})", frozen["stalled"]),
         ("frozen at load → replaced (next server_ready)", frozen["replaced"]),
         ("SIGSTOP → server_hang at shipped defaults", hang),
-    ], title="issue 12: judgement latencies (real llama-server), from the stall's start / the SIGSTOP")
+    ], title="judgement latencies (real llama-server), from the stall's start / the SIGSTOP")
     print(f"load average at end: {os.getloadavg()}")
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Soak of ``llama-guard run`` against the real llama-server (issue 13): N ``kill -9`` cycles, then M
+"""Soak of ``llama-guard run`` against the real llama-server: N ``kill -9`` cycles, then M
 SIGHUPs, printing the daemon's open fds, threads, zombie children and RSS at the start, the middle
 and the end. Flat numbers mean nothing is kept per restart or per reload.
 
@@ -111,8 +111,8 @@ def record(rows: list[tuple[str, dict[str, float]]], name: str, values: dict[str
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=200, help="kill -9 cycles (default 200; the issue's soak: 1000)")
-    ap.add_argument("--hups", type=int, default=1000, help="SIGHUPs (default 1000; the issue's soak: 5000)")
+    ap.add_argument("--kills", type=int, default=200, help="kill -9 cycles (default 200; a long soak: 1000)")
+    ap.add_argument("--hups", type=int, default=1000, help="SIGHUPs (default 1000; a long soak: 5000)")
     args = ap.parse_args()
     binary = os.environ.get("LLAMA_SERVER_BIN", "")
     model = os.environ.get("LLAMA_GUARD_TEST_MODEL", "")

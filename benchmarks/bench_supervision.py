@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Supervision latencies of ``llama-guard run`` (issue 2, "Benchmarks"), N rounds each:
+"""Supervision latencies of ``llama-guard run``, N rounds each:
 
 1. server death (``kill -9`` by the bench) → the daemon's ``server_exited`` and the new ``server_starting``;
 2. an OOM line (wall-clock emission time recorded by the fake server) → ``server_oom``, the event emitted

@@ -33,26 +33,29 @@ sys.path.insert(0, str(ROOT / "supervisor"))
 
 from llama_guard.config import load_config  # noqa: E402
 from llama_guard.insight.bench import BenchError, completion, spawned_server  # noqa: E402
+from llama_guard.units import MIB  # noqa: E402
 
-MIB = 2**20
 BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+) MiB")
 PROJECTED = re.compile(r"(\S*)\s*projected to use (\d+) MiB of (device|host) memory")
 
 
-def config_text(binary: str, model: str, port: int, ctx: int, runtime: Path) -> str:
+REFERENCE = {"n_gpu_layers": 99, "ctx_size": 8192, "parallel": 1, "batch_size": 512, "ubatch_size": 256,
+             "cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": "on"}
+
+
+def toml(value: object) -> str:
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def config_text(binary: str, model: str, port: int, flags: dict[str, object], runtime: Path) -> str:
+    """A config with the reference ``[server]`` flags, ``flags`` overriding them."""
+    keys = "\n".join(f"{k} = {toml(v)}" for k, v in {**REFERENCE, **flags}.items())
     return f"""
 [server]
 binary = "{binary}"
 model = "{model}"
 port = {port}
-n_gpu_layers = 99
-ctx_size = {ctx}
-parallel = 1
-batch_size = 512
-ubatch_size = 256
-cache_type_k = "q8_0"
-cache_type_v = "q8_0"
-flash_attn = "on"
+{keys}
 threads = {min(8, os.cpu_count() or 1)}
 # -lv 4: the load log then prints each buffer's size and llama.cpp's own -fit projection.
 extra_args = ["-lv", "4"]
@@ -63,6 +66,16 @@ load_timeout_s = 300
 [runtime]
 dir = "{runtime}"
 """
+
+
+def flag_set(text: str) -> tuple[str, dict[str, object]]:
+    """``NAME:key=value,key=value`` (``[server]`` keys; integers as such) → (NAME, overrides)."""
+    name, _, rest = text.partition(":")
+    flags: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        flags[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return name, flags
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -101,14 +114,18 @@ def buffers(log_text: str) -> list[dict[str, Any]]:
             for m in BUFFER_LINE.finditer(log_text)]
 
 
-def one_context(args: argparse.Namespace, ctx: int, out: Path) -> dict[str, Any]:
+def one_context(args: argparse.Namespace, ctx: int | str, out: Path, flags: dict[str, object] | None = None
+                ) -> dict[str, Any]:
+    """One flag set (``ctx``: the context size, or the set's name when ``flags`` are given)."""
+    flags = {"ctx_size": ctx} if flags is None else flags
     runtime = out / f"run-{ctx}"
     runtime.mkdir(parents=True, exist_ok=True)
     cfg_path = out / f"config-{ctx}.toml"
-    cfg_path.write_text(config_text(args.binary, args.model, args.port, ctx, runtime))
+    cfg_path.write_text(config_text(args.binary, args.model, args.port, flags, runtime))
     checked = cli("check", "--json", "--config", str(cfg_path))
     (out / f"check-{ctx}.json").write_text(checked.stdout or json.dumps({"stderr": checked.stderr}))
-    row: dict[str, Any] = {"ctx_size": ctx, "check_exit": checked.returncode}
+    row: dict[str, Any] = {"ctx_size": {**REFERENCE, **flags}["ctx_size"], "flags": {**REFERENCE, **flags},
+                           "name": str(ctx), "check_exit": checked.returncode}
     try:
         vram = next(c for c in json.loads(checked.stdout)["checks"] if c["name"] == "vram budget")
         row["predicted_total_mib"] = vram["data"]["budget"]["total_mib"]
@@ -163,19 +180,25 @@ def main() -> int:
     parser.add_argument("--model", required=True, help="the GGUF model")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--flag-set", action="append", default=[], metavar="NAME:key=value,...",
+                        help="instead of --contexts: named [server] overrides of the reference flags, e.g. "
+                             "'ngl40:n_gpu_layers=40' (repeatable)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--port", type=int, default=18093)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [one_context(args, ctx, out) for ctx in args.contexts]
+    if args.flag_set:
+        rows = [one_context(args, name, out, flags) for name, flags in map(flag_set, args.flag_set)]
+    else:
+        rows = [one_context(args, ctx, out) for ctx in args.contexts]
     summary = {"binary": args.binary, "model": args.model, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for r in rows:
         measured = r.get("measured_mib")
-        line = (f"ctx {r['ctx_size']}: predicted {r.get('predicted_total_mib')} MiB, "
+        line = (f"{r['name']} (ctx {r['ctx_size']}): predicted {r.get('predicted_total_mib')} MiB, "
                 + (f"NVML {measured:.0f} MiB ({r['error_percent']:+.1f} %)" if measured else
                    f"NVML: {r.get('measured_note') or r.get('server_error') or 'no figure'}"))
         if r.get("bench"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""VRAM admission on a real NVIDIA GPU (issue 12 item 9) — READ-ONLY for the GPU.
+"""VRAM admission on a real NVIDIA GPU — READ-ONLY for the GPU.
 
 Run on a GPU machine from the repository root (see scripts/README-gpu-e2e.md for how the machine
 is prepared; the same llama-server build and model serve here). A torch process ("the hog")
@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpu_e2e import events  # the daemon's JSON event lines, read as gpu_e2e.py reads them
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -102,18 +104,6 @@ server_log_file = "{tmp}/server.log"
 [runtime]
 dir = "{tmp}/run"
 """
-
-
-def events(log: Path) -> list[dict[str, object]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict) and "event" in item:
-            out.append(item)
-    return out
 
 
 def wait_event(log: Path, name: str, deadline: float) -> dict[str, object] | None:

@@ -35,3 +35,12 @@ def real_model() -> Path:
 @pytest.fixture(scope="session")
 def fake_server() -> Path:
     return FAKE_SERVER
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``LLAMA_GUARD_*`` override from the developer's shell reaches the configuration under test
+    (``pytestmark = pytest.mark.usefixtures("clean_env")``)."""
+    for key in list(os.environ):
+        if key.startswith("LLAMA_GUARD_"):
+            monkeypatch.delenv(key)

@@ -22,9 +22,13 @@ Pass a :class:`FakeNvml` as ``module=`` to :class:`llama_guard.gpu.nvml.Nvml`. S
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
 
 NVML_TEMPERATURE_GPU = 0
 NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0
@@ -83,7 +87,10 @@ DEFAULTS: dict[str, Any] = {
     "pcie_gen": 5,
     "pcie_width": 16,
     "pstate": 0,
-    "mem_bus_width_bits": 6016,  # the H200 reading of facts/gpu.md
+    # nvmlDeviceGetProcessUtilization: (pid, smUtil %, memUtil %) of the processes using the GPU
+    # now; each call reports them as samples taken at that moment (a driver keeps a window of them).
+    "process_util": [],
+    "mem_bus_width_bits": 6016,  # an H200's reading (tests/fixtures/h200_gpu_watch.json)
     "mem_clock_max_mhz": 3201,
     # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0 none (the H200's reading, tests/fixtures/h200_recovery);
     # None: a driver that does not know the field (its per-field return is INVALID_ARGUMENT, 2).
@@ -295,6 +302,17 @@ class FakeNvml:
         procs = self._read("nvmlDeviceGetComputeRunningProcesses", h, "processes")
         return [_Obj({"pid": pid, "usedGpuMemory": used}) for pid, used in procs]
 
+    def nvmlDeviceGetProcessUtilization(self, h: Handle, last_seen_us: int) -> list[_Obj]:
+        """Samples newer than ``last_seen_us`` (CPU time in µs, as NVML stamps them); NVML's
+        NOT_FOUND (6) when no process has one, as the real call answers for an idle GPU."""
+        util = self._read("nvmlDeviceGetProcessUtilization", h, "process_util")
+        now_us = time.time_ns() // 1000
+        samples = [_Obj({"pid": pid, "timeStamp": now_us, "smUtil": sm, "memUtil": mem, "encUtil": 0, "decUtil": 0})
+                   for pid, sm, mem in util if now_us > last_seen_us]
+        if not samples:
+            raise NVMLError(6)
+        return samples
+
     def nvmlDeviceGetPersistenceMode(self, h: Handle) -> int:
         return int(self._read("nvmlDeviceGetPersistenceMode", h, "persistence"))
 
@@ -354,3 +372,16 @@ class FakeNvml:
     def nvmlEventSetFree(self, event_set: str) -> None:
         self._enter("nvmlEventSetFree")
         self.event_sets -= 1
+
+
+def sample_from_dict(data: Mapping[str, Any]) -> GpuSample:
+    """Rebuild a :class:`GpuSample` from :func:`llama_guard.gpu.readings.sample_to_dict` output (a
+    recorded fixture); raises KeyError/TypeError if malformed."""
+    values = dict(data)
+    values["identity"] = GpuIdentity(**values["identity"])
+    procs = values.get("processes")
+    values["processes"] = None if procs is None else tuple(GpuProcess(**p) for p in procs)
+    rows = values.get("remapped_rows")
+    values["remapped_rows"] = None if rows is None else RemappedRows(**rows)
+    values["unsupported"] = tuple(values.get("unsupported", ()))
+    return GpuSample(**values)

@@ -1,4 +1,5 @@
-"""Run ``llama-guard run`` as a real subprocess and read its JSON events (test helper)."""
+"""Test helpers: run ``llama-guard run`` as a real subprocess and read its JSON events; drive the
+pure policy (``decide``) through a start and readiness and read the events it emits."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from llama_guard.core.actions import Emit, NotifyReady, Spawn
+from llama_guard.core.inputs import Boot, HealthOk, Line, Spawned
+from llama_guard.core.policy import decide
+from llama_guard.core.server_log import classify_line
+from llama_guard.core.types import Params, Phase, State, initial_state
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
@@ -58,7 +64,7 @@ def base_sections(tmp: Path, binary: str, model: str, port: int) -> dict[str, di
                    "load_timeout_s": 60.0},
         "gpu": {"enabled": "off"},
         "recovery": {"backoff_initial_s": 0.1, "stop_grace_s": 3.0, "max_restarts": 3,
-                     "restart_window_s": 60.0},
+                     "restart_window_s": 60.0, "repeat_confirm_s": 0.5},
         "schedule": {"restart_cron": ""},
         "log": {"level": "debug", "format": "json"},
         "runtime": {"dir": str(tmp / "run")},
@@ -219,3 +225,39 @@ class RunPool:
     def finish(self) -> list[int]:
         """Stop every run; the leftover server pids (killed here) — a test fails on any."""
         return stop_all(self.runs, self.ports)
+
+
+# --- driving the pure policy (tests of decide) -------------------------------------------------
+
+def names(actions: list[Any]) -> list[str]:
+    """The event names of the policy's ``Emit`` actions, in order."""
+    return [a.name for a in actions if isinstance(a, Emit)]
+
+
+def emitted(actions: list[Any], name: str) -> Emit:
+    """The one ``Emit`` called ``name`` among ``actions``; fails on none or several."""
+    found = [a for a in actions if isinstance(a, Emit) and a.name == name]
+    assert len(found) == 1, (name, actions)
+    return found[0]
+
+
+def line(pid: int, text: str) -> Line:
+    """A server output line of ``pid`` as the daemon hands it to the policy (classified)."""
+    return Line(pid, classify_line(text), text)
+
+
+def started(params: Params, pid: int = 100, now: float = 0.0, state: State | None = None) -> State:
+    """A policy state whose server ``pid`` was just spawned (STARTING) at ``now``."""
+    s, acts = decide(state or initial_state(params), Boot(), now)
+    if state is None:
+        assert acts == [Spawn()], acts
+    s, acts = decide(s, Spawned(pid, ("llama-server",)), now)
+    assert names(acts) == ["server_starting"] and s.phase is Phase.STARTING
+    return s
+
+
+def ready(params: Params, pid: int = 100, now: float = 1.0) -> State:
+    """A policy state whose server ``pid`` answered /health at ``now`` (READY, READY=1 sent)."""
+    s, acts = decide(started(params, pid, now - 1.0), HealthOk(pid), now)
+    assert s.phase is Phase.READY and NotifyReady() in acts
+    return s

@@ -396,3 +396,14 @@ def private_user_manager_with_journal(tmp_path: Path) -> Iterator[tuple[PrivateU
 def environ_without(base: Mapping[str, str], *keys: str) -> dict[str, str]:
     """A copy of ``base`` without ``keys``."""
     return {k: v for k, v in base.items() if k not in keys}
+
+
+def unit_capabilities(unit_text: str) -> dict[str, list[str]]:
+    """``User``, ``CapabilityBoundingSet`` and ``AmbientCapabilities`` of a unit file's text
+    (the words of every occurrence; a missing key is an empty list)."""
+    out: dict[str, list[str]] = {"User": [], "CapabilityBoundingSet": [], "AmbientCapabilities": []}
+    for raw in unit_text.splitlines():
+        key, sep, value = raw.strip().partition("=")
+        if sep and key in out:
+            out[key] += value.split()
+    return out

@@ -1,7 +1,7 @@
-"""ATTACK TESTS — failing reproductions of real bugs found by hostile testing (not fixes).
+"""Reproductions of real bugs found by hostile testing, kept as regression tests.
 
-Every test here FAILS on the code as found and describes the operator-visible defect in its
-docstring. Delete a test's ``ATTACK`` marker only when the bug is fixed (the test then passes).
+Each test's docstring (``ATTACK: …``) describes the operator-visible defect as it was found; every
+test failed on the code before its fix and passes since.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 from harness import DaemonRun, base_sections, free_port, merge
 from llama_guard.config import ConfigError, load_config
+from llama_guard.core.actions import Terminate
+from llama_guard.core.inputs import Boot, ParamsChanged, Spawned
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Boot, Params, ParamsChanged, Phase, Spawned, Terminate, initial_state
+from llama_guard.core.types import Params, Phase, initial_state
 
 GOOD = """
 [server]
@@ -35,11 +37,7 @@ restart_cron = ""
 """
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _write(tmp_path: Path, text: str | bytes, name: str = "lg.toml") -> Path:

@@ -1,4 +1,4 @@
-"""Hostile inputs found by the h8 attack pass: a FIFO where llama-guard expects a regular file
+"""Hostile inputs found by hostile testing: a FIFO where llama-guard expects a regular file
 (api_key_file, the config, the runtime dir's pid file and status.json) must be refused at once
 with a clear message, never block the process (which then also ignores SIGTERM)."""
 
@@ -12,12 +12,7 @@ from pathlib import Path
 import pytest
 from llama_guard.config import ConfigError, ServerConfig, read_api_key
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _fifo(path: Path) -> Path:

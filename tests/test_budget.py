@@ -1,5 +1,5 @@
 """The VRAM budget from GGUF metadata: synthetic files written with the gguf package's writer, a
-27B-class model's metadata at the motivating settings (facts/gpu.md), and the operators' ladder."""
+27B-class model's metadata at the settings of a 16 GB Q4_K_M model on a V100, and the operators' ladder."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ MOTIVATING = Settings(n_gpu_layers=999, ctx_size=8192, parallel=1, batch_size=51
 
 
 def facts_formula(n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, bpe: float, slots: int = 1) -> float:
-    """facts/gpu.md: 2 (K and V) × n_layer × n_ctx × n_head_kv × head_dim × bytes per element."""
+    """docs/insight.md: 2 (K and V) × n_layer × n_ctx × n_head_kv × head_dim × bytes per element."""
     return 2 * n_layer * n_ctx * n_head_kv * head_dim * bpe * slots
 
 

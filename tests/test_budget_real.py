@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from harness import free_port
-from llama_guard.insight.budget import MIB, Settings, compute_bytes, estimate, kv_cache_bytes
+from llama_guard.insight.budget import Settings, compute_bytes, estimate, kv_cache_bytes
 from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.units import MIB
 
 pytestmark = pytest.mark.real
 
@@ -64,13 +65,13 @@ def test_kv_cache_and_compute_buffers_match_the_servers_own(llama_server_bin: Pa
     real = server_buffers(llama_server_bin, real_model, s, tmp_path / "server.log")
     assert set(real) >= {"model", "KV", "compute"}, real
     assert kv_cache_bytes(facts, s) / MIB == pytest.approx(real["KV"], rel=0.01)
-    assert facts.weights_bytes / MIB == pytest.approx(real["model"], rel=0.01)
+    assert sum(t.n_bytes for t in facts.tensors) / MIB == pytest.approx(real["model"], rel=0.01)
     assert compute_bytes(facts, s) / MIB == pytest.approx(real["compute"], rel=0.15), (compute_bytes(facts, s) / MIB,
                                                                                       real["compute"])
 
 
 def test_the_h200_reference_is_within_ten_percent(real_model: Path) -> None:
-    """facts/llama-server.md: NVML showed 796 MiB for the server's pid with these flags on the H200.
+    """tests/fixtures/h200_insight: NVML showed 796 MiB for the server's pid with these flags on the H200.
     The CUDA context constant was calibrated on this figure, so this pins the calibration (the
     two-context device run in scripts/gpu_insight.py is the independent check)."""
     facts = read_model_facts(real_model)

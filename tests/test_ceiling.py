@@ -1,4 +1,4 @@
-"""The bandwidth ceiling against the seed's arithmetic (facts/gpu.md) and NVML's figures."""
+"""The bandwidth ceiling against the V100 arithmetic of docs/insight.md and NVML's figures."""
 
 from __future__ import annotations
 

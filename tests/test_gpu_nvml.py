@@ -6,7 +6,7 @@ import logging
 import threading
 
 import pytest
-from fake_nvml import GIB, FakeGpu, FakeNvml, Seq
+from fake_nvml import GIB, FakeGpu, FakeNvml, Seq, sample_from_dict
 from llama_guard.config import GpuWatchMode
 from llama_guard.core.types import XidScope
 from llama_guard.gpu import nvml as nv
@@ -23,7 +23,7 @@ from llama_guard.gpu.nvml import (
     open_gpu,
 )
 from llama_guard.gpu.pci import normalise_pci
-from llama_guard.gpu.readings import decode_clock_events, sample_from_dict, sample_to_dict
+from llama_guard.gpu.readings import decode_clock_events, sample_to_dict
 from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_info
 
 
@@ -49,7 +49,7 @@ def test_sample_reads_every_reading_with_units() -> None:
     s = nvml.sample()
     assert (s.temperature_c, s.temp_slowdown_c, s.temp_shutdown_c, s.temp_gpu_max_c) == (71, 89, 95, 87)
     assert (s.power_mw, s.power_limit_mw) == (650_000, 700_000)
-    assert s.clock_event_names == ("gpu_idle", "hw_thermal_slowdown")
+    assert decode_clock_events(s.clock_event_reasons or 0) == ("gpu_idle", "hw_thermal_slowdown")
     assert s.throttle_names == ("hw_thermal_slowdown",)
     assert (s.memory_used_bytes, s.memory_total_bytes) == (3 * GIB, 80 * GIB)
     assert [(p.pid, p.used_bytes) for p in s.processes or ()] == [(42, 2 * GIB), (43, None)]
@@ -195,7 +195,7 @@ def test_gpu_lost_mid_run_then_back_reinitialises() -> None:
     fake.lose_gpu()
     with pytest.raises(GpuLost):
         nvml.sample()
-    assert not nvml.is_open
+    assert not nvml._initialised
     assert fake.refcount == 0
     with pytest.raises(GpuLost):
         nvml.sample()
@@ -242,10 +242,10 @@ def test_suspended_session_stays_released_until_resumed() -> None:
     nvml.sample()
     inits = nvml.init_count
     nvml.suspend()
-    assert not nvml.is_open and nvml.suspended
+    assert not nvml._initialised and nvml.suspended
     with pytest.raises(Suspended):
         nvml.sample()
-    assert not nvml.is_open and nvml.init_count == inits  # nobody re-opened it
+    assert not nvml._initialised and nvml.init_count == inits  # nobody re-opened it
     # The sampler sees no sample and reports nothing (a suspended session is not a lost GPU).
     verdict = sample_once(nvml, GpuWatch(WatchSettings()), clock())
     assert verdict.sample is None and verdict.events == [] and verdict.error is None
@@ -354,7 +354,7 @@ def test_xid_waiter_gives_up_when_not_supported() -> None:
 )
 def test_xid_table(xid: int, scope: XidScope, action: XidAction) -> None:
     info = xid_info(xid)
-    assert (info.scope, info.action) == (scope, action) and info.source
+    assert (info.scope, info.action) == (scope, action) and info.meaning
 
 
 def test_gpu_xid_event_renders() -> None:
@@ -362,3 +362,30 @@ def test_gpu_xid_event_renders() -> None:
 
     fields = {"gpu_index": 0, "xid": 79, "meaning": "GPU has fallen off the bus"}
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"
+
+
+# ------------------------------------------------------------ per-process utilisation (liveness)
+
+def test_process_busy_reads_the_servers_samples_since_the_last_call() -> None:
+    fake, nvml, _ = make()
+    g = fake.gpus[0].values
+    busy, since = nvml.process_busy(frozenset({42}), 0)  # an idle GPU: NVML says NOT_FOUND
+    assert (busy, since) == (False, 0)
+    g["process_util"] = [(7, 90, 40)]  # another process works, ours does not
+    busy, since = nvml.process_busy(frozenset({42}), since)
+    assert busy is False and since > 0
+    g["process_util"] = [(7, 90, 40), (43, 55, 12)]  # a wrapper's child (43) computes
+    busy, newer = nvml.process_busy(frozenset({42, 43}), since)
+    assert busy is True and newer >= since
+    g["process_util"] = [(43, 0xFFFFFFFF, 0)]  # "unavailable" is no use
+    assert nvml.process_busy(frozenset({43}), newer)[0] is False
+
+
+def test_process_busy_without_per_process_samples_raises_not_supported() -> None:
+    fake, nvml, _ = make()
+    fake.fail("nvmlDeviceGetProcessUtilization", 3, times=1)
+    with pytest.raises(nv.NotSupported):
+        nvml.process_busy(frozenset({42}), 0)
+    fake.lose_gpu()
+    with pytest.raises(GpuLost):
+        nvml.process_busy(frozenset({42}), 0)

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from llama_guard.config import load_config
-from llama_guard.insight.budget import MIB, Settings, estimate
+from llama_guard.insight.budget import Settings, estimate
 from llama_guard.insight.model_facts import read_model_facts
+from llama_guard.units import MIB
 
 FIX = Path(__file__).parent / "fixtures" / "h200_insight"
 SUMMARY: dict[str, Any] = json.loads((FIX / "summary.json").read_text())
@@ -62,8 +63,12 @@ def test_budget_parts_match_the_buffers_the_server_printed(ctx: int, tmp_path: P
     assert budget.compute / MIB == pytest.approx(cuda0(row, "compute"), rel=0.15)
 
 
-def test_a_bigger_context_grows_the_budget_as_the_server_grew() -> None:
-    small, big = ROWS[8192], ROWS[32768]
-    grew = big["nvml_after_warmup"]["pid_used_mib"] - small["nvml_after_warmup"]["pid_used_mib"]
-    assert grew == pytest.approx(cuda0(big, "KV") + cuda0(big, "compute")
-                                 - cuda0(small, "KV") - cuda0(small, "compute"), abs=8)
+def test_a_bigger_context_grows_the_budget_as_the_server_grew(tmp_path: Path, real_model: Path) -> None:
+    """Today's estimate at both recorded contexts grows as NVML saw the server grow, and its KV cache
+    part as the server's printed KV buffer grew."""
+    facts = read_model_facts(real_model)
+    small, big = (estimate(facts, settings_of(ctx, tmp_path, real_model), gpu_build=True) for ctx in (8192, 32768))
+    seen = ROWS[32768]["nvml_after_warmup"]["pid_used_mib"] - ROWS[8192]["nvml_after_warmup"]["pid_used_mib"]
+    assert (big.total - small.total) / MIB == pytest.approx(seen, rel=0.10)
+    assert (big.kv_cache - small.kv_cache) / MIB == pytest.approx(cuda0(ROWS[32768], "KV") - cuda0(ROWS[8192], "KV"),
+                                                                  rel=0.01)

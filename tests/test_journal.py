@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.events import lookup
+from llama_guard.output.events import CATALOG
 from llama_guard.output.journal import (
     JournalSink,
     fallback_line,
@@ -58,7 +58,7 @@ def test_events_arrive_with_fields(private_journald: PrivateJournald, sink: Jour
     ready = by_event["server_ready"]
     assert ready["MESSAGE"] == "llama-server pid 4242 ready after 12.50 s"
     assert ready["PRIORITY"] == "5"
-    assert ready["MESSAGE_ID"] == lookup("server_ready").message_id
+    assert ready["MESSAGE_ID"] == CATALOG["server_ready"].message_id
     assert ready["SERVER_PID"] == "4242"
     assert ready["LOAD_S"] == "12.5"
     assert ready["_TRANSPORT"] == "journal"
@@ -194,8 +194,9 @@ def test_a_frozen_journald_never_blocks_the_caller(private_journald: PrivateJour
             em.emit("server_line", server_pid=1, line=f"line {i} " + "y" * 200)
             worst = max(worst, time.monotonic() - t)
         total = time.monotonic() - t0
-        assert worst < 0.05, f"one emit took {worst * 1000:.1f} ms"
-        assert total < 2.0
+        # Bounded by send_timeout_s (0.05 s), never by the stopped journald; loose for a loaded machine.
+        assert worst < 0.5, f"one emit took {worst * 1000:.1f} ms"
+        assert total < 10.0
         assert sink.dropped > 0 or sink.fallback_count > 0
     finally:
         os.kill(private_journald.proc.pid, signal.SIGCONT)

@@ -104,7 +104,7 @@ def test_strip_prefix() -> None:
      ("4,9,1,-;NVRM: Xid (PCI:0000:02:00 GPU-I:0c): 31, pid=4242, name=llama-server, Ch 00000008", 12, None)],
 )
 def test_mig_xid_lines_parse(line: str, gi: int, ci: int | None) -> None:
-    # Issue 12 item 7: the kernel writes MIG attributes inside the parentheses.
+    # On a MIG-partitioned GPU the kernel writes more attributes inside the parentheses.
     (rec,) = parse([line])
     assert isinstance(rec, XidRecord) and rec.pci == "0000:02:00.0" and rec.pid == 4242
     assert rec.name == "llama-server" and (rec.gpu_instance, rec.compute_instance) == (gi, ci)

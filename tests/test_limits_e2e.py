@@ -1,4 +1,4 @@
-"""End to end: ``[limits]`` with the REAL llama-server under the real daemon (issue 6).
+"""End to end: ``[limits]`` with the REAL llama-server under the real daemon.
 
 * the configured nofile / memlock are the server's effective limits, read back from
   ``/proc/<pid>/limits`` by the test itself; ``limits_applied``, ``check`` and ``status`` say so;

@@ -13,27 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
+from llama_guard.core.actions import Emit, Spawn
+from llama_guard.core.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Boot,
-    Drained,
-    Emit,
-    Exited,
-    GpuFault,
-    GpuFaultKind,
-    HealthOk,
-    Input,
-    Params,
-    ParamsChanged,
-    Phase,
-    Spawn,
-    Spawned,
-    State,
-    Tick,
-    XidAction,
-    XidScope,
-    initial_state,
-)
+from llama_guard.core.types import GpuFaultKind, Params, Phase, State, XidAction, XidScope, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuSample
 from llama_guard.limits.usage import UsageSample
@@ -99,7 +82,7 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     assert m[("llama_guard_vram_wait_seconds_sum", ())] == 4.0
     assert m[("llama_guard_gpu_temperature_celsius", (("gpu", "0"),))] == 61
     assert m[("llama_guard_gpu_power_watts", (("gpu", "0"),))] == 250
-    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "sw_thermal")))] == 1
+    assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "sw_thermal_slowdown")))] == 1
     assert m[("llama_guard_gpu_throttle_reason", (("gpu", "0"), ("reason", "hw_slowdown")))] == 0
     assert m[("llama_guard_rlimit_used", (("limit", "RLIMIT_NOFILE"),))] == 40
     assert m[("llama_guard_gpu_reset_budget_remaining", ())] == 2  # state.resets is empty here

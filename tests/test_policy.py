@@ -5,37 +5,25 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import (
-    AfterStop,
+from harness import emitted, line, names
+from harness import ready as policy_ready
+from harness import started as policy_started
+from llama_guard.core.actions import ExitDaemon, Kill, Spawn, StartDrain, Terminate
+from llama_guard.core.inputs import (
     Boot,
     Drained,
-    Emit,
-    ExitDaemon,
     Exited,
     HealthOk,
-    Kill,
-    Line,
-    NotifyReady,
-    Params,
     ParamsChanged,
-    Phase,
     Probe,
-    ResetTrigger,
-    RestartCause,
     RestartRequest,
-    Spawn,
     Spawned,
     SpawnFailed,
-    StartDrain,
-    State,
     StopRequest,
-    Terminate,
     Tick,
-    exit_text,
-    initial_state,
 )
+from llama_guard.core.policy import decide
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, RestartCause, State, exit_text, initial_state
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,
@@ -43,32 +31,12 @@ P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_facto
            drain_timeout_s=20)
 
 
-def names(actions: list[object]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[object], name: str) -> Emit:
-    return next(a for a in actions if isinstance(a, Emit) and a.name == name)
-
-
 def started(pid: int = 100, now: float = 0.0, params: Params = P) -> State:
-    s, acts = decide(initial_state(params), Boot(), now)
-    assert acts == [Spawn()]
-    s, acts = decide(s, Spawned(pid, ("llama-server", "-m", "x")), now)
-    assert names(acts) == ["server_starting"]
-    return s
+    return policy_started(params, pid, now)
 
 
 def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
-    s = started(pid, now - 1.0, params)
-    s, acts = decide(s, HealthOk(pid), now)
-    assert s.phase is Phase.READY
-    assert NotifyReady() in acts
-    return s
-
-
-def line(pid: int, text: str) -> Line:
-    return Line(pid, classify_line(text), text)
+    return policy_ready(params, pid, now)
 
 
 class TestStartup:
@@ -213,14 +181,15 @@ class TestServingFaults:
     def test_crash_loop_gives_up_with_distinct_code(self) -> None:
         s = ready()
         now = 2.0
+        # Failures that differ (exit statuses 1..4): no repeat verdict, the window decides.
         for i in range(3):
-            s, acts = decide(s, Exited(s.pid or 0, 1), now)
+            s, acts = decide(s, Exited(s.pid or 0, 1 + i), now)
             assert s.phase is Phase.BACKOFF, i
             now = (s.deadline or now) + 0.01
             s, _ = decide(s, Tick(), now)
             s, _ = decide(s, Spawned(200 + i), now)
             s, _ = decide(s, HealthOk(200 + i), now)
-        s, acts = decide(s, Exited(s.pid or 0, 1), now + 1)
+        s, acts = decide(s, Exited(s.pid or 0, 4), now + 1)
         assert s.phase is Phase.EXITED
         assert "crash_loop" in names(acts)
         assert any(isinstance(a, ExitDaemon) and a.code == EXIT_CRASH_LOOP for a in acts)
@@ -390,3 +359,23 @@ def test_our_own_sigkill_is_not_blamed_on_the_oom_killer() -> None:
     s, _ = decide(s, Tick(), 9.0)  # grace over: SIGKILL sent
     s, acts = decide(s, Exited(100, -9), 9.1)
     assert "sent by llama-guard" in str(emitted(acts, "server_stopped").fields["exit_text"])
+
+
+# What a default configuration sets is what Params() holds (one truth: config.py's defaults); the
+# rest depends on the host (a watched GPU and its index) and defaults to "none" in Params.
+# What depends on the host or names the deployment ([server] settings the policy quotes), not a policy knob.
+_HOST_DEPENDENT = {"require_gpu", "reset_possible", "vram_admission", "gpu_index", "model_path", "offload_layers"}
+
+
+def test_params_defaults_are_the_configuration_defaults() -> None:
+    import dataclasses
+
+    from llama_guard.config import Config
+    from llama_guard.core.params import params_from
+
+    shipped = params_from(Config())
+    default = Params()
+    names = {f.name for f in dataclasses.fields(Params)} - _HOST_DEPENDENT
+    assert {n: getattr(default, n) for n in names} == {n: getattr(shipped, n) for n in names}
+    assert (default.backoff_initial_s, default.backoff_factor) == (
+        Config().recovery.backoff_initial_s, Config().recovery.backoff_factor)

@@ -8,35 +8,31 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
+from harness import emitted, line, names
+from harness import ready as policy_ready
+from llama_guard.core.actions import Action, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
+from llama_guard.core.inputs import (
     Boot,
-    Emit,
-    ExitDaemon,
     Exited,
     GpuFault,
-    GpuFaultKind,
     GpuHolder,
     HealthOk,
-    InspectGpu,
-    Kill,
     Line,
-    Params,
-    Phase,
     Probe,
     ResetDone,
     ResetFacts,
-    ResetTrigger,
-    RunReset,
-    Spawn,
     Spawned,
-    State,
     StopRequest,
-    Terminate,
     Tick,
+)
+from llama_guard.core.policy import decide
+from llama_guard.core.types import (
+    AfterStop,
+    GpuFaultKind,
+    Params,
+    Phase,
+    ResetTrigger,
+    State,
     XidAction,
     XidOrigin,
     initial_state,
@@ -70,31 +66,12 @@ def but_xid(actions: list[Action]) -> list[Action]:
     return [a for a in actions if not (isinstance(a, Emit) and a.name == "gpu_xid")]
 
 
-def names(actions: list[Action]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[Action], name: str) -> Emit:
-    found = [a for a in actions if isinstance(a, Emit) and a.name == name]
-    assert len(found) == 1, (name, actions)
-    return found[0]
+def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
+    return policy_ready(params, pid, now)
 
 
 def of_type(actions: list[Action], cls: type[Action]) -> list[Action]:
     return [a for a in actions if isinstance(a, cls)]
-
-
-def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
-    s, acts = decide(initial_state(params), Boot(), now - 1.0)
-    assert acts == [Spawn()]
-    s, _ = decide(s, Spawned(pid, ("llama-server",)), now - 1.0)
-    s, _ = decide(s, HealthOk(pid), now)
-    assert s.phase is Phase.READY
-    return s
-
-
-def line(pid: int, text: str) -> Line:
-    return Line(pid, classify_line(text), text)
 
 
 def stop_for(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[State, list[Action]]:
@@ -114,7 +91,7 @@ def into_reset(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[Stat
     assert s.after_stop is AfterStop.RESET
     s, acts = decide(s, Exited(pid, -6), now + 0.5)
     assert s.phase is Phase.RESETTING
-    assert names(acts) == ["server_stopped"]
+    assert names(acts) == ["server_stopped", "gpu_reset_started"]
     assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.reset_reason)]
     assert not of_type(acts, Spawn)
     return s, acts
@@ -302,7 +279,7 @@ class TestResetBudget:
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
     def test_skipped_resets_never_spend_the_budget(self) -> None:
-        # Issue 12 item 8 (H200 run): another process held all but 150 MiB; each OOM at load led
+        # The H200 run: another process held all but 150 MiB; each OOM at load led
         # to a reset that was skipped. Any number of skips leaves the whole budget for a real loss.
         holder = ResetFacts(3, True, 0.1, (GpuHolder(5151, 140_000, "python3"),), True)
         s = ready(params=replace(P, gpu_index=3))
@@ -397,7 +374,8 @@ class TestLostAndXid:
         s, _ = decide(ready(), Exited(100, 1), 5.0)
         assert s.phase is Phase.BACKOFF
         s, acts = decide(s, xid(48, "reset"), 5.2)
-        assert s.phase is Phase.RESETTING and but_xid(acts) == [InspectGpu(None, "Xid 48: test")]
+        assert s.phase is Phase.RESETTING and of_type(acts, InspectGpu) == [InspectGpu(None, "Xid 48: test")]
+        assert names(acts) == ["gpu_xid", "gpu_reset_started"]
         s, acts = decide(s, Tick(), 7.0)  # the backoff timer (due at 6.0) has no say while resetting
         assert acts == [] and s.phase is Phase.RESETTING
         s, acts = run_reset(s, 8.0)
@@ -480,7 +458,7 @@ def kernel_xid(text: str, *, nvml_first: bool = False) -> GpuFault:
 
 class TestXidOwnership:
     def test_xid_31_of_another_process_does_not_restart_our_server(self) -> None:
-        # Issue 12 item 6: the kernel line on our GPU names a pid that is not our server.
+        # The kernel line on our GPU names a pid that is not our server.
         s = ready(pid=100)
         s2, acts = decide(s, kernel_xid(XID31_OTHER.format(pid=4711)), 5.0)
         assert s2 == s and s2.phase is Phase.READY and names(acts) == ["gpu_xid"]
@@ -566,11 +544,11 @@ class TestDuringReset:
         assert "gpu_lost" in names(acts)
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
 
-    def test_sigterm_while_inspecting_runs_no_command_and_exits_0(self) -> None:
+    def test_sigterm_while_inspecting_runs_no_command_and_exits_0_at_once(self) -> None:
+        # Nothing has been done to the GPU yet: the reset is given up, the daemon exits now.
         s, _ = into_reset(ready(), line(100, OOM))
         s, acts = decide(s, StopRequest("SIGTERM received"), 6.0)
-        assert names(acts) == ["daemon_stopping"] and s.phase is Phase.RESETTING
-        s, acts = decide(s, CLEAR, 7.0)
+        assert names(acts) == ["daemon_stopping", "gpu_reset"] and s.phase is Phase.EXITED
         assert not of_type(acts, RunReset) and s.resets == ()
         assert emitted(acts, "gpu_reset").fields["outcome"] == "skipped"
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
@@ -581,10 +559,14 @@ class TestDuringReset:
         assert of_type(acts, RunReset)
         s, acts = decide(s, StopRequest("SIGTERM received"), 6.0)
         assert names(acts) == ["daemon_stopping"]
+        stopping = emitted(acts, "daemon_stopping").fields
+        assert stopping["waiting_for"] == "gpu_reset" and stopping["wait_s"] == round(s.deadline - 6.0, 1)
+        assert "never interrupted" in str(stopping["reason"])
         assert not of_type(acts, ExitDaemon) and not of_type(acts, Terminate) and not of_type(acts, Kill)
         assert s.phase is Phase.RESETTING
         s, acts = decide(s, StopRequest("SIGTERM received", immediate=True), 6.5)  # a second signal
         assert not of_type(acts, ExitDaemon) and s.phase is Phase.RESETTING
+        assert "a second signal does not interrupt it" in str(emitted(acts, "daemon_stopping").fields["reason"])
         s, acts = decide(s, ResetDone(0, "nvidia-smi --gpu-reset -i 0", 0, RESET_OK, True, RESET_OK), 9.0)
         assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "succeeded"
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
@@ -600,6 +582,7 @@ class TestDuringReset:
 
     def test_sigterm_during_a_reset_that_never_answers_ends_at_the_deadline(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
+        s, _ = decide(s, CLEAR, 5.8)
         s, _ = decide(s, StopRequest("SIGTERM received"), 6.0)
         s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
         assert emitted(acts, "gpu_reset").fields["outcome"] == "timed out"

@@ -1,4 +1,4 @@
-"""VRAM admission in the pure policy (issue 12 item 9): before each start the free VRAM is compared
+"""VRAM admission in the pure policy: before each start the free VRAM is compared
 with what the server needs; another process holding the shortfall makes it wait (``gpu_vram_wait``),
 bounded, with no failure counted and no GPU reset; an OOM at load while another process holds the
 VRAM is "waiting for VRAM", not a crash.
@@ -9,32 +9,23 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import (
-    Action,
+from harness import emitted, names
+from llama_guard.core.actions import CheckVram, ExitDaemon, InspectGpu, Spawn
+from llama_guard.core.inputs import (
     Boot,
-    CheckVram,
-    Emit,
-    ExitDaemon,
     Exited,
     GpuFault,
-    GpuFaultKind,
     GpuHolder,
     HealthOk,
-    InspectGpu,
     Line,
-    Params,
-    Phase,
-    ResetTrigger,
-    Spawn,
     Spawned,
-    State,
     StopRequest,
     Tick,
     VramFacts,
-    initial_state,
 )
+from llama_guard.core.policy import decide
+from llama_guard.core.server_log import classify_line
+from llama_guard.core.types import GpuFaultKind, Params, Phase, ResetTrigger, State, initial_state
 from llama_guard.exitcodes import EXIT_OK
 
 P = Params(load_timeout_s=30, backoff_initial_s=1, max_restarts=3, restart_window_s=100, stop_grace_s=4,
@@ -45,15 +36,6 @@ SHORT = VramFacts(0, 150, 20_000, (TORCH,))         # all but 150 MiB held by an
 FITS = VramFacts(0, 140_000, 20_000, ())
 OOM_AT_LOAD = ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9216.00 MiB on device 0: "
                "cudaMalloc failed: out of memory")
-
-
-def names(actions: list[Action]) -> list[str]:
-    return [a.name for a in actions if isinstance(a, Emit)]
-
-
-def emitted(actions: list[Action], name: str) -> Emit:
-    [found] = [a for a in actions if isinstance(a, Emit) and a.name == name]
-    return found
 
 
 def booted(params: Params = P) -> State:
@@ -130,7 +112,7 @@ def loading(params: Params = P, pid: int = 100) -> State:
 
 
 def oom_at_load(s: State, pid: int = 100) -> State:
-    # A failed allocation is judged by what the process does next (issue 12 item 3): here it exits.
+    # A failed allocation is judged by what the process does next: here it exits.
     s, acts = decide(s, Line(pid, classify_line(OOM_AT_LOAD), OOM_AT_LOAD), 1.0)
     assert acts == [] and s.phase is Phase.STARTING
     s, acts = decide(s, Exited(pid, 1), 1.2)
@@ -140,7 +122,7 @@ def oom_at_load(s: State, pid: int = 100) -> State:
 
 
 def test_oom_at_load_while_another_process_holds_the_vram_is_a_wait_not_a_crash() -> None:
-    # The H200 run of issue 12 (items 8, 9): no good start yet, so the need is unknown; the OOM at
+    # The H200 run (tests/fixtures/h200_vram_wait): no good start yet, so the need is unknown; the OOM at
     # load with another process on the GPU is the evidence.
     s = oom_at_load(loading())
     facts = VramFacts(0, 150, None, (TORCH,))

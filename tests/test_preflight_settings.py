@@ -1,4 +1,4 @@
-"""`llama-guard check` flags [server] sizes llama-server cannot run (issue 12 item 5)."""
+"""`llama-guard check` flags [server] sizes llama-server cannot run."""
 
 from __future__ import annotations
 

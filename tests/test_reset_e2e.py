@@ -249,7 +249,7 @@ def kmsg_run(gpu_run: MakeRun, tmp: Path) -> tuple[GpuRun, Path]:
 
 
 def test_xid_31_of_another_process_does_not_restart_our_server(gpu_run: MakeRun, tmp_path: Path) -> None:
-    # Issue 12 item 6, end to end: NVML's event (no pid) and the kernel line naming another pid.
+    # End to end: NVML's event (no pid) and the kernel line naming another pid.
     foreign = subprocess.Popen(["sleep", "60"])
     try:
         run, kmsg = kmsg_run(gpu_run, tmp_path)

@@ -194,7 +194,6 @@ def test_disabled_schedule_never_fires() -> None:
     sched = PlannedRestarts("", now_wall=utc(2026, 1, 1), timezone="UTC")
     assert not sched.enabled
     assert sched.next_fire(utc(2026, 1, 1)) is None
-    assert sched.seconds_until(utc(2026, 1, 1)) is None
     for hour in range(48):
         assert sched.due(utc(2026, 1, 1) + timedelta(hours=hour), LONG_AGO).outcome is Outcome.WAIT
 
@@ -217,14 +216,12 @@ def test_fires_once_per_night_with_one_second_ticks() -> None:
     assert first.fire_time == utc(2026, 1, 1, 4, 30)
     assert first.next_fire == utc(2026, 1, 2, 4, 30)
     assert "30 4 * * *" in first.reason
-    assert sched.handled_through == utc(2026, 1, 2, 4, 30)
 
 
-def test_wait_before_fire_and_seconds_until() -> None:
+def test_wait_before_fire() -> None:
     now = utc(2026, 1, 1, 4, 29, 50)
     sched = make(now)
     assert sched.due(now, LONG_AGO).outcome is Outcome.WAIT
-    assert sched.seconds_until(now) == pytest.approx(10.0)
     assert sched.due(now + timedelta(seconds=9.9), LONG_AGO).outcome is Outcome.WAIT
     assert sched.due(now + timedelta(seconds=10), LONG_AGO).outcome is Outcome.RESTART
     assert sched.due(now + timedelta(seconds=11), LONG_AGO).outcome is Outcome.WAIT

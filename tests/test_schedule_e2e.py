@@ -1,4 +1,4 @@
-"""End to end, against the REAL llama-server: planned restarts drain first (issue 7).
+"""End to end, against the REAL llama-server: planned restarts drain first.
 
 One daemon serves the whole module, so the model loads once and the cron minute is waited for
 once. ``restart_cron`` is a real 5-field expression for the first minute boundary at least

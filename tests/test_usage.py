@@ -251,7 +251,8 @@ def test_sampler_of_a_process_that_died(children: list[subprocess.Popen[str]]) -
 
 
 def test_sample_is_cheap_enough(children: list[subprocess.Popen[str]]) -> None:
-    """A loose guard (the benchmark measures): one sample of a small child well under 5 ms."""
+    """A loose guard (benchmarks/bench_usage_sample.py measures): one sample of a small child well
+    under 20 ms, even on a loaded machine."""
     proc = subprocess.Popen(["sleep", "30"], text=True)
     children.append(proc)
     sampler = UsageSampler(proc.pid)
@@ -261,7 +262,7 @@ def test_sample_is_cheap_enough(children: list[subprocess.Popen[str]]) -> None:
         sampler.sample()
         costs.append(time.perf_counter() - start)
     costs.sort()
-    assert costs[len(costs) // 2] < 0.005
+    assert costs[len(costs) // 2] < 0.02
     assert sample_cost_per_hour(costs[len(costs) // 2], 10.0) < 2.0
     with pytest.raises(ValueError, match="interval_s"):
         sample_cost_per_hour(0.001, 0)

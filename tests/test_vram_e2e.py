@@ -1,4 +1,4 @@
-"""End to end, VRAM admission (issue 12 item 9): the real daemon + the fake llama-server + a fake NVML
+"""End to end, VRAM admission: the real daemon + the fake llama-server + a fake NVML
 in which another process (a real ``sleep``, named by pid) holds the GPU's memory.
 
 The fake NVML stands for a GPU this machine does not have; the foreign process is real so that its
@@ -119,7 +119,7 @@ def test_stop_request_while_waiting_for_vram_exits_0_at_once(make_run: list[Vram
 
 def test_oom_at_load_while_a_foreign_process_holds_the_vram_waits_instead_of_crashing(
         make_run: list[VramRun], tmp_path: Path, foreign: subprocess.Popen[bytes]) -> None:
-    # The H200 run of issue 12: no good start yet (need unknown), another process holds all but
+    # The H200 run (tests/fixtures/h200_vram_wait): no good start yet (need unknown), another process holds all but
     # 150 MiB; the server runs out of memory at load.
     flag = tmp_path / "foreign-holds-vram"
     flag.write_text("1")

@@ -6,19 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from llama_guard.config import Config, ServerConfig
-from llama_guard.insight.vram_check import estimated_need_mib, estimated_need_mib_in_child
+from llama_guard.insight.budget import Settings
+from llama_guard.insight.vram_check import estimated_need_mib, need_mib_in_child
 
 
 def test_the_child_gives_the_in_process_answer(real_model: Path) -> None:
     config = Config(server=ServerConfig(model=str(real_model), n_gpu_layers=99, ctx_size=4096))
-    need = estimated_need_mib_in_child(config)
+    need = need_mib_in_child(str(real_model), Settings.from_server(config.server))
     assert need is not None and need == estimated_need_mib(config)
 
 
 def test_an_unreadable_model_or_a_slow_child_gives_none(tmp_path: Path, real_model: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    assert estimated_need_mib_in_child(Config(server=ServerConfig(model=str(bad), n_gpu_layers=99))) is None
-    config = Config(server=ServerConfig(model=str(real_model), n_gpu_layers=99))
-    assert estimated_need_mib_in_child(config, timeout_s=0.01) is None
-    assert estimated_need_mib_in_child(Config(server=ServerConfig(model=str(real_model), n_gpu_layers=0))) is None
+    assert need_mib_in_child(str(bad), Settings(n_gpu_layers=99)) is None
+    assert need_mib_in_child(str(real_model), Settings(n_gpu_layers=99), timeout_s=0.01) is None
+    assert need_mib_in_child(str(real_model), Settings(n_gpu_layers=0)) is None

@@ -38,12 +38,13 @@ def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | 
     fake)."""
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
-    from llama_guard.insight.vram_check import estimated_need_mib_in_child
+    from llama_guard.insight.need_cache import NeedCache
+    from llama_guard.insight.vram_check import need_mib_in_child
     from llama_guard.limits.watcher import LimitsSource
     from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
 
-    gpu = GpuSource(nvml_module=nvml_module, estimate_need_mib=estimated_need_mib_in_child)
+    gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
     sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample)]
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)

@@ -17,8 +17,10 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import IO
 
 _PR_SET_PDEATHSIG = 1
 _LINE_LIMIT = 1 << 20  # bytes; longer lines are split, never an error
@@ -140,6 +142,16 @@ class ServerProcess:
             if not raw:
                 return
             yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+def popen(argv: list[str], env: Mapping[str, str], *, stdout: IO[bytes],
+          preexec_extra: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+    """:func:`spawn` for a caller without an event loop (``llama-guard bench --spawn``): the same
+    session and process group, ``PR_SET_PDEATHSIG``, stdin from /dev/null; stdout and stderr go to
+    ``stdout``. Raises OSError if exec fails."""
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
+                            env=dict(env), start_new_session=True,
+                            preexec_fn=_make_preexec(os.getpid(), preexec_extra))
 
 
 async def spawn(argv: list[str], env: Mapping[str, str], *,

@@ -1,22 +1,28 @@
-"""Blocking calls off the event loop: one bounded lane per kind of call, each call with a deadline.
+"""Blocking calls off the caller: one bounded lane per kind of call, each call with a deadline.
 
 ``asyncio.to_thread`` shares one default executor: a few calls stuck for good (``open()`` of a
 model on a hung network filesystem, a FIFO, a wedged NVML or ``/proc`` read) take its threads and
-every later call waits behind them. A :class:`Lane` instead runs each call on a thread of its own
-(daemon threads: a stuck one never holds up the interpreter's exit), at most ``max_calls`` at a
-time; a call that does not finish within its timeout raises :class:`CallTimeout` to the awaiting
-coroutine (the thread stays stuck, still counted), and once every slot is taken by stuck calls new
-calls fail at once with :class:`LaneBusy` instead of queueing. Nothing on one lane can delay
-another lane or the loop.
+every later call waits behind them. A :class:`Lane` instead runs each call on a worker thread of
+its own (daemon threads: a stuck one never holds up the interpreter's exit; an idle worker is
+reused for the next call), at most ``max_calls`` at a time. A call that does not finish within its
+timeout raises :class:`CallTimeout` to the waiting caller (the thread stays stuck, still counted,
+and :attr:`Lane.stuck` names it), and once every slot is taken by unfinished calls new calls fail
+at once with :class:`LaneBusy` instead of queueing. Nothing on one lane can delay another lane or
+the event loop.
+
+Callers wait either on the event loop (:meth:`Lane.run`) or on their own thread
+(:meth:`Lane.run_sync`: ``llama-guard check``, the NVML wrapper's calls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -32,7 +38,26 @@ class CallTimeout(TimeoutError):
 
 
 class LaneBusy(RuntimeError):
-    """Every slot of a lane is held by calls that have not returned (stuck): refused at once."""
+    """Every slot of a lane is held by calls that have not returned: refused at once."""
+
+
+class _Call(Generic[T]):
+    """One call handed to a worker: its function, when it started (monotonic s), its outcome."""
+
+    def __init__(self, fn: Callable[[], T], what: str) -> None:
+        self.fn = fn
+        self.what = what
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.ok = False
+        self.value: object = None
+        self.on_done: Callable[[], None] | None = None  # set before submit; runs on the worker
+
+    def outcome(self) -> T:
+        if not self.ok:
+            assert isinstance(self.value, BaseException)
+            raise self.value
+        return self.value  # type: ignore[return-value]
 
 
 class Lane:
@@ -41,72 +66,102 @@ class Lane:
     :attr:`in_flight` counts calls whose thread has not returned yet (stuck ones included).
     """
 
-    def __init__(self, name: str, max_calls: int = 2) -> None:
+    def __init__(self, name: str, max_calls: int = 2, idle_s: float = 30.0) -> None:
         self.name = name
         self.max_calls = max_calls
+        self.idle_s = idle_s
+        """How long an idle worker waits for the next call before its thread ends (seconds)."""
         self.in_flight = 0
         self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_Call[object]]] = []
+        self._stuck: dict[int, _Call[object]] = {}
+
+    @property
+    def stuck(self) -> tuple[str, float] | None:
+        """``(what, monotonic start)`` of the oldest call past its deadline that has not returned."""
+        with self._lock:
+            calls = sorted(self._stuck.values(), key=lambda c: c.started)
+        return None if not calls else (calls[0].what, calls[0].started)
+
+    def _submit(self, call: _Call[T]) -> None:
+        with self._lock:
+            if self.in_flight >= self.max_calls:
+                raise LaneBusy(f"{call.what}: {self.in_flight} earlier {self.name} calls have not returned")
+            self.in_flight += 1
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._worker, args=(inbox,), name=f"lane-{self.name}", daemon=True).start()
+        inbox.put(call)  # type: ignore[arg-type]
+
+    def _worker(self, inbox: queue.SimpleQueue[_Call[object]]) -> None:
+        call = inbox.get()  # started for a call: it is on its way
+        while True:
+            try:
+                call.value, call.ok = call.fn(), True
+            except BaseException as exc:  # handed to the waiting caller
+                call.value, call.ok = exc, False
+            with self._lock:
+                self.in_flight -= 1
+                self._stuck.pop(id(call), None)
+                self._idle.append(inbox)
+            call.done.set()
+            if call.on_done is not None:
+                call.on_done()
+            while True:
+                try:
+                    call = inbox.get(timeout=self.idle_s)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if inbox in self._idle:  # else a call was just handed over: take it
+                            self._idle.remove(inbox)
+                            return
+
+    def _timed_out(self, call: _Call[T], timeout_s: float) -> CallTimeout:
+        with self._lock:
+            if not call.done.is_set():
+                self._stuck[id(call)] = call  # type: ignore[assignment]
+        return CallTimeout(self.name, call.what, timeout_s)
+
+    def run_sync(self, fn: Callable[[], T], timeout_s: float, what: str = "") -> T:
+        """``fn()`` on a worker of this lane, waited for on the calling thread: its result or its
+        exception. Raises :class:`CallTimeout` after ``timeout_s`` seconds, :class:`LaneBusy` when
+        every slot is taken."""
+        call: _Call[T] = _Call(fn, what or getattr(fn, "__name__", "call"))
+        self._submit(call)
+        if not call.done.wait(timeout_s):
+            raise self._timed_out(call, timeout_s)
+        return call.outcome()
 
     async def run(self, fn: Callable[[], T], timeout_s: float, what: str = "") -> T:
-        """``fn()`` on a thread of this lane; its result or its exception.
+        """``fn()`` on a worker of this lane, awaited on the event loop: its result or its exception.
 
         Raises :class:`CallTimeout` after ``timeout_s`` seconds, :class:`LaneBusy` when every slot
         is taken. Cancelling the awaiting task abandons the call (its thread runs on, counted).
         """
-        what = what or getattr(fn, "__name__", "call")
-        with self._lock:
-            if self.in_flight >= self.max_calls:
-                raise LaneBusy(f"{what}: {self.in_flight} earlier {self.name} calls have not returned")
-            self.in_flight += 1
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        future: asyncio.Future[None] = loop.create_future()
 
-        def deliver(ok: bool, value: object) -> None:
-            if future.done():
-                return
-            if ok:
-                future.set_result(value)  # type: ignore[arg-type]
-            else:
-                assert isinstance(value, BaseException)
-                future.set_exception(value)
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(None)
 
-        def work() -> None:
-            try:
-                result: object = fn()
-                ok = True
-            except BaseException as exc:  # handed to the awaiting coroutine
-                result, ok = exc, False
-            finally:
-                with self._lock:
-                    self.in_flight -= 1
+        def wake() -> None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-                loop.call_soon_threadsafe(deliver, ok, result)
+                loop.call_soon_threadsafe(resolve)
 
-        threading.Thread(target=work, name=f"lane-{self.name}", daemon=True).start()
+        call: _Call[T] = _Call(fn, what or getattr(fn, "__name__", "call"))
+        call.on_done = wake
+        self._submit(call)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
-            raise CallTimeout(self.name, what, timeout_s) from None
+            raise self._timed_out(call, timeout_s) from None
+        return call.outcome()
 
 
 def run_with_deadline(fn: Callable[[], T], timeout_s: float, what: str = "") -> T:
-    """``fn()`` on a daemon thread, for synchronous callers (``llama-guard check``): its result or
-    exception; :class:`CallTimeout` when it has not returned after ``timeout_s`` seconds."""
-    box: list[tuple[bool, object]] = []
-    done = threading.Event()
-
-    def work() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:
-            box.append((False, exc))
-        done.set()
-
-    threading.Thread(target=work, name="deadline-call", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise CallTimeout("sync", what or getattr(fn, "__name__", "call"), timeout_s)
-    ok, value = box[0]
-    if not ok:
-        assert isinstance(value, BaseException)
-        raise value
-    return value  # type: ignore[return-value]
+    """``fn()`` on a fresh one-call :class:`Lane`, for synchronous callers (``llama-guard check``):
+    its result or exception; :class:`CallTimeout` when it has not returned after ``timeout_s``."""
+    return Lane("sync", max_calls=1, idle_s=0.0).run_sync(fn, timeout_s, what)

@@ -4,10 +4,8 @@ read at daemon start and again at each reload."""
 from __future__ import annotations
 
 from llama_guard.config import Config, GpuWatchMode
-from llama_guard.core.types import Params, ResetTrigger
+from llama_guard.core.types import Params, ResetTrigger, reset_deadline_s
 
-# The reset's deadline is the sum of its waits plus this margin (s) for the command and its checks.
-RESET_DEADLINE_MARGIN_S = 30.0
 
 def params_from(config: Config, *, reset_possible: bool = False) -> Params:
     """The policy's parameters from a validated configuration; ``reset_possible`` when the GPU
@@ -29,11 +27,20 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         reset_on=frozenset(ResetTrigger(t) for t in config.recovery.reset_on),
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
-        reset_deadline_s=(config.recovery.reset_timeout_s + config.gpu.vram_release_timeout_s
-                          + config.recovery.foreign_wait_s + config.recovery.stop_grace_s + RESET_DEADLINE_MARGIN_S),
+        reset_deadline_s=reset_deadline_s(config.recovery, config.gpu),
+        vram_release_s=config.gpu.vram_release_timeout_s,
+        foreign_wait_s=config.recovery.foreign_wait_s,
+        reset_timeout_s=config.recovery.reset_timeout_s,
+        reset_retry=config.recovery.reset_toggles_persistence,
         gpu_index=config.gpu.index,
         vram_admission=reset_possible and gpu_wanted,
         vram_wait_timeout_s=config.gpu.vram_wait_timeout_s,
         load_stall_s=config.health.load_stall_s,
         progress_cpu_s=config.health.progress_cpu_s,
+        model_path=str(config.server.model),
+        offload_layers=config.server.n_gpu_layers,
+        port=config.server.port,
+        port_wait_s=config.recovery.port_wait_s,
+        repeat_confirm_s=config.recovery.repeat_confirm_s,
+        silent_limit_s=config.health.silent_limit_s,
     )

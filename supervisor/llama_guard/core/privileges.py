@@ -235,12 +235,25 @@ def make_drop(identity: ServerIdentity, parent_pid: int) -> Callable[[], None]:
     return drop
 
 
-def unit_capabilities(unit_text: str) -> dict[str, list[str]]:
-    """``User``, ``CapabilityBoundingSet`` and ``AmbientCapabilities`` of a unit file's text
-    (the words of every occurrence; a missing key is an empty list)."""
-    out: dict[str, list[str]] = {"User": [], "CapabilityBoundingSet": [], "AmbientCapabilities": []}
-    for raw in unit_text.splitlines():
-        key, sep, value = raw.strip().partition("=")
-        if sep and key in out:
-            out[key] += value.split()
-    return out
+def server_identity(user: str, group: str, supplementary_groups: Sequence[str]) -> ServerIdentity:
+    """:func:`resolve_identity` checked by :func:`identity_problem`: the identity llama-server can
+    be started as. Raises ValueError (a missing user/group, or privileges llama-guard lacks)."""
+    identity = resolve_identity(user, group, supplementary_groups)
+    problem = identity_problem(identity)
+    if problem:
+        raise ValueError(problem)
+    return identity
+
+
+def child_hooks(before_drop: Sequence[Callable[[], None]], identity: ServerIdentity,
+                parent_pid: int) -> Callable[[], None]:
+    """The one preexec step of every llama-server child (the daemon's and ``bench --spawn``'s):
+    ``before_drop`` in order (the rlimits: raising a hard limit needs the privileges the drop then
+    takes away), then :func:`make_drop` to ``identity``. Async-signal-safe work only."""
+    hooks = (*before_drop, make_drop(identity, parent_pid))
+
+    def run_all() -> None:
+        for hook in hooks:
+            hook()
+
+    return run_all

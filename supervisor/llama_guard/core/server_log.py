@@ -1,6 +1,6 @@
 """Classification of llama-server's log lines into failure families.
 
-One ordered table of patterns → families (facts/llama-server.md). Patterns match the text
+One ordered table of patterns → families (docs/llama-server.md names the llama.cpp sources). Patterns match the text
 anywhere in a line, never a position: lines come with or without the elapsed/level prefix
 (``0.00.450.903 I srv ...``), with or without a ``[pid]`` prefix, and the logger's lines can
 interleave with an abort's direct stderr writes inside one physical line. The first matching
@@ -20,7 +20,6 @@ class Family(enum.Enum):
     """What one log line says about the server."""
 
     HARMLESS = "harmless"
-    READY_HINT = "ready_hint"          # "listening on", "model loaded": informative, not readiness
     OOM = "oom"                        # out of GPU memory, at load or at run time
     GPU_FATAL = "gpu_fatal"            # fatal GPU runtime error other than OOM
     # The kernel's launch watchdog ended one of the server's kernels (one channel, not the GPU):
@@ -38,6 +37,9 @@ class Family(enum.Enum):
     ALLOC_RECOVERED = "alloc_recovered"  # llama.cpp says it recovers from the allocation failure
     # A fixed property of the binary, the driver or the card: no restart or reset can fix it.
     GPU_INCOMPATIBLE = "gpu_incompatible"
+    # The server's port is taken: another process may hold it for a while (after a crash, a
+    # client on an ephemeral port): retried within a bound, then a configuration error.
+    PORT_IN_USE = "port_in_use"
     ERROR = "error"                    # any other error or abort line (kept to name a failure)
     # An exception the server caught: it answered that request with an error and carries on.
     HANDLED_ERROR = "handled_error"
@@ -56,8 +58,8 @@ class LineClass:
 
 # Families whose lines name a failure (the "last error line" of a server that then exits).
 ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_WATCHDOG, Family.DEVICE_LOST,
-                            Family.GPU_ABORT, Family.BOOT_CONFIG, Family.LOAD_FAILED, Family.RESOURCE_LIMIT,
-                            Family.ALLOC_FAILED, Family.GPU_INCOMPATIBLE, Family.ERROR})
+                            Family.GPU_ABORT, Family.BOOT_CONFIG, Family.PORT_IN_USE, Family.LOAD_FAILED,
+                            Family.RESOURCE_LIMIT, Family.ALLOC_FAILED, Family.GPU_INCOMPATIBLE, Family.ERROR})
 
 
 _GPU_API = r"(?:CUDA|HIP|ROCm|MUSA|SYCL)"
@@ -93,7 +95,7 @@ TABLE: tuple[_Row, ...] = (
     # A GPU backend that cannot initialise: the server falls back to the CPU (the reason may be an
     # incompatibility below; the policy looks inside).
     _row(r"failed to initialize " + _GPU_API + r": (.+?)\s*$", F.GPU_UNAVAILABLE, _group("{0}")),
-    # Faults no restart or reset can fix (facts/llama-server.md): the binary was built for another
+    # Faults no restart or reset can fix (docs/llama-server.md): the binary was built for another
     # GPU architecture or toolkit, or the driver is too old for the CUDA runtime.
     _row(r"provided PTX was compiled with an unsupported toolchain", F.GPU_INCOMPATIBLE,
          _fixed("the binary's PTX was compiled with a newer CUDA toolchain than the driver supports",
@@ -135,6 +137,7 @@ TABLE: tuple[_Row, ...] = (
     _row(r"ggml_cuda_compute_forward: (\S+) failed", F.GPU_ABORT, _group("{0} failed on the GPU")),
     # The GPU is silently unavailable: the server would run on the CPU.
     _row(r"no usable GPU found", F.GPU_UNAVAILABLE, _fixed("no usable GPU found")),
+    _row(r"offloaded 0/(\d+) layers to GPU", F.GPU_UNAVAILABLE, _group("none of {0} layers offloaded to the GPU")),
     # Resource limits.
     _row(r"failed to mlock", F.RESOURCE_LIMIT, _fixed("failed to mlock the model", "RLIMIT_MEMLOCK")),
     _row(r"RLIMIT_MEMLOCK", F.RESOURCE_LIMIT, _fixed("memlock limit too low", "RLIMIT_MEMLOCK")),
@@ -148,16 +151,13 @@ TABLE: tuple[_Row, ...] = (
     _row(r"quantized V cache requires flash_attn", F.BOOT_CONFIG,
          _fixed("quantized V cache requires flash attention (set flash_attn = 'on')")),
     _row(r"failed to open GGUF file '([^']*)' \(([^)]*)\)", F.BOOT_CONFIG, _group("cannot open model {0}: {1}")),
-    _row(r"Address already in use", F.BOOT_CONFIG, _fixed("the port is already in use (Address already in use)")),
-    _row(r"couldn't bind HTTP server socket", F.BOOT_CONFIG,
+    _row(r"Address already in use", F.PORT_IN_USE, _fixed("the port is already in use (Address already in use)")),
+    _row(r"couldn't bind HTTP server socket", F.PORT_IN_USE,
          _fixed("couldn't bind the HTTP server socket (port in use or address unavailable)")),
     _row(r"error loading model: (.+?)\s*$", F.BOOT_CONFIG, _group("error loading model: {0}")),
     _row(r"failed to load model '?([^'\s]*)", F.BOOT_CONFIG, _group("failed to load model {0}")),
     _row(r"failed to create_context", F.BOOT_CONFIG, _fixed("llama-server could not create a context")),
     _row(r"exiting due to model loading error", F.LOAD_FAILED, _fixed("model loading error")),
-    # Progress that is informative only (readiness is /health 200).
-    _row(r"listening on http|server is listening on", F.READY_HINT, _fixed("listening")),
-    _row(r"model loaded", F.READY_HINT, _fixed("model loaded")),
     # An exception the HTTP handler caught: that request got an error reply; the server carries on.
     # (llama-server's "got exception:" / "got another exception:" of the HTTP layer, "send_error" of a
     # task, a grammar that does not parse: the client gets a 4xx/5xx answer.)

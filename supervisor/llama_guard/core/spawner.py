@@ -21,9 +21,9 @@ from pathlib import Path
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, spawn
+from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
-from llama_guard.core.privileges import ServerIdentity, identity_problem, make_drop, resolve_identity
-from llama_guard.core.types import SpawnFailed
+from llama_guard.core.privileges import ServerIdentity, child_hooks, server_identity
 from llama_guard.core.watcher import Context, Source
 from llama_guard.preflight import model_problem
 
@@ -45,13 +45,9 @@ def prepare(config: Config, config_path: Path) -> tuple[str, ServerIdentity]:
     database). Raises ConfigError naming ``config_path``."""
     key = read_api_key(config.server)
     try:
-        identity = resolve_identity(config.server.user, config.server.group,
-                                    config.server.supplementary_groups)
-        problem = identity_problem(identity)
+        identity = server_identity(config.server.user, config.server.group, config.server.supplementary_groups)
     except (ValueError, OSError) as exc:
         raise ConfigError([f"{config_path}: {exc}"]) from None
-    if problem:
-        raise ConfigError([f"{config_path}: {problem}"])
     return key, identity
 
 
@@ -110,18 +106,14 @@ class Spawner:
             refused = await source.before_spawn(ctx, self.last_pid)
             if refused:
                 return SpawnFailed(refused, fatal=False)
-        # The sources' hooks (rlimits) first: raising a hard limit needs the privileges that
-        # the drop to [server].user then takes away.
-        hooks = [h for h in (src.preexec() for src in self._sources) if h is not None]
-        hooks.append(make_drop(self.identity, os.getpid()))
+        # The sources' hooks (rlimits), then the drop to [server].user: the child set-up that
+        # `bench --spawn` shares (privileges.child_hooks).
+        preexec_all = child_hooks([h for h in (src.preexec() for src in self._sources) if h is not None],
+                                  self.identity, os.getpid())
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
             key = await asyncio.to_thread(read_api_key, server_cfg)
         except ConfigError as exc:
             return SpawnFailed(exc.lines[0])
-
-        def preexec_all() -> None:
-            for hook in hooks:
-                hook()
 
         self.cancellable = False  # from here on the answer is Started (or an exec error)
         try:

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State, VramFacts
+from llama_guard.core.actions import Action
+from llama_guard.core.inputs import Input, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.types import State
+from llama_guard.output.events import EmitFn
 
 
 @dataclass
@@ -24,7 +27,7 @@ class Context:
 
     get_config: Callable[[], Config]
     get_state: Callable[[], State]
-    emit: Callable[..., None]
+    emit: EmitFn
     post: Callable[[Input], None]
     post_threadsafe: Callable[[Input], None]
     clock: Callable[[], float]

@@ -1,7 +1,8 @@
 """Kernel-log Xid lines: a parser for NVIDIA's ``NVRM:`` messages and a reader of new /dev/kmsg records.
 
 Source: the kernel ring buffer, as ``/dev/kmsg`` records (``pri,seq,usec,flags;text``) or ``dmesg``
-text (``[  12.345678] text``). Lines recognised (facts/gpu.md), across driver generations::
+text (``[  12.345678] text``). Lines recognised (docs/gpu.md, from NVIDIA's Xid documentation and
+real kernel logs), across driver generations::
 
     NVRM: Xid (PCI:0000:02:00): 79, pid=1234, name=llama-server, GPU has fallen off the bus.
     NVRM: Xid (PCI:0000:02:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llama_guard.config import GpuWatchMode
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
@@ -219,63 +220,6 @@ _SESSION_ERRORS: tuple[type[NvmlError], ...] = (
 DEFAULT_CALL_TIMEOUT_S = 5.0
 
 
-class _CallRunner:
-    """Runs one call at a time on a daemon worker thread and waits for it with a deadline.
-
-    A call past its deadline leaves the worker stuck; until it returns, :meth:`call` refuses at
-    once (:class:`NvmlHung` with ``first=False``). Thread-safe; callers are serialised by ``_busy``.
-    """
-
-    def __init__(self, name: str, clock: Callable[[], float]) -> None:
-        self._name = name
-        self._clock = clock
-        self._busy = threading.Lock()
-        self._stuck: tuple[str, float] | None = None  # (call, since) while a call is past its deadline
-        self._jobs: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def stuck(self) -> tuple[str, float] | None:
-        """``(call, monotonic time it started)`` of a call past its deadline, else None."""
-        return self._stuck
-
-    def _worker(self) -> None:
-        while True:
-            with self._wake:
-                while not self._jobs:
-                    self._wake.wait()
-                fn, done, box = self._jobs.pop(0)
-            try:
-                box.append((True, fn()))
-            except BaseException as exc:  # handed to the caller
-                box.append((False, exc))
-            self._stuck = None
-            done.set()
-
-    def call(self, call: str, fn: Callable[[], T], timeout_s: float) -> T:
-        stuck = self._stuck
-        if stuck is not None:
-            raise NvmlHung(stuck[0], timeout_s, self._clock() - stuck[1], first=False)
-        with self._busy:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._worker, name=self._name, daemon=True)
-                self._thread.start()
-            done = threading.Event()
-            box: list[Any] = []
-            started = self._clock()
-            with self._wake:
-                self._jobs.append((fn, done, box))
-                self._wake.notify()
-            if not done.wait(timeout_s) and not done.is_set():
-                self._stuck = (call, started)
-                raise NvmlHung(call, timeout_s)
-            ok, value = box[0]
-            if not ok:
-                raise value
-            return value  # type: ignore[no-any-return]
-
-
 class Nvml:
     """One NVML session on one GPU, opened lazily.
 
@@ -299,8 +243,10 @@ class Nvml:
         self._clock = clock
         self.call_timeout_s = call_timeout_s
         """The deadline of one NVML call, seconds (an event wait: its own timeout on top)."""
-        self._runner = _CallRunner("nvml-call", time.monotonic)
-        self._wait_runner = _CallRunner("nvml-event-wait", time.monotonic)
+        # One call at a time per lane (callers wait their turn on the lock); a call past its
+        # deadline keeps its lane's one slot until it returns, and later calls fail at once.
+        self._lanes = {False: (Lane("nvml-call", max_calls=1), threading.Lock()),
+                       True: (Lane("nvml-event-wait", max_calls=1), threading.Lock())}
         self._retry_s = unsupported_retry_s
         self._lock = threading.RLock()
         self._initialised = False
@@ -314,11 +260,6 @@ class Nvml:
         self.init_count = 0
 
     # -- session -------------------------------------------------------------------------------
-    @property
-    def is_open(self) -> bool:
-        """Whether an NVML session is initialised now."""
-        return self._initialised
-
     def _load_module(self) -> Any:
         if self._module is None:
             try:
@@ -331,7 +272,7 @@ class Nvml:
     @property
     def stuck_call(self) -> tuple[str, float] | None:
         """``(call, seconds stuck)`` while an NVML call is past its deadline, else None."""
-        stuck = self._runner.stuck or self._wait_runner.stuck
+        stuck = self._lanes[False][0].stuck or self._lanes[True][0].stuck
         return None if stuck is None else (stuck[0], time.monotonic() - stuck[1])
 
     def _raw(self, call: str, *args: Any, wait_s: float = 0.0) -> Any:
@@ -341,9 +282,17 @@ class Nvml:
         fn = getattr(module, call, None)
         if fn is None:
             raise NotSupported(call, 13, "function not in this pynvml")
-        runner = self._wait_runner if wait_s else self._runner
+        lane, turn = self._lanes[bool(wait_s)]
+        timeout_s = self.call_timeout_s + wait_s
         try:
-            return runner.call(call, lambda: fn(*args), self.call_timeout_s + wait_s)
+            with turn:
+                return lane.run_sync(lambda: fn(*args), timeout_s, call)
+        except CallTimeout:
+            raise NvmlHung(call, timeout_s) from None
+        except LaneBusy:
+            stuck = lane.stuck
+            raise NvmlHung(stuck[0] if stuck else call, timeout_s,
+                           time.monotonic() - stuck[1] if stuck else 0.0, first=False) from None
         except module.NVMLError as exc:
             raise translate(exc, call) from exc
 
@@ -572,6 +521,35 @@ class Nvml:
             except _SESSION_ERRORS:
                 self._release()
                 raise
+
+    def process_busy(self, pids: frozenset[int], since_us: int) -> tuple[bool, int]:
+        """Whether any of ``pids`` used the GPU (SM or memory utilisation above 0 %) in a sample
+        newer than ``since_us``, and the newest sample's timestamp (pass it as the next
+        ``since_us``). From ``nvmlDeviceGetProcessUtilization`` (NVIDIA NVML API reference, "Device
+        Queries"): per-process samples the driver keeps with CPU timestamps in microseconds. NVML
+        answers NOT_FOUND when no process has a sample since ``since_us`` (and this pynvml raises
+        status 0 for an empty answer): nobody used the GPU, False. Raises like :meth:`sample`, and
+        :class:`NotSupported` where the GPU keeps no per-process samples."""
+        with self._lock:
+            self.open()
+            try:
+                samples = self._dev("nvmlDeviceGetProcessUtilization", since_us)
+            except NvmlError as exc:
+                if exc.code in (0, 6):  # NOT_FOUND (or an empty answer): no sample since since_us
+                    return False, since_us
+                if isinstance(exc, _SESSION_ERRORS):
+                    self._release()
+                raise
+        newest, busy = since_us, False
+        for sample in samples:
+            stamp = int(sample.timeStamp)
+            if stamp <= since_us:
+                continue
+            newest = max(newest, stamp)
+            # An unavailable figure reads as 0xFFFFFFFF on some drivers: only 1..100 % counts.
+            if int(sample.pid) in pids and any(0 < int(v) <= 100 for v in (sample.smUtil, sample.memUtil)):
+                busy = True
+        return busy, newest
 
     def memory_interface(self) -> tuple[int, int]:
         """``(bus width in bits, max memory clock in MHz)`` (``nvmlDeviceGetMemoryBusWidth``,

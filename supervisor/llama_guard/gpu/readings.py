@@ -3,12 +3,11 @@
 Produced by :meth:`llama_guard.gpu.nvml.Nvml.sample`, consumed by the pure
 :class:`llama_guard.gpu.rules.GpuWatch`. Every reading is ``None`` when NVML does not support it
 on this GPU (or refused it); the names of such readings are listed in ``GpuSample.unsupported``.
-:func:`sample_to_dict` / :func:`sample_from_dict` make a JSON-safe round trip (fixtures, status).
+:func:`sample_to_dict` makes a JSON-safe dict (fixtures, status).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +25,11 @@ CLOCK_EVENT_BITS: dict[int, str] = {
 }
 #: The bits that mean "the GPU runs slower than it could because of heat or power".
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+#: The bit of an idle GPU (clocks down because nothing runs).
+GPU_IDLE = 0x1
+#: The reasons ``/metrics`` exports (``llama_guard_gpu_throttle_reason{reason=…}``): idle and the slowdowns.
+EXPORTED_CLOCK_EVENTS: dict[int, str] = {
+    bit: name for bit, name in CLOCK_EVENT_BITS.items() if bit & (THROTTLE_MASK | GPU_IDLE)}
 
 
 def decode_clock_events(mask: int) -> tuple[str, ...]:
@@ -102,11 +106,6 @@ class GpuSample:
     unsupported: tuple[str, ...] = field(default=())
 
     @property
-    def clock_event_names(self) -> tuple[str, ...]:
-        """The decoded clock-event reasons; empty when unknown or none."""
-        return decode_clock_events(self.clock_event_reasons or 0)
-
-    @property
     def throttle_names(self) -> tuple[str, ...]:
         """The clock-event reasons that are heat or power slowdowns (idle and app clocks left out)."""
         return decode_clock_events((self.clock_event_reasons or 0) & THROTTLE_MASK)
@@ -119,15 +118,3 @@ class GpuSample:
 def sample_to_dict(sample: GpuSample) -> dict[str, Any]:
     """A JSON-safe dict of ``sample`` (tuples become lists)."""
     return asdict(sample)
-
-
-def sample_from_dict(data: Mapping[str, Any]) -> GpuSample:
-    """Rebuild a :class:`GpuSample` from :func:`sample_to_dict` output; raises KeyError/TypeError if malformed."""
-    values = dict(data)
-    values["identity"] = GpuIdentity(**values["identity"])
-    procs = values.get("processes")
-    values["processes"] = None if procs is None else tuple(GpuProcess(**p) for p in procs)
-    rows = values.get("remapped_rows")
-    values["remapped_rows"] = None if rows is None else RemappedRows(**rows)
-    values["unsupported"] = tuple(values.get("unsupported", ()))
-    return GpuSample(**values)

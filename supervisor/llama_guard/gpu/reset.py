@@ -1,15 +1,16 @@
 """The GPU reset executor: it gathers the facts a reset depends on and runs the reset command.
 
 It decides nothing: :meth:`ResetExecutor.inspect` reports who holds the GPU and whether the
-command can run under our credentials (:class:`~llama_guard.core.types.ResetFacts`), and
+command can run under our credentials (:class:`~llama_guard.core.inputs.ResetFacts`), and
 :meth:`ResetExecutor.run` reports what the command did and whether the GPU verified afterwards
-(:class:`~llama_guard.core.types.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
+(:class:`~llama_guard.core.inputs.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
 to skip, run, refuse or escalate, and keeps the reset budget.
 
-Source of the mechanics: facts/gpu.md — ``nvidia-smi --gpu-reset -i <index>`` needs root and no
-process on the GPU; our own NVML session and persistence mode can count as users, so the session
-is released (:meth:`Nvml.suspend`) while the command runs and, on "In use", persistence mode is
-turned off for one more try and always restored ([recovery].reset_toggles_persistence).
+Source of the mechanics: NVIDIA's nvidia-smi documentation (docs/gpu.md) —
+``nvidia-smi --gpu-reset -i <index>`` needs root and no process on the GPU; our own NVML session
+and persistence mode can count as users, so the session is released (:meth:`Nvml.suspend`) while
+the command runs and, on "In use", persistence mode is turned off for one more try and always
+restored ([recovery].reset_toggles_persistence).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from collections.abc import Awaitable, Callable
 import psutil
 
 from llama_guard.config import Config
+from llama_guard.core.inputs import GpuHolder, ResetDone, ResetFacts
 from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
-from llama_guard.core.types import GpuHolder, ResetDone, ResetFacts
 from llama_guard.gpu.nvml import Nvml, NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
+from llama_guard.units import MIB
 
 POLL_S = 0.25  # how often the bounded waits (VRAM release, other processes leaving) look again
-MIB = 1 << 20
 OUTPUT_MAX = 300  # characters of the command's output kept (nvidia-smi says what happened first)
 
 

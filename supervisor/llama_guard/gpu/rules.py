@@ -23,12 +23,13 @@ import psutil
 
 from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
+from llama_guard.output.events import EventName
+from llama_guard.units import MIB
 
 if TYPE_CHECKING:
     from llama_guard.config import GpuConfig
 
-Event = tuple[str, dict[str, Any]]
-MIB = 1024 * 1024
+Event = tuple[EventName, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ class GpuWatch:
         return [("gpu_driver_version", {**base, "driver_version": version, "expected": expected})]
 
 
-def _step_event(step: Step | None, fire: str, clear: str | None, fields: dict[str, Any]) -> list[Event]:
+def _step_event(step: Step | None, fire: EventName, clear: EventName | None, fields: dict[str, Any]) -> list[Event]:
     if step is None:
         return []
     if step is Step.CLEAR:

@@ -16,27 +16,21 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import (
-    GpuFault,
-    GpuFaultKind,
-    Phase,
-    RecoveryAction,
-    ResetDone,
-    ResetFacts,
-    VramFacts,
-    XidAction,
-)
+from llama_guard.core.types import GpuFaultKind, Phase, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NvmlHung, describe
+from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
-from llama_guard.gpu.reset import MIB, ResetExecutor, holders_of
+from llama_guard.gpu.reset import ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
     SampleVerdict,
     foreign_processes,
@@ -44,11 +38,16 @@ from llama_guard.gpu.rules import (
     server_on_gpu,
 )
 from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
+from llama_guard.insight.budget import Settings
+from llama_guard.insight.need_cache import NeedCache, need_key
+from llama_guard.units import MIB
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
 KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up
+NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
+NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
 class GpuSource(Source):
@@ -56,14 +55,13 @@ class GpuSource(Source):
 
     name = "gpu"
 
-    def __init__(self, *, nvml_module: Any = None,
-                 estimate_need_mib: Callable[[Config], int | None] | None = None,
+    def __init__(self, *, nvml_module: Any = None, need_cache: NeedCache | None = None,
                  nvml_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, hung_as_lost_s: float = HUNG_AS_LOST_S) -> None:
         """Every NVML call has a deadline of ``nvml_call_timeout_s`` seconds; one stuck
-        ``hung_as_lost_s`` seconds counts as a lost GPU."""
+        ``hung_as_lost_s`` seconds counts as a lost GPU. ``need_cache``: the VRAM budget's estimates
+        (wiring), for a start before any good one and without ``[gpu].expected_vram_mib``."""
         self._nvml_module = nvml_module
-        # Before any good start and without [gpu].expected_vram_mib: the VRAM budget's estimate (wiring).
-        self._estimate_need_mib = estimate_need_mib
+        self._needs = need_cache
         self._call_timeout_s = nvml_call_timeout_s
         self._hung_as_lost_s = hung_as_lost_s
         self.degraded = ""
@@ -73,14 +71,21 @@ class GpuSource(Source):
         self.thread_error: str = ""
         """Set when a watch thread failed for good: the sampler task raises it (supervised)."""
         self.nvml: Nvml | None = None
+        self._util_since_us = 0  # NVML timestamp of the newest per-process utilisation sample seen
+        self._util_unsupported = False
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
         self._nvml_recovery: RecoveryAction | None = None  # the field as read with NVML's latest Xid 154
-        # The estimate of the start being admitted: read once per start (the GGUF read costs seconds
-        # of CPU), not per VRAM poll; shared by the polls while it runs in its thread.
-        self._need_estimate: asyncio.Future[int | None] | None = None
+        # The estimate of the configuration's need, learned in a thread when the watch starts and after
+        # a reload (the GGUF read costs seconds of CPU): never on a start's path unless another process
+        # holds VRAM; then the admission's polls share it.
+        self._learning: asyncio.Future[int | None] | None = None
+        self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
+        self._needs_opened = False
+        self._need_lane = Lane("vram-need", max_calls=2)  # daemon threads: never delay the exit
+        self._stat_lane = Lane("vram-need-key", max_calls=4)
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""
@@ -120,7 +125,35 @@ class GpuSource(Source):
         self.executor = ResetExecutor(opened, halt_xid=self._halt_xid, resume_xid=self._resume_xid)
         self._can_reset = True
         self._start_threads(ctx)
+        self._learn_need(ctx.config)
         return None
+
+    def _learn_need(self, config: Config) -> asyncio.Future[int | None] | None:
+        """Estimate ``config``'s VRAM need in a thread (a no-op when it is known, nothing is offloaded or
+        ``[gpu].expected_vram_mib`` states it); returns the estimate's future (None: nothing to learn)."""
+        needs = self._needs
+        if needs is None or self.executor is None or config.server.n_gpu_layers == 0 or config.gpu.expected_vram_mib:
+            return None
+        model, settings, directory = str(config.server.model), Settings.from_server(config.server), config.runtime.dir
+        first = not self._needs_opened
+        self._needs_opened = True
+
+        def learn() -> int | None:
+            if first:
+                needs.open(directory)
+            return needs.learn(model, settings)
+
+        previous = self._learning
+        self._learning_for = (model, settings)
+
+        async def run() -> int | None:
+            if previous is not None:  # one read at a time: this one after it
+                await asyncio.gather(previous, return_exceptions=True)
+            return await self._need_lane.run(learn, NEED_LEARN_S, f"the VRAM need of {model}")
+
+        self._learning = asyncio.ensure_future(run())
+        self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
+        return self._learning
 
     def _start_threads(self, ctx: Context) -> None:
         assert self.nvml is not None
@@ -296,33 +329,42 @@ class GpuSource(Source):
         if used:
             self._measured_mib, self._measured_pid = used // MIB, pid
 
-    async def _estimated_need(self, ctx: Context) -> int | None:
-        """The need estimate (MiB) of the start being admitted, read once per start in a thread;
-        a caller that times out leaves it running for the next poll. Raises what the estimate
-        raised, once (the need is then unknown for this start)."""
-        if self._estimate_need_mib is None:
+    async def _estimated_need(self, ctx: Context, holders: bool) -> int | None:
+        """The need estimate (MiB) of the configuration, when known. Unknown and another process holds
+        VRAM (``holders``): waits for the estimate (started now unless under way); a caller that times
+        out leaves it running for the next poll. Raises what the estimate raised, once per read."""
+        if self._needs is None:
             return None
-        if self._need_estimate is None:
-            self._need_estimate = asyncio.ensure_future(asyncio.to_thread(self._estimate_need_mib, ctx.config))
-        estimate = self._need_estimate
+        config = ctx.config
+        settings = Settings.from_server(config.server)
         try:
-            return await asyncio.shield(estimate)
-        except Exception:
-            if estimate.done():  # the estimate itself failed: reported once, unknown for this start
-                self._need_estimate = ctx.loop.create_future()
-                self._need_estimate.set_result(None)
-            raise
+            key = await self._stat_lane.run(lambda: need_key(str(config.server.model), settings), NEED_KEY_S,
+                                            "stat of the model file")
+        except (CallTimeout, LaneBusy):  # a hung filesystem: the need is unknown for now
+            return None
+        found, mib = self._needs.known(key)
+        if found or key is None or not holders:
+            return mib
+        learning = self._learning
+        if learning is not None and learning.done() and self._learning_for == (str(config.server.model), settings) \
+                and (learning.cancelled() or learning.exception() is not None):
+            return None  # this configuration's read failed (raised to its first awaiter): unknown
+        if learning is None or learning.done():
+            learning = self._learn_need(config)
+        if learning is None:
+            return None
+        await asyncio.shield(learning)
+        return self._needs.known(key)[1]
 
     async def vram_facts(self, ctx: Context) -> VramFacts | None:
         """The GPU's free VRAM (MiB), what the server needs (MiB: measured at the last good start,
-        else ``[gpu].expected_vram_mib``, else the GGUF estimate, read once per start) and the other
-        processes holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here:
-        the daemon bounds each call."""
+        else ``[gpu].expected_vram_mib``, else the GGUF estimate when known — awaited only when another
+        process holds VRAM, the one case where the need decides anything) and the other processes
+        holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here: the daemon
+        bounds each call."""
         if self.executor is None:
             return None
         need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
-        if need is None:
-            need = await self._estimated_need(ctx)
         sample = await self.executor.sample()
         index = self._gpu_index()
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
@@ -330,7 +372,10 @@ class GpuSource(Source):
             return VramFacts(index, None, need, error=why)
         own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
         free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
-        return VramFacts(index, free, need, holders_of(sample, own), recovery=await self._recovery_action())
+        holders = holders_of(sample, own)
+        if need is None:
+            need = await self._estimated_need(ctx, bool(holders))
+        return VramFacts(index, free, need, holders, recovery=await self._recovery_action())
 
     async def _recovery_action(self) -> RecoveryAction | None:
         """NVML's recovery-action field, read before each start (an Xid may have gone by unseen);
@@ -365,9 +410,11 @@ class GpuSource(Source):
         ctx.emit("gpu_persistence_off", gpu_index=index,
                  action="enabled by llama-guard ([gpu].enable_persistence); prefer nvidia-persistenced")
 
+    def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
+        self._learn_need(new)  # a new model or settings: learn its need before its first start
+
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
-        self._need_estimate = None  # the next start estimates afresh (the model or config may change)
         if self.watch is not None:
             self.watch.set_server_pid(pid, ctx.clock())
 
@@ -441,6 +488,23 @@ class GpuSource(Source):
     def _resume_xid(self) -> None:
         if not self._stop.is_set():
             self._xid_halt.clear()
+
+    def gpu_busy(self, pid: int) -> bool | None:
+        """Whether server ``pid`` or a descendant (a wrapper's real llama-server) used the GPU since
+        the previous call, from NVML's per-process utilisation samples (:meth:`Nvml.process_busy`).
+        None when the watch is off or this GPU keeps no such samples (then never asked again in
+        this session) or NVML fails. Called from the progress sampler's worker thread."""
+        if self.nvml is None or self._util_unsupported:
+            return None
+        try:
+            pids = frozenset({pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))})
+            busy, self._util_since_us = self.nvml.process_busy(pids, self._util_since_us)
+        except NotSupported:
+            self._util_unsupported = True
+            return None
+        except (NvmlError, psutil.Error):
+            return None
+        return busy
 
     def last_sample(self) -> GpuSample | None:
         """The latest NVML sample of the watched GPU (frozen); None while the watch is off or before

@@ -6,9 +6,9 @@ kernel-log lines (:mod:`llama_guard.gpu.kmsg`: ``pid=``/``name=`` of the faultin
 :class:`XidMatcher` pairs them: an application-scope Xid from NVML waits (bounded) for the kernel
 line of the same Xid so that the policy can tell whether the faulting process is our server.
 
-Source of the table: /work/shared/facts/gpu.md (NVIDIA's Xid catalogue, condensed) and the Xid
-list of issue 12: each row says its scope (one application's fault vs the device's), its action,
-and where that comes from.
+Source of the table: NVIDIA's "Xid Errors" catalogue (docs.nvidia.com/deploy/xid-errors),
+condensed in docs/gpu.md: each row says its scope (one application's fault vs the device's) and
+its action.
 """
 
 from __future__ import annotations
@@ -34,38 +34,35 @@ class XidInfo:
     meaning: str
     action: XidAction
     scope: XidScope
-    source: str = "facts/gpu.md"
     watchdog: bool = False  # a watchdog timeout on one channel (the policy says when it repeats)
 
 
 _A, _S = XidAction, XidScope
-_APP = "facts/gpu.md: app-level fault of the process named by pid=/name="
-_CATALOGUE = "NVIDIA Xid catalogue (docs.nvidia.com/deploy/xid-errors)"
 XID_TABLE: dict[int, XidInfo] = {
     info.xid: info
     for info in (
         # The channel's idle watchdog (ROBUST_CHANNEL_FIFO_ERROR_IDLE_TIMEOUT): one process's work
         # stopped on its channel; NVIDIA's catalogue says restart the application.
-        XidInfo(8, "GPU stopped processing on one channel (watchdog timeout)", _A.RESTART, _S.APP, _CATALOGUE,
+        XidInfo(8, "GPU stopped processing on one channel (watchdog timeout)", _A.RESTART, _S.APP,
                 watchdog=True),
-        XidInfo(13, "graphics engine exception", _A.RESTART, _S.APP, _APP),
-        XidInfo(31, "GPU memory page fault (MMU fault)", _A.RESTART, _S.APP, _APP),
-        XidInfo(43, "GPU stopped processing (channel reset)", _A.RESTART, _S.APP, _APP),
-        XidInfo(45, "preemptive cleanup after a previous error (channel removed)", _A.RESTART, _S.APP, _APP),
-        XidInfo(68, "video decoder (NVDEC) exception", _A.RESTART, _S.APP, _APP),
-        XidInfo(69, "graphics engine class error", _A.RESTART, _S.APP, _APP),
-        XidInfo(94, "contained ECC error", _A.RESTART, _S.APP, _APP),
-        XidInfo(109, "context switch timeout", _A.RESTART, _S.APP, _APP),
+        XidInfo(13, "graphics engine exception", _A.RESTART, _S.APP),
+        XidInfo(31, "GPU memory page fault (MMU fault)", _A.RESTART, _S.APP),
+        XidInfo(43, "GPU stopped processing (channel reset)", _A.RESTART, _S.APP),
+        XidInfo(45, "preemptive cleanup after a previous error (channel removed)", _A.RESTART, _S.APP),
+        XidInfo(68, "video decoder (NVDEC) exception", _A.RESTART, _S.APP),
+        XidInfo(69, "graphics engine class error", _A.RESTART, _S.APP),
+        XidInfo(94, "contained ECC error", _A.RESTART, _S.APP),
+        XidInfo(109, "context switch timeout", _A.RESTART, _S.APP),
         XidInfo(48, "double-bit ECC error", _A.RESET, _S.DEVICE),
         XidInfo(62, "internal micro-controller halt", _A.RESET, _S.DEVICE),
         XidInfo(64, "ECC page retirement or row remapping failure", _A.RESET, _S.DEVICE),
-        XidInfo(74, "NVLink error", _A.RESET, _S.DEVICE, "issue 12 item 6 (device-level)"),
+        XidInfo(74, "NVLink error", _A.RESET, _S.DEVICE),
         XidInfo(95, "uncontained ECC error", _A.RESET, _S.DEVICE),
         XidInfo(119, "GSP RPC timeout", _A.RESET, _S.DEVICE),
         XidInfo(120, "GSP error", _A.RESET, _S.DEVICE),
         # Off the bus: the driver cannot reach the card, a reset cannot either; the catalogue's
         # immediate action is restarting the machine.
-        XidInfo(79, "GPU has fallen off the bus", _A.REBOOT, _S.DEVICE, _CATALOGUE),
+        XidInfo(79, "GPU has fallen off the bus", _A.REBOOT, _S.DEVICE),
         XidInfo(63, "ECC page retirement or row remap recording (pending)", _A.EVENT_ONLY, _S.DEVICE),
         XidInfo(92, "high single-bit ECC error rate", _A.EVENT_ONLY, _S.DEVICE),
         XidInfo(154, "GPU recovery action changed", _A.FOLLOW_RECOVERY_ACTION, _S.DEVICE),
@@ -109,7 +106,7 @@ def recovery_action_of(text: str) -> RecoveryAction | None:
 
 def xid_info(xid: int) -> XidInfo:
     """The table row for ``xid``; an unlisted Xid is event-only (device scope: reported, never acted on)."""
-    return XID_TABLE.get(xid, XidInfo(xid, "unlisted Xid", XidAction.EVENT_ONLY, XidScope.DEVICE, "not listed"))
+    return XID_TABLE.get(xid, XidInfo(xid, "unlisted Xid", XidAction.EVENT_ONLY, XidScope.DEVICE))
 
 
 @dataclass(frozen=True)

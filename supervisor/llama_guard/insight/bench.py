@@ -155,18 +155,33 @@ def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFA
 
 @contextlib.contextmanager
 def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Start llama-server as ``config`` describes (llama-guard's own argv), wait for ``/health`` 200
+    """Start llama-server as ``config`` describes (llama-guard's own argv, and the daemon's child
+    set-up: environment without the service manager's variables, ``[limits]`` rlimits, the drop to
+    ``[server].user``, death with its parent), wait for ``/health`` 200
     within ``[health].load_timeout_s``, yield the process, then stop it: SIGTERM, ``[recovery].stop_grace_s``,
     SIGKILL. Its output goes to ``log_path``. Raises :class:`BenchError` when it exits or is not ready in time."""
     from llama_guard.argv import build_argv, resolve_binary
+    from llama_guard.core.child import child_environ, popen
+    from llama_guard.core.privileges import child_hooks, server_identity
+    from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
+    from llama_guard.limits.plan import plan_child_limits
 
-    binary = resolve_binary(config.server.binary)
+    server = config.server
+    binary = resolve_binary(server.binary)
     if binary is None:
-        raise BenchError(f"{config.server.binary!r} not found ([server].binary)")
-    env = {**os.environ, **config.server.env}
+        raise BenchError(f"{server.binary!r} not found ([server].binary)")
+    try:  # the daemon's child set-up: environment, rlimits, then the drop to [server].user
+        identity = server_identity(server.user, server.group, server.supplementary_groups)
+    except (ValueError, OSError) as exc:
+        raise BenchError(f"[server].user: {exc}") from None
+    plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
+    hooks = child_hooks([plan.preexec] if plan.settings else [], identity, os.getpid())
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(build_argv(config.server, binary), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), stdout=log,
+                         preexec_extra=hooks)
+        except OSError as exc:
+            raise BenchError(f"cannot execute {binary}: {exc.strerror or exc}") from None
     try:
         deadline = time.monotonic() + config.health.load_timeout_s
         with httpx.Client(base_url=config.server.base_url, timeout=config.health.timeout_s, trust_env=False) as c:
@@ -218,10 +233,11 @@ def ceiling_for(config: Config, result: BenchResult, *, nvml_module: Any = None)
     source = gpu.bandwidth_source
     if gpu.bandwidth is None and not gpu.name:
         source = "no GPU found and [gpu].memory_bandwidth_gbs not set"
-    ceiling = Ceiling(bandwidth=gpu.bandwidth, source=source,
-                      weights_read=weights_read_bytes(facts, s, gpu=on_gpu),
+    weights = weights_read_bytes(facts, s, gpu=on_gpu)
+    host = weights_read_bytes(facts, s, gpu=False) - weights if on_gpu else 0
+    ceiling = Ceiling(bandwidth=gpu.bandwidth, source=source, weights_read=weights,
                       kv_read=kv_read_bytes(facts, s, result.context, layers), context=result.context,
-                      measured=result.eval.median, on_gpu=on_gpu)
+                      measured=result.eval.median, on_gpu=on_gpu, host_weights_read=max(0, host))
     out = ceiling.as_dict()
     if on_gpu and layers is not None and len(layers) < facts.n_layer:
         out["note"] = "partial offload: only the GPU's share is counted; the CPU layers are slower still"

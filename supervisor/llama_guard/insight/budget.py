@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from llama_guard.insight.model_facts import ModelFacts, split_tensors
+from llama_guard.units import MIB
 
-MIB = 2**20
 CELL_PAD = 256
 COMPUTE_MARGIN = 1.0
 # Measured, not derived (H200, driver 580, CUDA 13; tests/fixtures/h200_vram/vram_measure.json):

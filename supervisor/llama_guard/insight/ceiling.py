@@ -1,7 +1,7 @@
 """The decode speed ceiling: memory bandwidth ÷ bytes read per generated token.
 
 Decoding one token reads every offloaded weight once, plus the KV cache up to the current context
-(facts/gpu.md, "The seed's arithmetic"): a 16 GB model on a ~900 GB/s V100 cannot beat ~56 tokens/s.
+(docs/insight.md): a 16 GB model on a ~900 GB/s V100 (NVIDIA's datasheet) cannot beat ~56 tokens/s.
 The bandwidth is ``[gpu].memory_bandwidth_gbs`` when set, else NVML's memory bus width (bits) ÷ 8 ×
 max memory clock (MHz) × 2 (double data rate): H200 6016 bit × 3201 MHz → 4.81 TB/s, V100 4096 bit ×
 877 MHz → 898 GB/s. Units: bytes, bytes/s, tokens/s.
@@ -46,6 +46,9 @@ class Ceiling:
     context: int
     measured: float | None = None
     on_gpu: bool = True
+    host_weights_read: int = 0
+    """Weight bytes read from host memory per token besides the GPU's (the layers a partial offload
+    leaves on the CPU): not in the ceiling, which is the GPU's alone."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -88,6 +91,12 @@ class Ceiling:
             return f"{head}; measured {self.measured:,.1f} tokens/s = {eff:.0%} of it: bandwidth-bound"
         per_token_ms = 1e3 / self.measured if self.measured > 0 else float("inf")
         read_ms = 1e3 / ceiling
+        if self.host_weights_read and self.on_gpu:
+            host_gbs = self.host_weights_read * self.measured / 1e9
+            return (f"{head}; measured {self.measured:,.1f} tokens/s is far below it: not bound by the GPU's "
+                    f"bandwidth. {self.host_weights_read / 1e6:,.0f} MB of weights stay in host memory and are "
+                    f"read by the CPU each token ({host_gbs:,.1f} GB/s at this speed): the host's memory "
+                    f"bandwidth and the CPU bind — offload more layers to move toward the ceiling")
         why = ("fixed per-token costs bind (kernel launches per layer, synchronisation, sampling and HTTP on the "
                "host) — typical of a small model; a bigger model moves toward the ceiling") if self.on_gpu else (
                "the CPU's arithmetic binds (threads × cores), not memory — or the stated bandwidth is optimistic")
@@ -102,6 +111,7 @@ class Ceiling:
                    efficiency=self.efficiency, bandwidth_bound=self.bandwidth_bound,
                    binding_limit=None if self.bandwidth_bound is None else
                    ("memory bandwidth" if self.bandwidth_bound else
+                    "host memory (layers on the CPU)" if self.on_gpu and self.host_weights_read else
                     "per-token overhead (launch/host)" if self.on_gpu else "CPU compute"),
                    verdict=self.verdict())
         return out

@@ -9,8 +9,7 @@ from typing import Any
 
 from llama_guard.config import Config, GpuWatchMode
 from llama_guard.gpu.nvml import NvmlError, WatchOff
-
-MIB = 2**20
+from llama_guard.units import MIB
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """The model's numbers from its GGUF file, read with the ``gguf`` package (llama.cpp's own reader).
 
 :func:`read_model_facts` memory-maps the file (``gguf.GGUFReader``: nothing but the header and the
-tensor index is read into memory) and returns a :class:`ModelFacts`: the architecture's hyper-parameters
-under the ``<arch>.`` key prefix that llama.cpp reads (``llama-arch.cpp``: ``%s.block_count``,
-``%s.attention.head_count_kv``, ``%s.attention.key_length``, ``%s.attention.sliding_window`` ...) and every
-tensor's name and byte size. :class:`ModelFacts` can also be built directly (tests, a model that is not
-on this machine).
+tensor index is read into memory) and returns a :class:`ModelFacts`. The reader is the package's own,
+except for array values (:func:`_header_reader`): the package splits an array into one numpy view per
+item, which for a tokenizer (150k tokens, scores, types, merges) is seconds of CPU; here a numeric array
+is one view and a string array only its length, which is all the facts need. The facts are the
+architecture's hyper-parameters under the ``<arch>.`` key prefix that llama.cpp reads
+(``llama-arch.cpp``: ``%s.block_count``, ``%s.attention.head_count_kv``, ``%s.attention.key_length``,
+``%s.attention.sliding_window`` ...) and every tensor's name and byte size. :class:`ModelFacts` can also
+be built directly (tests, a model that is not on this machine).
 """
 
 from __future__ import annotations
@@ -61,11 +64,6 @@ class ModelFacts:
     name: str = ""
     notes: tuple[str, ...] = field(default=())
 
-    @property
-    def weights_bytes(self) -> int:
-        """All tensors' bytes (about the file size minus header and metadata)."""
-        return sum(t.n_bytes for t in self.tensors)
-
     def head_dims(self, layer: int) -> tuple[int, int]:
         """(K, V) elements per KV head of ``layer`` (``key_length_swa``/``value_length_swa`` on a
         sliding-window layer when the file declares them)."""
@@ -76,6 +74,39 @@ class ModelFacts:
     def is_swa(self, layer: int) -> bool:
         """Whether ``layer`` uses the sliding window."""
         return self.sliding_window > 0 and layer < len(self.swa_layers) and self.swa_layers[layer]
+
+
+def _header_reader(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` of ``path`` whose array fields are cheap: a numeric array is ONE numpy view
+    (``contents()`` gives the same list), a string array keeps only its item type and length
+    (its last part is the length, ``contents() == []``): its strings are stepped over, not read.
+    Overrides the reader's ``_get_field_parts`` (gguf-py ``gguf_reader.py``), checked against the plain
+    reader on a real model by tests/test_budget.py."""
+    import struct
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class HeaderReader(GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item_type = self._get(orig_offs, np.uint32)
+            length = self._get(orig_offs + 4, np.uint64)
+            count, offs = int(length[0]), orig_offs + 12
+            itype = GGUFValueType(int(item_type[0]))
+            if itype == GGUFValueType.STRING:
+                raw, fmt = memoryview(self.data.data), ">Q" if self.byte_order == "S" else "<Q"
+                for _ in range(count):
+                    offs += 8 + struct.unpack_from(fmt, raw, offs)[0]
+                return offs - orig_offs, [item_type, length], [], [GGUFValueType.ARRAY, itype]
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is None:  # arrays of arrays: the package's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            values = self._get(offs, nptype, count)
+            return 12 + int(values.nbytes), [item_type, length, values], [2], [GGUFValueType.ARRAY, itype]
+
+    return HeaderReader(path, "r")
 
 
 def _value(reader: Any, key: str) -> Any:
@@ -122,11 +153,9 @@ def read_model_facts(path: Path | str) -> ModelFacts:
     without the ``general.architecture`` / ``<arch>.block_count`` / ``<arch>.embedding_length`` /
     ``<arch>.attention.head_count`` keys every llama.cpp transformer has.
     """
-    from gguf import GGUFReader
-
     path = Path(path)
     try:
-        reader = GGUFReader(path, "r")
+        reader = _header_reader(path)
     except OSError as exc:
         raise ModelFactsError(f"{path}: {exc.strerror or exc}") from exc
     except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -150,7 +179,7 @@ def read_model_facts(path: Path | str) -> ModelFacts:
     key_length = _int(reader, f"{arch}.attention.key_length", head_dim) or head_dim
     value_length = _int(reader, f"{arch}.attention.value_length", head_dim) or head_dim
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = _int(reader, f"{arch}.vocab_size", None) or (len(tokens.data) if tokens is not None else 0)
+    n_vocab = _int(reader, f"{arch}.vocab_size", None) or (int(tokens.parts[-1][0]) if tokens is not None else 0)
     tensors = tuple(TensorInfo(str(t.name), int(t.n_bytes)) for t in reader.tensors)
     notes: list[str] = []
     sliding_window = _int(reader, f"{arch}.attention.sliding_window", 0) or 0

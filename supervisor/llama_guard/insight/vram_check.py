@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.insight.budget import CUDA_OVERHEAD_MIB, MIB, Budget, Settings, Step, estimate, ladder
+from llama_guard.insight.budget import CUDA_OVERHEAD_MIB, Budget, Settings, Step, estimate, ladder
 from llama_guard.insight.gpu_info import GpuMemoryFacts
 from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
+from llama_guard.insight.need_child import ADMISSION_SHARE
+from llama_guard.units import MIB
 from llama_guard.verdicts import Verdict
 
 # A budget within this fraction of the available VRAM is a WARN: the estimate is ±10 %.
@@ -93,11 +95,6 @@ def report_lines(report: VramReport) -> list[tuple[Verdict, str, str]]:
     return rows
 
 
-# The admission waits for this share of the estimate: the estimate is ±10 %, and a wait that was not
-# needed costs more (a delayed start) than one too short (the start then fails and is retried).
-ADMISSION_SHARE = 0.9
-
-
 def estimated_need_mib(config: Config) -> int | None:
     """VRAM (MiB) the server of ``config`` is expected to need on a CUDA build, for the VRAM
     admission before a start when nothing was measured yet: 90 % of :func:`llama_guard.insight.budget.estimate`
@@ -113,22 +110,21 @@ def estimated_need_mib(config: Config) -> int | None:
     return int(estimate(facts, Settings.from_server(server), gpu_build=True).total * ADMISSION_SHARE / MIB)
 
 
-NEED_CHILD_TIMEOUT_S = 20.0  # under the VRAM check's own 25 s (core.policy.VRAM_CHECK_TIMEOUT_S)
+NEED_CHILD_TIMEOUT_S = 20.0  # a GGUF header that takes longer to read is not estimated
 
 
-def estimated_need_mib_in_child(config: Config, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:
-    """:func:`estimated_need_mib`, computed in a separate Python process (``python -m
-    llama_guard.insight.vram_check``): reading a GGUF's metadata with the ``gguf`` package holds the GIL
-    for seconds (3 s for SmolLM2-135M on 2 cores, most of it the tokenizer arrays), which in the daemon
-    would stall its event loop — watchdog pings and stop requests included — and it adds numpy's memory to
-    the daemon's RSS. Blocking (call it in a thread); None when the child fails, times out (``timeout_s``)
-    or cannot read the model."""
-    server = config.server
-    if server.n_gpu_layers == 0:
+def need_mib_in_child(model: str, settings: Settings, timeout_s: float = NEED_CHILD_TIMEOUT_S) -> int | None:
+    """The admission's need (MiB, 90 % of the estimate, CUDA context included) of ``model`` under
+    ``settings``, computed by ``python -m llama_guard.insight.need_child``: reading a GGUF's metadata
+    holds the GIL (0.5 s for SmolLM2-135M's header, more for a 150k-token vocabulary), which in the daemon
+    would stall its event loop, and numpy would stay in the daemon's RSS. The child imports only the
+    budget and the GGUF reader (not the configuration model). Blocking (call it in a thread); None when
+    the child fails, times out (``timeout_s``) or cannot read the model, and when nothing is offloaded."""
+    if settings.n_gpu_layers == 0:
         return None
-    request = json.dumps({"model": str(server.model), "settings": dataclasses.asdict(Settings.from_server(server))})
+    request = json.dumps({"model": model, "settings": dataclasses.asdict(settings)})
     try:
-        done = subprocess.run([sys.executable, "-m", "llama_guard.insight.vram_check"], input=request,
+        done = subprocess.run([sys.executable, "-m", "llama_guard.insight.need_child"], input=request,
                               capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -137,20 +133,3 @@ def estimated_need_mib_in_child(config: Config, timeout_s: float = NEED_CHILD_TI
     except ValueError:
         return None
     return answer if isinstance(answer, int) and done.returncode == 0 else None
-
-
-def _need_child_main() -> int:
-    """The child of :func:`estimated_need_mib_in_child`: a JSON request on stdin, the MiB (or null) on stdout."""
-    request = json.loads(sys.stdin.read())
-    try:
-        facts = read_model_facts(request["model"])
-    except ModelFactsError:
-        print("null")
-        return 0
-    budget = estimate(facts, Settings(**request["settings"]), gpu_build=True)
-    print(int(budget.total * ADMISSION_SHARE / MIB))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_need_child_main())

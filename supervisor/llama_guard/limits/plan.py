@@ -83,11 +83,6 @@ class LimitPlan:
     thread_notes: tuple[str, ...] = ()
     estimated_threads: int | None = None
 
-    @property
-    def problems(self) -> tuple[str, ...]:
-        """One sentence per limit the child gets less of than configured."""
-        return tuple(d.problem for d in self.decisions if d.problem)
-
     def decision(self, name: str) -> LimitDecision:
         """The decision for ``name`` (``"RLIMIT_NOFILE"``…); raises KeyError."""
         for d in self.decisions:

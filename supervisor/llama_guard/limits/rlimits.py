@@ -1,6 +1,6 @@
 """Resource limits of llama-server: parse, decide, apply in the child, read back.
 
-Three rlimits matter to llama-server (see ``/work/shared/facts/llama-server.md``, family 5):
+Three rlimits matter to llama-server (docs/llama-server.md, "Resource limits"):
 
 * ``RLIMIT_NOFILE`` (open files, a count): every HTTP connection is a file descriptor.
 * ``RLIMIT_MEMLOCK`` (locked memory, bytes): ``--mlock`` locks the whole model in RAM.
@@ -12,7 +12,7 @@ The flow, as the daemon uses it::
 
     own = read_own_limits()                                   # at start, once per spawn
     plan = plan_child_limits(cfg, own, can_raise_hard_limits())
-    for problem in plan.problems: emit("limit_not_raised", ...)
+    for d in plan.decisions: d.problem and emit("limit_not_raised", ...)
     Popen(argv, preexec_fn=plan.preexec)                      # apply_in_child(plan)
     applied = read_limits(child.pid)                          # read back from the process
     for text in verify_applied(plan, applied): emit("limit_not_raised", ...)

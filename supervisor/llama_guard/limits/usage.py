@@ -33,6 +33,7 @@ import psutil
 from llama_guard.limits.own import cgroup_pids
 from llama_guard.limits.readback import ProcessLimits, read_limits
 from llama_guard.limits.rlimits import NOFILE, NPROC, RLIM_INFINITY, SPEC_BY_NAME, fix_hint
+from llama_guard.output.events import EventName
 
 PIDS_MAX = "pids.max"
 """The name used in events for the cgroup task limit (systemd ``TasksMax=``)."""
@@ -126,7 +127,7 @@ class UsageSampler:
 class UsageEvent:
     """An event to emit: ``Emitter.emit(event.name, **event.fields)``."""
 
-    name: str
+    name: EventName
     fields: dict[str, Any]
 
 

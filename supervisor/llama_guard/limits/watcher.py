@@ -21,6 +21,7 @@ from llama_guard.limits.plan import LimitPlan, plan_child_limits
 from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
 from llama_guard.limits.rlimits import format_limit
 from llama_guard.limits.usage import UsageSample, UsageSampler, UsageTracker
+from llama_guard.output.events import EventName
 
 
 class LimitsSource(Source):
@@ -37,7 +38,7 @@ class LimitsSource(Source):
         self._tracker: UsageTracker | None = None
         self._last_usage: UsageSample | None = None
 
-    def _say_once(self, ctx: Context, name: str, **fields: Any) -> None:
+    def _say_once(self, ctx: Context, name: EventName, **fields: Any) -> None:
         key = f"{name}:{fields.get('limit', '')}:{fields.get('reason', '')}"
         if key not in self._said:
             self._said.add(key)

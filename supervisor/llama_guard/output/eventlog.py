@@ -19,7 +19,7 @@ from typing import Any, Protocol, TextIO
 
 import structlog
 
-from llama_guard.output.events import CATALOG, Severity, render_message
+from llama_guard.output.events import CATALOG, EventName, Severity, render_message
 
 _LEVEL_NAMES = {
     Severity.CRITICAL: "critical",
@@ -107,7 +107,7 @@ class Emitter:
             if setter is not None:
                 setter(level)
 
-    def emit(self, name: str, **fields: Any) -> None:
+    def emit(self, name: EventName, /, **fields: Any) -> None:
         """Emit catalogue event ``name`` with ``fields``; raises KeyError for an unknown name."""
         spec = CATALOG[name]
         message = render_message(name, fields)

@@ -4,7 +4,7 @@ Every event llama-guard reports has a name operators filter on (the journald fie
 ``LLAMA_GUARD_EVENT``), a severity (mapped to syslog ``PRIORITY``), a stable ``MESSAGE_ID``
 (a 128-bit id written as 32 hex digits, as journald catalogs expect) and a message template
 formatted from the event's fields. The names are part of the interface contract
-(design.md): add new ones freely, rename none.
+(operators filter on them): add new ones freely, rename none.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import enum
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 
 class Severity(enum.IntEnum):
@@ -38,7 +39,7 @@ class EventSpec:
     renders as ``?`` rather than raising.
     """
 
-    name: str
+    name: EventName
     severity: Severity
     template: str
 
@@ -48,9 +49,94 @@ class EventSpec:
         return uuid.uuid5(_MESSAGE_ID_NAMESPACE, self.name).hex
 
 
+# Every event name, as a type: mypy rejects an unknown name at every emit (``Emitter.emit``,
+# ``Context.emit``, the policy's ``Emit``). :data:`CATALOG` holds exactly these names (a test
+# checks it); add a name here and its spec there.
+EventName = Literal[
+    "daemon_started",
+    "daemon_stopping",
+    "daemon_exit",
+    "server_starting",
+    "server_ready",
+    "server_exited",
+    "server_stopped",
+    "server_oom",
+    "server_cuda_error",
+    "server_gpu_unavailable",
+    "server_hang",
+    "server_completion_error",
+    "server_load_timeout",
+    "server_load_stalled",
+    "server_alloc_recovered",
+    "server_gpu_incompatible",
+    "server_restart",
+    "server_backoff",
+    "server_boot_failure",
+    "server_stop_timeout",
+    "crash_loop",
+    "gpu_watch_off",
+    "gpu_temperature_high",
+    "gpu_temperature_ok",
+    "gpu_power_high",
+    "gpu_throttled",
+    "gpu_persistence_off",
+    "gpu_foreign_process",
+    "gpu_driver_version",
+    "gpu_lost",
+    "gpu_xid",
+    "gpu_xid_unparsed",
+    "gpu_reset",
+    "gpu_power_ok",
+    "gpu_throttle_ok",
+    "gpu_foreign_process_gone",
+    "gpu_recovered",
+    "gpu_kmsg_off",
+    "gpu_vram_wait",
+    "gpu_vram_check_failed",
+    "gpu_vram_not_released",
+    "limit_low",
+    "resource_exhausted",
+    "limit_ok",
+    "limit_not_raised",
+    "limits_applied",
+    "threads_warning",
+    "scheduled_restart",
+    "decay_restart",
+    "restart_requested",
+    "scheduled_restart_skipped",
+    "scheduled_restart_missed",
+    "decay_detected",
+    "planned_restart_done",
+    "drain_timeout",
+    "config_reloaded",
+    "config_error",
+    "reload_ignored",
+    "watcher_failed",
+    "blocking_call_timeout",
+    "gpu_nvml_timeout",
+    "server_escaped_process",
+    "server_unkillable",
+    "status_write_failed",
+    "server_unauthenticated",
+    "server_line",
+    "server_probe",
+    "server_crash_repeated",
+    "gpu_recovery_action",
+    "gpu_watchdog_repeated",
+    "front_listening",
+    "front_held",
+    "server_stream_stalled",
+    "server_http_errors",
+    "gpu_reset_started",
+    "server_failure_repeated",
+    "server_on_cpu",
+    "server_port_taken",
+]
+
+
 _S = Severity
 
-CATALOG: dict[str, EventSpec] = {
+CATALOG: dict[EventName, EventSpec] = {
     spec.name: spec
     for spec in (
         # Lifecycle of the llama-server child.
@@ -69,6 +155,9 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
         EventSpec("server_hang", _S.ERROR,
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
+        EventSpec("server_completion_error", _S.ERROR,
+                  "llama-server pid {server_pid} answers /health but its completions fail: HTTP {status_code}: "
+                  "{error} ({failures} rounds in a row)"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
         EventSpec("server_load_stalled", _S.ERROR,
@@ -86,7 +175,6 @@ CATALOG: dict[str, EventSpec] = {
                   "llama-server cannot start for a configuration reason: {cause}"),
         EventSpec("server_stop_timeout", _S.WARNING,
                   "llama-server pid {server_pid} ignored SIGTERM for {grace_s:.1f} s; sent SIGKILL"),
-        EventSpec("server_line_warning", _S.WARNING, "llama-server pid {server_pid}: {line}"),
         EventSpec("crash_loop", _S.CRITICAL,
                   "llama-server failed {restart_count} times within {window_s:.0f} s; giving up"),
         # GPU (NVML, Xid, reset).
@@ -110,6 +198,17 @@ CATALOG: dict[str, EventSpec] = {
         EventSpec("gpu_watchdog_repeated", _S.WARNING,
                   "the launch watchdog ended llama-server's GPU work {count} times in {window_s:.0f} s: {advice}"),
         EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
+        EventSpec("server_port_taken", _S.WARNING,
+                  "llama-server's port {port} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
+                  "(taken for {waited_s:.0f} s so far)"),
+        EventSpec("server_on_cpu", _S.WARNING,
+                  "llama-server pid {server_pid} was asked to offload {n_gpu_layers} layers but runs on the CPU: "
+                  "{cause}; {fix}"),
+        EventSpec("server_failure_repeated", _S.ERROR,
+                  "llama-server fails the same way right after each start; not restarting again: {cause}"),
+        EventSpec("gpu_reset_started", _S.NOTICE,
+                  "GPU {gpu_index} reset begins after {trigger}; it waits for {waits_for} "
+                  "(at most {deadline_s:.0f} s)"),
         EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
         EventSpec("gpu_power_ok", _S.INFO, "GPU {gpu_index} power back to {gpu_power_w:.0f} W"),
         EventSpec("gpu_throttle_ok", _S.INFO, "GPU {gpu_index} is no longer throttled"),
@@ -190,12 +289,7 @@ class _Missing(dict[str, object]):
         return "?"
 
 
-def lookup(name: str) -> EventSpec:
-    """The spec of event ``name``; raises KeyError for a name not in :data:`CATALOG`."""
-    return CATALOG[name]
-
-
-def render_message(name: str, fields: Mapping[str, object]) -> str:
+def render_message(name: EventName, fields: Mapping[str, object]) -> str:
     """The human ``MESSAGE`` of event ``name`` with ``fields``; never raises on a missing field."""
     spec = CATALOG[name]
     try:
@@ -203,3 +297,10 @@ def render_message(name: str, fields: Mapping[str, object]) -> str:
     except (ValueError, TypeError):
         # A field of an unexpected type for its format spec: fall back to plain rendering.
         return f"{name}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+class EmitFn(Protocol):
+    """The signature of :meth:`llama_guard.output.eventlog.Emitter.emit`, for code handed only the
+    function (``Context.emit``): event ``name`` with its template's ``fields``."""
+
+    def __call__(self, name: EventName, /, **fields: Any) -> None: ...

@@ -24,14 +24,13 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from llama_guard.core.types import Action, Emit, Phase
+from llama_guard.core.actions import Action, Emit
+from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
-from llama_guard.gpu.readings import GpuSample
+from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
 from llama_guard.output.health import liveness_from_thread, readiness, start_wsgi, with_health
 
-THROTTLE_BITS = {"idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
-                 "power_brake": 0x80}
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
 NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
 
@@ -203,7 +202,7 @@ class MetricsSource(Source, Collector):
             if reasons is not None:
                 fam = GaugeMetricFamily("llama_guard_gpu_throttle_reason", "1 when the clock event reason is active",
                                         labels=["gpu", "reason"])
-                for reason, bit in THROTTLE_BITS.items():
+                for bit, reason in EXPORTED_CLOCK_EVENTS.items():
                     fam.add_metric([*gpu_id, reason], float(bool(reasons & bit)))
                 yield fam
         usage = self._usage()

@@ -14,7 +14,6 @@ service manager, is :func:`llama_guard.core.child.child_environ`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -116,12 +115,6 @@ class SdNotifier:
         """Whether ``$NOTIFY_SOCKET`` was set (a service manager listens)."""
         return self.address is not None
 
-    @property
-    def watchdog_interval_s(self) -> float | None:
-        """How often to call :meth:`watchdog`: half of ``$WATCHDOG_USEC``, in seconds; ``None``
-        when the watchdog is off (variable unset, zero, or ``$WATCHDOG_PID`` names another pid)."""
-        return None if self.watchdog_usec is None else self.watchdog_usec / 2e6
-
     def _connect(self) -> bool:
         assert self.address is not None
         try:
@@ -205,21 +198,6 @@ class SdNotifier:
         ``usec`` microseconds from now. Send it again before it runs out while loading progresses;
         stop sending it when the load is stuck, and systemd fails the start."""
         self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(usec))}")
-
-    async def run_watchdog(self) -> None:
-        """Ping :meth:`watchdog` every :attr:`watchdog_interval_s` seconds until cancelled.
-
-        Run it as a task on the daemon's event loop when the loop does not call :meth:`watchdog`
-        itself: a wedged loop stops the pings and systemd's ``WatchdogSec=`` fires. Returns at
-        once when the watchdog is off.
-        """
-        interval = self.watchdog_interval_s
-        if interval is None:
-            return
-        while True:
-            self._last_ping = None
-            self.watchdog()
-            await asyncio.sleep(interval)
 
     def _close_socket(self) -> None:
         if self._sd is not None and self._sd.socket is not None:

@@ -54,8 +54,8 @@ grace runs once (several passed fires within the grace coalesce into one restart
 grace is 15 minutes: a nightly restart meant for 04:30 should not hit a box that wakes at 09:00.
 
 When the daemon itself was down at the fire time, the server was down with it and starts fresh
-with the daemon, so the skip rule covers it. A caller that persists :attr:`handled_through` can pass
-it back as ``last_handled_wall`` to have such fires reported as missed or skipped explicitly.
+with the daemon, so the skip rule covers it. A caller that knows the last fire handled before can
+pass it as ``last_handled_wall`` to have such fires reported as missed or skipped explicitly.
 
 Wall clock versus monotonic
 ---------------------------
@@ -79,6 +79,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
 from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
+
+from llama_guard.output.events import EventName
 
 __all__ = [
     "Decision",
@@ -304,16 +306,17 @@ class Decision:
         return self.outcome is Outcome.RESTART
 
     @property
-    def event(self) -> str | None:
+    def event(self) -> EventName | None:
         """The health event to emit for this decision, or ``None``.
 
         RESTART returns ``None``: the policy emits ``scheduled_restart`` when it starts draining.
         """
-        return {
+        events: dict[Outcome, EventName] = {
             Outcome.SKIP_RECENT_START: "scheduled_restart_skipped",
             Outcome.SKIP_NOT_SERVING: "scheduled_restart_skipped",
             Outcome.MISSED: "scheduled_restart_missed",
-        }.get(self.outcome)
+        }
+        return events.get(self.outcome)
 
     def fields(self) -> Mapping[str, object]:
         """Event fields (snake_case; journald upper-cases them): reason, times in ISO 8601, seconds."""
@@ -356,7 +359,7 @@ class PlannedRestarts:
     Parameters (seconds): ``jitter_s`` (≥ 0) delay drawn per fire; ``min_uptime_s`` skip rule;
     ``misfire_grace_s`` misfire rule. ``rng`` draws the jitter (default: an OS-seeded
     :class:`random.Random`). ``now_wall`` is the construction instant: the first fire armed is the
-    first after ``last_handled_wall`` if given (a persisted :attr:`handled_through`), else after
+    first after ``last_handled_wall`` if given (the last fire handled before), else after
     ``now_wall``.
 
     Raises :class:`ScheduleError` for a bad ``cron`` or ``timezone``, ``ValueError`` for a naive
@@ -373,7 +376,6 @@ class PlannedRestarts:
     last_handled_wall: datetime | None = None
     _parsed: ParsedCron | None = field(init=False, default=None, repr=False)
     _armed: _Armed | None = field(init=False, default=None, repr=False)
-    _handled_through: datetime | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require_aware(self.now_wall, "now_wall")
@@ -387,7 +389,6 @@ class PlannedRestarts:
         if self.last_handled_wall is not None:
             _require_aware(self.last_handled_wall, "last_handled_wall")
             start = self.last_handled_wall.astimezone(timezone.utc)
-            self._handled_through = start
         self._arm_after(start)
 
     # -- queries ---------------------------------------------------------------------------
@@ -401,15 +402,6 @@ class PlannedRestarts:
     def tz(self) -> tzinfo | None:
         """The zone fire times are computed in (``None`` when disabled)."""
         return self._parsed.tz if self._parsed is not None else None
-
-    @property
-    def handled_through(self) -> datetime | None:
-        """The nominal cron time of the last fire handled (restarted, skipped or missed), if any.
-
-        Persist it (e.g. under the state directory) and pass it back as ``last_handled_wall``
-        to make fires that passed while the daemon was down reported instead of forgotten.
-        """
-        return self._local(self._handled_through)
 
     def next_fire(self, now_wall: datetime) -> datetime | None:
         """When the next planned restart is due, in the schedule's zone; ``None`` if disabled.
@@ -425,14 +417,6 @@ class PlannedRestarts:
         if lateness <= self.misfire_grace_s:
             return self._local(self._armed.planned_time)
         return fire_after(self._parsed, now)
-
-    def seconds_until(self, now_wall: datetime) -> float | None:
-        """Seconds from ``now_wall`` until :meth:`due` will return something other than WAIT
-        (0.0 if already due); ``None`` if disabled. Lets the loop sleep longer than a tick."""
-        now = _utc(now_wall, "now_wall")
-        if self._armed is None:
-            return None
-        return max(0.0, (self._armed.planned_time - now).total_seconds())
 
     # -- the decision ------------------------------------------------------------------------
 
@@ -467,7 +451,6 @@ class PlannedRestarts:
         while nxt is not None and nxt <= now:
             passed, last_passed = passed + 1, nxt
             nxt = _utc_or_none(fire_after(parsed, nxt))
-        self._handled_through = last_passed
         self._arm(nxt)
         next_local = local(nxt)
 

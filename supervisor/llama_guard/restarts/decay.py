@@ -214,8 +214,6 @@ class SpeedTracker:
         self._start = start_mono
         self._prev: tuple[float, float] | None = None       # last counters seen
         self._win_start: tuple[float, float] | None = None  # counters when the open window began
-        self._acc_tokens = self._acc_seconds = 0.0          # observe_delta's open window
-        self._acc_error_tokens = self._acc_error_seconds = 0.0
         self.baseline_tps: float | None = None
         self.last_window_tps: float | None = None
         self.windows = 0
@@ -266,25 +264,6 @@ class SpeedTracker:
         if not self._closes(tokens, seconds, error_tokens, error_seconds):
             return self._open(tokens, seconds)
         self._win_start = current
-        return self._window_closed(age, tokens, seconds)
-
-    def observe_delta(self, now_mono: float, tokens: float, seconds: float, *,
-                      error_tokens: float = 0.0, error_seconds: float = 0.0) -> DecayDecision:
-        """Add ``tokens`` generated in ``seconds`` of generation time (e.g. a response's
-        ``timings.predicted_n`` and ``predicted_ms / 1000``) and decide. ``error_*``: how far the
-        figures may be off; a window closes only when the summed errors are ≤ 1 %.
-        Do not mix with :meth:`observe_counters` on one tracker."""
-        age = self._age(now_mono)
-        if age < self.warmup_s:
-            return self._warming(age)
-        self._acc_tokens += tokens
-        self._acc_seconds += seconds
-        self._acc_error_tokens += error_tokens
-        self._acc_error_seconds += error_seconds
-        if not self._closes(self._acc_tokens, self._acc_seconds, self._acc_error_tokens, self._acc_error_seconds):
-            return self._open(self._acc_tokens, self._acc_seconds)
-        tokens, seconds = self._acc_tokens, self._acc_seconds
-        self._acc_tokens = self._acc_seconds = self._acc_error_tokens = self._acc_error_seconds = 0.0
         return self._window_closed(age, tokens, seconds)
 
     def _window_closed(self, age: float, tokens: float, seconds: float) -> DecayDecision:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -64,12 +64,6 @@ class RestartRecord:
         data["requested_at"] = self.requested_at.isoformat()
         return data
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RestartRecord:
-        """Inverse of :meth:`to_dict`. Raises ``KeyError``/``ValueError``/``TypeError`` on bad data."""
-        values = dict(data)
-        values["requested_at"] = datetime.fromisoformat(str(values["requested_at"]))
-        return cls(**values)
 
 
 class RestartHistory:
@@ -105,8 +99,3 @@ class RestartHistory:
     def to_json(self) -> list[dict[str, Any]]:
         """JSON-able list for the status snapshot."""
         return [record.to_dict() for record in self._ring]
-
-    @classmethod
-    def from_json(cls, items: Iterable[Mapping[str, Any]], size: int = 10) -> RestartHistory:
-        """Inverse of :meth:`to_json`."""
-        return cls(size, (RestartRecord.from_dict(item) for item in items))

@@ -37,27 +37,20 @@ import httpx
 
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.actions import Action, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
-from llama_guard.core.types import (
-    Action,
-    NotifyReady,
-    Phase,
-    PlannedRestart,
-    PlannedStop,
-    RestartCause,
-    RestartRequest,
-    StartDrain,
-)
+from llama_guard.core.types import Phase, RestartCause
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
+from llama_guard.units import MIB
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
-MIB = 1024 * 1024
 #: The restart record's ``kind`` for each cause (a decay restart records its trigger instead).
 _KIND = {RestartCause.SCHEDULE: "scheduled", RestartCause.DECAY: "decay", RestartCause.OPERATOR: "requested",
          RestartCause.CONFIG_CHANGE: "requested"}

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""The daemon's memory: RSS of ``llama-guard run`` 12 s after ``server_ready``, GPU watch on and off, and what
+of it is the NVIDIA library's own mapping.
+
+Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--code NAME=DIR``):
+
+- ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
+- ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
+  imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
+  what the NVIDIA library maps and allocates by itself;
+- ``daemon, GPU watch off`` / ``daemon, GPU watch on``: ``/proc/<pid>/status`` VmRSS of the daemon
+  (``--arena-max N``: also GPU watch on with ``MALLOC_ARENA_MAX=N``);
+- per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries and devices (``libnvidia-ml``,
+  ``libcuda``, ``/dev/nvidia*``),
+  other shared objects, and anonymous memory (the Python heap: modules, objects).
+
+The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass, so the heavy modules it imported
+(numpy, gguf, pydantic, apscheduler, prometheus_client, httpx, structlog) are listed from its own import log.
+
+    . .work/real/env && .venv/bin/python benchmarks/bench_rss.py                      # fake NVML
+    python3 benchmarks/bench_rss.py --nvml real --ngl 99 --binary B --model M --json out.json   # a GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_start import Tree, sections, wait_port_free  # noqa: E402
+from harness import DaemonRun, free_port  # noqa: E402
+
+KIB = 1024
+HEAVY = ("numpy", "gguf", "pydantic", "pydantic_core", "pydantic_settings", "apscheduler", "prometheus_client",
+         "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio")
+NVIDIA = re.compile(r"lib(nvidia-ml|cuda)\b|/dev/nvidia")
+
+
+def rss_parts(pid: int) -> dict[str, float]:
+    """MiB: ``rss`` (VmRSS), and smaps' Rss summed per kind of mapping."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    vmrss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * KIB  # type: ignore[union-attr]
+    parts = {"nvidia": 0, "other .so": 0, "anon": 0, "other": 0}
+    kind = "other"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and re.match(r"^[0-9a-f]+-[0-9a-f]+$", fields[0]):
+            path = fields[5] if len(fields) > 5 else ""
+            kind = ("nvidia" if NVIDIA.search(path) else "other .so" if ".so" in path
+                    else "anon" if not path or path.startswith("[") else "other")
+        elif fields and fields[0] == "Rss:":
+            parts[kind] += int(fields[1]) * KIB
+    return {"rss": vmrss / 2**20, **{k: v / 2**20 for k, v in parts.items()}}
+
+
+def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
+    """RSS parts of ``python -c code`` once it printed ``ready``."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\nimport time\n"
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        time.sleep(0.5)
+        return rss_parts(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+NVML_ONLY = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlDeviceGetHandleByIndex(0)"
+
+
+def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, gpu: str,
+               importtime: bool = False, extra_env: dict[str, str] | None = None) -> tuple[dict[str, float], list[str]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    secs = sections(args, tmp, args.model, port)
+    secs["gpu"]["enabled"] = gpu
+    if gpu == "off":
+        secs["gpu"]["require_server_on_gpu"] = False
+    env = tree.env({"FAKE_NVML_SCRIPT": str(script), **({"PYTHONPROFILEIMPORTTIME": "1"} if importtime else {}),
+                    **(extra_env or {})})
+    run = DaemonRun(tmp, secs, env=env, command=tree.command())
+    run.start()
+    try:
+        run.wait_event("server_ready", 600.0)
+        time.sleep(args.after)
+        parts = rss_parts(run.pid)
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run.stop()
+        wait_port_free(port)
+    modules: list[str] = []
+    if importtime:
+        for line in run.log_path.read_text(errors="replace").splitlines():
+            m = re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", line)
+            if m and m.group(1).split(".")[0] in HEAVY and "." not in m.group(1):
+                modules.append(m.group(1))
+    return parts, sorted(set(modules))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--binary", default=os.environ.get("LLAMA_SERVER_BIN", ""))
+    ap.add_argument("--model", default=os.environ.get("LLAMA_GUARD_TEST_MODEL", ""))
+    ap.add_argument("--nvml", choices=("fake", "real"), default="fake")
+    ap.add_argument("--code", action="append", default=[], help="NAME=DIR: a tree to measure (repeatable)")
+    ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ctk", default="f16")
+    ap.add_argument("--fa", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--after", type=float, default=12.0, help="seconds after server_ready (default 12)")
+    ap.add_argument("--arena-max", type=int, default=0,
+                    help="also run GPU watch on with MALLOC_ARENA_MAX=N (glibc's per-thread malloc arenas)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not args.binary or not args.model:
+        ap.error("--binary and --model (or $LLAMA_SERVER_BIN, $LLAMA_GUARD_TEST_MODEL) are required")
+    pairs = [c.split("=", 1) if "=" in c else (Path(c).name, c) for c in args.code] or [("this", str(ROOT))]
+    trees = [Tree(name, Path(root), args.nvml) for name, root in pairs]
+    port = free_port()
+    rows: dict[str, list[dict[str, float]]] = {}
+    modules: dict[str, dict[str, list[str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rss-") as tmpdir:
+        tmp = Path(tmpdir)
+        script = tmp / "nvml.json"
+        script.write_text("{}")
+        for r in range(args.rounds):
+            rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
+            if args.nvml == "real":
+                rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
+                rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
+                print(f"  python + NVML opened: {rows['python + NVML opened'][-1]}", flush=True)
+            order = trees[r % len(trees):] + trees[:r % len(trees)]
+            for tree in order:
+                modes = [("off", {}), ("on", {})]
+                if args.arena_max:
+                    modes.append(("on", {"MALLOC_ARENA_MAX": str(args.arena_max)}))
+                for gpu, extra in modes:
+                    parts, _ = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-{r}", port, script, gpu,
+                                          extra_env=extra)
+                    name = f"[{tree.name}] daemon, GPU watch {gpu}" + "".join(f", {k}={v}" for k, v in extra.items())
+                    rows.setdefault(name, []).append(parts)
+                    print(f"  {name}: {parts['rss']:.1f} MiB (NVIDIA libs {parts['nvidia']:.1f}, anon "
+                          f"{parts['anon']:.1f})", flush=True)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+        for tree in trees:
+            for gpu in ("off", "on"):
+                _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
+                modules.setdefault(tree.name, {})[gpu] = mods
+    print(f"\nhost {platform.node()} ({os.cpu_count()} cores); GPU watch through {args.nvml} NVML; "
+          f"RSS {args.after:.0f} s after server_ready; MiB, median of {args.rounds}")
+    head = f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7}"
+    print(head)
+    print("-" * len(head))
+    med: dict[str, dict[str, float]] = {}
+    for name, samples in rows.items():
+        med[name] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        m = med[name]
+        print(f"{name:<40} {m['rss']:>7.1f} {m['nvidia']:>12.1f} {m['other .so']:>10.1f} {m['anon']:>7.1f} "
+              f"{m['other']:>7.1f}")
+    for tree, by_gpu in modules.items():
+        for gpu, mods in by_gpu.items():
+            print(f"[{tree}] GPU watch {gpu}: heavy modules imported: {', '.join(mods) or 'none'}")
+    if args.json:
+        args.json.write_text(json.dumps({"host": platform.node(), "nvml": args.nvml, "after_s": args.after,
+                                         "rounds": rows, "median": med, "modules": modules}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
