@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from gguf_synth import write_gguf_27b
+from harness import FAKE_NVML_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "etc" / "llama-guard.toml"
@@ -30,15 +31,21 @@ def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf_27b(tmp_path_factory.mktemp("m27b") / "model-27b-Q4_K_M.gguf")
 
 
-def check(binary: Path, model: Path, **overrides: str) -> tuple[int, dict[str, Any]]:
+def check(binary: Path, model: Path, tmp: Path, **overrides: str) -> tuple[int, dict[str, Any]]:
     """`llama-guard check --json` on the shipped file; only what this host cannot have is overridden:
-    the binary and model paths, the server account (no `llama-server` user here), and the stated card."""
+    the binary and model paths, the server account (no `llama-server` user here), and the stated card.
+    The GPU is NVML's double, sized as that card (the shipped file offloads, so a host without the
+    driver fails `check`)."""
+    script = tmp / "nvml.json"
+    script.write_text(json.dumps({"values": {"memory_total": V100_16GB_MIB * 2**20, "memory_used": 0}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")}
+    env.update({"FAKE_NVML_SCRIPT": str(script), "FAKE_NVML_STATE": str(tmp / "nvml-state.json"),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p)})
     env.update({"LLAMA_GUARD_SERVER__BINARY": str(binary), "LLAMA_GUARD_SERVER__MODEL": str(model),
                 "LLAMA_GUARD_SERVER__USER": "", "LLAMA_GUARD_SERVER__GROUP": "",
                 "LLAMA_GUARD_SERVER__SUPPLEMENTARY_GROUPS": "[]", "LLAMA_GUARD_GPU__VRAM_TOTAL_MIB": str(V100_16GB_MIB),
                 **{f"LLAMA_GUARD_{k.upper()}": v for k, v in overrides.items()}})
-    out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--json", "--config", str(SHIPPED)],
+    out = subprocess.run([*FAKE_NVML_RUN, "check", "--json", "--config", str(SHIPPED)],
                          capture_output=True, text=True, env=env, timeout=90, check=False)
     return out.returncode, json.loads(out.stdout)
 
@@ -54,8 +61,9 @@ def header_gib(pattern: str) -> float:
     return float(found.group(1))
 
 
-def test_check_passes_the_shipped_file_on_a_16_gb_v100(llama_server_bin: Path, model_27b: Path) -> None:
-    code, doc = check(llama_server_bin, model_27b)
+def test_check_passes_the_shipped_file_on_a_16_gb_v100(llama_server_bin: Path, model_27b: Path,
+                                                        tmp_path: Path) -> None:
+    code, doc = check(llama_server_bin, model_27b, tmp_path)
     failed = [c for c in doc["checks"] if c["verdict"] == "FAIL"]
     assert code == 0 and not failed, failed
     row = vram_row(doc)
@@ -74,8 +82,8 @@ def test_check_passes_the_shipped_file_on_a_16_gb_v100(llama_server_bin: Path, m
     assert budget["weights_gpu"] / 2**30 == pytest.approx(header_gib(r"output layer \(~([\d.]+) GiB"), abs=0.05)
 
 
-def test_all_layers_do_not_fit_as_the_header_says(llama_server_bin: Path, model_27b: Path) -> None:
-    code, doc = check(llama_server_bin, model_27b, server__n_gpu_layers="999")
+def test_all_layers_do_not_fit_as_the_header_says(llama_server_bin: Path, model_27b: Path, tmp_path: Path) -> None:
+    code, doc = check(llama_server_bin, model_27b, tmp_path, server__n_gpu_layers="999")
     row = vram_row(doc)
     assert code == 1 and row["verdict"] == "FAIL", row["detail"]  # --json: a node gate's "fail"
     assert (doc["verdict"], doc["action"]) == ("fail", "fix_config") and doc["reasons"][0].startswith("vram budget")
