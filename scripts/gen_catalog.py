@@ -79,7 +79,17 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "time of its processes, no output line, no token counter moving (@REASON@). A probe that\n"
         "times out while the server makes progress does not count. llama-guard stops it\n"
         "(SIGTERM, then SIGKILL) and starts it again.\n\n"
-        "Repeated hangs: check GPU health events and the server's last lines."),
+        "Repeated hangs: check GPU health events and the server's last lines.\n"
+        "A server that answers no HTTP request at all (not /health, not /metrics, not the canary)\n"
+        "for [health].silent_limit_s is hung even while its CPU time moves: CPU time is a hint."),
+    "server_completion_error": (
+        "llama-server answers /health but its completions fail",
+        "llama-server pid @SERVER_PID@ answered the 1-token canary completion with HTTP\n"
+        "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes): @ERROR@.\n"
+        "The server is up (/health says 200) but cannot serve. llama-guard stops it and starts\n"
+        "it again, like a crash (backoff, crash-loop limit).\n\n"
+        "Read the error message: a GPU fault, a memory pool exhausted, a broken build. If it\n"
+        "repeats after restarts, the journal's server_line events before it name the cause."),
     "server_load_stalled": (
         "llama-server froze while loading",
         "llama-server pid @SERVER_PID@ showed no sign of progress for @STALLED_S@ s while loading: no\n"
@@ -216,6 +226,30 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "@LINE@\n\n"
         "It is reported rather than dropped; nothing was done about it. Please report the line\n"
         "so that the parser can learn its format."),
+    "server_port_taken": (
+        "llama-server's port is held by another process",
+        "llama-server could not bind port @PORT@: it is held by @HOLDER@. After a crash a client or\n"
+        "another service can hold it for a while, so llama-guard retries every 2 s, without counting\n"
+        "a crash, for [recovery].port_wait_s (@PORT_WAIT_S@ s); then it exits 78 naming the holder.\n"
+        "Find it with `ss -ltnp 'sport = :@PORT@'`."),
+    "server_on_cpu": (
+        "llama-server runs on the CPU though asked to offload",
+        "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"
+        "usable GPU (@LINE@): it serves, slowly, on the CPU. Reported whatever [gpu].enabled says.\n\n"
+        "@FIX@"),
+    "server_failure_repeated": (
+        "llama-server fails the same way right after every start",
+        "llama-server failed the same way soon after each of several consecutive starts, before it\n"
+        "had run [recovery].stable_after_s: @CAUSE@\n\n"
+        "Restarting cannot help, so llama-guard exits 78 and systemd does not restart it. The line\n"
+        "and the build (@BUILD@) are named: try another llama.cpp build, or change the setting that\n"
+        "reaches the failing code, then `systemctl restart llama-guard`."),
+    "gpu_reset_started": (
+        "GPU reset begins",
+        "llama-guard begins resetting GPU @GPU_INDEX@ after @TRIGGER@. It waits for @WAITS_FOR@,\n"
+        "at most @DEADLINE_S@ s in all. A stop (systemctl stop) during the reset command waits for it:\n"
+        "the command is never interrupted (a reset killed half way can leave the GPU unusable until a\n"
+        "reboot); llama-guard tells systemd how long is left (EXTEND_TIMEOUT_USEC)."),
     "gpu_reset": (
         "GPU reset",
         "GPU @GPU_INDEX@ reset @OUTCOME@: @REASON@. A failed reset needs root privileges (or\n"

@@ -10,12 +10,20 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 - ``oom_runtime``: ready, then on the first completion a CUDA OOM block and SIGABRT.
 - ``cuda_error_hang``: ready, then on the first completion an illegal-memory-access block, after
   which the process stays alive, /health keeps answering 200 and completions hang.
+- ``crash_first_request``: ready, then on the first completion an illegal-memory-access block and
+  SIGABRT — on every start (a build regression on this GPU).
 - ``gpu_unavailable``: the "no usable GPU" lines, then a normal (CPU) start.
 - ``ignore_term``: ready, ignores SIGTERM (the supervisor must escalate to SIGKILL).
 - ``ready_line_no_health``: prints "listening" but /health stays 503.
 - ``busy_http``: ready, then for ``$FAKE_LLAMA_BUSY_S`` seconds (default 40) one big batch holds the
   HTTP loop (as reported for the ik_llama.cpp fork): ``/slots``, ``/metrics`` and completions wait
   until it ends, ``/health`` still answers, and a thread burns CPU the whole time.
+- ``completion_hang``: ready, then every completion hangs without a line (a decode wedged in a
+  kernel that never returns): /health answers 200, /slots and /metrics show the slot processing
+  with counters that never move, and the process uses no CPU.
+- ``completion_500``: ready, /health, /slots and /metrics answer, and every completion answers
+  HTTP 500 with llama-server's error body (``{"error": {"code": 500, "message": ..., "type":
+  "server_error"}}``), as a server whose compute fails per request does.
 - ``ptx_unsupported``: ready, then every request prints the "provided PTX was compiled with an
   unsupported toolchain" abort block (as a CUDA binary on a too-old driver does) and aborts (SIGABRT).
 - ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
@@ -28,6 +36,7 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
+``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
@@ -57,6 +66,9 @@ BUSY_S = float(os.environ.get("FAKE_LLAMA_BUSY_S", "40"))
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
+# The one slot as /slots shows it: no "id_task" until a request ran; then the last request's params.
+SLOT: dict[str, object] = {"id": 0, "n_ctx": 2048}
+COMPLETION_ERROR = "llama_decode failed: compute error (fake)"
 
 
 def mark(text: str, when: float) -> None:
@@ -135,11 +147,15 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self.reply(503, {"error": {"code": 503, "message": "Loading model"}})
         elif self.path == "/slots":
-            self.reply(200, [{"id": 0, "n_ctx": 2048, "is_processing": WEDGED.is_set(), "id_task": 0,
-                              "next_token": [{"has_next_token": True, "n_decoded": 3}]}])
+            with LOCK:
+                slot = {**SLOT, "is_processing": WEDGED.is_set()}
+            if WEDGED.is_set():
+                slot["next_token"] = [{"has_next_token": True, "n_decoded": 3}]
+            self.reply(200, [slot])
         elif self.path == "/metrics":
             with LOCK:
                 text = "".join(f"llamacpp:{k} {v}\n" for k, v in COUNTERS.items())
+                text += f"llamacpp:requests_processing {int(WEDGED.is_set())}\nllamacpp:requests_deferred 0\n"
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(text)))
@@ -150,20 +166,40 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
-        self.rfile.read(length)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            body = {}
         wait_busy()
         if FAULT == "replay_request_abort":
             replay_and_abort()
             return
+        if FAULT == "completion_500":
+            log("E", "srv ", f"   send_error: task id = 1, error: {COMPLETION_ERROR}")
+            self.reply(500, {"error": {"code": 500, "message": COMPLETION_ERROR, "type": "server_error"}})
+            return
+        with LOCK:  # the slot now holds this request's prompt
+            SLOT.update({"id_task": int(SLOT.get("id_task", -1)) + 1,  # type: ignore[call-overload]
+                         "n_prompt_tokens": 4,
+                         "params": {"seed": body.get("seed", 4294967295), "n_predict": body.get("n_predict", -1)}})
         if FAULT == "ptx_unsupported":
             raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error\nggml_cuda_compute_forward: SCALE failed\n"
                 "CUDA error: the provided PTX was compiled with an unsupported toolchain.")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
+        if FAULT == "crash_first_request":
+            log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
+            cuda_block("an illegal memory access was encountered")
             os.kill(os.getpid(), signal.SIGABRT)
             return
         if FAULT == "oom_runtime":
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
             cuda_block("out of memory")
             os.kill(os.getpid(), signal.SIGABRT)
+            return
+        if FAULT == "completion_hang":
+            WEDGED.set()
+            time.sleep(3600)
             return
         if FAULT == "cuda_error_hang" or WEDGED.is_set():
             if not WEDGED.is_set():
@@ -181,6 +217,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str]) -> int:
+    if "--version" in argv:
+        raw("version: 4242 (fake0001)\nbuilt with GNU 12.2.0 for Linux x86_64")
+        return 0
     host, port = "127.0.0.1", 8080
     for i, word in enumerate(argv):
         if word == "--host":

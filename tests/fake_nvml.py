@@ -22,6 +22,7 @@ Pass a :class:`FakeNvml` as ``module=`` to :class:`llama_guard.gpu.nvml.Nvml`. S
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ DEFAULTS: dict[str, Any] = {
     "pcie_gen": 5,
     "pcie_width": 16,
     "pstate": 0,
+    # nvmlDeviceGetProcessUtilization: (pid, smUtil %, memUtil %) of the processes using the GPU
+    # now; each call reports them as samples taken at that moment (a driver keeps a window of them).
+    "process_util": [],
     "mem_bus_width_bits": 6016,  # an H200's reading (tests/fixtures/h200_gpu_watch.json)
     "mem_clock_max_mhz": 3201,
     # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0 none (the H200's reading, tests/fixtures/h200_recovery);
@@ -297,6 +301,17 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, h: Handle) -> list[_Obj]:
         procs = self._read("nvmlDeviceGetComputeRunningProcesses", h, "processes")
         return [_Obj({"pid": pid, "usedGpuMemory": used}) for pid, used in procs]
+
+    def nvmlDeviceGetProcessUtilization(self, h: Handle, last_seen_us: int) -> list[_Obj]:
+        """Samples newer than ``last_seen_us`` (CPU time in µs, as NVML stamps them); NVML's
+        NOT_FOUND (6) when no process has one, as the real call answers for an idle GPU."""
+        util = self._read("nvmlDeviceGetProcessUtilization", h, "process_util")
+        now_us = time.time_ns() // 1000
+        samples = [_Obj({"pid": pid, "timeStamp": now_us, "smUtil": sm, "memUtil": mem, "encUtil": 0, "decUtil": 0})
+                   for pid, sm, mem in util if now_us > last_seen_us]
+        if not samples:
+            raise NVMLError(6)
+        return samples
 
     def nvmlDeviceGetPersistenceMode(self, h: Handle) -> int:
         return int(self._read("nvmlDeviceGetPersistenceMode", h, "persistence"))

@@ -15,21 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from llama_guard.core.actions import Emit, NotifyReady, Spawn
+from llama_guard.core.inputs import Boot, HealthOk, Line, Spawned
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import (
-    Boot,
-    Emit,
-    HealthOk,
-    Line,
-    NotifyReady,
-    Params,
-    Phase,
-    Spawn,
-    Spawned,
-    State,
-    initial_state,
-)
+from llama_guard.core.types import Params, Phase, State, initial_state
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
@@ -74,7 +64,7 @@ def base_sections(tmp: Path, binary: str, model: str, port: int) -> dict[str, di
                    "load_timeout_s": 60.0},
         "gpu": {"enabled": "off"},
         "recovery": {"backoff_initial_s": 0.1, "stop_grace_s": 3.0, "max_restarts": 3,
-                     "restart_window_s": 60.0},
+                     "restart_window_s": 60.0, "repeat_confirm_s": 0.5},
         "schedule": {"restart_cron": ""},
         "log": {"level": "debug", "format": "json"},
         "runtime": {"dir": str(tmp / "run")},

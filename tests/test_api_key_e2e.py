@@ -21,7 +21,7 @@ import httpx
 import pytest
 from harness import ROOT, DaemonRun, base_sections, free_port, merge
 from llama_guard.config import Config, HealthConfig
-from llama_guard.core.probes import ServerProbe, make_client
+from llama_guard.core.probes import CanaryOutcome, ServerProbe, make_client
 from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.restarts.watcher import ScheduleSource, _fetch_metrics
@@ -81,8 +81,8 @@ def test_probes_authenticate_and_fail_without_the_key(keyed_server: str, key_fil
             await asyncio.wait_for(probe.wait_idle(poll_s=0.1), 10)
             # The same server without the key: what every probe saw before (the test can fail).
             assert await bare.slots() is None
-            ok, detail = await bare.canary_completion()
-            assert not ok and "HTTP 401" in detail
+            outcome, status, _message = await bare.canary_completion()
+            assert outcome is CanaryOutcome.HTTP_ERROR and status == 401
         finally:
             await probe.aclose()
             await bare.aclose()

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 from harness import DaemonRun, base_sections, free_port, merge
 from llama_guard.config import ConfigError, load_config
+from llama_guard.core.actions import Terminate
+from llama_guard.core.inputs import Boot, ParamsChanged, Spawned
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Boot, Params, ParamsChanged, Phase, Spawned, Terminate, initial_state
+from llama_guard.core.types import Params, Phase, initial_state
 
 GOOD = """
 [server]

@@ -62,6 +62,9 @@ CASES: list[tuple[str, Family, str]] = [
     ("CUDA error: CUDA-capable device(s) is/are busy or unavailable", Family.GPU_FATAL, "busy or unavailable"),
     ("/tmp/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:96: CUDA error", Family.GPU_ABORT, ""),
     ("ggml_cuda_compute_forward: MUL_MAT failed", Family.GPU_ABORT, "MUL_MAT"),
+    # asked to offload, none offloaded: on the CPU
+    ("0.00.300.000 I load_tensors: offloaded 0/31 layers to GPU", Family.GPU_UNAVAILABLE, "none of 31 layers"),
+    ("0.00.300.000 I load_tensors: offloaded 31/31 layers to GPU", Family.HARMLESS, ""),
     # configuration boot failures
     ("error: invalid argument: --no-flash-attn", Family.BOOT_CONFIG, "--no-flash-attn"),
     ("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", Family.BOOT_CONFIG,
@@ -70,8 +73,8 @@ CASES: list[tuple[str, Family, str]] = [
      Family.BOOT_CONFIG, "/models/missing.gguf"),
     ("llama_model_load: error loading model: llama_model_loader: failed to load model from /m.gguf",
      Family.BOOT_CONFIG, "/m.gguf"),
-    ("couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080", Family.BOOT_CONFIG, "bind"),
-    ("OSError: [Errno 98] Address already in use", Family.BOOT_CONFIG, "port is already in use"),
+    ("couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080", Family.PORT_IN_USE, "bind"),
+    ("OSError: [Errno 98] Address already in use", Family.PORT_IN_USE, "port is already in use"),
     ("srv    load_model: failed to create_context with model '/m.gguf'", Family.BOOT_CONFIG, "context"),
     ("E srv  llama_server: exiting due to model loading error", Family.LOAD_FAILED, ""),
     # GPU silently unavailable

@@ -31,7 +31,8 @@ from harness import ROOT, DaemonRun, base_sections, free_port, merge, stop_all, 
 from llama_guard.config import load_config
 from llama_guard.core import tasks as tasks_mod
 from llama_guard.core.daemon import Daemon
-from llama_guard.core.types import GpuFault, GpuFaultKind, Input, StopRequest
+from llama_guard.core.inputs import GpuFault, Input, StopRequest
+from llama_guard.core.types import GpuFaultKind
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.gpu.nvml import Nvml, NvmlHung

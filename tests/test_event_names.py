@@ -30,7 +30,7 @@ def test_the_readme_event_table_names_only_catalogue_events() -> None:
 
 
 _SNIPPET = """\
-from llama_guard.core.types import Emit
+from llama_guard.core.actions import Emit
 from llama_guard.core.watcher import Context
 from llama_guard.output.eventlog import Emitter
 

@@ -12,20 +12,11 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import ConfigError, load_config
+from llama_guard.core.actions import Emit, Terminate
+from llama_guard.core.inputs import Probe, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy import decide
 from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
-from llama_guard.core.types import (
-    AfterStop,
-    Emit,
-    Params,
-    Phase,
-    Probe,
-    RequestCompleted,
-    State,
-    StreamStalled,
-    Terminate,
-    UpstreamError,
-)
+from llama_guard.core.types import AfterStop, Params, Phase, State
 from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
 from llama_guard.front.forward import REQUEST_DROP, end_to_end
 from llama_guard.front.sse import error_event, is_sse

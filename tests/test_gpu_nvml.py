@@ -362,3 +362,30 @@ def test_gpu_xid_event_renders() -> None:
 
     fields = {"gpu_index": 0, "xid": 79, "meaning": "GPU has fallen off the bus"}
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"
+
+
+# ------------------------------------------------------------ per-process utilisation (liveness)
+
+def test_process_busy_reads_the_servers_samples_since_the_last_call() -> None:
+    fake, nvml, _ = make()
+    g = fake.gpus[0].values
+    busy, since = nvml.process_busy(frozenset({42}), 0)  # an idle GPU: NVML says NOT_FOUND
+    assert (busy, since) == (False, 0)
+    g["process_util"] = [(7, 90, 40)]  # another process works, ours does not
+    busy, since = nvml.process_busy(frozenset({42}), since)
+    assert busy is False and since > 0
+    g["process_util"] = [(7, 90, 40), (43, 55, 12)]  # a wrapper's child (43) computes
+    busy, newer = nvml.process_busy(frozenset({42, 43}), since)
+    assert busy is True and newer >= since
+    g["process_util"] = [(43, 0xFFFFFFFF, 0)]  # "unavailable" is no use
+    assert nvml.process_busy(frozenset({43}), newer)[0] is False
+
+
+def test_process_busy_without_per_process_samples_raises_not_supported() -> None:
+    fake, nvml, _ = make()
+    fake.fail("nvmlDeviceGetProcessUtilization", 3, times=1)
+    with pytest.raises(nv.NotSupported):
+        nvml.process_busy(frozenset({42}), 0)
+    fake.lose_gpu()
+    with pytest.raises(GpuLost):
+        nvml.process_busy(frozenset({42}), 0)

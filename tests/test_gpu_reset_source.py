@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from fake_nvml import FakeNvml
 from llama_guard.config import Config
 from llama_guard.core import privileges
-from llama_guard.core.types import GpuHolder, Params, initial_state
+from llama_guard.core.inputs import GpuHolder
+from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu import DeviceSelector, Nvml
 from llama_guard.gpu import watcher as gpu_source
@@ -193,3 +196,29 @@ async def test_in_use_without_persistence_is_a_plain_failure(tmp_path: Path, mon
     done = await src.reset(ctx, 0)
     assert done.exit_status == 255 and not done.ok and "In use" in done.output
     assert fake.persistence_writes == []
+
+
+def test_gpu_busy_is_the_servers_tree_in_nvml_per_process_samples() -> None:
+    # A wrapper (sh) whose child is the process that uses the GPU.
+    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 30; true"])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = psutil.Process(proc.pid).children()[0].pid
+        fake = FakeNvml()
+        source = GpuSource(nvml_module=fake)
+        assert source.gpu_busy(proc.pid) is None  # the watch is off (not started): cannot tell
+        source.nvml = Nvml(module=fake)
+        assert source.gpu_busy(proc.pid) is False  # an idle GPU
+        fake.gpus[0].values["process_util"] = [(child, 64, 20)]
+        assert source.gpu_busy(proc.pid) is True
+        fake.gpus[0].values["process_util"] = [(4_000_000, 64, 20)]  # someone else's work
+        assert source.gpu_busy(proc.pid) is False
+        fake.fail("nvmlDeviceGetProcessUtilization", 3)  # no per-process samples on this GPU
+        assert source.gpu_busy(proc.pid) is None
+        calls = fake.calls["nvmlDeviceGetProcessUtilization"]
+        assert source.gpu_busy(proc.pid) is None and fake.calls["nvmlDeviceGetProcessUtilization"] == calls
+    finally:
+        proc.kill()
+        proc.wait()

@@ -10,26 +10,12 @@ import pytest
 from harness import emitted, names
 from harness import ready as policy_ready
 from harness import started as policy_started
+from llama_guard.core.actions import ExitDaemon, InspectGpu, ReadBuild, Terminate
+from llama_guard.core.inputs import BuildInfo, Exited, HealthOk, Line, LoadProgress, Probe, Spawned, Tick
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import (
-    AfterStop,
-    ExitDaemon,
-    Exited,
-    HealthOk,
-    InspectGpu,
-    Line,
-    LoadProgress,
-    Params,
-    Phase,
-    Probe,
-    ResetTrigger,
-    Spawned,
-    State,
-    Terminate,
-    Tick,
-)
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, State
 from llama_guard.exitcodes import EXIT_CONFIG
 
 P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts=5, restart_window_s=600,
@@ -144,6 +130,76 @@ class TestLiveness:
         s = ready(params=replace(P, progress_cpu_s=2.0, hang_strikes=1))
         s, acts = decide(s, probe(cpu=1.5), 10.0)
         assert names(acts) == ["server_hang"]
+
+    def test_silence_past_the_bound_is_a_hang_whatever_the_cpu_does(self) -> None:
+        # The tracked process spins (CPU, even lines and GPU use) while no HTTP request is answered.
+        s = ready(params=replace(P, silent_limit_s=60.0))
+        spinning = replace(probe(health=False, canary=None, cpu=5.0, lines=3, gpu=True), silent_s=55.0)
+        s, acts = decide(s, spinning, 70.0)
+        assert acts == [] and s.strikes == 0  # within the bound the signals still count
+        s, acts = decide(s, replace(spinning, silent_s=60.0), 75.0)
+        assert names(acts) == ["server_hang"] and s.phase is Phase.STOPPING
+        reason = str(emitted(acts, "server_hang").fields["reason"])
+        assert "no HTTP answer at all for 60 s" in reason and "cpu" in reason
+
+    def test_a_main_loop_that_answers_no_task_is_no_answer(self) -> None:
+        # /health (the HTTP thread) answers, /metrics (a main-loop task) times out, nothing moves.
+        wedged = Probe(100, True, None, False, False, "/metrics gave no answer within 3.0 s", cpu_s=0.0,
+                       loop_ok=False)
+        s = ready()
+        for t in (10.0, 15.0):
+            s, acts = decide(s, wedged, t)
+        s, acts = decide(s, wedged, 20.0)
+        assert names(acts) == ["server_hang"]
+        s = ready()  # ... while the CPU works (one big batch holds the loop): unknown, no strike
+        s, acts = decide(s, replace(wedged, cpu_s=1.5), 10.0)
+        assert acts == [] and s.strikes == 0
+
+    def test_a_processing_request_whose_counters_stand_still_is_no_answer(self) -> None:
+        # /health and /metrics answer, a request is processing, nothing moves (a deadlock): strikes.
+        stuck = Probe(100, True, None, True, False, "a request is processing and the counters did not move",
+                      cpu_s=0.0)
+        s = ready()
+        for t in (10.0, 15.0):
+            s, acts = decide(s, stuck, t)
+        s, acts = decide(s, stuck, 20.0)
+        assert names(acts) == ["server_hang"]
+        # ... but a decode that advances is an answer.
+        s = ready()
+        s, acts = decide(s, replace(stuck, progressed=True), 10.0)
+        assert acts == [] and s.strikes == 0
+
+
+class TestCompletionError:
+    def error(self, **kw: object) -> Probe:
+        base = Probe(100, True, False, False, False, "canary completion answered HTTP 500: boom", cpu_s=0.0,
+                     canary_status=500, canary_error="boom")
+        return replace(base, **kw)
+
+    def test_completions_answered_500_are_their_own_event_with_the_code_and_message(self) -> None:
+        s = ready()
+        s, _ = decide(s, self.error(), 10.0)
+        s, _ = decide(s, self.error(lines=2, cpu_s=1.0), 15.0)  # its error lines are no progress excuse
+        assert s.strikes == 2
+        s, acts = decide(s, self.error(), 20.0)
+        assert names(acts) == ["server_completion_error"] and s.phase is Phase.STOPPING
+        event = emitted(acts, "server_completion_error")
+        assert event.fields["status_code"] == 500 and event.fields["error"] == "boom"
+        assert "server_hang" not in names(acts)
+
+    def test_a_4xx_answer_is_not_a_server_failure(self) -> None:
+        # 401 after a key change is our request refused, not the server failing: no strike by itself
+        # when the server shows progress.
+        s = ready()
+        s, acts = decide(s, self.error(canary_status=401, canary_error="Invalid API Key", cpu_s=1.0), 10.0)
+        assert acts == [] and s.strikes == 0
+
+    def test_one_good_round_clears_the_errors(self) -> None:
+        s = ready()
+        s, _ = decide(s, self.error(), 10.0)
+        s, _ = decide(s, self.error(), 15.0)
+        s, _ = decide(s, Probe(100, True, True, False, False), 20.0)
+        assert s.strikes == 0
 
 
 # ------------------------------------------------------------ 3. recovered allocation failures
@@ -262,7 +318,7 @@ ABORT = ["llama_context: n_ctx = 1", "common_init_from_params: warming up the mo
 
 
 class TestBootFailure:
-    def test_the_same_abort_on_two_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
+    def test_the_same_abort_on_three_consecutive_starts_is_a_boot_failure_naming_it(self) -> None:
         s = started()
         s, _ = feed(s, 100, ABORT, 0.5)
         s, acts = decide(s, Exited(100, -6), 0.6)
@@ -270,21 +326,65 @@ class TestBootFailure:
         assert "get_sub_batch" in str(exited.fields["last_error"])
         assert "get_sub_batch" in str(exited.fields["exit_text"])
         assert s.phase is Phase.BACKOFF
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = feed(s, 101, [ABORT[0], ABORT[2].replace("token 0", "token 7")], 2.5)
-        s, acts = decide(s, Exited(101, -6), 2.6)
+        for i, at in ((1, 2.0), (2, 6.0)):
+            when = max(at, s.deadline or at)  # the confirming start waits for repeat_confirm_s
+            s, _ = decide(s, Tick(), when)
+            s, _ = decide(s, Spawned(100 + i), when)
+            s, _ = feed(s, 100 + i, [ABORT[0], ABORT[2].replace("token 0", f"token {7 * i}")], when + 0.5)
+            s, acts = decide(s, Exited(100 + i, -6), when + 0.6)
+            if i == 1:
+                assert s.phase is Phase.BACKOFF, "two identical starts are not yet a verdict"
+                assert ReadBuild() in acts  # the verdict to come names the build
+                s, _ = decide(s, BuildInfo("version: 4242 (abc1234)"), when + 0.7)
         assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
         failure = emitted(acts, "server_boot_failure")
         assert "get_sub_batch" in str(failure.fields["cause"]) and "consecutive" in str(failure.fields["cause"])
+        assert failure.fields["consecutive_starts"] == 3 and "get_sub_batch" in str(failure.fields["line"])
+        assert failure.fields["build"] == "version: 4242 (abc1234)" and failure.fields["fix"]
 
-    def test_exit_status_0_before_ready_twice_is_a_boot_failure(self) -> None:
+    def test_exit_status_0_before_ready_three_times_is_a_boot_failure(self) -> None:
         s = started()
         s, _ = decide(s, Exited(100, 0), 0.5)
-        s, _ = decide(s, Tick(), 2.0)
-        s, _ = decide(s, Spawned(101), 2.0)
-        s, _ = decide(s, Exited(101, 0), 2.5)
+        for i in (1, 2):
+            when = max(10.0 * i, s.deadline or 0.0)
+            s, _ = decide(s, Tick(), when)
+            s, _ = decide(s, Spawned(100 + i), when)
+            s, _ = decide(s, Exited(100 + i, 0), when + 0.5)
         assert s.exit_code == EXIT_CONFIG and "exit status 0" in s.exit_reason
+
+    def test_the_confirming_start_waits_so_a_fault_that_goes_away_is_ridden_out(self) -> None:
+        """The same line twice, then the fault is gone (a driver that came back): the third start
+        waits until repeat_confirm_s after the first failure, serves, and no verdict is given."""
+        s = started()
+        confirm = s.params.repeat_confirm_s
+        assert confirm >= 30  # the shipped default rides out a half-minute fault
+        s, _ = feed(s, 100, ABORT, 0.5)
+        s, _ = decide(s, Exited(100, -6), 0.6)
+        s, _ = decide(s, Tick(), s.deadline or 0.6)
+        s, _ = decide(s, Spawned(101), s.deadline or 0.6)
+        s, _ = feed(s, 101, ABORT, 3.0)
+        s, acts = decide(s, Exited(101, -6), 3.1)
+        assert s.phase is Phase.BACKOFF and s.deadline == pytest.approx(0.6 + confirm)
+        assert emitted(acts, "server_backoff").fields["backoff_s"] == pytest.approx(0.6 + confirm - 3.1)
+        s, _ = decide(s, Tick(), 20.0)
+        assert s.phase is Phase.BACKOFF, "not before the confirm time"
+        s, acts = decide(s, Tick(), s.deadline)
+        s, _ = decide(s, Spawned(102), s.deadline or 0.0)
+        s, acts = decide(s, HealthOk(102), 0.6 + confirm + 1.0)
+        assert s.phase is Phase.READY
+
+    def test_a_third_identical_failure_too_soon_is_not_yet_a_verdict(self) -> None:
+        """Whatever ran the third start early, the verdict needs repeat_confirm_s of the same fault."""
+        s = started(params=replace(P, repeat_confirm_s=40.0))
+        for i, at in enumerate((0.5, 2.0, 5.0)):
+            if i:
+                s = replace(s, deadline=at)  # an early start (the deadline moved by hand)
+                s, _ = decide(s, Tick(), at)
+                s, _ = decide(s, Spawned(100 + i), at)
+            s, _ = feed(s, 100 + i, ABORT, at + 0.1)
+            s, _ = decide(s, Exited(100 + i, -6), at + 0.2)
+        assert s.phase is Phase.BACKOFF
+        assert s.deadline == pytest.approx(0.7 + 40.0)  # the first failure (0.7 s) + repeat_confirm_s
 
     @pytest.mark.parametrize(("first", "second"), [
         ((-6, ABORT[2]), (-11, ABORT[2])),                           # another signal

@@ -4,11 +4,21 @@ allocation failure at load."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import DaemonRun, RunPool
+from llama_guard.config import HealthConfig
+
+# The shipped [health] defaults (config.HealthConfig).
+SHIPPED: dict[str, object] = {name: getattr(HealthConfig(), name) for name in (
+    "interval_s", "timeout_s", "canary_timeout_s", "hang_strikes", "silent_limit_s", "progress_cpu_s")}
+
+
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 @pytest.fixture
@@ -36,9 +46,34 @@ def test_busy_http_loop_that_burns_cpu_is_not_killed(fake: Any) -> None:
     run.wait_event("server_probe", 60, where=lambda e: e["canary_ok"] is True)
     assert "server_hang" not in run.names() and "server_stopped" not in run.names()
     rounds = [e for e in run.events() if e["event"] == "server_probe" and e["server_pid"] == pid]
-    blocked = [r for r in rounds if r["canary_ok"] is False]
+    blocked = [r for r in rounds if r["detail"].startswith("/metrics gave no answer")]
     assert len(blocked) >= 2, rounds  # the probes really timed out, more than hang_strikes times in a row
     assert all(r["cpu_s"] is not None and r["cpu_s"] >= 0.05 for r in blocked), blocked
+    assert all(r["canary"] == "not_sent" for r in blocked), blocked  # no canary queued behind the batch
+
+
+def test_completions_that_hang_while_health_answers_are_a_hang_within_60_s(fake: Any) -> None:
+    run = fake("completion_hang", {"health": SHIPPED, "recovery": {"stop_grace_s": 1.0}}).start()
+    ready = run.wait_event("server_ready", 30)
+    hang = run.wait_event("server_hang", 75)
+    assert hang["server_pid"] == ready["server_pid"] and hang["failures"] == SHIPPED["hang_strikes"]
+    assert stamp(hang) - stamp(ready) <= 60.0, stamp(hang) - stamp(ready)
+    rounds = [e for e in run.events() if e["event"] == "server_probe" and e["server_pid"] == ready["server_pid"]]
+    assert rounds[0]["canary"] == "timed_out" and all(r["health_ok"] for r in rounds), rounds
+    assert any(r["busy"] and not r["progressed"] for r in rounds[1:]), rounds
+
+
+def test_completions_answering_500_are_reported_with_the_status_and_message(fake: Any) -> None:
+    # /health 200, /metrics and /slots answer, every completion answers HTTP 500 (shipped [health]).
+    run = fake("completion_500", {"health": SHIPPED, "recovery": {"stop_grace_s": 1.0}}).start()
+    ready = run.wait_event("server_ready", 30)
+    failed = run.wait_event("server_completion_error", 75)
+    assert failed["server_pid"] == ready["server_pid"] and failed["status_code"] == 500
+    assert failed["error"] == "llama_decode failed: compute error (fake)"
+    assert stamp(failed) - stamp(ready) <= 60.0, stamp(failed) - stamp(ready)
+    assert "server_hang" not in run.names()
+    restart = run.wait_event("server_restart")
+    assert "completion_error: HTTP 500" in restart["reason"]
 
 
 def test_ptx_unsupported_stops_with_exit_78_naming_the_fix(fake: Any) -> None:

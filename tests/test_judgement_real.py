@@ -124,9 +124,10 @@ def test_ctx_size_1_is_a_boot_failure_naming_the_abort(real: Any) -> None:
     run = real({"server": {"ctx_size": 1}, "recovery": {"max_restarts": 5}}).start()
     assert run.wait_exit(120) == 78
     names = run.names()
-    assert names.count("server_starting") == 2, names  # the same abort twice, then no more starts
+    assert names.count("server_starting") == 3, names  # the same abort three times, then no more starts
     exits = [e for e in run.events() if e["event"] == "server_exited"]
-    assert len(exits) == 2 and all(e.get("last_error") for e in exits), exits
+    assert len(exits) == 3 and all(e.get("last_error") for e in exits), exits
     failure = run.wait_event("server_boot_failure")
     assert exits[-1]["last_error"] in failure["cause"] and failure["line"] == exits[-1]["last_error"]
+    assert failure["build"].startswith("version: ") and failure["build"] in failure["cause"], failure
     assert "server_ready" not in names

@@ -13,27 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
+from llama_guard.core.actions import Emit, Spawn
+from llama_guard.core.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Boot,
-    Drained,
-    Emit,
-    Exited,
-    GpuFault,
-    GpuFaultKind,
-    HealthOk,
-    Input,
-    Params,
-    ParamsChanged,
-    Phase,
-    Spawn,
-    Spawned,
-    State,
-    Tick,
-    XidAction,
-    XidScope,
-    initial_state,
-)
+from llama_guard.core.types import GpuFaultKind, Params, Phase, State, XidAction, XidScope, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuSample
 from llama_guard.limits.usage import UsageSample

@@ -10,34 +10,29 @@ from dataclasses import replace
 import pytest
 from harness import emitted, line, names
 from harness import ready as policy_ready
-from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
+from llama_guard.core.actions import Action, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
+from llama_guard.core.inputs import (
     Boot,
-    Emit,
-    ExitDaemon,
     Exited,
     GpuFault,
-    GpuFaultKind,
     GpuHolder,
     HealthOk,
-    InspectGpu,
-    Kill,
     Line,
-    Params,
-    Phase,
     Probe,
     ResetDone,
     ResetFacts,
-    ResetTrigger,
-    RunReset,
-    Spawn,
     Spawned,
-    State,
     StopRequest,
-    Terminate,
     Tick,
+)
+from llama_guard.core.policy import decide
+from llama_guard.core.types import (
+    AfterStop,
+    GpuFaultKind,
+    Params,
+    Phase,
+    ResetTrigger,
+    State,
     XidAction,
     XidOrigin,
     initial_state,
@@ -96,7 +91,7 @@ def into_reset(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[Stat
     assert s.after_stop is AfterStop.RESET
     s, acts = decide(s, Exited(pid, -6), now + 0.5)
     assert s.phase is Phase.RESETTING
-    assert names(acts) == ["server_stopped"]
+    assert names(acts) == ["server_stopped", "gpu_reset_started"]
     assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.reset_reason)]
     assert not of_type(acts, Spawn)
     return s, acts
@@ -379,7 +374,8 @@ class TestLostAndXid:
         s, _ = decide(ready(), Exited(100, 1), 5.0)
         assert s.phase is Phase.BACKOFF
         s, acts = decide(s, xid(48, "reset"), 5.2)
-        assert s.phase is Phase.RESETTING and but_xid(acts) == [InspectGpu(None, "Xid 48: test")]
+        assert s.phase is Phase.RESETTING and of_type(acts, InspectGpu) == [InspectGpu(None, "Xid 48: test")]
+        assert names(acts) == ["gpu_xid", "gpu_reset_started"]
         s, acts = decide(s, Tick(), 7.0)  # the backoff timer (due at 6.0) has no say while resetting
         assert acts == [] and s.phase is Phase.RESETTING
         s, acts = run_reset(s, 8.0)
@@ -548,11 +544,11 @@ class TestDuringReset:
         assert "gpu_lost" in names(acts)
         assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
 
-    def test_sigterm_while_inspecting_runs_no_command_and_exits_0(self) -> None:
+    def test_sigterm_while_inspecting_runs_no_command_and_exits_0_at_once(self) -> None:
+        # Nothing has been done to the GPU yet: the reset is given up, the daemon exits now.
         s, _ = into_reset(ready(), line(100, OOM))
         s, acts = decide(s, StopRequest("SIGTERM received"), 6.0)
-        assert names(acts) == ["daemon_stopping"] and s.phase is Phase.RESETTING
-        s, acts = decide(s, CLEAR, 7.0)
+        assert names(acts) == ["daemon_stopping", "gpu_reset"] and s.phase is Phase.EXITED
         assert not of_type(acts, RunReset) and s.resets == ()
         assert emitted(acts, "gpu_reset").fields["outcome"] == "skipped"
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
@@ -563,10 +559,14 @@ class TestDuringReset:
         assert of_type(acts, RunReset)
         s, acts = decide(s, StopRequest("SIGTERM received"), 6.0)
         assert names(acts) == ["daemon_stopping"]
+        stopping = emitted(acts, "daemon_stopping").fields
+        assert stopping["waiting_for"] == "gpu_reset" and stopping["wait_s"] == round(s.deadline - 6.0, 1)
+        assert "never interrupted" in str(stopping["reason"])
         assert not of_type(acts, ExitDaemon) and not of_type(acts, Terminate) and not of_type(acts, Kill)
         assert s.phase is Phase.RESETTING
         s, acts = decide(s, StopRequest("SIGTERM received", immediate=True), 6.5)  # a second signal
         assert not of_type(acts, ExitDaemon) and s.phase is Phase.RESETTING
+        assert "a second signal does not interrupt it" in str(emitted(acts, "daemon_stopping").fields["reason"])
         s, acts = decide(s, ResetDone(0, "nvidia-smi --gpu-reset -i 0", 0, RESET_OK, True, RESET_OK), 9.0)
         assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "succeeded"
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_OK, "SIGTERM received")]
@@ -582,6 +582,7 @@ class TestDuringReset:
 
     def test_sigterm_during_a_reset_that_never_answers_ends_at_the_deadline(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
+        s, _ = decide(s, CLEAR, 5.8)
         s, _ = decide(s, StopRequest("SIGTERM received"), 6.0)
         s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
         assert emitted(acts, "gpu_reset").fields["outcome"] == "timed out"

@@ -10,30 +10,22 @@ from dataclasses import replace
 
 import pytest
 from harness import emitted, names
-from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import (
+from llama_guard.core.actions import CheckVram, ExitDaemon, InspectGpu, Spawn
+from llama_guard.core.inputs import (
     Boot,
-    CheckVram,
-    ExitDaemon,
     Exited,
     GpuFault,
-    GpuFaultKind,
     GpuHolder,
     HealthOk,
-    InspectGpu,
     Line,
-    Params,
-    Phase,
-    ResetTrigger,
-    Spawn,
     Spawned,
-    State,
     StopRequest,
     Tick,
     VramFacts,
-    initial_state,
 )
+from llama_guard.core.policy import decide
+from llama_guard.core.server_log import classify_line
+from llama_guard.core.types import GpuFaultKind, Params, Phase, ResetTrigger, State, initial_state
 from llama_guard.exitcodes import EXIT_OK
 
 P = Params(load_timeout_s=30, backoff_initial_s=1, max_restarts=3, restart_window_s=100, stop_grace_s=4,

@@ -17,34 +17,18 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
+from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
+from llama_guard.core.inputs import Boot, Exited, GpuFault, HealthOk, Line, Spawned, StopRequest, Tick, VramFacts
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import ERROR_FAMILIES, Family, classify_line
 from llama_guard.core.types import (
-    Action,
     AfterStop,
-    Boot,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    Exited,
-    GpuFault,
     GpuFaultKind,
-    HealthOk,
-    InspectGpu,
-    Kill,
-    Line,
     Params,
     Phase,
     RecoveryAction,
     ResetTrigger,
-    RunReset,
-    Spawn,
-    Spawned,
     State,
-    StopRequest,
-    Terminate,
-    Tick,
-    VramFacts,
     XidAction,
     XidScope,
     initial_state,

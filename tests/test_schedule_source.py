@@ -9,22 +9,10 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config, ScheduleConfig, ServerConfig
+from llama_guard.core.actions import NotifyReady
+from llama_guard.core.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    AfterStop,
-    Drained,
-    Exited,
-    HealthOk,
-    Input,
-    NotifyReady,
-    Phase,
-    Probe,
-    RestartCause,
-    RestartRequest,
-    Spawned,
-    State,
-    Tick,
-)
+from llama_guard.core.types import AfterStop, Phase, RestartCause, State
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.restarts.watcher import ScheduleSource

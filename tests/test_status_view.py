@@ -138,3 +138,13 @@ def test_gpu_watch_off_and_durations(daemons: dict[str, Any]) -> None:
     assert [duration(x) for x in (None, 5, 65, 3700, 90000)] == ["-", "5 s", "1 min 5 s", "1 h 1 min", "1 d 1 h"]
 
 
+def test_a_ready_server_that_answers_no_round_is_not_ready() -> None:
+    now = time.time()
+    base: dict[str, Any] = {"daemon_pid": os.getpid(), "phase": "ready", "server_pid": None, "updated": now,
+                            "status": "ready: pid 42", "events": []}
+    silent = {**base, "liveness": {"answering": False, "silent_s": 14.2}}
+    assert exit_code(silent) == EXIT_NOT_READY and document(silent, now=now)["ready"] is False
+    assert "ready (server NOT ready: no HTTP answer for 14 s)" in render(document(silent, now=now),
+                                                                         clock=lambda: now)[0]
+    answering = {**base, "liveness": {"answering": True, "silent_s": 0.0}}
+    assert exit_code(answering) == EXIT_READY and exit_code({**base, "liveness": None}) == EXIT_READY

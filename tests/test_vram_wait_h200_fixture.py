@@ -14,19 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llama_guard.core.actions import CheckVram, Emit, Spawn
+from llama_guard.core.inputs import Boot, GpuHolder, Tick, VramFacts
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    Boot,
-    CheckVram,
-    Emit,
-    GpuHolder,
-    Params,
-    Phase,
-    Spawn,
-    Tick,
-    VramFacts,
-    initial_state,
-)
+from llama_guard.core.types import Params, Phase, initial_state
 
 FIX = Path(__file__).parent / "fixtures" / "h200_vram_wait"
 

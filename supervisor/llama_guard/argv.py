@@ -94,6 +94,45 @@ def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
     return (out.stdout + out.stderr).decode("utf-8", errors="replace")
 
 
+BUILD_TIMEOUT_S = 5.0
+BUILD_MAX = 200  # characters of the --version text kept
+
+
+def build_of(binary: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str:
+    """What ``binary --version`` prints, its lines joined by "; " (llama.cpp: ``version: 4242
+    (abc1234); built with GNU 12.2.0 for Linux x86_64``), or why it could not be read. Runs the
+    binary in a session of its own (killed at ``timeout_s``): blocking, call it off the loop."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, timeout=timeout_s, check=False,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return f"unknown ({binary} --version did not finish within {timeout_s:g} s)"
+    except OSError as exc:
+        return f"unknown ({binary} --version: {exc.strerror or exc})"
+    lines = [line.strip() for line in (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()]
+    text = "; ".join(line for line in lines if line)
+    if not text:
+        return f"unknown ({binary} --version printed nothing)"
+    return text[:BUILD_MAX] + "…" if len(text) > BUILD_MAX else text
+
+
+def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S) -> list[str] | None:
+    """The devices ``binary --list-devices`` reports under ``env`` (lines such as ``CUDA0: NVIDIA H200
+    (143166 MiB, 142616 MiB free)``; empty when it prints ``(none)``), or None when this build has
+    no such flag. Blocks up to ``timeout_s``; raises OSError when it cannot run or does not finish."""
+    try:
+        out = subprocess.run([str(binary), "--list-devices"], capture_output=True, timeout=timeout_s, check=False,
+                             stdin=subprocess.DEVNULL, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise OSError(f"{binary} --list-devices did not finish within {timeout_s:g} s") from exc
+    lines = (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()
+    heads = [i for i, line in enumerate(lines) if line.strip() == "Available devices:"]
+    if not heads:
+        return None
+    return [line.strip() for line in lines[heads[-1] + 1:] if line.startswith((" ", "\t"))
+            and line.strip() and line.strip() != "(none)"]
+
+
 def mlock_args(binary: Path | None) -> list[str]:
     """The flag that locks the model in RAM, as this llama-server build spells it.
 

@@ -109,22 +109,30 @@ def _check_json(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from llama_guard.output.status import read_pid, read_status
+    from llama_guard.output.status import locate_daemon, read_status
     from llama_guard.output.status_view import EXIT_NOT_RUNNING, EXIT_STATUS_UNKNOWN, document, exit_code, render
 
     runtime_dir = _runtime_dir(args)
     try:
-        pid = read_pid(runtime_dir)
-        snap = read_status(runtime_dir)
+        found = locate_daemon(runtime_dir)
+        snap = read_status(runtime_dir) if found.pid is not None else None
     except PermissionError as exc:
         print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied "
               "(the runtime directory is the daemon's own, mode 0700: run as root)", file=sys.stderr)
         return EXIT_STATUS_UNKNOWN
-    if pid is None or snap is None:
+    if found.note:
+        print(f"llama-guard: {found.note}", file=sys.stderr)
+    if found.pid is None:
         if args.json:
             print(json.dumps({"schema": 1, "running": False, "ready": False, "runtime_dir": str(runtime_dir)}))
-        print(f"llama-guard is not running (nothing live under {runtime_dir})", file=sys.stderr)
+        print(f"llama-guard is not running (no daemon serves {runtime_dir})", file=sys.stderr)
         return EXIT_NOT_RUNNING
+    if snap is None or snap.get("daemon_pid") != found.pid:
+        # The daemon rewrites its snapshot within seconds: this one is missing or another's.
+        whose = "missing" if snap is None else f"from pid {snap.get('daemon_pid')}"
+        print(f"llama-guard pid {found.pid} serves {runtime_dir}, but its status.json is {whose}; "
+              "try again in a few seconds", file=sys.stderr)
+        return EXIT_STATUS_UNKNOWN
     doc = document(snap)
     if args.json:
         print(json.dumps({**doc, "running": True}, indent=2, default=str))
@@ -134,17 +142,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from llama_guard.output.status import read_pid
+    from llama_guard.output.status import locate_daemon
 
     runtime_dir = _runtime_dir(args)
     try:
-        pid = read_pid(runtime_dir)
+        found = locate_daemon(runtime_dir)
     except PermissionError as exc:
         print(f"llama-guard: cannot read {exc.filename or runtime_dir}: permission denied (run as root)",
               file=sys.stderr)
         return EXIT_FAILURE
+    if found.note:
+        print(f"llama-guard: {found.note}", file=sys.stderr)
+    pid = found.pid
     if pid is None:
-        print(f"llama-guard: no running daemon found (no live pid file under {runtime_dir})", file=sys.stderr)
+        print(f"llama-guard: no running daemon found (none serves {runtime_dir})", file=sys.stderr)
         return EXIT_FAILURE
     os.kill(pid, signal.SIGUSR1)
     print(f"asked llama-guard pid {pid} for a graceful server restart (it drains busy slots first)")

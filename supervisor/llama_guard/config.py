@@ -17,6 +17,7 @@ import ipaddress
 import os
 import re
 import resource
+import stat
 import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -56,6 +57,7 @@ from llama_guard.paths import (  # noqa: E402
     DEFAULT_RUNTIME_DIR,
     ENV_CONFIG_PATH,
     ENV_PREFIX,
+    os_reason,
     read_regular,
 )
 from llama_guard.paths import resolve_config_path as resolve_config_path  # noqa: E402
@@ -97,6 +99,12 @@ OWNED_FLAGS = frozenset({
 SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
 # [server].env names that carry secrets the same way (LLAMA_API_KEY, HF_TOKEN, LLAMA_ARG_API_KEY ...).
 _SECRET_ENV = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", re.IGNORECASE)
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether an environment variable (or flag) named ``name`` carries a secret by its name."""
+    return _SECRET_ENV.search(name.replace("-", "_")) is not None
+
 _ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
 
 
@@ -301,6 +309,7 @@ class HealthConfig(_Section):
     hang_strikes: int = Field(3, ge=1)
     load_stall_s: float = Field(60.0, ge=0.0)
     progress_cpu_s: PositiveFloat = 0.05
+    silent_limit_s: PositiveFloat = 60.0
 
 
 class GpuConfig(_Section):
@@ -354,6 +363,12 @@ class RecoveryConfig(_Section):
     reset_toggles_persistence: bool = True
     max_resets: int = Field(2, ge=0)
     reset_window_s: PositiveFloat = 3600.0
+    # A port taken by another process is retried (every 2 s, no crash counted) this long, then exit 78.
+    port_wait_s: float = Field(30.0, ge=0)
+    # The start that would confirm a failure repeated identically (the verdict, exit 78) waits until
+    # this long after the chain's first failure: a fault that prints the same line for a while and
+    # then goes away (a driver reloading, a mount coming back) is ridden out; 0: confirm at once.
+    repeat_confirm_s: float = Field(45.0, ge=0)
 
     @field_validator("reset_command")
     @classmethod
@@ -668,9 +683,12 @@ def load_config(path: Path) -> Config:
     Raises :class:`ConfigError` (one line per problem, each naming ``path``, the key and the
     reason) for a missing or unreadable file, invalid TOML, unknown keys or bad values.
     """
-    if not path.is_file():
-        reason = "no such file" if not path.exists() else "not a regular file"
-        raise ConfigError([f"{path}: {reason}"])
+    try:
+        st = os.stat(path)  # the error as it is: a symlink loop is not "no such file"
+    except OSError as exc:
+        raise ConfigError([f"{path}: {os_reason(exc)}"]) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError([f"{path}: not a regular file"])
     try:
         with path.open("rb") as handle:
             tomllib.load(handle)  # parse once up front for a precise syntax error

@@ -33,6 +33,16 @@ def resolve_config_path(cli_path: str | os.PathLike[str] | None,
     return DEFAULT_CONFIG_PATH
 
 
+def os_reason(exc: OSError) -> str:
+    """Why a path could not be reached, in the operator's words: ``no such file``, ``symlink loop
+    (too many levels of symbolic links)``, else the system's own text (``Permission denied`` …)."""
+    if exc.errno == errno.ENOENT:
+        return "no such file"
+    if exc.errno == errno.ELOOP:
+        return "symlink loop (too many levels of symbolic links)"
+    return exc.strerror or str(exc)
+
+
 def read_regular(path: str | os.PathLike[str]) -> bytes:
     """The bytes of the regular file at ``path`` (symlinks followed). Opens without blocking, so a
     FIFO or device in its place never hangs the caller; raises OSError (``strerror`` "not a

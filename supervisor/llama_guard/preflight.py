@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, resolve_binary
+from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, list_devices, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
+from llama_guard.core.child import child_environ
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
@@ -35,6 +36,7 @@ from llama_guard.gpu.nvml import (
     UnknownError,
     WatchOff,
 )
+from llama_guard.paths import os_reason
 from llama_guard.verdicts import NodeAction, Verdict
 
 GGUF_MAGIC = b"GGUF"
@@ -106,6 +108,28 @@ def check_binary(config: Config) -> list[CheckResult]:
     return results
 
 
+def check_offload(config: Config) -> list[CheckResult]:
+    """With ``n_gpu_layers`` > 0: WARN when the binary sees no GPU device (``--list-devices``, run
+    with ``[server].env``): llama-server would silently run on the CPU, whatever ``[gpu].enabled``
+    says. Nothing when no layer is to be offloaded, or the binary is missing (reported above)."""
+    layers = config.server.n_gpu_layers
+    binary = resolve_binary(config.server.binary)
+    if layers <= 0 or binary is None:
+        return []
+    try:
+        devices = list_devices(binary, child_environ(os.environ, config.server.env))
+    except OSError as exc:
+        return [CheckResult("offload", Verdict.WARN, f"n_gpu_layers = {layers}, devices not checked: {exc}")]
+    if devices is None:
+        return [CheckResult("offload", Verdict.OK, f"n_gpu_layers = {layers} (this build has no --list-devices)")]
+    if not devices:
+        return [CheckResult("offload", Verdict.WARN,
+                            f"n_gpu_layers = {layers} but {binary} --list-devices finds no GPU: llama-server "
+                            "would run on the CPU (a build without GPU support, or no GPU visible; under "
+                            "systemd the unit's CUDA_VISIBLE_DEVICES applies); set n_gpu_layers = 0 to mean it")]
+    return [CheckResult("offload", Verdict.OK, f"n_gpu_layers = {layers} on {'; '.join(devices)}")]
+
+
 def model_problem(path: Path) -> str:
     """Why ``path`` cannot be llama-server's model ("" when it can): it must be a regular file
     (``os.stat`` + ``S_ISREG`` before any ``open``, so a FIFO, a directory or a device is refused at
@@ -117,7 +141,7 @@ def model_problem(path: Path) -> str:
     try:
         st = os.stat(path)
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return f"{path}: {os_reason(exc)}"
     if not stat.S_ISREG(st.st_mode):
         kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
@@ -127,7 +151,7 @@ def model_problem(path: Path) -> str:
         # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() does not wait.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return f"{path}: {os_reason(exc)}"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return f"{path} is not a regular file"
@@ -466,6 +490,7 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     """Every preflight check, in report order; ``nvml_module`` as for :func:`check_gpu`."""
     results = [CheckResult("config", Verdict.OK, str(config_path))]
     results += check_binary(config)
+    results += check_offload(config)
     model = check_model(config)
     results.append(model)
     results += check_settings(config)

@@ -23,52 +23,54 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError
+from llama_guard.core.actions import (
+    Action,
+    CheckVram,
+    Emit,
+    ExitDaemon,
+    FindPortHolder,
+    InspectGpu,
+    Kill,
+    NotifyReady,
+    ReadBuild,
+    RunReset,
+    Spawn,
+    StartDrain,
+    Terminate,
+)
 from llama_guard.core.child import kill_and_reap
+from llama_guard.core.facts import find_port_holder, read_build
 from llama_guard.core.gpu_requests import GpuRequests
+from llama_guard.core.inputs import (
+    Boot,
+    Exited,
+    Input,
+    ParamsChanged,
+    RestartRequest,
+    Spawned,
+    SpawnFailed,
+    StopRequest,
+    Tick,
+)
 from llama_guard.core.offload import Lane
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.reload import emit_reloaded, load_candidate
 from llama_guard.core.server import ServerWatch
-from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout
+from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
 from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Boot,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    Exited,
-    Input,
-    InspectGpu,
-    Kill,
-    NotifyReady,
-    ParamsChanged,
-    Phase,
-    RestartRequest,
-    RunReset,
-    Spawn,
-    Spawned,
-    SpawnFailed,
-    StartDrain,
-    State,
-    StopRequest,
-    Terminate,
-    Tick,
-    initial_state,
-)
+from llama_guard.core.types import AfterStop, Phase, State, initial_state
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.snapshot import RuntimeFiles, snapshot, status_line
+from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
@@ -97,12 +99,13 @@ class Daemon:
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
-        self.runtime = RuntimeFiles(config.runtime.dir, emitter.emit)
+        self.runtime = RuntimeFiles(config.runtime.dir, config.server.port, emitter.emit)
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
         self.lanes = {"config": Lane("config", 2), "probe": Lane("probe", 1), "proc": Lane("proc", 2)}
         self.spawner = Spawner(emitter.emit, self.sources, self.lanes, clock)
         self.start_timeout = StartTimeout(self.notifier, clock)
+        self.stop_timeout = StopTimeout(self.notifier, clock)
         self.ctx: Context | None = None
         self._gpu: GpuRequests | None = None
         self._gen: ServerWatch | None = None
@@ -146,17 +149,18 @@ class Daemon:
         started as ``[server].user``.
         """
         try:
-            self.runtime.lock.acquire()
+            self.runtime.acquire(self.config.server.port)
         except (AlreadyRunning, OSError) as exc:
             reason = str(exc) if isinstance(exc, AlreadyRunning) else (
                 f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
             self.emitter.emit("config_error", reason=reason)
             self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
             return EXIT_CONFIG
+        self.runtime.answer(asyncio.get_running_loop())
         try:
             return await self._run_locked()
         finally:
-            self.runtime.lock.release()
+            self.runtime.release()
 
     def _warn_unauthenticated(self, config: Config) -> None:
         if not config.server.loopback and not config.server.api_key_file:
@@ -254,6 +258,8 @@ class Daemon:
             self._write_status()
         if self.state.phase is Phase.WAITING_VRAM:
             self.start_timeout.extend()  # a bounded wait for VRAM is no stuck start (TimeoutStartSec)
+        if self._stopping_sent:
+            self.stop_timeout.extend(self.state)  # a stop waiting for a reset is no stuck stop
 
     def _send_stopping(self) -> None:
         """``STOPPING=1`` once, when a stop of the daemon begins; no ``READY=1`` after it."""
@@ -302,6 +308,10 @@ class Daemon:
                 gen.drain()
         elif isinstance(action, (InspectGpu, RunReset)):
             self.tasks.start(self._reset_step(action), "GPU reset")
+        elif isinstance(action, FindPortHolder):
+            self.tasks.start(self._answer(find_port_holder(action.port, self.lanes["proc"])), "port holder")
+        elif isinstance(action, ReadBuild):
+            self.tasks.start(self._answer(read_build(self.config.server.binary)), "llama-server --version")
         elif isinstance(action, CheckVram):
             # One check at a time: a poll still running answers for the ones asked meanwhile (a
             # slow check must not pile up threads that starve the sampler and the loop).
@@ -310,6 +320,9 @@ class Daemon:
         elif isinstance(action, ExitDaemon):
             self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
             self._exit_code = action.code
+
+    async def _answer(self, fact: Awaitable[Input]) -> None:
+        self.queue.put_nowait(await fact)
 
     async def _check_vram(self) -> None:
         assert self._gpu is not None
@@ -381,24 +394,32 @@ class Daemon:
                 self.emitter.emit("config_error", reason=f"[runtime].dir: {problem}; keeping {old.runtime.dir}")
             else:
                 self._write_status()
+        if new.server.port != old.server.port and (problem := self.runtime.switch_port(new.server.port)):
+            self.emitter.emit("config_error", reason=f"server.port {new.server.port}: {problem}")
         if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
             self._warn_unauthenticated(new)
         self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
-        emit_reloaded(self.emitter.emit, self.config_path, old, new)
+        emit_reloaded(self.emitter.emit, self.config_path, old, new, key_changed=candidate.key != self.spawner.live_key)
         self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
                                             server_changed))
         self._ready()
 
     # ------------------------------------------------------------ status
 
+    def _liveness(self) -> Liveness | None:
+        gen = self._gen
+        if gen is None or gen.answering is None:
+            return None
+        return Liveness(gen.answering, gen.probe.silent_s())
+
     def _status_line(self) -> str:
         tps = self._gen.last_eval_tps if self._gen is not None else None
-        return status_line(self.state, self.clock(), tps, self.sources)
+        return status_line(self.state, self.clock(), tps, self.sources, self._liveness())
 
     def _write_status(self) -> None:
         self._status_at = self.clock()
         self.runtime.status_file.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
-                                                list(self.emitter.recent), self.sources))
+                                                list(self.emitter.recent), self.sources, self._liveness()))
 
     # ------------------------------------------------------------ shutdown
 

@@ -1,5 +1,5 @@
 """The policy's GPU requests carried out through the watchers: the VRAM check before a start
-(:class:`~llama_guard.core.types.CheckVram`) and the reset steps (:class:`InspectGpu`,
+(:class:`~llama_guard.core.actions.CheckVram`) and the reset steps (:class:`InspectGpu`,
 :class:`RunReset`). Each always answers an input (facts, possibly empty or with an ``error``);
 the daemon runs them as tasks and queues the answer.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from llama_guard.core.actions import InspectGpu, RunReset
+from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
 from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S
-from llama_guard.core.types import InspectGpu, ResetDone, ResetFacts, RunReset, VramFacts
 from llama_guard.core.watcher import Context, Source
 
 

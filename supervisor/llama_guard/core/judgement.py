@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
+from llama_guard.core.inputs import Probe
 from llama_guard.core.server_log import Family, LineClass, classify_line
-from llama_guard.core.types import Params, Probe
+from llama_guard.core.types import Params
 
 # The "<elapsed> <level> " prefix of llama-server's logger and a "[pid] " prefix.
 _PREFIX = re.compile(r"^\s*(?:\[\d+\]\s*)?(?:\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+)?")
@@ -32,8 +33,22 @@ def progress_signals(event: Probe, params: Params) -> list[str]:
 
 
 def answered(event: Probe) -> bool:
-    """Whether the server answered this round: /health 200 and the canary (when sent) finished."""
-    return event.health_ok and event.canary_ok is not False
+    """Whether the server answered this round: /health 200, its main loop answered (/metrics),
+    the canary (when sent) finished, and no request sat processing while the counters stood still."""
+    return (event.health_ok and event.loop_ok and event.canary_ok is not False
+            and not (event.busy and not event.progressed))
+
+
+def completion_failed(event: Probe) -> bool:
+    """The server answered the canary with a server error (HTTP 5xx): a failure, whatever the
+    progress signals say (the server told us; nothing is unknown)."""
+    return event.canary_status is not None and event.canary_status >= 500
+
+
+def silent_too_long(event: Probe, params: Params) -> bool:
+    """The server answered no HTTP request at all for ``params.silent_limit_s``: hung, whatever
+    its CPU time, lines or GPU use say (they are hints, not proof)."""
+    return event.silent_s >= params.silent_limit_s
 
 
 def failure_signature(exit_text: str, last_error: str) -> str:
@@ -54,3 +69,12 @@ def incompatibility(verdict: LineClass) -> LineClass | None:
         if inner.family is Family.GPU_INCOMPATIBLE:
             return inner
     return None
+
+
+def naming_model(cause: str, model_path: str) -> str:
+    """``cause`` with the model file's path added when it is about the model and does not name it
+    (llama.cpp's "error loading model: tensor '…' data is not within the file bounds, model is
+    corrupted or incomplete" names a tensor, not the file)."""
+    if not model_path or model_path in cause or "model" not in cause.lower():
+        return cause
+    return f"{cause} (model file {model_path})"

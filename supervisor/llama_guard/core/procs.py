@@ -35,3 +35,30 @@ def port_owner(pid: int, port: int) -> tuple[int, str] | None:
             except psutil.Error:
                 return child.pid, ""
     return None
+
+
+def port_listener(port: int) -> int | None:
+    """The pid listening on TCP ``port`` (0 when it cannot be told whose), else None. Blocking."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except psutil.Error:
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            return c.pid or 0
+    return None
+
+
+def port_holder(port: int) -> tuple[int | None, str]:
+    """``(pid, name)`` of the process listening on TCP ``port``: ``(None, "")`` when nobody does,
+    ``(None, "?")`` when someone does whose pid cannot be read (another user's, without root).
+    Blocking (a /proc scan)."""
+    pid = port_listener(port)
+    if pid is None:
+        return None, ""
+    if pid == 0:
+        return None, "?"
+    try:
+        return pid, psutil.Process(pid).name()
+    except psutil.Error:
+        return pid, ""

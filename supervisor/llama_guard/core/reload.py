@@ -8,12 +8,13 @@ Pure except :func:`startable` (it looks at the binary and the model file: blocki
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_guard.argv import resolve_binary
-from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config import SECRET_FLAGS, Config, ConfigError, is_secret_env, load_config
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import ServerIdentity
 from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, prepare
@@ -43,6 +44,21 @@ _NEXT_SERVER: dict[str, frozenset[str]] = {
 _RESTARTS_SERVER = ("server", "limits")
 
 
+# The key of [server].api_key_file as the report names it (its content changed, not the path).
+API_KEY_NAME = "server.api_key_file (the key in it)"
+MASK = "***"
+VALUE_MAX = 120  # characters of one value in the report; longer ones end in "…"
+
+
+class _Masked(enum.Enum):
+    """How a changed value is shown in the reload report."""
+
+    PLAIN = "plain"
+    ENV = "env"          # [server].env: names shown, values never (they may hold credentials)
+    ARGS = "args"        # a command line: the value after a secret flag is masked
+    SECRET = "secret"    # shown as *** only
+
+
 @dataclass
 class ReloadReport:
     """The changed keys (``section.key``) sorted by when they take effect."""
@@ -53,26 +69,70 @@ class ReloadReport:
     next_server_start: list[str] = field(default_factory=list)
     daemon_restart: list[str] = field(default_factory=list)
     """Not applied: read once at daemon start (``systemctl restart llama-guard``)."""
+    values: dict[str, str] = field(default_factory=dict)
+    """``section.key`` → ``"old → new"``, secrets masked (:func:`shown_change`)."""
 
     @property
     def changed(self) -> list[str]:
         return sorted({key.split(".")[0] for key in
                        (*self.applied, *self.server_restart, *self.next_server_start, *self.daemon_restart)})
 
+    def values_text(self) -> str:
+        """``server.port: 8080 → 8081; health.interval_s: 5.0 → 2.0`` (secrets masked)."""
+        return "; ".join(f"{key}: {change}" for key, change in self.values.items())
+
     def text(self) -> str:
-        """`` (applied: health.interval_s; needs a daemon restart: gpu.index)`` or `` (no change)``."""
+        """`` (applied: health.interval_s 5.0 → 2.0; needs a daemon restart: gpu.index 0 → 1)`` or
+        `` (no change)``."""
         parts = []
         for label, keys in (("applied", self.applied), ("applied by restarting the server", self.server_restart),
                             ("applies at the next server start", self.next_server_start),
                             ("NOT applied, needs a daemon restart", self.daemon_restart)):
             if keys:
-                parts.append(f"{label}: {', '.join(keys)}")
+                parts.append(f"{label}: {', '.join(f'{k} {self.values[k]}' if k in self.values else k for k in keys)}")
         return f" ({'; '.join(parts)})" if parts else " (no change)"
 
 
-def reload_report(old: Config, new: Config) -> ReloadReport:
-    """Which changed keys of ``new`` over ``old`` take effect when (see :class:`ReloadReport`)."""
+def _clip(text: str) -> str:
+    return text if len(text) <= VALUE_MAX else text[:VALUE_MAX - 1] + "…"
+
+
+def _shown(value: object, how: _Masked) -> str:
+    if how is _Masked.SECRET:
+        return MASK
+    if how is _Masked.ENV and isinstance(value, dict):
+        return "{" + ", ".join(f"{k}={MASK}" for k in sorted(value)) + "}"
+    if how is _Masked.ARGS and isinstance(value, list):
+        words = [str(w) for w in value]
+        shown = [MASK if i and (words[i - 1] in SECRET_FLAGS or is_secret_env(words[i - 1].lstrip("-")))
+                 else w for i, w in enumerate(words)]
+        return _clip(" ".join(shown) if shown else "[]")
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return _clip(repr(value) if isinstance(value, str) else str(value))
+
+
+def shown_change(name: str, old: object, new: object) -> str:
+    """``"old → new"`` for the key ``name`` (``section.key``) as an event may show it: the values of
+    ``[server].env`` never (their names only: ``{HF_HOME=***} → {HF_HOME=***, X=***}``), a value
+    following a secret flag in a command line never, long values clipped to :data:`VALUE_MAX`."""
+    how = (_Masked.ENV if name == "server.env" else _Masked.ARGS if name in ("server.extra_args",
+           "recovery.reset_command") else _Masked.SECRET if name == API_KEY_NAME else _Masked.PLAIN)
+    if how is _Masked.ENV and isinstance(old, dict) and isinstance(new, dict):
+        changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+        detail = f" (value of {', '.join(changed)} changed)" if changed else ""
+        return f"{_shown(old, how)} → {_shown(new, how)}{detail}"
+    return f"{_shown(old, how)} → {_shown(new, how)}"
+
+
+def reload_report(old: Config, new: Config, *, key_changed: bool = False) -> ReloadReport:
+    """Which changed keys of ``new`` over ``old`` take effect when, and their old → new values
+    (see :class:`ReloadReport`); ``key_changed``: the API key read from ``[server].api_key_file``
+    differs from the running server's (shown masked: it restarts the server)."""
     report = ReloadReport()
+    if key_changed:
+        report.server_restart.append(API_KEY_NAME)
+        report.values[API_KEY_NAME] = shown_change(API_KEY_NAME, None, None)
     for section in type(new).model_fields:
         a, b = getattr(old, section), getattr(new, section)
         if a == b:
@@ -81,6 +141,7 @@ def reload_report(old: Config, new: Config) -> ReloadReport:
             if getattr(a, key) == getattr(b, key):
                 continue
             name = f"{section}.{key}"
+            report.values[name] = shown_change(name, getattr(a, key), getattr(b, key))
             live = _LIVE.get(section, frozenset())
             if section in _RESTARTS_SERVER:
                 report.server_restart.append(name)
@@ -138,10 +199,13 @@ async def load_candidate(path: Path, lanes: dict[str, Lane], emit: Callable[...,
     return Candidate(new, key, identity)
 
 
-def emit_reloaded(emit: Callable[..., None], path: Path, old: Config, new: Config) -> None:
-    """The ``config_reloaded`` event: which changed keys take effect when (:func:`reload_report`)."""
-    report = reload_report(old, new)
+def emit_reloaded(emit: Callable[..., None], path: Path, old: Config, new: Config, *,
+                  key_changed: bool = False) -> None:
+    """The ``config_reloaded`` event: which changed keys take effect when, with their old → new
+    values, secrets masked (:func:`reload_report`; ``key_changed``: the API key in the file)."""
+    report = reload_report(old, new, key_changed=key_changed)
     emit("config_reloaded", config_path=str(path), changed=",".join(report.changed),
          applied=",".join(report.applied), server_restart=",".join(report.server_restart),
          next_server_start=",".join(report.next_server_start),
-         needs_daemon_restart=",".join(report.daemon_restart), changed_text=report.text())
+         needs_daemon_restart=",".join(report.daemon_restart), values=report.values_text(),
+         changed_text=report.text())

@@ -2,7 +2,7 @@
 
 A :class:`ServerWatch` owns its process's tasks: the line reader (each output line kept, classified
 by :mod:`.server_log`, emitted as ``server_line`` and, unless harmless, queued as a policy
-:class:`~llama_guard.core.types.Line`), readiness polling and load progress while STARTING, liveness
+:class:`~llama_guard.core.inputs.Line`), readiness polling and load progress while STARTING, liveness
 rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It reads the
 policy state and posts inputs through the :class:`~llama_guard.core.watcher.Context`; it never calls
 back into the daemon loop.
@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
+from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.probes import ServerProbe
@@ -28,11 +29,14 @@ from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.spawner import PROC_TIMEOUT_S
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.types import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Phase, Probe
+from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
+LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled load's verdict
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
+# llama-server's line when a slot finishes a request ("slot release: id 0 | task 5 | stop processing: ...").
+REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
@@ -71,7 +75,10 @@ class ServerWatch:
         self.log = open_server_log(path, ctx.emit) if path else None
         self.tasks: list[asyncio.Task[None]] = []
         self.lines = 0  # lines printed so far (a progress signal)
+        self.last_line = ""  # the last of them (clipped), named when a load stalls after it
         self.last_eval_tps: float | None = None  # the speed of the last request of >= MIN_SPEED_TOKENS
+        self.completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
+        self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
 
     def start(self) -> None:
         """Begin the line reader, the health watch and the exit watch."""
@@ -93,6 +100,7 @@ class ServerWatch:
         """Every line of the server's output: kept, classified, queued."""
         async for text in self.server.lines():
             self.lines += 1
+            self.last_line = text.strip()[:LAST_LINE_MAX]
             if self.log is not None:
                 with contextlib.suppress(OSError):
                     self.log.write(text + "\n")
@@ -100,6 +108,8 @@ class ServerWatch:
             speed = EVAL_SPEED.search(text)
             if speed is not None and int(speed.group(1)) >= MIN_SPEED_TOKENS:
                 self.last_eval_tps = float(speed.group(2))
+            if REQUEST_DONE.search(text):
+                self.completed_at = self._ctx.clock()
             self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
             if self._ctx.get_state().phase is Phase.STARTING:
                 self._start_timeout.extend()
@@ -144,21 +154,25 @@ class ServerWatch:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
         while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
-            round_start = ctx.clock()
             await asyncio.sleep(health.interval_s)
             if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
                 return
-            # No canary in a round where a client request completed: the traffic showed progress.
-            result = await self.probe.liveness(canary=not ctx.get_state().request_completed_since(round_start))
+            # A request that completed since the previous round (the server's own log line for it, or
+            # the front door's last_request_at) already showed progress: no canary in that round.
+            seen = [t for t in (self.completed_at, ctx.get_state().last_request_at) if t is not None]
+            result = await self.probe.liveness(completed_at=max(seen) if seen else None)
+            self.answering = result.answered
             moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             ctx.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
-                     canary_ok=result.canary_ok, busy=result.busy, progressed=result.progressed,
-                     detail=result.detail, elapsed_s=round(result.elapsed_s, 3),
+                     canary_ok=result.canary_ok, canary=result.canary.value, busy=result.busy,
+                     progressed=result.progressed, traffic=result.traffic, detail=result.detail,
+                     elapsed_s=round(result.elapsed_s, 3), silent_s=round(result.silent_s, 1),
                      cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
             ctx.post(Probe(pid, result.health_ok, result.canary_ok, result.busy,
                            result.progressed, result.detail, cpu_s=moved.cpu_s,
-                           lines=moved.lines, gpu_busy=moved.gpu_busy))
+                           lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
+                           canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok))
 
     async def _load_progress(self, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
@@ -205,7 +219,7 @@ class ServerWatch:
                     os.kill(holder, signal.SIGKILL)
             await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
         server.close_pidfd()
-        self._ctx.post(Exited(pid, code))
+        self._ctx.post(Exited(pid, code, self.last_line))
 
     async def _drain(self) -> None:
         timeout = self._ctx.get_config().schedule.drain_timeout_s

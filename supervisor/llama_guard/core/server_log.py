@@ -37,6 +37,9 @@ class Family(enum.Enum):
     ALLOC_RECOVERED = "alloc_recovered"  # llama.cpp says it recovers from the allocation failure
     # A fixed property of the binary, the driver or the card: no restart or reset can fix it.
     GPU_INCOMPATIBLE = "gpu_incompatible"
+    # The server's port is taken: another process may hold it for a while (after a crash, a
+    # client on an ephemeral port): retried within a bound, then a configuration error.
+    PORT_IN_USE = "port_in_use"
     ERROR = "error"                    # any other error or abort line (kept to name a failure)
     # An exception the server caught: it answered that request with an error and carries on.
     HANDLED_ERROR = "handled_error"
@@ -55,8 +58,8 @@ class LineClass:
 
 # Families whose lines name a failure (the "last error line" of a server that then exits).
 ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_WATCHDOG, Family.DEVICE_LOST,
-                            Family.GPU_ABORT, Family.BOOT_CONFIG, Family.LOAD_FAILED, Family.RESOURCE_LIMIT,
-                            Family.ALLOC_FAILED, Family.GPU_INCOMPATIBLE, Family.ERROR})
+                            Family.GPU_ABORT, Family.BOOT_CONFIG, Family.PORT_IN_USE, Family.LOAD_FAILED,
+                            Family.RESOURCE_LIMIT, Family.ALLOC_FAILED, Family.GPU_INCOMPATIBLE, Family.ERROR})
 
 
 _GPU_API = r"(?:CUDA|HIP|ROCm|MUSA|SYCL)"
@@ -134,6 +137,7 @@ TABLE: tuple[_Row, ...] = (
     _row(r"ggml_cuda_compute_forward: (\S+) failed", F.GPU_ABORT, _group("{0} failed on the GPU")),
     # The GPU is silently unavailable: the server would run on the CPU.
     _row(r"no usable GPU found", F.GPU_UNAVAILABLE, _fixed("no usable GPU found")),
+    _row(r"offloaded 0/(\d+) layers to GPU", F.GPU_UNAVAILABLE, _group("none of {0} layers offloaded to the GPU")),
     # Resource limits.
     _row(r"failed to mlock", F.RESOURCE_LIMIT, _fixed("failed to mlock the model", "RLIMIT_MEMLOCK")),
     _row(r"RLIMIT_MEMLOCK", F.RESOURCE_LIMIT, _fixed("memlock limit too low", "RLIMIT_MEMLOCK")),
@@ -147,8 +151,8 @@ TABLE: tuple[_Row, ...] = (
     _row(r"quantized V cache requires flash_attn", F.BOOT_CONFIG,
          _fixed("quantized V cache requires flash attention (set flash_attn = 'on')")),
     _row(r"failed to open GGUF file '([^']*)' \(([^)]*)\)", F.BOOT_CONFIG, _group("cannot open model {0}: {1}")),
-    _row(r"Address already in use", F.BOOT_CONFIG, _fixed("the port is already in use (Address already in use)")),
-    _row(r"couldn't bind HTTP server socket", F.BOOT_CONFIG,
+    _row(r"Address already in use", F.PORT_IN_USE, _fixed("the port is already in use (Address already in use)")),
+    _row(r"couldn't bind HTTP server socket", F.PORT_IN_USE,
          _fixed("couldn't bind the HTTP server socket (port in use or address unavailable)")),
     _row(r"error loading model: (.+?)\s*$", F.BOOT_CONFIG, _group("error loading model: {0}")),
     _row(r"failed to load model '?([^'\s]*)", F.BOOT_CONFIG, _group("failed to load model {0}")),

@@ -21,9 +21,9 @@ from pathlib import Path
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, spawn
+from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import ServerIdentity, child_hooks, server_identity
-from llama_guard.core.types import SpawnFailed
 from llama_guard.core.watcher import Context, Source
 from llama_guard.preflight import model_problem
 

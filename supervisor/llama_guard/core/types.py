@@ -1,11 +1,12 @@
-"""The policy's vocabulary: phases, parameters, inputs (observations), actions and the state.
+"""The policy's vocabulary: phases, parameters and the state (its inputs are in :mod:`.inputs`, its
+actions in :mod:`.actions`).
 
 Kept apart from the transitions (:mod:`llama_guard.core.policy`) so that watchers and the daemon
 can speak the policy's language without importing its rules (the model: supervisord's
 ``states.py``). Everything here is a frozen dataclass or an enum; nothing does I/O.
 
-Size (~500 lines): the whole vocabulary in one module is the point — a newcomer reads every phase,
-input and action of the policy in one place; each class is a few lines.
+Size (~400 lines): the State's fields are the policy's memory, each with the one line that says
+what it holds; splitting them would hide one from the others.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import signal
 from dataclasses import dataclass, field
 
 from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig
-from llama_guard.core.server_log import LineClass
 from llama_guard.exitcodes import EXIT_OK
 from llama_guard.output.events import EventName
 
@@ -118,6 +118,7 @@ class RestartCause(enum.Enum):
     OOM = "oom"                          # out of GPU (or host) memory: an OOM line, an allocation failure
     CUDA_ERROR = "cuda_error"            # a fatal CUDA/GPU error line or an abort after one
     HANG = "hang"                        # liveness: probes failed with no progress, hang_strikes rounds
+    COMPLETION_ERROR = "completion_error"  # /health answers but the canary completion answers HTTP 5xx
     LOAD_STALLED = "load_stalled"        # loading showed no progress signal for load_stall_s
     LOAD_TIMEOUT = "load_timeout"        # not ready within load_timeout_s
     GPU_UNAVAILABLE = "gpu_unavailable"  # the server is not on the GPU it must use
@@ -143,7 +144,10 @@ RESET_DEADLINE_MARGIN_S = 30.0
 def reset_deadline_s(recovery: RecoveryConfig, gpu: GpuConfig) -> float:
     """How long one GPU reset may take in all, seconds: the reset command, the VRAM release, the
     wait for other processes to leave, the server's stop, and :data:`RESET_DEADLINE_MARGIN_S`."""
-    return (recovery.reset_timeout_s + gpu.vram_release_timeout_s + recovery.foreign_wait_s
+    # The command may run twice (once more with persistence mode off): its own timeout must fire
+    # before this deadline, so that a stop waiting for it never outlasts it.
+    runs = 2 if recovery.reset_toggles_persistence else 1
+    return (recovery.reset_timeout_s * runs + gpu.vram_release_timeout_s + recovery.foreign_wait_s
             + recovery.stop_grace_s + RESET_DEADLINE_MARGIN_S)
 
 
@@ -169,6 +173,13 @@ class Params:
     max_resets: int = _RECOVERY.max_resets
     reset_window_s: float = _RECOVERY.reset_window_s
     reset_deadline_s: float = reset_deadline_s(_RECOVERY, _GPU)
+    # The steps of a reset, for the event that announces it: [gpu].vram_release_timeout_s,
+    # [recovery].foreign_wait_s, reset_timeout_s and whether the command may run twice
+    # (reset_toggles_persistence). reset_deadline_s bounds them all.
+    vram_release_s: float = _GPU.vram_release_timeout_s
+    foreign_wait_s: float = _RECOVERY.foreign_wait_s
+    reset_timeout_s: float = _RECOVERY.reset_timeout_s
+    reset_retry: bool = _RECOVERY.reset_toggles_persistence
     gpu_index: int | None = None  # [gpu].index, named in reset events until NVML has said which
     vram_admission: bool = False  # the GPU is watched: check its free VRAM before each start
     vram_wait_timeout_s: float = _GPU.vram_wait_timeout_s  # how long to wait for another process to free VRAM
@@ -177,357 +188,17 @@ class Params:
     load_stall_s: float = _HEALTH.load_stall_s
     # CPU seconds of the server's process tree within one liveness round that count as progress.
     progress_cpu_s: float = _HEALTH.progress_cpu_s
-
-
-# ---------------------------------------------------------------- inputs (observations)
-
-class Input:
-    """Base of every observation the daemon feeds to :func:`decide`."""
-
-
-@dataclass(frozen=True)
-class Boot(Input):
-    """The daemon has passed its preflight and wants a server."""
-
-
-@dataclass(frozen=True)
-class Spawned(Input):
-    """The executor started llama-server as ``pid`` (its own process group) with ``argv``."""
-
-    pid: int
-    argv: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SpawnFailed(Input):
-    """llama-server could not be started: ``exec`` failed (binary missing, not executable …;
-    ``fatal``: a configuration error, exit 78), or a precondition refused this start (``fatal``
-    False: counted as a failure, retried after the backoff)."""
-
-    reason: str
-    fatal: bool = True
-
-
-@dataclass(frozen=True)
-class NotOnGpu(Input):
-    """Server ``pid`` answers /health but never appeared on the GPU: it silently runs on the CPU."""
-
-    pid: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class GpuFault(Input):
-    """The GPU is lost (``kind`` GPU_LOST) or reported an Xid (``kind`` XID).
-
-    ``action`` and ``scope`` are the Xid table's row; a lost GPU is RESET_ONCE_THEN_ESCALATE.
-    The policy acts on an APP-scope Xid only when ``faulting_pid`` is its server.
-    """
-
-    kind: GpuFaultKind
-    reason: str
-    action: XidAction = XidAction.RESET_ONCE_THEN_ESCALATE
-    xid: int | None = None
-    scope: XidScope = XidScope.DEVICE
-    faulting_pid: int | None = None   # the kernel's ``pid=`` (None: NVML alone, or not named)
-    faulting_name: str | None = None  # the kernel's ``name=``
-    origin: XidOrigin = XidOrigin.NVML
-    gpu_index: int | None = None
-    line: str = ""                    # the kernel-log text, when there is one
-    # Xid 154 (FOLLOW_RECOVERY_ACTION): what the driver asks for, from the kernel line or NVML's
-    # recovery-action field (None: neither said).
-    recovery: RecoveryAction | None = None
-    watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
-
-
-@dataclass(frozen=True)
-class GpuHolder:
-    """A process other than our server holding memory on the GPU: ``pid``, its VRAM in MiB
-    (None when NVML does not say), its name ("?" when unreadable)."""
-
-    pid: int
-    used_mib: int | None
-    name: str
-
-
-@dataclass(frozen=True)
-class ResetFacts(Input):
-    """The answer to :class:`InspectGpu`: what stands between us and a GPU reset (facts only; the
-    policy decides to skip, run, refuse or escalate).
-
-    ``gpu_index``: NVML's index of the GPU (None when unknown). ``previous_released``: the server
-    that was stopped has left the GPU (True when there was none), after ``waited_s`` seconds.
-    ``holders``: other processes still on the GPU after ``[recovery].foreign_wait_s``.
-    ``can_run``: the reset command can run under our credentials; ``cannot_run`` says why not.
-    """
-
-    gpu_index: int | None
-    previous_released: bool
-    waited_s: float
-    holders: tuple[GpuHolder, ...]
-    can_run: bool
-    cannot_run: str = ""
-
-
-@dataclass(frozen=True)
-class ResetDone(Input):
-    """The answer to :class:`RunReset`: what the reset command did (facts; the policy judges).
-
-    ``exit_status`` None when it could not be started or was killed at its timeout;
-    ``output`` what it printed (one line, trimmed); ``verified``: afterwards NVML answers and no
-    process holds the GPU; ``detail`` one line saying all that; ``fields`` extra event fields.
-    """
-
-    gpu_index: int | None
-    command: str
-    exit_status: int | None
-    output: str
-    verified: bool
-    detail: str
-    fields: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        """The command exited 0 and the GPU verified."""
-        return self.exit_status == 0 and self.verified
-
-
-@dataclass(frozen=True)
-class VramFacts(Input):
-    """The answer to :class:`CheckVram`: the GPU's free VRAM (MiB), what this server needs (MiB:
-    its measured use at the last good start, else ``[gpu].expected_vram_mib``; None when unknown)
-    and the other processes holding VRAM. All None/empty when the GPU cannot be read; ``error``
-    says why when the check failed or did not answer within its deadline (then already reported
-    as ``gpu_vram_check_failed``)."""
-
-    gpu_index: int | None
-    free_mib: int | None
-    need_mib: int | None
-    holders: tuple[GpuHolder, ...] = ()
-    error: str = ""
-    # NVML's recovery-action field read with the sample (None: not readable on this driver/GPU).
-    recovery: RecoveryAction | None = None
-
-
-@dataclass(frozen=True)
-class Line(Input):
-    """One classified line of the server's stdout/stderr."""
-
-    pid: int
-    verdict: LineClass
-    text: str
-
-
-@dataclass(frozen=True)
-class HealthOk(Input):
-    """``GET /health`` answered 200 for server ``pid`` (and, with a GPU, it runs there).
-    ``port_pid``/``port_comm``: the process listening on the port when it is not ``pid`` itself
-    but a descendant (``binary`` is a wrapper that forks the real llama-server)."""
-
-    pid: int
-    port_pid: int | None = None
-    port_comm: str = ""
-
-
-@dataclass(frozen=True)
-class Probe(Input):
-    """One liveness round against a ready server.
-
-    ``health_ok``: /health answered 200 in time. ``canary_ok``: a 1-token completion finished
-    in time (None when not attempted). ``busy``: a slot is processing. ``progressed``: the
-    server's decode counters moved since the previous round. The progress signals that do not
-    depend on the server's HTTP loop: ``cpu_s``, CPU seconds (user + system) its process tree
-    used since the previous round (None: unknown); ``lines``, output lines it printed since then;
-    ``gpu_busy``, whether a GPU watcher saw this pid use the GPU (None: no watcher says).
-    A probe that timed out is unknown, not stuck: only a round without an answer *and* without
-    progress counts against the server.
-    """
-
-    pid: int
-    health_ok: bool
-    canary_ok: bool | None
-    busy: bool
-    progressed: bool
-    detail: str = ""
-    cpu_s: float | None = None
-    lines: int = 0
-    gpu_busy: bool | None = None
-
-
-@dataclass(frozen=True)
-class LoadProgress(Input):
-    """While server ``pid`` loads, a progress signal moved: ``signals`` names which ("lines",
-    "cpu", "http" for any answer of /health, 503 included)."""
-
-    pid: int
-    signals: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Exited(Input):
-    """Server ``pid`` exited: ``returncode`` as from waitpid, negative for a signal."""
-
-    pid: int
-    returncode: int | None
-
-
-@dataclass(frozen=True)
-class Tick(Input):
-    """Time passed: deadlines (load, backoff, stop, drain, stability) are checked."""
-
-
-@dataclass(frozen=True)
-class StopRequest(Input):
-    """SIGTERM/SIGINT: stop the server and exit 0; ``immediate`` (a second signal) kills at once."""
-
-    reason: str
-    immediate: bool = False
-
-
-@dataclass(frozen=True)
-class RestartRequest(Input):
-    """A graceful (drained) restart: SIGUSR1, ``llama-guard restart``, the schedule, a decay
-    trigger, a reload (``cause``; the policy names the event after it)."""
-
-    reason: str
-    cause: RestartCause = RestartCause.OPERATOR
-    drain: bool = True
-
-
-@dataclass(frozen=True)
-class Drained(Input):
-    """No slot of server ``pid`` is processing any more."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class ParamsChanged(Input):
-    """A reload validated new parameters; ``server_changed`` when llama-server's argv changed."""
-
-    params: Params
-    server_changed: bool
-
-
-@dataclass(frozen=True)
-class RequestCompleted(Input):
-    """The front door saw a client request to server ``pid`` answered in full with a 2xx status: real
-    traffic, the first liveness signal (progress)."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class StreamStalled(Input):
-    """A response from server ``pid`` had begun and then got no byte for ``stalled_s`` seconds
-    (``[front].stall_timeout_s``): a decode that stopped under a client."""
-
-    pid: int
-    stalled_s: float
-
-
-@dataclass(frozen=True)
-class UpstreamError(Input):
-    """Server ``pid`` answered a client request with HTTP ``status`` (5xx)."""
-
-    pid: int
-    status: int
-
-
-# ---------------------------------------------------------------- actions
-
-class Action:
-    """Base of every effect :func:`decide` asks for."""
-
-
-@dataclass(frozen=True)
-class Spawn(Action):
-    """Start llama-server from the current configuration; answer Spawned or SpawnFailed."""
-
-
-@dataclass(frozen=True)
-class Terminate(Action):
-    """SIGTERM to the server's process group."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class Kill(Action):
-    """SIGKILL to the server's process group."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class Emit(Action):
-    """Report health event ``name`` (events.CATALOG) with ``fields``."""
-
-    name: EventName
-    fields: dict[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class NotifyReady(Action):
-    """Tell the service manager the server is ready (sd_notify READY=1)."""
-
-
-@dataclass(frozen=True)
-class StartDrain(Action):
-    """Watch ``/slots`` of ``pid`` and answer Drained once no slot is processing."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class PlannedRestart(Action):
-    """Observers only (the restart record): a planned restart of server ``pid`` (None while its
-    spawn has not answered) begins, for ``cause``, after ``uptime_s`` seconds of serving."""
-
-    pid: int | None
-    cause: RestartCause
-    reason: str
-    uptime_s: float
-
-
-@dataclass(frozen=True)
-class PlannedStop(Action):
-    """Observers only: the server of a planned restart is being stopped now; ``drained`` when its
-    slots went idle first (False: the drain timed out, or there was none)."""
-
-    pid: int
-    drained: bool
-
-
-@dataclass(frozen=True)
-class CheckVram(Action):
-    """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
-
-
-@dataclass(frozen=True)
-class InspectGpu(Action):
-    """Before a reset: wait (bounded) for ``previous_pid`` to leave the GPU and for other
-    processes to let go, then answer :class:`ResetFacts`. Nothing is changed on the GPU."""
-
-    previous_pid: int | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class RunReset(Action):
-    """Run the reset command on GPU ``gpu_index`` (our NVML session released meanwhile), verify
-    the GPU, and answer :class:`ResetDone`."""
-
-    gpu_index: int | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class ExitDaemon(Action):
-    """The daemon exits with ``code`` (exitcodes)."""
-
-    code: int
-    reason: str
+    model_path: str = ""  # [server].model, named in a boot failure about the model file
+    offload_layers: int = 0  # [server].n_gpu_layers: layers llama-server is asked to put on a GPU
+    # The same failure on this many consecutive starts (before ready, or before stable_after_s) is
+    # a verdict (exit 78) instead of a restart (core/policy/repeat.py).
+    identical_failures: int = 3
+    # ... and the confirming start waits until this long after the chain's first failure, seconds.
+    repeat_confirm_s: float = _RECOVERY.repeat_confirm_s
+    port: int = 8080            # [server].port
+    port_wait_s: float = _RECOVERY.port_wait_s  # a port taken by another process is retried this long, then exit 78
+    port_retry_s: float = 2.0   # ... every this many seconds
+    silent_limit_s: float = _HEALTH.silent_limit_s  # no HTTP answer this long: hung, whatever the CPU does
 
 
 # ---------------------------------------------------------------- state
@@ -560,6 +231,7 @@ class State:
     reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
+    on_cpu_reported: bool = False  # server_on_cpu was reported for the current server
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
     vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
     vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
@@ -568,7 +240,16 @@ class State:
     last_progress_at: float | None = None  # the last progress signal of a loading server
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
-    boot_signature: str = ""    # how the previous start ended before its first ready ("" if not so)
+    boot_signature: str = ""    # how the previous failed start ended, if it says something about the binary
+    identical: int = 0          # how many consecutive starts ended that way
+    identical_since: float = 0.0  # when the first of them failed (monotonic seconds)
+    last_line: str = ""         # the last line the failed server printed (Exited)
+    failure_line: str = ""      # the server's line that decided the current failure (a fault, no GPU)
+    build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
+    reset_command_at: float | None = None  # while RESETTING: when the reset command was started
+    port_taken: bool = False    # the current server said its port is taken
+    port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
+    port_holder: tuple[int | None, str] | None = None  # (pid, name) holding it, as last found
     watchdog_hits: tuple[float, ...] = ()  # when a launch-watchdog timeout stopped a server (window)
     crashes: tuple[tuple[float, str], ...] = ()  # (when, signature) of crashes after ready (window)
     last_request_at: float | None = None  # when the front door last saw a request completed (progress)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import Action, Input, ResetDone, ResetFacts, State, VramFacts
+from llama_guard.core.actions import Action
+from llama_guard.core.inputs import Input, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.types import State
 from llama_guard.output.events import EmitFn
 
 

@@ -31,7 +31,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from llama_guard.core.types import Input, RequestCompleted, UpstreamError
+from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import error_event, is_sse

@@ -15,7 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from llama_guard.config import Config
-from llama_guard.core.types import Action, StreamStalled
+from llama_guard.core.actions import Action
+from llama_guard.core.inputs import StreamStalled
 from llama_guard.core.watcher import Context, Source
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp

@@ -522,6 +522,35 @@ class Nvml:
                 self._release()
                 raise
 
+    def process_busy(self, pids: frozenset[int], since_us: int) -> tuple[bool, int]:
+        """Whether any of ``pids`` used the GPU (SM or memory utilisation above 0 %) in a sample
+        newer than ``since_us``, and the newest sample's timestamp (pass it as the next
+        ``since_us``). From ``nvmlDeviceGetProcessUtilization`` (NVIDIA NVML API reference, "Device
+        Queries"): per-process samples the driver keeps with CPU timestamps in microseconds. NVML
+        answers NOT_FOUND when no process has a sample since ``since_us`` (and this pynvml raises
+        status 0 for an empty answer): nobody used the GPU, False. Raises like :meth:`sample`, and
+        :class:`NotSupported` where the GPU keeps no per-process samples."""
+        with self._lock:
+            self.open()
+            try:
+                samples = self._dev("nvmlDeviceGetProcessUtilization", since_us)
+            except NvmlError as exc:
+                if exc.code in (0, 6):  # NOT_FOUND (or an empty answer): no sample since since_us
+                    return False, since_us
+                if isinstance(exc, _SESSION_ERRORS):
+                    self._release()
+                raise
+        newest, busy = since_us, False
+        for sample in samples:
+            stamp = int(sample.timeStamp)
+            if stamp <= since_us:
+                continue
+            newest = max(newest, stamp)
+            # An unavailable figure reads as 0xFFFFFFFF on some drivers: only 1..100 % counts.
+            if int(sample.pid) in pids and any(0 < int(v) <= 100 for v in (sample.smUtil, sample.memUtil)):
+                busy = True
+        return busy, newest
+
     def memory_interface(self) -> tuple[int, int]:
         """``(bus width in bits, max memory clock in MHz)`` (``nvmlDeviceGetMemoryBusWidth``,
         ``nvmlDeviceGetMaxClockInfo(NVML_CLOCK_MEM)``), for the bandwidth ceiling. Raises like

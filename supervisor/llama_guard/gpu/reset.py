@@ -1,9 +1,9 @@
 """The GPU reset executor: it gathers the facts a reset depends on and runs the reset command.
 
 It decides nothing: :meth:`ResetExecutor.inspect` reports who holds the GPU and whether the
-command can run under our credentials (:class:`~llama_guard.core.types.ResetFacts`), and
+command can run under our credentials (:class:`~llama_guard.core.inputs.ResetFacts`), and
 :meth:`ResetExecutor.run` reports what the command did and whether the GPU verified afterwards
-(:class:`~llama_guard.core.types.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
+(:class:`~llama_guard.core.inputs.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
 to skip, run, refuse or escalate, and keeps the reset budget.
 
 Source of the mechanics: NVIDIA's nvidia-smi documentation (docs/gpu.md) —
@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import psutil
 
 from llama_guard.config import Config
+from llama_guard.core.inputs import GpuHolder, ResetDone, ResetFacts
 from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
-from llama_guard.core.types import GpuHolder, ResetDone, ResetFacts
 from llama_guard.gpu.nvml import Nvml, NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released

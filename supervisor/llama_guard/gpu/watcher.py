@@ -18,23 +18,17 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import (
-    GpuFault,
-    GpuFaultKind,
-    Phase,
-    RecoveryAction,
-    ResetDone,
-    ResetFacts,
-    VramFacts,
-    XidAction,
-)
+from llama_guard.core.types import GpuFaultKind, Phase, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NvmlHung, describe
+from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
@@ -77,6 +71,8 @@ class GpuSource(Source):
         self.thread_error: str = ""
         """Set when a watch thread failed for good: the sampler task raises it (supervised)."""
         self.nvml: Nvml | None = None
+        self._util_since_us = 0  # NVML timestamp of the newest per-process utilisation sample seen
+        self._util_unsupported = False
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
@@ -492,6 +488,23 @@ class GpuSource(Source):
     def _resume_xid(self) -> None:
         if not self._stop.is_set():
             self._xid_halt.clear()
+
+    def gpu_busy(self, pid: int) -> bool | None:
+        """Whether server ``pid`` or a descendant (a wrapper's real llama-server) used the GPU since
+        the previous call, from NVML's per-process utilisation samples (:meth:`Nvml.process_busy`).
+        None when the watch is off or this GPU keeps no such samples (then never asked again in
+        this session) or NVML fails. Called from the progress sampler's worker thread."""
+        if self.nvml is None or self._util_unsupported:
+            return None
+        try:
+            pids = frozenset({pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))})
+            busy, self._util_since_us = self.nvml.process_busy(pids, self._util_since_us)
+        except NotSupported:
+            self._util_unsupported = True
+            return None
+        except (NvmlError, psutil.Error):
+            return None
+        return busy
 
     def last_sample(self) -> GpuSample | None:
         """The latest NVML sample of the watched GPU (frozen); None while the watch is off or before

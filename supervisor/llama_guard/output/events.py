@@ -64,6 +64,7 @@ EventName = Literal[
     "server_cuda_error",
     "server_gpu_unavailable",
     "server_hang",
+    "server_completion_error",
     "server_load_timeout",
     "server_load_stalled",
     "server_alloc_recovered",
@@ -126,6 +127,10 @@ EventName = Literal[
     "front_held",
     "server_stream_stalled",
     "server_http_errors",
+    "gpu_reset_started",
+    "server_failure_repeated",
+    "server_on_cpu",
+    "server_port_taken",
 ]
 
 
@@ -150,6 +155,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "llama-server pid {server_pid} found no usable GPU and would run on the CPU: {line}"),
         EventSpec("server_hang", _S.ERROR,
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
+        EventSpec("server_completion_error", _S.ERROR,
+                  "llama-server pid {server_pid} answers /health but its completions fail: HTTP {status_code}: "
+                  "{error} ({failures} rounds in a row)"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
         EventSpec("server_load_stalled", _S.ERROR,
@@ -190,6 +198,17 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("gpu_watchdog_repeated", _S.WARNING,
                   "the launch watchdog ended llama-server's GPU work {count} times in {window_s:.0f} s: {advice}"),
         EventSpec("gpu_xid_unparsed", _S.WARNING, "GPU {gpu_index}: an Xid line could not be parsed: {line}"),
+        EventSpec("server_port_taken", _S.WARNING,
+                  "llama-server's port {port} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
+                  "(taken for {waited_s:.0f} s so far)"),
+        EventSpec("server_on_cpu", _S.WARNING,
+                  "llama-server pid {server_pid} was asked to offload {n_gpu_layers} layers but runs on the CPU: "
+                  "{cause}; {fix}"),
+        EventSpec("server_failure_repeated", _S.ERROR,
+                  "llama-server fails the same way right after each start; not restarting again: {cause}"),
+        EventSpec("gpu_reset_started", _S.NOTICE,
+                  "GPU {gpu_index} reset begins after {trigger}; it waits for {waits_for} "
+                  "(at most {deadline_s:.0f} s)"),
         EventSpec("gpu_reset", _S.NOTICE, "GPU {gpu_index} reset {outcome}: {reason}"),
         EventSpec("gpu_power_ok", _S.INFO, "GPU {gpu_index} power back to {gpu_power_w:.0f} W"),
         EventSpec("gpu_throttle_ok", _S.INFO, "GPU {gpu_index} is no longer throttled"),

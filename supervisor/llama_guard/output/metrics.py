@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from llama_guard.core.types import Action, Emit, Phase
+from llama_guard.core.actions import Action, Emit
+from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample

@@ -5,29 +5,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llama_guard.core.types import Phase, State
 from llama_guard.core.watcher import Source
+from llama_guard.output.instance import InstanceName, NameTaken, port_key
 from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 
 RECENT_EVENTS = 10  # how many of the latest events the snapshot carries
 
 
-def status_line(state: State, now: float, last_eval_tps: float | None, sources: Iterable[Source]) -> str:
+@dataclass(frozen=True)
+class Liveness:
+    """The serving server's answers to liveness rounds: ``answering``, the last round got an HTTP
+    answer; ``silent_s``, seconds since the server last answered any request."""
+
+    answering: bool
+    silent_s: float
+
+
+def status_line(state: State, now: float, last_eval_tps: float | None, sources: Iterable[Source],
+                liveness: Liveness | None = None) -> str:
     """One human line: ``ready: pid 4242, 38.6 tok/s last request, GPU 0 61°C 212 W, 2 restarts``.
 
     ``now``: monotonic seconds (the backoff's remaining time); ``last_eval_tps``: the speed of the
-    running server's last request (tokens/s), shown while it serves."""
+    running server's last request (tokens/s), shown while it serves; ``liveness``: said when the
+    server stopped answering."""
     pid = f" pid {state.pid}" if state.pid else ""
     extra = ""
     if state.phase is Phase.BACKOFF and state.deadline is not None:
         extra = f", next start in {max(0.0, state.deadline - now):.1f} s"
+    if liveness is not None and not liveness.answering and state.phase in (Phase.READY, Phase.DRAINING):
+        extra += f", not answering for {liveness.silent_s:.0f} s"
     if last_eval_tps is not None and state.phase in (Phase.READY, Phase.DRAINING):
         extra += f", {last_eval_tps:.1f} tok/s last request"
     for source in sources:
@@ -48,9 +64,11 @@ def _safe_snapshot(source: Source) -> dict[str, Any] | None:
 
 
 def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, Any]],
-             sources: Iterable[Source]) -> dict[str, Any]:
-    """The ``status.json`` document: the policy state, the status ``line``, the latest events and
-    each source's own section (under its name; a source whose snapshot raises is left out)."""
+             sources: Iterable[Source], liveness: Liveness | None = None) -> dict[str, Any]:
+    """The ``status.json`` document: the policy state, the status ``line``, the latest events,
+    ``liveness`` (null before the first round of a serving server) and each source's own section
+    (under its name; a source whose snapshot raises is left out)."""
+    serving = liveness is not None and state.phase in (Phase.READY, Phase.DRAINING)
     return {
         "daemon_pid": os.getpid(),
         "phase": state.phase.value,
@@ -62,22 +80,61 @@ def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, 
         "last_failure": state.last_failure,
         "updated": time.time(),
         "events": list(recent)[-RECENT_EVENTS:],
+        "liveness": ({"answering": liveness.answering, "silent_s": round(liveness.silent_s, 1)}
+                     if serving and liveness is not None else None),
         **{src.name: snap for src in sources if (snap := _safe_snapshot(src)) is not None},
     }
 
 
 class RuntimeFiles:
-    """The lock and the status file under ``[runtime].dir``; ``emit`` reports failed writes
-    (``status_write_failed``)."""
+    """This instance's identity and files: the runtime directory's lock (and name), the name of
+    llama-server's port (:mod:`llama_guard.output.instance`: both outlive a deleted directory)
+    and the status file; ``emit`` reports failed writes (``status_write_failed``)."""
 
-    def __init__(self, directory: Path, emit: Callable[..., None]) -> None:
+    def __init__(self, directory: Path, port: int, emit: Callable[..., None]) -> None:
         self._emit = emit
         self.lock = RuntimeLock(directory)
+        self.port_name = InstanceName(port_key(port))
         self.status_file = self._status_file(directory)
+        self._answered: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _status_file(self, directory: Path) -> StatusFile:
         return StatusFile(directory, on_error=lambda reason: self._emit(
             "status_write_failed", runtime_dir=str(directory), reason=reason))
+
+    def acquire(self, port: int) -> None:
+        """Take the directory's lock and name, then the port's name; raises AlreadyRunning (naming
+        the holder) or OSError, holding nothing."""
+        self.lock.acquire()
+        try:
+            self.port_name.bind()
+        except NameTaken as exc:
+            self.lock.release()
+            raise AlreadyRunning(self.lock.dir, exc.pid or None, f"it serves llama-server's port {port}") from None
+        except OSError:
+            self.lock.release()
+            raise
+
+    def answer(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Accept (and close) connections to the held names from ``loop`` (None: stop), so that
+        ``status``, ``restart`` or a second daemon asking who holds them never fill their backlog."""
+        if self._loop is not None:
+            for fd in self._answered:
+                self._loop.remove_reader(fd)
+        self._answered, self._loop = [], loop
+        if loop is None:
+            return
+        for name in (*self.lock.names, self.port_name):
+            if name.fileno() >= 0:
+                loop.add_reader(name.fileno(), name.answer)
+                self._answered.append(name.fileno())
+
+    def release(self) -> None:
+        """Give everything back; never raises."""
+        self.answer(None)
+        self.lock.release()
+        self.port_name.release()
 
     def switch(self, new: Path) -> str:
         """Move to directory ``new``: lock it, drop the old status file, release the old lock.
@@ -87,8 +144,25 @@ class RuntimeFiles:
             lock.acquire()
         except (AlreadyRunning, OSError) as exc:
             return str(exc)
+        loop = self._loop
+        self.answer(None)
         self.status_file.remove()
         self.lock.release()
         self.lock = lock
         self.status_file = self._status_file(new)
+        self.answer(loop)
+        return ""
+
+    def switch_port(self, port: int) -> str:
+        """Hold the name of llama-server's new ``port`` instead of the old one; "" or why not."""
+        name = InstanceName(port_key(port))
+        try:
+            name.bind()
+        except (NameTaken, OSError) as exc:
+            return f"{exc} (another llama-guard serves port {port})"
+        loop = self._loop
+        self.answer(None)
+        self.port_name.release()
+        self.port_name = name
+        self.answer(loop)
         return ""

@@ -2,12 +2,14 @@
 
 ``status.json`` is rewritten atomically (write to a temporary file, then rename) on every phase
 change; ``llama-guard.pid`` holds the daemon's pid for ``llama-guard restart``, written the same
-way. Both are mode 0600 and the directory llama-guard creates is 0700 (systemd's
-``RuntimeDirectoryMode=0700``). ``llama-guard.lock`` is held with ``flock`` for the daemon's
-life (:class:`RuntimeLock`): a second daemon on the same directory refuses to start and names
-the first. A status file that cannot be written is reported once (through ``on_error``: the daemon
-makes it the ``status_write_failed`` event) and otherwise ignored: status is a convenience,
-never a reason to stop supervising; a failed write never leaves an empty pid file.
+way and rewritten whenever it no longer names the daemon. Both are mode 0600 and the directory
+llama-guard creates is 0700 (systemd's ``RuntimeDirectoryMode=0700``). ``llama-guard.lock`` is
+held with ``flock`` for the daemon's life (:class:`RuntimeLock`), together with an abstract socket
+name keyed by the directory (:mod:`.instance`) that survives the directory's deletion: a second
+daemon of the same instance refuses to start and names the first. A status file that cannot be
+written is reported once (through ``on_error``: the daemon makes it the ``status_write_failed``
+event) and otherwise ignored: status is a convenience, never a reason to stop supervising; a
+failed write never leaves an empty pid file.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from llama_guard.output.instance import InstanceName, NameTaken, dir_key, holder
 from llama_guard.paths import read_regular
 
 STATUS_NAME = "status.json"
@@ -66,36 +70,56 @@ def make_runtime_dir(directory: Path) -> None:
 
 
 class AlreadyRunning(Exception):
-    """Another llama-guard holds the runtime directory's lock; ``pid`` is its pid (None if unknown)."""
+    """Another llama-guard holds the runtime directory's lock or this instance's name; ``pid`` is
+    its pid (None if unknown)."""
 
-    def __init__(self, directory: Path, pid: int | None) -> None:
+    def __init__(self, directory: Path, pid: int | None, what: str = "") -> None:
         who = f"llama-guard pid {pid}" if pid else "another llama-guard"
-        super().__init__(f"{who} already runs on {directory} (it holds {directory / LOCK_NAME}); "
-                         "refusing to start a second llama-server")
+        held = what or f"it holds {directory / LOCK_NAME}"
+        super().__init__(f"{who} already runs on {directory} ({held}); refusing to start a second llama-server")
         self.pid = pid
 
 
 class RuntimeLock:
-    """An exclusive ``flock`` on ``<dir>/llama-guard.lock``, whose content is the holder's pid.
+    """This instance's identity, held for the daemon's life: the abstract name of its runtime
+    directory (:mod:`.instance`) and an exclusive ``flock`` on ``<dir>/llama-guard.lock``, whose
+    content is the holder's pid. (The daemon holds llama-server's port name beside it.)
 
-    The kernel drops the lock when the holder exits, however it exits, so a stale lock file never
-    blocks a start. The file is never deleted (deleting it would let two daemons lock two files).
+    The kernel drops all of it when the holder exits, however it exits, so nothing stale blocks a
+    start. The lock file is never deleted (deleting it would let two daemons lock two files); when
+    someone else deletes it, or the whole directory, the names still refuse a second daemon.
     """
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self._fd: int | None = None
+        self.names: list[InstanceName] = []
 
     def acquire(self) -> None:
-        """Take the lock or raise :class:`AlreadyRunning` (naming the holder) or OSError."""
+        """Take the names and the lock or raise :class:`AlreadyRunning` (naming the holder) or
+        OSError. Nothing is held after a failure."""
+        name = InstanceName(dir_key(self.dir))
+        try:
+            try:
+                name.bind()
+            except NameTaken as exc:
+                raise AlreadyRunning(self.dir, exc.pid or None, "it holds this runtime directory's name, "
+                                     "which outlives the directory") from None
+            self.names.append(name)
+            self._lock_file()
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock_file(self) -> None:
         make_runtime_dir(self.dir)
         fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_pid_text(os.pread(fd, 32, 0).decode(errors="replace"))
+            holder_pid = _read_pid_text(os.pread(fd, 32, 0).decode(errors="replace"))
             os.close(fd)
-            raise AlreadyRunning(self.dir, holder) from None
+            raise AlreadyRunning(self.dir, holder_pid) from None
         except OSError:
             os.close(fd)
             raise
@@ -104,11 +128,21 @@ class RuntimeLock:
         self._fd = fd
 
     def release(self) -> None:
-        """Drop the lock (the file stays); never raises."""
+        """Drop the lock (the file stays) and the names; never raises."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        for name in self.names:
+            name.release()
+        self.names = []
+
+
+def holder_of(directory: Path) -> int | None:
+    """The pid of the daemon whose ``[runtime].dir`` is ``directory`` — the holder of its name —
+    or None when none runs (0: one runs but its pid could not be read). Not the pid file: that
+    can be stale, overwritten or deleted."""
+    return holder(dir_key(directory))
 
 
 def _read_pid_text(text: str) -> int | None:
@@ -117,6 +151,14 @@ def _read_pid_text(text: str) -> int | None:
     except ValueError:
         return None
     return pid if pid > 0 else None
+
+
+def _names_me(pidfile: Path) -> bool:
+    """Whether ``pidfile`` is a regular file that holds this process's pid (and nothing else)."""
+    try:
+        return read_regular(pidfile).decode(errors="replace") == f"{os.getpid()}\n"
+    except OSError:
+        return False
 
 
 class StatusFile:
@@ -128,15 +170,14 @@ class StatusFile:
         self.dir = directory
         self._on_error = on_error
         self._warned = False
-        self._pid_written = False
 
     def write(self, snapshot: dict[str, Any]) -> None:
         """Replace the snapshot atomically; never raises."""
         try:
             make_runtime_dir(self.dir)
-            if not self._pid_written or not (self.dir / PID_NAME).is_file():  # the dir may have been removed
+            # Kept true: the directory may have been removed, the file overwritten or replaced.
+            if not _names_me(self.dir / PID_NAME):
                 write_private(self.dir / PID_NAME, f"{os.getpid()}\n")
-                self._pid_written = True
             write_private(self.dir / STATUS_NAME, json.dumps(snapshot, indent=1, default=str) + "\n")
         except OSError as exc:
             if not self._warned:
@@ -204,3 +245,33 @@ def read_pid(directory: Path) -> int | None:
     if pid <= 0 or not is_llama_guard(pid):
         return None
     return pid
+
+
+@dataclass(frozen=True)
+class Located:
+    """The daemon of one runtime directory as ``status`` and ``restart`` find it: ``pid`` the holder
+    of the directory's name (None: no daemon runs for it); ``note`` says what did not agree (a pid
+    file that names another process), "" when all agreed."""
+
+    pid: int | None
+    note: str = ""
+
+
+def locate_daemon(directory: Path) -> Located:
+    """Which llama-guard serves ``directory``: the holder of its name (:func:`holder_of`), checked
+    to be llama-guard by its command line; the pid file only when the holder's pid cannot be read.
+    Never another instance's pid, whatever the pid file says. Raises PermissionError when the pid
+    file may not be read."""
+    file_pid = read_pid(directory)
+    held = holder_of(directory)
+    if held is None:
+        note = (f"{directory / PID_NAME} names llama-guard pid {file_pid}, which does not serve {directory} "
+                "(a stale pid file, or another instance's)") if file_pid is not None else ""
+        return Located(None, note)
+    if held == 0:  # held, but the holder's pid was not given (its loop is busy): the pid file, if it agrees
+        return Located(file_pid, "" if file_pid else f"a daemon holds {directory}'s name but its pid is unknown")
+    if not is_llama_guard(held):
+        return Located(None, f"pid {held} holds {directory}'s name but is not llama-guard")
+    note = "" if file_pid == held else (f"{directory / PID_NAME} names {file_pid or 'no live llama-guard'}; "
+                                        f"the daemon of {directory} is pid {held}")
+    return Located(held, note)

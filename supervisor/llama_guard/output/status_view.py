@@ -3,7 +3,9 @@
 
 JSON schema 1 (docs/status.md): every key of the snapshot as the daemon wrote it (``daemon_pid``,
 ``phase``, ``server_pid``, ``base_url``, ``status``, ``restarts``, ``recent_failures``, ``last_failure``,
-``updated``, ``events``, and one object per watcher: ``gpu``, ``limits``, ``planned_restarts``,
+``updated``, ``events``, ``liveness`` (``answering``: the server answered the last liveness
+round; ``silent_s``: seconds since it last answered any request; null before the first round),
+and one object per watcher: ``gpu``, ``limits``, ``planned_restarts``,
 ``metrics``, ``front``), plus ``schema`` (1), ``ready`` (bool), ``snapshot_age_s``, ``daemon_uptime_s`` and
 ``server_uptime_s`` (seconds, null when unknown). Keys are only ever added within a schema version.
 
@@ -42,7 +44,7 @@ def document(snap: dict[str, Any], *, now: float | None = None) -> dict[str, Any
     """The ``--json`` document (schema 1) for ``snap``."""
     now = time.time() if now is None else now
     updated = snap.get("updated")
-    return {"schema": SCHEMA, **snap, "ready": snap.get("phase") == "ready",
+    return {"schema": SCHEMA, **snap, "ready": is_ready(snap),
             "snapshot_age_s": round(now - float(updated), 3) if isinstance(updated, (int, float)) else None,
             "daemon_uptime_s": _round(_uptime(snap.get("daemon_pid"), now)),
             "server_uptime_s": _round(_uptime(snap.get("server_pid"), now))}
@@ -52,11 +54,20 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
+def is_ready(snap: dict[str, Any]) -> bool:
+    """Ready: the phase is ``ready`` and the server answered the last liveness round (the
+    snapshot's ``liveness.answering``; a server whose every probe times out is not ready, even
+    while its progress signals keep it from being called hung)."""
+    liveness = snap.get("liveness")
+    answering = liveness.get("answering", True) if isinstance(liveness, dict) else True
+    return snap.get("phase") == "ready" and answering is not False
+
+
 def exit_code(snap: dict[str, Any] | None) -> int:
     """0 ready, 1 running but not ready, 3 not running."""
     if snap is None:
         return EXIT_NOT_RUNNING
-    return EXIT_READY if snap.get("phase") == "ready" else EXIT_NOT_READY
+    return EXIT_READY if is_ready(snap) else EXIT_NOT_READY
 
 
 def duration(seconds: float | None) -> str:
@@ -77,7 +88,8 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
     """The human layout of a :func:`document`: no raw JSON."""
     now = clock()
     lines = [f"llama-guard pid {doc.get('daemon_pid')}: {doc.get('phase', '?')}"
-             f"{'' if doc.get('ready') else ' (server NOT ready)'}, up {duration(doc.get('daemon_uptime_s'))}"
+             f"{'' if doc.get('ready') else ' (server NOT ready' + _silence(doc) + ')'}"
+             f", up {duration(doc.get('daemon_uptime_s'))}"
              f"  (snapshot {duration(doc.get('snapshot_age_s'))} old)"]
     rows: list[tuple[str, str]] = []
     server_pid = doc.get("server_pid")
@@ -135,6 +147,14 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ev.get("time", 0))))
             lines.append(f"    {stamp} {ev.get('event')}: {ev.get('message')}")
     return lines
+
+
+def _silence(doc: dict[str, Any]) -> str:
+    """``: no HTTP answer for 12 s`` when the ready server stopped answering its probes."""
+    liveness = doc.get("liveness")
+    if doc.get("phase") == "ready" and isinstance(liveness, dict) and liveness.get("answering") is False:
+        return f": no HTTP answer for {duration(liveness.get('silent_s'))}"
+    return ""
 
 
 def _gpu_line(gpu: Any) -> str:

@@ -37,18 +37,11 @@ import httpx
 
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.actions import Action, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
-from llama_guard.core.types import (
-    Action,
-    NotifyReady,
-    Phase,
-    PlannedRestart,
-    PlannedStop,
-    RestartCause,
-    RestartRequest,
-    StartDrain,
-)
+from llama_guard.core.types import Phase, RestartCause
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError

@@ -14,8 +14,10 @@ The modules, one job each: :mod:`.phases` (STOPPED, STARTING, READY/DRAINING, BA
 :mod:`.gpu` (GPU faults, Xids, the reset), :mod:`.vram` (VRAM admission and the driver's recovery
 action before a start), :mod:`.verdicts` (what no restart or reset mends: a reboot, a server that
 outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic as the front door
-reports it: completions, stalls, 5xx) and :mod:`.steps` (start, stop, spawn, exit, count a
-failure; :func:`~.steps.after_fault`, the OOM decision).
+reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
+:func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
+starts: a verdict), :mod:`.port` (a port another process holds) and :mod:`.reset_stop` (a stop
+during a GPU reset; the event that announces one).
 """
 
 from __future__ import annotations
@@ -23,23 +25,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
-from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
-from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
-from llama_guard.core.policy.stop import on_stop_request, on_stopping
-from llama_guard.core.policy.vram import on_waiting_vram
-from llama_guard.core.server_log import ERROR_FAMILIES
-from llama_guard.core.types import (
+from llama_guard.core.inputs import (
+    BuildInfo,
+    Exited,
     GpuFault,
     Input,
     Line,
     ParamsChanged,
-    Phase,
-    RestartCause,
+    PortHolder,
     RestartRequest,
-    State,
     StopRequest,
 )
+from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
+from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
+from llama_guard.core.policy.port import on_port_holder
+from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
+from llama_guard.core.policy.stop import on_stop_request, on_stopping
+from llama_guard.core.policy.vram import on_waiting_vram
+from llama_guard.core.server_log import ERROR_FAMILIES
+from llama_guard.core.types import Phase, RestartCause, State
 
 __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 
@@ -50,12 +54,18 @@ def decide(state: State, event: Input, now: float) -> Result:
         return state, []
     if isinstance(event, Line) and event.pid == state.pid and event.verdict.family in ERROR_FAMILIES:
         state = replace(state, last_error=event.text.strip())
+    if isinstance(event, Exited) and event.pid == state.pid and event.last_line:
+        state = replace(state, last_line=event.last_line)
     if isinstance(event, StopRequest):
         return on_stop_request(state, event, now)
     if isinstance(event, ParamsChanged):
         return _on_params(state, event, now)
     if isinstance(event, GpuFault):
         return on_gpu_fault(state, event, now)
+    if isinstance(event, PortHolder):  # answers whenever it comes (the server may be gone by then)
+        return on_port_holder(state, event, now)
+    if isinstance(event, BuildInfo):
+        return replace(state, build=event.text), []
     handler = _HANDLERS.get(state.phase)
     if handler is None:
         return state, []

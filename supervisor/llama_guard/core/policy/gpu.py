@@ -6,24 +6,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit, InspectGpu, RunReset
+from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
+from llama_guard.core.policy.reset_stop import reset_started
 from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.core.types import (
     AfterStop,
-    Emit,
-    GpuFault,
     GpuFaultKind,
-    Input,
-    InspectGpu,
     Phase,
-    ResetDone,
-    ResetFacts,
     ResetOutcome,
     ResetTrigger,
     RestartCause,
-    RunReset,
     State,
-    Tick,
     XidAction,
     XidScope,
 )
@@ -129,8 +124,9 @@ def begin_reset(state: State, now: float) -> Result:
                                   "trigger": state.reset_reason, "gpu_index": gpu_index_of(state)})
         return _after_no_reset(replace(state, resets=recent), now, emit, reason)
     new = replace(state, phase=Phase.RESETTING, resets=recent, deadline=now + p.reset_deadline_s,
-                  after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop)
-    return new, [InspectGpu(state.pid, state.reset_reason)]
+                  after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop,
+                  reset_command_at=None)
+    return new, [reset_started(state, now), InspectGpu(state.pid, state.reset_reason)]
 
 
 def _after_no_reset(state: State, now: float, emit: Emit, reason: str) -> Result:
@@ -175,7 +171,7 @@ def _on_reset_facts(state: State, facts: ResetFacts, now: float) -> Result:
         emit = Emit("gpu_reset", {"outcome": ResetOutcome.SKIPPED.value, "reason": reason,
                                   "trigger": state.reset_reason, "gpu_index": gpu_index_of(state), **extra})
         return _after_no_reset(state, now, emit, f"reset skipped: {reason}")
-    new = replace(state, resets=(*state.resets, now))
+    new = replace(state, resets=(*state.resets, now), reset_command_at=now)
     return new, [RunReset(gpu_index_of(new), state.reset_reason)]
 
 
@@ -183,6 +179,7 @@ def on_resetting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, ResetFacts):
         return _on_reset_facts(state, event, now)
     if isinstance(event, ResetDone):
+        state = replace(state, reset_command_at=None)
         outcome = ResetOutcome.SUCCEEDED if event.ok else ResetOutcome.FAILED
         fields = {**event.fields, "outcome": outcome.value, "reason": event.detail, "trigger": state.reset_reason,
                   "reset_count": len(state.resets), "gpu_index": event.gpu_index, "command": event.command,

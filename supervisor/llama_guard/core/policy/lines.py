@@ -1,4 +1,4 @@
-"""The policy's answer to a classified server line (:class:`~llama_guard.core.types.Line`): fatal GPU
+"""The policy's answer to a classified server line (:class:`~llama_guard.core.inputs.Line`): fatal GPU
 lines (OOM, CUDA error, abort, incompatible), allocation failures and recoveries, resource limits and
 the boot-configuration lines of a loading server. Pure.
 """
@@ -7,20 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit
+from llama_guard.core.inputs import Line
 from llama_guard.core.judgement import incompatibility
+from llama_guard.core.policy.port import on_port_line
 from llama_guard.core.policy.steps import Result, after_fault, stop
 from llama_guard.core.policy.verdicts import watchdog_hit
 from llama_guard.core.server_log import Family, LineClass
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Emit,
-    Line,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    State,
-)
+from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
 from llama_guard.exitcodes import EXIT_CONFIG
 from llama_guard.output.events import EventName
 
@@ -84,7 +78,7 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
     if fault is not None:
         name, fields = fault
         cause = _CAUSE.get(verdict.family, RestartCause.CUDA_ERROR)
-        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause)
+        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause, failure_line=event.text.strip())
         repeated: list[Emit] = []
         if trigger is None:  # restart only, never a reset; said when it repeats
             new, actions = stop(new, now, AfterStop.FAILURE, f"{name}: {verdict.cause}")
@@ -96,6 +90,7 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
         return new, [Emit(name, fields), *repeated, *actions]
     if verdict.family is Family.GPU_ABORT:
         new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause),
+                      failure_line=event.text.strip(),
                       cause=RestartCause.CUDA_ERROR)
         return stop_for_fault(new, now, ResetTrigger.CUDA_ERROR, verdict.cause)
     return None
@@ -120,6 +115,19 @@ def alloc_recovered(state: State, how: str) -> list[Action]:
                                             "recovery": how, "phase": state.phase.value})]
 
 
+def on_cpu(state: State, event: Line) -> Result:
+    """The server was asked to offload layers but says it found no usable GPU: it runs on the CPU.
+    Not required to run on a GPU (the GPU watch is off, or require_server_on_gpu is false): it
+    keeps running, reported once per server (``server_on_cpu``) whatever the GPU watch says."""
+    if state.params.offload_layers <= 0 or state.on_cpu_reported:
+        return state, []
+    return replace(state, on_cpu_reported=True), [Emit("server_on_cpu", {
+        "server_pid": state.pid, "n_gpu_layers": state.params.offload_layers, "line": event.text.strip(),
+        "cause": event.verdict.cause,
+        "fix": "make a GPU visible to llama-server (a CUDA build, the driver, CUDA_VISIBLE_DEVICES), or set "
+               "[server].n_gpu_layers = 0 to run on the CPU on purpose"})]
+
+
 def on_starting_line(state: State, event: Line, now: float) -> Result:
     verdict = event.verdict
     fatal = fault_line(state, event, now, "loading")
@@ -132,11 +140,16 @@ def on_starting_line(state: State, event: Line, now: float) -> Result:
     unfit = incompatibility(verdict)
     if unfit is not None and state.params.require_gpu:
         return incompatible(state, now, unfit, event.text)
+    if verdict.family is Family.GPU_UNAVAILABLE and not state.params.require_gpu:
+        return on_cpu(state, event)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
-        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE)
+        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE,
+                      failure_line=event.text.strip())
         new, actions = stop(new, now, AfterStop.FAILURE, "GPU unavailable")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
                                                      "cause": verdict.cause}), *actions]
+    if verdict.family is Family.PORT_IN_USE:
+        return on_port_line(state, event, now)
     if verdict.family is Family.BOOT_CONFIG and not state.boot_cause:
         return replace(state, boot_cause=verdict.cause), []
     if verdict.family is Family.RESOURCE_LIMIT:

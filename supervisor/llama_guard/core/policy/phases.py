@@ -7,39 +7,38 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.judgement import answered, failure_signature, progress_signals
-from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
-from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
-from llama_guard.core.policy.stop import alloc_fatal
-from llama_guard.core.policy.traffic import on_traffic
-from llama_guard.core.policy.verdicts import crash_repeat
-from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
+from llama_guard.core.actions import Action, Emit, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.inputs import (
     Boot,
     Drained,
-    Emit,
     Exited,
     HealthOk,
     Input,
     Line,
     LoadProgress,
-    NotifyReady,
     NotOnGpu,
-    Phase,
-    PlannedRestart,
-    PlannedStop,
     Probe,
-    RestartCause,
     RestartRequest,
     Spawned,
     SpawnFailed,
-    StartDrain,
-    State,
     Tick,
-    exit_text,
 )
+from llama_guard.core.judgement import (
+    answered,
+    completion_failed,
+    failure_signature,
+    naming_model,
+    progress_signals,
+    silent_too_long,
+)
+from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
+from llama_guard.core.policy.port import exited_port_taken
+from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
+from llama_guard.core.policy.stop import alloc_fatal
+from llama_guard.core.policy.traffic import on_traffic
+from llama_guard.core.policy.verdicts import crash_repeat
+from llama_guard.core.server_log import Family, classify_line
+from llama_guard.core.types import AfterStop, Phase, RestartCause, State, exit_text
 from llama_guard.exitcodes import EXIT_CONFIG
 
 
@@ -57,7 +56,8 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:
-            return count_failure(replace(state, last_failure=event.reason, cause=RestartCause.SPAWN_FAILED), now)
+            return count_failure(replace(state, last_failure=event.reason, cause=RestartCause.SPAWN_FAILED), now,
+                                 judged=False)
         new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
@@ -84,7 +84,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         load_s = now - (state.started_at if state.started_at is not None else now)
         recovered = alloc_recovered(state, "the server became ready")
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
-                      alloc_failure="", boot_signature="")
+                      alloc_failure="", port_taken_since=None, port_holder=None)
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.
@@ -101,7 +101,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
         return stalled
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        new = replace(state, last_failure="load timeout", boot_signature="", cause=RestartCause.LOAD_TIMEOUT)
+        new = replace(state, last_failure="load timeout", cause=RestartCause.LOAD_TIMEOUT)
         new, actions = stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
@@ -115,7 +115,7 @@ def _load_stalled(state: State, now: float) -> Result | None:
         return None
     quiet = now - state.last_progress_at
     reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
-    new = replace(state, last_failure=reason, boot_signature="", cause=RestartCause.LOAD_STALLED)
+    new = replace(state, last_failure=reason, cause=RestartCause.LOAD_STALLED)
     new, actions = stop(new, now, AfterStop.FAILURE, "load stalled")
     loading = now - (state.started_at if state.started_at is not None else now)
     return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
@@ -124,28 +124,22 @@ def _load_stalled(state: State, now: float) -> Result | None:
 
 
 def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
-    """An exit before the first ready: a configuration failure, a fatal OOM, or a failure that, when
-    the previous start ended the same way, is deterministic (a boot failure, exit 78)."""
+    """An exit before the first ready: a taken port (retried within a bound), a configuration
+    failure, a fatal OOM, or a failure counted — a verdict when the previous starts ended the same
+    way (:mod:`.repeat`)."""
     assert state.pid is not None
     if state.alloc_failure:
         return alloc_fatal(state, event, now, "loading")
+    if state.port_taken and state.port_taken_since is not None:
+        return exited_port_taken(state, event, now)
     fields = exit_fields(event.pid, event.returncode, state.last_error)
     if state.boot_cause:
-        new, actions = exit_daemon(state, EXIT_CONFIG, state.boot_cause)
-        return new, [Emit("server_boot_failure", {"cause": state.boot_cause, **fields}), *actions]
+        cause = naming_model(state.boot_cause, state.params.model_path)
+        new, actions = exit_daemon(state, EXIT_CONFIG, cause)
+        model = {"model": state.params.model_path} if cause != state.boot_cause else {}
+        return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
-    # A SIGKILL comes from outside (the kernel's OOM killer, an operator): not the binary's own doing.
-    signature = "" if event.returncode == -signal.SIGKILL else failure_signature(
-        exit_text(event.returncode), state.last_error)
-    if signature and signature == state.boot_signature:
-        named = state.last_error or exit_text(event.returncode)
-        cause = (f"llama-server fails the same way before it is ready on consecutive starts "
-                 f"({exit_text(event.returncode)}): {named}")
-        new, actions = exit_daemon(replace(state, boot_signature=""), EXIT_CONFIG, cause)
-        return new, [exited, Emit("server_boot_failure", {"cause": cause, "line": state.last_error,
-                                                          "consecutive_starts": 2, **fields}), *actions]
-    failure = f"exited while loading: {fields['exit_text']}"
-    new = replace(state, last_failure=failure, boot_signature=signature, cause=RestartCause.CRASH)
+    new = replace(state, last_failure=f"exited while loading: {exit_text(event.returncode)}", cause=RestartCause.CRASH)
     new, actions = count_failure(new, now)
     return new, [exited, *actions]
 
@@ -222,16 +216,29 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     if state.alloc_failure and event.health_ok:
         recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")
         state = replace(state, alloc_failure="")
-    if answered(event) or moving:
+    failed, silent = completion_failed(event), silent_too_long(event, state.params)
+    if not (failed or silent) and (answered(event) or moving):
         return (replace(state, strikes=0) if state.strikes else state), recovered
     strikes = state.strikes + 1
-    if strikes < state.params.hang_strikes:
+    if strikes < state.params.hang_strikes and not silent:
         return replace(state, strikes=strikes), recovered
+    assert state.pid is not None
+    if failed:  # it answers, and says its completions fail: not a hang
+        reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
+        new = replace(state, strikes=strikes, last_failure=reason, cause=RestartCause.COMPLETION_ERROR)
+        new, actions = stop(new, now, AfterStop.FAILURE, reason)
+        return new, [*recovered, Emit("server_completion_error", {
+            "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
+            "error": event.canary_error, "phase": state.phase.value}), *actions]
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
-    reason += "; no progress (CPU time, output lines, token counters) since the last probe"
+    if silent:
+        reason += (f"; no HTTP answer at all for {event.silent_s:.0f} s (silent_limit_s "
+                   f"{state.params.silent_limit_s:.0f} s), whatever its CPU time says ({', '.join(moving) or 'no'} "
+                   "progress signal)")
+    else:
+        reason += "; no progress (CPU time, output lines, token counters, GPU use) since the last probe"
     new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang")
-    assert state.pid is not None
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
 

@@ -8,22 +8,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    Params,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    Spawn,
-    State,
-    Terminate,
-    exit_text,
-)
-from llama_guard.exitcodes import EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
+from llama_guard.core.policy.repeat import repeat_verdict
+from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, RestartCause, State, exit_text
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.output.events import EventName
 
 Result = tuple[State, list[Action]]
@@ -100,6 +88,7 @@ def spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
+                    last_line="", failure_line="", on_cpu_reported=False, port_taken=False,
                     stalls=0, http_errors=0),
             [Spawn()])
 
@@ -109,8 +98,28 @@ def exit_daemon(state: State, code: int, reason: str) -> Result:
             [ExitDaemon(code, reason)])
 
 
-def count_failure(state: State, now: float) -> Result:
-    """After a failed server: back off, or give up when the window holds too many failures."""
+def count_failure(state: State, now: float, *, judged: bool = True) -> Result:
+    """After a failed server: a verdict when it failed the same way on consecutive starts
+    (:func:`~llama_guard.core.policy.repeat.repeat_verdict`; ``judged`` False for a start that
+    never ran a server), else back off, or give up when the window holds too many failures."""
+    ask: list[Action] = []
+    if judged:
+        state, verdict, ask = repeat_verdict(state, now)
+        if verdict is not None:
+            new, actions = exit_daemon(state, EXIT_CONFIG, str(verdict.fields["cause"]))
+            return new, [verdict, *actions]
+    new, actions = _back_off(state, now)
+    if judged and new.phase is Phase.BACKOFF and new.identical == new.params.identical_failures - 1:
+        # The next start confirms a repeated failure: not before repeat_confirm_s after the first.
+        confirm_at = new.identical_since + new.params.repeat_confirm_s
+        if new.deadline is not None and new.deadline < confirm_at:
+            new = replace(new, deadline=confirm_at)
+            actions = [replace(a, fields={**a.fields, "backoff_s": round(confirm_at - now, 3)})
+                       if isinstance(a, Emit) and a.name == "server_backoff" else a for a in actions]
+    return new, [*ask, *actions]
+
+
+def _back_off(state: State, now: float) -> Result:
     p = state.params
     recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
     state = replace(state, failures=recent, pid=None)

@@ -7,29 +7,15 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from llama_guard.core.actions import Action, Emit, Kill, Terminate
+from llama_guard.core.inputs import Exited, Input, Line, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
+from llama_guard.core.policy.reset_stop import stop_during_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
-from llama_guard.core.types import (
-    Action,
-    AfterStop,
-    Emit,
-    Exited,
-    Input,
-    Kill,
-    Line,
-    Phase,
-    ResetTrigger,
-    RestartCause,
-    Spawned,
-    SpawnFailed,
-    State,
-    StopRequest,
-    Terminate,
-    Tick,
-)
+from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
 from llama_guard.exitcodes import EXIT_OK
 
 
@@ -51,7 +37,8 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             name, fields = fault
             reason = f"{name}: {event.verdict.cause}"
             restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
-            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause)
+            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause,
+                          failure_line=event.text.strip())
             # The abort line can come before the message (seen on an H200): the message decides
             # whether this fault calls for a reset.
             trigger = reset_trigger(event.verdict.family)
@@ -118,10 +105,9 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
 
 
 def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
-    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase is Phase.RESETTING:
-        # A reset is never abandoned half done: exit when it reports (bounded by its deadline).
-        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason), [emit]
+        return stop_during_reset(state, event, now)
+    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]

@@ -12,17 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit
+from llama_guard.core.inputs import Input, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy.steps import Result, stop
-from llama_guard.core.types import (
-    AfterStop,
-    Emit,
-    Input,
-    RequestCompleted,
-    RestartCause,
-    State,
-    StreamStalled,
-    UpstreamError,
-)
+from llama_guard.core.types import AfterStop, RestartCause, State
 
 #: 5xx answers in a row (no 2xx between them) after which ``server_http_errors`` is reported, once per run.
 HTTP_ERRORS_REPORTED = 5

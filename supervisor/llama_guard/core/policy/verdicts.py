@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import Emit
 from llama_guard.core.policy.steps import Result, exit_daemon, stop
-from llama_guard.core.types import AfterStop, Emit, Phase, RecoveryAction, State, XidAction
+from llama_guard.core.types import AfterStop, Phase, RecoveryAction, State, XidAction
 from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE
 
 R = RecoveryAction

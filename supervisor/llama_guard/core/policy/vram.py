@@ -8,22 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llama_guard.core.actions import CheckVram, Emit
+from llama_guard.core.inputs import Input, Tick, VramFacts
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, spawn
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
-from llama_guard.core.types import (
-    AfterStop,
-    CheckVram,
-    Emit,
-    Input,
-    RecoveryAction,
-    ResetTrigger,
-    RestartCause,
-    State,
-    Tick,
-    VramFacts,
-    XidAction,
-)
+from llama_guard.core.types import AfterStop, RecoveryAction, ResetTrigger, RestartCause, State, XidAction
 
 
 def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
@@ -71,7 +61,7 @@ def _vram_timed_out(state: State, now: float) -> Result:
         reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
     new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", vram_facts_at=None,
                   last_failure=reason, cause=RestartCause.VRAM_WAIT)
-    return count_failure(new, now)
+    return count_failure(new, now, judged=False)
 
 
 def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:

@@ -1,0 +1,119 @@
+"""The policy's actions: every effect :func:`llama_guard.core.policy.decide` asks the daemon to
+carry out (frozen dataclasses; nothing here does I/O).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llama_guard.core.types import RestartCause
+from llama_guard.output.events import EventName
+
+
+class Action:
+    """Base of every effect :func:`decide` asks for."""
+
+
+@dataclass(frozen=True)
+class Spawn(Action):
+    """Start llama-server from the current configuration; answer Spawned or SpawnFailed."""
+
+
+@dataclass(frozen=True)
+class Terminate(Action):
+    """SIGTERM to the server's process group."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Kill(Action):
+    """SIGKILL to the server's process group."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Emit(Action):
+    """Report health event ``name`` (events.CATALOG) with ``fields``."""
+
+    name: EventName
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NotifyReady(Action):
+    """Tell the service manager the server is ready (sd_notify READY=1)."""
+
+
+@dataclass(frozen=True)
+class StartDrain(Action):
+    """Watch ``/slots`` of ``pid`` and answer Drained once no slot is processing."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class PlannedRestart(Action):
+    """Observers only (the restart record): a planned restart of server ``pid`` (None while its
+    spawn has not answered) begins, for ``cause``, after ``uptime_s`` seconds of serving."""
+
+    pid: int | None
+    cause: RestartCause
+    reason: str
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class PlannedStop(Action):
+    """Observers only: the server of a planned restart is being stopped now; ``drained`` when its
+    slots went idle first (False: the drain timed out, or there was none)."""
+
+    pid: int
+    drained: bool
+
+
+@dataclass(frozen=True)
+class ReadBuild(Action):
+    """Run ``llama-server --version`` (bounded, off the loop); answer :class:`BuildInfo`. Asked only
+    when a verdict that names the build may follow (a binary is not run for nothing)."""
+
+
+@dataclass(frozen=True)
+class FindPortHolder(Action):
+    """Find the process listening on TCP ``port`` (from /proc); answer :class:`PortHolder`."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class CheckVram(Action):
+    """Read the GPU's free VRAM and who holds it (one NVML sample); answer :class:`VramFacts`."""
+
+
+@dataclass(frozen=True)
+class InspectGpu(Action):
+    """Before a reset: wait (bounded) for ``previous_pid`` to leave the GPU and for other
+    processes to let go, then answer :class:`ResetFacts`. Nothing is changed on the GPU."""
+
+    previous_pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunReset(Action):
+    """Run the reset command on GPU ``gpu_index`` (our NVML session released meanwhile), verify
+    the GPU, and answer :class:`ResetDone`."""
+
+    gpu_index: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class ExitDaemon(Action):
+    """The daemon exits with ``code`` (exitcodes)."""
+
+    code: int
+    reason: str
+
+

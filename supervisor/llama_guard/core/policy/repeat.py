@@ -1,0 +1,96 @@
+"""Deterministic failures: a server that fails the same way on consecutive starts — before it is
+ready, or right after (before it ran ``stable_after_s``) — is a verdict (exit 78, the line and the
+fix named), not a restart loop that ends in a crash-loop exit that systemd restarts again.
+
+Pure, like the rest of the policy; :func:`repeat_verdict` is asked by every counted failure
+(:func:`llama_guard.core.policy.steps.count_failure`). The chain of identical failures is broken by a
+different failure, by a failure that says nothing about the binary (a SIGKILL from outside, an out
+of memory, a busy GPU, a taken port: other processes can cause those and go away) and by a server
+that stayed up ``stable_after_s``: the same message once or twice a day under load is a restart
+within the rolling window, never a verdict.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from llama_guard.core.actions import Action, Emit, ReadBuild
+from llama_guard.core.judgement import failure_signature
+from llama_guard.core.server_log import Family, classify_line
+from llama_guard.core.types import State, exit_text
+from llama_guard.output.events import EventName
+
+# Failures another process can cause and end (the chain is broken, never a verdict).
+_TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})
+_TRANSIENT_TEXT = ("busy or unavailable", "Address already in use", "couldn't bind", "port is already in use",
+                   exit_text(-signal.SIGKILL))
+
+FIX_GPU = ("make the GPU visible to llama-server (driver loaded, CUDA_VISIBLE_DEVICES, the unit's DeviceAllow), "
+           "or set [server].n_gpu_layers = 0 to run on the CPU on purpose")
+FIX_STALL = ("the load stops at the same line on every start: check the model file and the storage it is read "
+             "from (a hung mount, a failing disk), or raise [health].load_stall_s if this model loads that "
+             "long without output")
+FIX_BUILD = ("a fault of this llama-server build with this model and these flags: use another llama.cpp build "
+             "(the build is named), or change the setting that reaches the failing code")
+FIX_BOOT = ("the server's own line says why it cannot start: fix the [server] setting it names (`llama-guard "
+            "check` checks them), or use another llama.cpp build if the fault is this build's")
+
+
+def _line(state: State) -> str:
+    """The line that names the failure: the one that decided it (a fault, no GPU: the lines after it
+    depend on how fast the stop was), else the last error line, else the last line printed."""
+    return state.failure_line or state.last_error or state.last_line
+
+
+def _signature(state: State) -> str:
+    """This failure, comparable across starts ("" when it says nothing about the binary)."""
+    if state.stable:
+        return ""
+    text = f"{state.last_failure} {state.last_error}"
+    if any(t.lower() in text.lower() for t in _TRANSIENT_TEXT):
+        return ""
+    if classify_line(state.last_error).family in _TRANSIENT_FAMILIES or state.last_failure.startswith("server_oom"):
+        return ""
+    when = "before ready" if state.ready_at is None else "after ready"
+    return f"{when} | {failure_signature(state.last_failure, _line(state))}"
+
+
+def _fix(state: State) -> str:
+    family = classify_line(state.last_error).family if state.last_error else Family.HARMLESS
+    if state.last_failure.startswith("GPU unavailable") or family is Family.GPU_UNAVAILABLE:
+        return FIX_GPU
+    if state.last_failure.startswith(("load stalled", "load timeout")):
+        return FIX_STALL
+    return FIX_BUILD if state.ready_at is not None else FIX_BOOT
+
+
+def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[Action]]:
+    """Record this failure in the chain of identical ones; the verdict event once the chain holds
+    ``identical_failures`` (``server_boot_failure`` before ready, ``server_failure_repeated`` after),
+    else None; and :class:`ReadBuild` one failure before, so that the verdict can name the build.
+    The state keeps the chain (``boot_signature``, ``identical``, ``identical_since``). ``now``:
+    monotonic seconds; a chain younger than ``repeat_confirm_s`` is not confirmed yet (the start
+    that confirms it is held back until then by :func:`~llama_guard.core.policy.steps.count_failure`),
+    so that a fault that goes away within that time is ridden out."""
+    signature = _signature(state)
+    if not signature:
+        return replace(state, boot_signature="", identical=0), None, []
+    count = state.identical + 1 if signature == state.boot_signature else 1
+    since = state.identical_since if count > 1 else now
+    if count >= state.params.identical_failures and now - since < state.params.repeat_confirm_s:
+        count = state.params.identical_failures - 1  # too soon to confirm: the next start does
+    state = replace(state, boot_signature=signature, identical=count, identical_since=since)
+    if count < state.params.identical_failures:
+        ask: list[Action] = [ReadBuild()] if count == state.params.identical_failures - 1 and not state.build else []
+        return state, None, ask
+    line = _line(state)
+    when = "before it is ready" if state.ready_at is None else "soon after it became ready"
+    build = f"; build: {state.build or 'unknown'}"
+    cause = (f"llama-server fails the same way {when} on {count} consecutive starts "
+             f"({state.last_failure}): {line or state.last_failure}{build}; fix: {_fix(state)}")
+    fields: dict[str, object] = {"cause": cause, "line": line, "failure": state.last_failure,
+                                 "consecutive_starts": count, "fix": _fix(state), "build": state.build,
+                                 "server_pid": state.pid}
+    name: EventName = "server_boot_failure" if state.ready_at is None else "server_failure_repeated"
+    return replace(state, boot_signature="", identical=0), Emit(name, fields), []

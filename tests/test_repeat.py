@@ -1,0 +1,179 @@
+"""Deterministic faults that would loop: the same failure on consecutive starts (before ready, or
+right after it) is a verdict (exit 78 naming the line, the build and the fix) after three starts;
+the same message sporadically, after the server ran stably, is a restart, never a verdict. And a
+server asked to offload that runs on the CPU is reported whatever the GPU watch says. Real-format
+lines through the real classifier and the real policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from llama_guard.core.actions import Emit, ExitDaemon, ReadBuild
+from llama_guard.core.inputs import Boot, BuildInfo, Exited, HealthOk, LoadProgress, Spawned, Tick
+from llama_guard.core.policy import decide
+from llama_guard.core.policy.repeat import FIX_BUILD, FIX_GPU, FIX_STALL
+from llama_guard.core.types import Params, Phase, State, initial_state
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
+from test_judgement import emitted, feed, names
+
+P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts=10, restart_window_s=600,
+           stop_grace_s=4, load_stall_s=20, stable_after_s=60, offload_layers=99)
+BUILD = "version: 4242 (abc1234)"
+NO_DEVICE = "0.00.004.100 E ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected"
+ILLEGAL = ["0.01.002.000 E CUDA error: an illegal memory access was encountered",
+           "0.01.002.001 E   current device: 0, in function ggml_cuda_mul_mat at /src/ggml-cuda/ggml-cuda.cu:1974",
+           "/src/ggml-cuda/ggml-cuda.cu:88: CUDA error"]
+Failure = Callable[[State, int, float], tuple[State, list[object]]]
+
+
+def run(failure: Failure, starts: int, params: Params = P, gap_s: float = 5.0) -> tuple[State, list[list[object]]]:
+    """``starts`` servers, each failing through ``failure``; the actions of each counted failure."""
+    s, _ = decide(initial_state(params), Boot(), 0.0)
+    now, out = 0.0, []
+    for i in range(starts):
+        pid = 100 + i
+        s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
+        s, acts = failure(s, pid, now)
+        if any(isinstance(a, ReadBuild) for a in acts):  # the daemon answers with --version
+            s, _ = decide(s, BuildInfo(BUILD), now + 0.1)
+        out.append(acts)
+        if s.phase is Phase.EXITED:
+            break
+        assert s.phase is Phase.BACKOFF, (i, s.phase, names(acts))
+        now = max(now + gap_s, s.deadline or now)
+        s, _ = decide(s, Tick(), now)
+    return s, out
+
+
+def exit_code(acts: list[object]) -> int | None:
+    return next((a.code for a in acts if isinstance(a, ExitDaemon)), None)
+
+
+def stop_then_exit(s: State, pid: int, now: float, acts: list[object]) -> tuple[State, list[object]]:
+    assert s.phase is Phase.STOPPING, names(acts)
+    s, more = decide(s, Exited(pid, -15), now + 0.5)
+    return s, [*acts, *more]
+
+
+def cuda_init_failure(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+    s, acts = feed(s, pid, [NO_DEVICE], now + 0.1)
+    return stop_then_exit(s, pid, now, acts)
+
+
+def test_no_cuda_device_on_every_start_is_a_verdict_after_three() -> None:
+    s, per_start = run(cuda_init_failure, 6, replace(P, require_gpu=True))
+    assert len(per_start) == 3 and s.phase is Phase.EXITED
+    last = per_start[-1]
+    assert exit_code(last) == EXIT_CONFIG
+    failure = emitted(last, "server_boot_failure")
+    assert failure.fields["consecutive_starts"] == 3
+    assert "no CUDA-capable device is detected" in str(failure.fields["cause"])
+    assert failure.fields["fix"] == FIX_GPU and FIX_GPU in str(failure.fields["cause"])
+    assert all("server_boot_failure" not in names(acts) for acts in per_start[:2])
+
+
+def stall_at(line: str) -> Failure:
+    def failure(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+        s, _ = decide(s, LoadProgress(pid, ("lines",)), now + 1.0)
+        s, acts = decide(s, Tick(), now + 1.0 + P.load_stall_s)
+        assert "server_load_stalled" in names(acts)
+        assert s.phase is Phase.STOPPING
+        s, more = decide(s, Exited(pid, -15, last_line=line), now + 1.5 + P.load_stall_s)
+        return s, [*acts, *more]
+    return failure
+
+
+def test_a_load_that_stalls_at_the_same_line_is_a_verdict_after_three() -> None:
+    line = "0.00.120.000 I llama_model_loader: - kv  22: tokenizer.ggml.merges arr[str,48900]"
+    _s, per_start = run(stall_at(line), 6)
+    assert len(per_start) == 3 and exit_code(per_start[-1]) == EXIT_CONFIG
+    failure = emitted(per_start[-1], "server_boot_failure")
+    assert "tokenizer.ggml.merges" in str(failure.fields["line"]) and failure.fields["fix"] == FIX_STALL
+
+
+def test_stalls_at_different_lines_are_restarts() -> None:
+    lines = iter(["I llama_model_loader: loaded meta data with 33 key-value pairs",
+                  "I print_info: file format = GGUF V3 (latest)", "I load_tensors: loading model tensors",
+                  "I llama_context: constructing llama_context", "I llama_kv_cache: size = 24.00 MiB",
+                  "I common_init_from_params: warming up the model with an empty run"])
+    s, per_start = run(lambda s, pid, now: stall_at(next(lines))(s, pid, now), 6)
+    assert s.phase is not Phase.EXITED and all(exit_code(acts) is None for acts in per_start)
+
+
+def crash_on_first_request(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+    s, _ = decide(s, HealthOk(pid), now + 1.0)
+    # Whether the rest of the block is printed before our SIGTERM lands is a race: the verdict
+    # must not depend on it.
+    s, acts = feed(s, pid, ILLEGAL if pid % 2 else ILLEGAL[:1], now + 2.0)
+    assert "server_cuda_error" in names(acts)
+    return stop_then_exit(s, pid, now + 2.0, acts)
+
+
+def test_a_crash_on_the_first_request_after_every_start_is_a_verdict_naming_line_and_build() -> None:
+    _s, per_start = run(crash_on_first_request, 6)
+    assert len(per_start) == 3
+    last = per_start[-1]
+    assert exit_code(last) == EXIT_CONFIG
+    verdict = emitted(last, "server_failure_repeated")
+    assert "an illegal memory access was encountered" in str(verdict.fields["cause"])
+    assert verdict.fields["build"] == BUILD and BUILD in str(verdict.fields["cause"])
+    assert verdict.fields["fix"] == FIX_BUILD and verdict.fields["consecutive_starts"] == 3
+
+
+def sporadic_crash(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+    s, _ = decide(s, HealthOk(pid), now + 1.0)
+    s, _ = decide(s, Tick(), now + 1.0 + P.stable_after_s)  # ran stably: a day's worth, in effect
+    assert s.stable
+    s, acts = feed(s, pid, ILLEGAL, now + 3000.0)
+    return stop_then_exit(s, pid, now + 3000.0, acts)
+
+
+def test_the_same_crash_sporadically_under_load_is_a_restart_never_a_verdict() -> None:
+    s, per_start = run(sporadic_crash, 8, replace(P, restart_window_s=1000.0), gap_s=3100.0)
+    assert s.phase is not Phase.EXITED and len(per_start) == 8
+    assert all(exit_code(acts) is None for acts in per_start)
+    assert all("server_failure_repeated" not in names(acts) for acts in per_start)
+
+
+def test_the_same_crash_often_within_the_window_is_a_crash_loop_not_a_verdict() -> None:
+    # Stable in between, but six in the rolling window: exit 75 (systemd's policy), not 78.
+    _s, per_start = run(sporadic_crash, 10, replace(P, max_restarts=5, restart_window_s=100_000.0), gap_s=3100.0)
+    assert exit_code(per_start[-1]) == EXIT_CRASH_LOOP and len(per_start) == 6
+
+
+def oom_at_load(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+    s, acts = feed(s, pid, ["E CUDA error: out of memory", "/src/ggml-cuda/common.cuh:99: CUDA error"], now + 0.1)
+    return stop_then_exit(s, pid, now, acts)
+
+
+def test_an_identical_oom_is_not_a_verdict_another_process_may_hold_the_memory() -> None:
+    _s, per_start = run(oom_at_load, 5)
+    assert all(exit_code(acts) is None for acts in per_start)
+
+
+def test_asked_to_offload_but_on_the_cpu_is_reported_once_whatever_the_gpu_watch() -> None:
+    s, _ = decide(initial_state(P), Boot(), 0.0)  # require_gpu False: the GPU watch is off
+    s, _ = decide(s, Spawned(100), 0.0)
+    s, acts = feed(s, 100, ["warning: no usable GPU found, --gpu-layers option will be ignored",
+                            "warning: one possible reason is that llama.cpp was compiled without GPU support",
+                            NO_DEVICE], 0.1)
+    assert names(acts) == ["server_on_cpu"] and s.phase is Phase.STARTING
+    on_cpu = emitted(acts, "server_on_cpu")
+    assert on_cpu.fields["n_gpu_layers"] == 99 and "no usable GPU" in str(on_cpu.fields["line"])
+    s, acts = decide(s, HealthOk(100), 1.0)
+    assert s.phase is Phase.READY  # it serves, on the CPU
+    # Asked for no layer on a GPU: nothing to report.
+    s, _ = decide(initial_state(replace(P, offload_layers=0)), Boot(), 0.0)
+    s, _ = decide(s, Spawned(100), 0.0)
+    assert feed(s, 100, ["warning: no usable GPU found, --gpu-layers option will be ignored"], 0.1)[1] == []
+
+
+def test_offloaded_zero_layers_is_on_the_cpu() -> None:
+    s, _ = decide(initial_state(P), Boot(), 0.0)
+    s, _ = decide(s, Spawned(100), 0.0)
+    _, acts = feed(s, 100, ["0.00.300.000 I load_tensors: offloaded 0/31 layers to GPU"], 0.1)
+    assert names(acts) == ["server_on_cpu"]
+    _, acts = feed(s, 100, ["0.00.300.000 I load_tensors: offloaded 31/31 layers to GPU"], 0.1)
+    assert acts == []
+    assert isinstance(acts, list) and not any(isinstance(a, Emit) for a in acts)
