@@ -72,10 +72,11 @@ def gpu_config(tmp: Path, enabled: str = "on") -> Config:
     (lambda f: setattr(f, "init_error", 18), NodeAction.REBOOT),                   # driver/library mismatch
     (lambda f: setattr(f, "init_error", 12), NodeAction.FIX_CONFIG),               # no driver, enabled = "on"
 ], ids=["gpu-lost", "reset-required", "driver-not-loaded", "driver-mismatch", "no-driver"])
-def test_gpu_failures_name_their_action(tmp_path: Path, break_it: Any, action: NodeAction) -> None:
+@pytest.mark.parametrize("enabled", ["on", "auto"])  # "auto" with layers to offload (the default 999) too
+def test_gpu_failures_name_their_action(tmp_path: Path, break_it: Any, action: NodeAction, enabled: str) -> None:
     fake = FakeNvml()
     break_it(fake)
-    [gpu] = [r for r in check_gpu(gpu_config(tmp_path), nvml_module=fake) if r.name == "gpu"]
+    [gpu] = [r for r in check_gpu(gpu_config(tmp_path, enabled), nvml_module=fake) if r.name == "gpu"]
     assert gpu.verdict is Verdict.FAIL and gpu.action is action, gpu
     assert overall([gpu]).action is action
 
@@ -133,3 +134,24 @@ def test_cli_healthy_node_passes_and_a_lost_gpu_says_reboot(tmp_path: Path, llam
     assert doc["summary"].startswith("fail (reboot): gpu: ") and "lost" in doc["summary"].lower()
     gpu = next(c for c in doc["checks"] if c["name"] == "gpu")
     assert gpu["verdict"] == "FAIL" and gpu["action"] == "reboot"
+
+
+def test_cli_offload_asked_without_nvml_fails_by_the_error_and_a_cpu_config_passes(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """[gpu].enabled = "auto": a GPU node whose driver is gone must not pass when the config offloads."""
+    def write(layers: int) -> Path:
+        cfg = tmp_path / f"lg-{layers}.toml"
+        cfg.write_text(config_text({
+            "server": {"binary": str(llama_server_bin), "model": str(real_model), "port": free_port(),
+                       "n_gpu_layers": layers, "ctx_size": 2048, "threads": 1, "user": "", "group": ""},
+            "gpu": {"enabled": "auto", "vram_total_mib": 16384}, "runtime": {"dir": str(tmp_path / "run")}}))
+        return cfg
+
+    for init_error, action in ((12, "fix_config"), (9, "reboot")):  # no driver library; driver not loaded
+        code, doc = cli(write(99), nvml={"fail": {"nvmlInit": init_error}}, tmp=tmp_path)
+        assert code == EXIT_GATE_FAIL and (doc["verdict"], doc["action"]) == ("fail", action), doc["reasons"]
+        gpu = next(c for c in doc["checks"] if c["name"] == "gpu")
+        assert gpu["verdict"] == "FAIL" and gpu["action"] == action, gpu
+        assert doc["summary"].startswith(f"fail ({action}): gpu: n_gpu_layers = 99 asks for the GPU")
+    code, doc = cli(write(0), nvml={"fail": {"nvmlInit": 12}}, tmp=tmp_path)
+    assert code == EXIT_GATE_PASS and doc["verdict"] in ("pass", "warn") and doc["action"] == "none", doc["reasons"]

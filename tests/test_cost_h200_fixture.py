@@ -123,7 +123,15 @@ def test_the_recorded_daemon_events_render_with_todays_catalog() -> None:
     for event in events:  # every name still in the catalog, every message the same from the same fields
         assert event["event"] in CATALOG, event["event"]
         fields = {k: v for k, v in event.items() if k not in ("event", "message", "timestamp", "level")}
-        assert render_message(event["event"], fields) == event["message"], event["event"]
+        recorded = TEMPLATE_AT_RECORDING.get(event["event"], "").format(**fields) or event["message"]
+        assert recorded == event["message"], event["event"]  # the older template made the recorded line
+        if event["event"] not in TEMPLATE_AT_RECORDING:
+            assert render_message(event["event"], fields) == event["message"], event["event"]
+
+
+# Templates changed on purpose since the recording: the template the recorded message was made with.
+# limit_not_raised was "{limit}: {reason}", which named the limit twice (the reason starts with it).
+TEMPLATE_AT_RECORDING = {"limit_not_raised": "{limit}: {reason}"}
 
 
 def test_the_daemons_own_share_of_each_start_was_under_the_goal() -> None:

@@ -216,3 +216,24 @@ def test_status_shows_the_front_door() -> None:
     lines = render(doc, clock=lambda: 0.0)
     assert any("front door" in line and "http://127.0.0.1:8080 (clients): 3 held, 0 in flight, 5 connections" in line
                for line in lines)
+
+
+def test_an_ipv6_front_address_is_written_bracketed_and_a_bare_host_is_named(tmp_path: Path) -> None:
+    from llama_guard.config import parse_listen
+    from llama_guard.front.check import check_front
+
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 18551\n[front]\nlisten = "[::1]:18552"\n')
+    assert check_front(load_config(path)).detail.startswith("clients connect to [::1]:18552;")
+    with pytest.raises(ValueError, match=r"'localhost': expected PORT, HOST:PORT or \[IPv6\]:PORT"):
+        parse_listen("localhost")
+
+
+def test_a_reload_may_not_put_llama_server_on_a_port_the_daemon_listens_on(tmp_path: Path) -> None:
+    from llama_guard.core.reload import port_clash
+
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 18560\n[front]\nlisten = ""\n')
+    config = load_config(path)
+    assert "18560 is where this llama-guard listens (0.0.0.0:18560)" in port_clash(config, [None, ("0.0.0.0", 18560)])
+    assert port_clash(config, [("127.0.0.1", 18561), None]) == ""

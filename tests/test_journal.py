@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +46,8 @@ def sink(private_journald: PrivateJournald) -> Any:
 
 
 def test_events_arrive_with_fields(private_journald: PrivateJournald, sink: JournalSink) -> None:
-    em = _emitter(sink)
+    stderr = io.StringIO()
+    em = Emitter(stream=stderr, sinks=[sink], fmt="json")
     em.emit("server_ready", server_pid=4242, load_s=12.5)
     em.emit("server_exited", server_pid=4242, exit_status=134, signal="SIGABRT",
             exit_text="killed by SIGABRT", restart_count=2)
@@ -73,8 +76,19 @@ def test_events_arrive_with_fields(private_journald: PrivateJournald, sink: Jour
     for entry in entries:  # no lower-case or internal keys leak
         assert "LEVEL" not in entry
         assert "EVENT" not in entry
+        assert "SEVERITY" not in entry  # journald has PRIORITY; severity is the JSON lines' name for it
     assert sink.sent == 3
     assert sink.fallback_count == 0
+
+    # The JSON lines on stderr: the syslog severity by name beside Python's level (which has no
+    # notice), and a timestamp with its UTC offset.
+    lines = {d["event"]: d for d in map(json.loads, stderr.getvalue().splitlines())}
+    assert [(lines[n]["level"], lines[n]["severity"]) for n in ("server_ready", "server_exited")] == [
+        ("info", "notice"), ("error", "error")]
+    keys = list(lines["server_ready"])
+    assert keys[keys.index("level") + 1] == "severity"
+    stamp = datetime.fromisoformat(lines["server_ready"]["timestamp"])
+    assert stamp.utcoffset() is not None and abs(stamp.timestamp() - time.time()) < 60
 
 
 def test_filter_by_event(private_journald: PrivateJournald, sink: JournalSink) -> None:

@@ -339,6 +339,8 @@ def test_unprivileged_daemon_reports_the_hard_limit_it_cannot_raise(daemon: Call
     assert "llama-server gets 2048" in reason
     assert f"euid {os.geteuid() or NOBODY}, not root" in reason
     assert "LimitNOFILE=4096" in reason and "`ulimit -Hn 4096`" in reason and "--ulimit nofile=4096:4096" in reason
+    # The message names the limit once: the reason is already a full sentence starting with it.
+    assert event["message"] == reason and reason.startswith("RLIMIT_NOFILE (open files): ")
     # It says so once, and the server runs with the best it could get.
     assert run.names().count("limit_not_raised") == 1
     assert proc_limits(pid)["Max open files"] == ("2048", "2048")

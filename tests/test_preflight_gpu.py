@@ -54,9 +54,29 @@ def test_required_gpu_missing_is_a_failure_optional_is_a_warning(tmp_path: Path)
     fake = FakeNvml()
     fake.init_error = 9  # driver not loaded
     assert check_gpu(cfg(tmp_path, enabled="on"), nvml_module=fake)[0].verdict == "FAIL"
-    fake2 = FakeNvml()
-    fake2.init_error = 12
-    assert check_gpu(cfg(tmp_path), nvml_module=fake2)[0].verdict == "WARN"
+    config = cfg(tmp_path)  # no driver library: fine for a CPU-only config
+    no_offload = config.model_copy(update={"server": config.server.model_copy(update={"n_gpu_layers": 0})})
+    [row] = check_gpu(no_offload, nvml_module=_failing(12))
+    assert (row.verdict, row.action) == ("WARN", NodeAction.NONE)
+
+
+def test_offload_asked_and_nvml_unavailable_fails_with_the_action_of_the_error(tmp_path: Path) -> None:
+    # [gpu].enabled = "auto" but n_gpu_layers > 0 (the default): a GPU node whose driver is gone must
+    # not pass the gate. The action follows the NVML error's kind.
+    config = cfg(tmp_path)
+    assert config.server.n_gpu_layers > 0
+    for init_error, action, fix in ((12, NodeAction.FIX_CONFIG, "install the NVIDIA driver"),
+                                    (9, NodeAction.REBOOT, "reboot the host")):
+        [row] = check_gpu(config, nvml_module=_failing(init_error))
+        assert (row.verdict, row.action) == ("FAIL", action), row.detail
+        assert f"n_gpu_layers = {config.server.n_gpu_layers} asks for the GPU" in row.detail and fix in row.detail
+    assert "or set n_gpu_layers = 0" in check_gpu(config, nvml_module=_failing(12))[0].detail
+
+
+def _failing(init_error: int) -> FakeNvml:
+    fake = FakeNvml()
+    fake.init_error = init_error
+    return fake
 
 
 def test_no_offload_on_a_gpu_host_still_counts_the_cuda_context(tmp_path: Path) -> None:

@@ -206,6 +206,24 @@ async def test_a_fault_while_draining_is_not_called_drained() -> None:
     assert rig.source.history.last() is not None and rig.source.history.last().drained is False  # type: ignore[union-attr]
 
 
+async def test_a_server_killed_while_draining_is_reported_as_such_not_as_a_drain_timeout() -> None:
+    rig = await Rig().start()
+    rig.serve(100)
+    rig.play(RestartRequest("x"))
+    await rig.settle()
+    rig.play(Exited(100, -9))  # kill -9 while it drains
+    rig.source.on_exit(rig.ctx, 100, -9)
+    rig.advance(rig.state.deadline - rig.mono if rig.state.deadline else 0.0)
+    rig.play(Tick())
+    rig.play(Spawned(101))
+    rig.source.on_spawn(rig.ctx, 101)
+    rig.play(HealthOk(101))
+    assert rig.state.phase is Phase.READY
+    await rig.settle()
+    done = rig.event("planned_restart_done")
+    assert done["outcome"] == "server_exited" and done["drained"] is False and done["server_exited"] is True
+
+
 async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     # No host prompt cache (--cache-ram 0): all growth over the bound counts.
     rig = await Rig(server={"extra_args": ["--cache-ram", "0"]}, restart_cron="", rss_growth_mib=100.0,

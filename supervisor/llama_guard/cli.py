@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "action (none/fix_config/reset_gpu/reboot), then every line; "
                                                        "exit 0 pass or warn, 1 fail, 2 unknown")
     p.set_defaults(func=cmd_check)
-    p = add("status", "what the running daemon sees now (exit 0 ready, 1 not ready, 3 not running)")
+    p = add("status", "what the running daemon sees now (exit 0 ready, 1 not ready, 3 not running, "
+                      "4 unknown, 78 config unreadable)")
     p.add_argument("--json", action="store_true", help="the snapshot as a versioned document (schema 1)")
     p.add_argument("--runtime-dir", help="the daemon's [runtime].dir")
     p.set_defaults(func=cmd_status)

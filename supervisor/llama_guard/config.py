@@ -551,6 +551,8 @@ def parse_listen(value: str) -> tuple[str, int]:
         host, _, port_text = text.rpartition(":")
     else:
         port_text = text
+        if not text.isdigit():
+            raise ValueError(f"{value!r}: expected PORT, HOST:PORT or [IPv6]:PORT")
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
     try:
@@ -559,6 +561,11 @@ def parse_listen(value: str) -> tuple[str, int]:
         if not _HOSTNAME.fullmatch(host):
             raise ValueError(f"{value!r}: {host!r} is not an IP address or host name") from None
     return host, int(port_text)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as :func:`parse_listen` reads it back: an IPv6 host bracketed (``[::1]:8080``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 _TOML_PATH: ContextVar[Path | None] = ContextVar("llama_guard_toml_path", default=None)

@@ -69,6 +69,16 @@ GPU_ERROR_ACTIONS: tuple[tuple[type[NvmlError], NodeAction], ...] = (
 )
 
 
+# What to do when the config offloads layers ([gpu].enabled = "auto") and NVML cannot be opened, by
+# the action of the NVML error (:data:`GPU_ERROR_ACTIONS`).
+OFFLOAD_FIX: dict[NodeAction, str] = {
+    NodeAction.FIX_CONFIG: ("install the NVIDIA driver (or correct [gpu].index/uuid/pci_bus_id), or set "
+                            "n_gpu_layers = 0 to run on the CPU"),
+    NodeAction.RESET_GPU: "reset the GPU (nvidia-smi --gpu-reset) once no process uses it",
+    NodeAction.REBOOT: "reboot the host",
+}
+
+
 def gpu_error_action(error: NvmlError | None) -> NodeAction:
     """The :data:`GPU_ERROR_ACTIONS` row of ``error``'s type; ``fix_config`` for any other (or None)."""
     for kind, action in GPU_ERROR_ACTIONS:
@@ -294,8 +304,9 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     memory used/total, persistence mode, other processes holding VRAM (the VRAM budget is
     :func:`check_vram`).
 
-    FAIL when ``[gpu].enabled = "on"`` and NVML cannot reach the GPU; WARN for what the daemon
-    would also warn about; nothing is changed on the GPU.
+    FAIL when ``[gpu].enabled = "on"``, or ``"auto"`` with ``n_gpu_layers`` > 0, and NVML cannot reach
+    the GPU (the action by the NVML error: :data:`OFFLOAD_FIX`); WARN for what the daemon would also
+    warn about (no driver with ``n_gpu_layers = 0``); nothing is changed on the GPU.
     """
     if config.gpu.enabled is GpuWatchMode.OFF:
         return [CheckResult("gpu", Verdict.OK, 'GPU watch off ([gpu].enabled = "off")')]
@@ -308,6 +319,11 @@ def check_gpu(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
         if config.gpu.enabled is GpuWatchMode.ON:
             return [CheckResult("gpu", Verdict.FAIL, f"GPU watch off: {opened.reason}",
                                 action=gpu_error_action(opened.error))]
+        if config.server.n_gpu_layers > 0:  # "auto", but the config offloads: this GPU node is not healthy
+            action = gpu_error_action(opened.error)
+            return [CheckResult("gpu", Verdict.FAIL, f"n_gpu_layers = {config.server.n_gpu_layers} asks for the "
+                                f"GPU, but NVML is unavailable: {opened.reason}; {OFFLOAD_FIX[action]}",
+                                action=action)]
         return [CheckResult("gpu", Verdict.WARN, f"GPU watch off: {opened.reason}")]
     recovery: RecoveryAction | None = None
     try:

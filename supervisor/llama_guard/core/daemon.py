@@ -61,7 +61,7 @@ from llama_guard.core.inputs import (
 from llama_guard.core.offload import Lane
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
-from llama_guard.core.reload import emit_reloaded, load_candidate
+from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
 from llama_guard.core.spawner import Spawner, prepare
@@ -379,6 +379,11 @@ class Daemon:
             return
         if self._stopping_sent:
             self.emitter.emit("reload_ignored", reason="llama-guard began stopping during the reload")
+            return
+        clash = port_clash(candidate.config, [src.listening for src in self.sources])
+        if clash:
+            self.emitter.emit("config_error", reason=f"{self.config_path}: {clash} (keeping the running configuration)")
+            self._ready()
             return
         old, new = self.config, candidate.config
         # A new key (same file, new content) reaches llama-server only by a (drained) restart.

@@ -154,6 +154,19 @@ def reload_report(old: Config, new: Config, *, key_changed: bool = False) -> Rel
     return report
 
 
+def port_clash(config: Config, listening: list[tuple[str, int] | None]) -> str:
+    """Why ``config`` would start llama-server on a port this daemon itself listens on (``listening``:
+    the bound addresses of its front door and exporter, which keep their sockets until a daemon
+    restart) — "" when it would not. The configuration's own check sees only the new file: turning
+    ``[front].listen`` off and giving ``[server].port`` the clients' port passes it, and the server
+    could never bind."""
+    for address in listening:
+        if address is not None and address[1] == config.server.port:
+            return (f"server.port: {config.server.port} is where this llama-guard listens ({address[0]}:{address[1]}) "
+                    "until it is restarted: llama-server could not bind it")
+    return ""
+
+
 def startable(config: Config) -> str:
     """Why llama-server could not be started with ``config`` ("" when it could): a reload must not
     replace a running server's configuration with one that cannot start. Blocking (stat, open)."""

@@ -48,6 +48,8 @@ class Source:
     """Base class: override what you need."""
 
     name = "source"
+    listening: tuple[str, int] | None = None
+    """The ``(host, port)`` this source serves on once started (the front door, the exporter)."""
 
     async def start(self, ctx: Context) -> str | None:
         """Once, before the first server starts. Return a reason to refuse to run (exit 78)."""

@@ -28,7 +28,7 @@ from aiohttp import hdrs, web
 from llama_guard.config import FrontConfig
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
-from llama_guard.front.forward import Forwarder
+from llama_guard.front.forward import Forwarder, origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.output.health import liveness, readiness
 
@@ -40,6 +40,10 @@ FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_m
 ACCEPT_SLICE = 128
 LISTEN_BACKLOG = 4096
 READ_CHUNK = 65536
+# After a body the front door refused (413, 408), aiohttp reads and drops the rest of it before the
+# close (so that the client reads its answer rather than a TCP reset) — 10 s by default, at the
+# client's speed: a body that never ends would keep the loop copying garbage. One second is enough.
+LINGER_S = 1.0
 _STATUS = {FailReason.UPSTREAM_FAILED: 502}
 _MESSAGE = {
     FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
@@ -132,7 +136,8 @@ class FrontApp:
         """Open the listening socket (OSError when it cannot be bound); returns the bound address."""
         front = self._config()
         self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
-                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s)
+                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s,
+                                  lingering_time=LINGER_S)
         max_connections = effective_max_connections(front.max_connections)
         self.max_connections = max_connections
         server = self._server
@@ -155,17 +160,23 @@ class FrontApp:
         return str(bound[0]), int(bound[1])
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, then close every connection (bounded by ``timeout_s``)."""
+        """Stop accepting, then close every connection (bounded by ``timeout_s``): an idle keep-alive
+        one at once, one with a request once its answer is written. (aiohttp's ``shutdown`` alone
+        waits the whole ``timeout_s`` for an idle connection's next request.)"""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         if self._server is not None:
+            for connection in self._server.connections:
+                connection.close()
             await self._server.shutdown(timeout_s)
             self._server = None
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in ("/livez", "/readyz"):
             return self._health(request.path)
+        if origin_form(request) is None:
+            return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))
         seq = next(self._seq)
         front = self._config()
         try:

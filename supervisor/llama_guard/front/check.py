@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from llama_guard.config import Config
+from llama_guard.config import Config, host_port
 from llama_guard.preflight import CheckResult
 from llama_guard.verdicts import Verdict
 
@@ -21,7 +21,7 @@ def check_front(config: Config) -> CheckResult:
     if address is None:
         return CheckResult("front door", Verdict.NOTE, f"off: clients connect to llama-server at {server} directly "
                            "and see every restart (set [front].listen to hold their requests)")
-    listen = f"{address[0]}:{address[1]}"
+    listen = host_port(*address)
     text = f"clients connect to {listen}; llama-server listens privately on {server}"
     if not config.server.loopback:
         return CheckResult("front door", Verdict.WARN, f"{text}, beyond loopback: clients can go around the front "

@@ -59,6 +59,20 @@ def end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiD
     return out
 
 
+def origin_form(request: web.BaseRequest) -> str | None:
+    """The request's target as llama-server gets it: ``/path?query`` byte for byte as the client sent
+    it, or the path and query of an absolute-form target (``http://host/path``, which a server must
+    accept: RFC 9112, section 3.2.2 — the host it names is not contacted). None for the asterisk form
+    (``OPTIONS *``: a question about the front door itself, nothing to forward)."""
+    raw = request.raw_path
+    if raw.startswith("/"):
+        return raw
+    if raw == "*":
+        return None
+    path = request.rel_url.raw_path_qs
+    return path if path.startswith("/") else "/" + path
+
+
 @dataclass(eq=False)
 class Flight:
     """One answer being relayed from server ``pid``: ``began`` once its first body byte came;
@@ -112,7 +126,7 @@ class Forwarder:
         assert self._session is not None
         hold_timeout_s, max_held = self._limits()
         deadline = self._clock() + hold_timeout_s
-        url = URL(self.base_url + request.raw_path, encoded=True)
+        url = URL(self.base_url + (origin_form(request) or "/"), encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
         sent = 0
         tries = 0

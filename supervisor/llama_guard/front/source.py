@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from llama_guard.config import Config
+from llama_guard.config import Config, host_port
 from llama_guard.core.actions import Action
 from llama_guard.core.inputs import StreamStalled
 from llama_guard.core.watcher import Context, Source
@@ -58,7 +58,7 @@ class FrontSource(Source):
             await forwarder.close()
             return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
         self.admission, self.forwarder, self.app = admission, forwarder, app
-        ctx.emit("front_listening", listen=f"{self.listening[0]}:{self.listening[1]}",
+        ctx.emit("front_listening", listen=host_port(*self.listening),
                  upstream=ctx.config.server.base_url, max_connections=app.max_connections)
         return None
 
@@ -89,7 +89,7 @@ class FrontSource(Source):
     def snapshot(self) -> dict[str, Any] | None:
         if self.listening is None or self.admission is None or self.forwarder is None or self.app is None:
             return None
-        return {"listen": f"{self.listening[0]}:{self.listening[1]}", "waiting": self.admission.waiting,
+        return {"listen": host_port(*self.listening), "waiting": self.admission.waiting,
                 "in_flight": self.forwarder.in_flight, "connections": self.app.connections}
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, MutableMapping
+from datetime import datetime
 from typing import Any, Protocol, TextIO
 
 import structlog
@@ -78,7 +79,7 @@ class Emitter:
             processors=[
                 self._to_sinks,
                 self._drop_below_min,
-                structlog.processors.TimeStamper(fmt="iso", utc=False),
+                self._timestamp,
                 renderer,
             ],
             context_class=dict,
@@ -93,10 +94,23 @@ class Emitter:
         return event_dict
 
     def _drop_below_min(self, _logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        """Drop what is below the stderr threshold; beside ``level`` (Python's, which has no notice) put
+        ``severity``, the syslog name of the event's priority (``notice`` for server_restart); the
+        journal sinks saw the dict before, with its numeric ``priority``."""
         if not self.stderr_enabled or _LEVEL_NUMBERS[event_dict["level"]] < self._min:
             raise structlog.DropEvent
-        for key in ("priority", "message_id"):
-            event_dict.pop(key, None)
+        severity = Severity(event_dict.pop("priority")).name.lower()
+        event_dict.pop("message_id", None)
+        out: dict[str, Any] = {}
+        for key, value in event_dict.items():
+            out[key] = value
+            if key == "level":
+                out["severity"] = severity
+        return out
+
+    def _timestamp(self, _logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        """``timestamp``: ISO 8601 with the host's UTC offset (``2026-12-01T21:30:00.123456+00:00``)."""
+        event_dict["timestamp"] = datetime.fromtimestamp(self._clock()).astimezone().isoformat()
         return event_dict
 
     def set_level(self, level: str) -> None:

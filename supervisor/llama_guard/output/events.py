@@ -226,7 +226,7 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("limit_low", _S.WARNING, "{limit} use {used} of {limit_value} ({fraction:.0%})"),
         EventSpec("resource_exhausted", _S.ERROR, "{limit} exhausted: {reason}"),
         EventSpec("limit_ok", _S.INFO, "{limit} use back to {used} of {limit_value} ({fraction:.0%})"),
-        EventSpec("limit_not_raised", _S.WARNING, "{limit}: {reason}"),
+        EventSpec("limit_not_raised", _S.WARNING, "{reason}"),
         EventSpec("limits_applied", _S.INFO, "llama-server pid {server_pid} runs with {summary}"),
         EventSpec("threads_warning", _S.WARNING, "llama-server threads: {reason}"),
         # Planned restarts and configuration.

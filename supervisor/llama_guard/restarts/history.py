@@ -18,6 +18,7 @@ class RestartRecord:
     ``kind``: ``scheduled``, ``vram_growth``, ``rss_growth``, ``speed_drop``, ``requested``…;
     ``requested_at``: aware wall-clock time of the request; ``uptime_s``: the old server's age;
     ``drained``: True if it drained, False if ``drain_timeout_s`` ran out, None while pending;
+    ``server_exited``: the old server died while it drained (a crash, a kill -9), before its stop;
     ``unavailable_s``: from the stop of the old server to READY of the new one (None while pending);
     ``tokens_per_s_*``: generation speed (tokens/s) just before (the old process's last window)
     and after (the new process's baseline window); ``vram_mib_*``: the server's VRAM just before
@@ -29,6 +30,7 @@ class RestartRecord:
     requested_at: datetime
     uptime_s: float
     drained: bool | None = None
+    server_exited: bool = False
     unavailable_s: float | None = None
     tokens_per_s_before: float | None = None
     tokens_per_s_after: float | None = None
@@ -37,7 +39,9 @@ class RestartRecord:
 
     @property
     def outcome(self) -> str:
-        """``drained``, ``drain_timeout`` or ``pending``."""
+        """``drained``, ``drain_timeout``, ``server_exited`` or ``pending``."""
+        if self.server_exited:
+            return "server_exited"
         return {True: "drained", False: "drain_timeout", None: "pending"}[self.drained]
 
     def summary(self) -> str:

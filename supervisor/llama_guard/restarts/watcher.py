@@ -207,7 +207,7 @@ class ScheduleSource(Source):
             # It ended before the stop was asked for (a crash while draining).
             pending.stop_mono = ctx.clock()
             pending.drained = False
-            self.history.update_last(drained=False)
+            self.history.update_last(drained=False, server_exited=True)
 
     def on_action(self, ctx: Context, action: Action) -> None:
         """Follow a planned restart through the policy's typed actions (never event names)."""
