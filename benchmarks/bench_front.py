@@ -10,7 +10,9 @@
    door, and while ``--idle`` idle connections are open to it: the decision latency (the kill → the
    daemon's ``server_exited`` event) and the watchdog's pace (the largest gap between two ``WATCHDOG=1``
    the daemon sent to our ``$NOTIFY_SOCKET`` during the window; ``WATCHDOG_USEC`` is 2 s), with what the
-   cut streams' clients got.
+   cut streams' clients got (completed, cut with an SSE error, answered 5xx by the front door, or stuck:
+   still open ``--give-up-s`` after the next server was ready). Part 3 says on stderr what it waits for
+   every 10 s, and gives up on a wait with a message instead of hanging.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_front.py    # CPU-sized defaults (make bench)
     # on a GPU host, the issue's figures:
@@ -39,7 +41,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,13 @@ from benchlib import epoch  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
 
 WATCHDOG_USEC = 2_000_000
+PROGRESS_S = 10.0  # how often part 3 says what it is waiting for
+T0 = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """One line of part 3's progress, with the seconds since the bench started (stderr: the tables stay on stdout)."""
+    print(f"[{time.monotonic() - T0:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 class NotifyCatcher:
@@ -143,9 +153,17 @@ def idle_connections(port: int, n: int, daemon_pid: int) -> Iterator[None]:
             with contextlib.suppress(BlockingIOError):
                 sock.connect(("127.0.0.1", port))
             socks.append(sock)
-        deadline = time.monotonic() + 120.0
-        while time.monotonic() < deadline and psutil.Process(daemon_pid).num_fds() < n:
+        progress(f"{n} idle connections opened; waiting (at most 120 s) until the daemon has accepted them")
+        start = time.monotonic()
+        deadline, report = start + 120.0, start + PROGRESS_S
+        while (fds := psutil.Process(daemon_pid).num_fds()) < n and time.monotonic() < deadline:
+            if time.monotonic() >= report:  # past the kernel's accept queue a connect waits on SYN retries
+                progress(f"the daemon holds {fds} file descriptors of the {n} idle connections")
+                report += PROGRESS_S
             time.sleep(0.2)  # until the daemon has accepted them all: idle, not arriving
+        if fds < n:
+            progress(f"gave up waiting: the daemon holds {fds} file descriptors, not {n}; the idle column "
+                     "measures that many (raise net.core.somaxconn / lower --idle)")
         time.sleep(1.0)
         yield
     finally:
@@ -154,25 +172,39 @@ def idle_connections(port: int, n: int, daemon_pid: int) -> Iterator[None]:
 
 
 def kill_round(daemon: DaemonRun, catcher: NotifyCatcher, streams: int, stream_tokens: int,
-               front: int) -> dict[str, Any]:
-    """kill -9 of the current server (with ``streams`` streams running through the front door when > 0)."""
+               front: int, give_up_s: float) -> dict[str, Any]:
+    """kill -9 of the current server (with ``streams`` streams running through the front door when > 0);
+    streams not ended ``give_up_s`` seconds after the next server is ready are counted as stuck."""
     ready = [e for e in daemon.events() if e["event"] == "server_ready"]
     pid = ready[-1]["server_pid"]
-    results: list[dict[str, Any]] = []
     pool = ThreadPoolExecutor(max(1, streams))
     futures = [pool.submit(stream, front, stream_tokens) for _ in range(streams)]
     if streams:
         time.sleep(2.0)  # let them connect and start
     start_mono, start_wall = time.monotonic(), time.time()
+    progress(f"kill -9 of llama-server pid {pid} with {streams} streams running "
+             f"({sum(f.done() for f in futures)} already ended)")
     os.kill(pid, signal.SIGKILL)
     exited = wait_after(daemon, "server_exited", start_wall - 0.5)
     latency = epoch(exited["timestamp"]) - start_wall
-    wait_after(daemon, "server_ready", start_wall, 120.0)
-    results = [f.result() for f in futures]
-    pool.shutdown()
+    again = wait_after(daemon, "server_ready", start_wall, 120.0)
+    progress(f"server_exited after {latency * 1000:.0f} ms; llama-server pid {again['server_pid']} ready "
+             f"{epoch(again['timestamp']) - start_wall:.1f} s after the kill")
+    deadline = time.monotonic() + give_up_s
+    pending = set(futures)
+    while pending and time.monotonic() < deadline:
+        _, pending = wait_futures(pending, min(PROGRESS_S, max(0.0, deadline - time.monotonic())), FIRST_EXCEPTION)
+        if pending:
+            progress(f"{len(futures) - len(pending)} of {streams} streams ended, {len(pending)} still open")
+    if pending:
+        progress(f"gave up on {len(pending)} streams still open {give_up_s:g} s after the server was ready "
+                 "(counted as stuck; --give-up-s)")
+    results = [f.result() for f in futures if f not in pending]
+    pool.shutdown(wait=False, cancel_futures=True)  # a stuck stream ends when daemon.stop() closes its connection
     end_mono = time.monotonic()
     return {"latency_s": latency, "watchdog_gap_s": catcher.max_gap(start_mono - 1.0, end_mono),
-            "ok": sum(r["done"] for r in results), "cut": sum(r["error"] for r in results), "n": len(results)}
+            "ok": sum(r["done"] for r in results), "cut": sum(r["error"] for r in results), "n": len(results),
+            "refused": sum(r["status"] not in (0, 200) for r in results), "stuck": len(pending)}
 
 
 def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -205,6 +237,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--stream-tokens", type=int, default=2, help="tokens per stream of parts 2 and 3")
     ap.add_argument("--idle", type=int, default=10_000, help="idle client connections of part 3's last column")
+    ap.add_argument("--give-up-s", type=float, default=300.0,
+                    help="part 3: how long after the restart a stream may still run before it counts as stuck")
     args = ap.parse_args()
     if not (args.server_bin and args.model):
         ap.error("--server-bin and --model (or $LLAMA_SERVER_BIN, $LLAMA_GUARD_TEST_MODEL) are needed")
@@ -248,12 +282,12 @@ def main() -> int:
         ok = sum(r["done"] for r in many)
         print(f"\n2. {args.streams} concurrent streams of {args.stream_tokens} tokens through the front door: "
               f"{ok} ended with [DONE], {args.streams - ok} with an error", flush=True)
-        quiet = kill_round(daemon, catcher, 0, args.stream_tokens, front)
+        quiet = kill_round(daemon, catcher, 0, args.stream_tokens, front, args.give_up_s)
         time.sleep(2.0)
-        busy = kill_round(daemon, catcher, args.streams, args.stream_tokens, front)
+        busy = kill_round(daemon, catcher, args.streams, args.stream_tokens, front, args.give_up_s)
         time.sleep(2.0)
         with idle_connections(front, args.idle, daemon.pid):
-            idle = kill_round(daemon, catcher, 0, args.stream_tokens, front)
+            idle = kill_round(daemon, catcher, 0, args.stream_tokens, front, args.give_up_s)
     finally:
         daemon.stop()
         catcher.close()
@@ -264,8 +298,8 @@ def main() -> int:
           f"{idle['latency_s'] * 1000:>14.1f}")
     print(f"{'largest watchdog gap around it (ms)':<44}{quiet['watchdog_gap_s'] * 1000:>14.0f}"
           f"{busy['watchdog_gap_s'] * 1000:>14.0f}{idle['watchdog_gap_s'] * 1000:>14.0f}")
-    outcome = f"{busy['ok']} / {busy['cut']}"
-    print(f"{'streams: completed / cut with an SSE error':<44}{'-':>14}{outcome:>14}{'-':>14}")
+    outcome = f"{busy['ok']} / {busy['cut']} / {busy['refused']} / {busy['stuck']}"
+    print(f"{'streams: completed / cut / 5xx / stuck':<44}{'-':>14}{outcome:>14}{'-':>14}")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 

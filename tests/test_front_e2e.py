@@ -220,3 +220,45 @@ def test_no_canary_in_rounds_where_a_client_request_completed(front: Any) -> Non
         assert completion(run.front, 1).status_code == 200
     probes = [e for e in run.events()[busy_from:] if e["event"] == "server_probe" and e["server_pid"] == pid]
     assert probes and any(e["canary_ok"] is None for e in probes), probes
+
+
+def _sse_stream(port: int, n_predict: int) -> tuple[int, str]:
+    """One streamed completion through ``port``: its status and how it ended ("done": the last event
+    has ``"stop": true``, "error": an SSE error event, "json": the front door's own JSON error)."""
+    body = {"prompt": "Write a long story about a lighthouse.", "n_predict": n_predict, "ignore_eos": True,
+            "stream": True, "cache_prompt": False}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/completion", json=body, timeout=120.0) as resp:
+        lines = list(resp.iter_lines())
+    if resp.status_code != 200:
+        return resp.status_code, "json" if lines and json.loads(lines[0])["error"] else "?"
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    ended = "error" if "event: error" in lines else "done" if events and events[-1].get("stop") else "?"
+    return 200, ended
+
+
+def test_three_kills_under_64_streams_every_client_gets_an_end_and_nothing_stays_held(front: Any) -> None:
+    """kill -9 three times in a row while 64 streams run through the front door, the second one as soon as
+    the restarted server is ready (while the held requests are being released): every client gets an end
+    (no client waits on its read timeout), the front door holds nothing afterwards, and the next
+    server answers a new stream in full."""
+    run = front({"server": {"parallel": 4, "ctx_size": 2048}, "recovery": {"max_restarts": 10},
+                 "front": {"hold_timeout_s": 120.0}}).start()
+    run.wait_event("server_ready", 60)
+    with ThreadPoolExecutor(64) as pool:
+        streams = [pool.submit(_sse_stream, run.front, 24) for _ in range(64)]
+        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 4, 30, "streams in flight")
+        for kill in range(3):
+            pid = run.wait_event("server_ready", 90, skip=kill)["server_pid"]
+            os.kill(pid, signal.SIGKILL)
+            if kill == 1:
+                continue  # the third kill follows the next ready at once
+            time.sleep(1.0)
+        results = [f.result() for f in streams]  # an httpx.ReadTimeout here is a wedged request
+    assert all(end in ("done", "error") if status == 200 else (status, end) == (502, "json")
+               for status, end in results), results
+    run.wait_event("server_ready", 90, skip=3)
+    wait_for(lambda: metric(run, "llama_guard_front_requests_waiting") == 0
+             and metric(run, "llama_guard_front_requests_in_flight") == 0, 30, "nothing held or in flight")
+    assert _sse_stream(run.front, 4) == (200, "done")
+    assert metric(run, 'llama_guard_front_requests_failed_total{reason="upstream_failed"}') == \
+        sum(status == 502 for status, _ in results)
