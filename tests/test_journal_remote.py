@@ -161,7 +161,7 @@ def test_events_reach_the_collector_with_every_field_and_filter_there(
         first = int(wait_for(local("LLAMA_GUARD_EVENT=server_ready"), "server_ready", 30)[0]["SERVER_PID"])
         nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 91}}))
         wait_for(local("LLAMA_GUARD_EVENT=gpu_temperature_high"), "gpu_temperature_high", 15)
-        nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 60}, "xids": [79]}))
+        nvml.write_text(json.dumps({"server_on_gpu": True, "values": {"temperature": 60}, "xids": [48]}))
         wait_for(local("LLAMA_GUARD_EVENT=gpu_xid"), "gpu_xid", 15)
         wait_for(lambda: [e for e in journald.entries("LLAMA_GUARD_EVENT=server_ready")
                           if int(e["SERVER_PID"]) != first], "a second server_ready", 30)
@@ -202,7 +202,7 @@ def test_events_reach_the_collector_with_every_field_and_filter_there(
     hot = next(e for e in received if e["LLAMA_GUARD_EVENT"] == "gpu_temperature_high")
     assert hot["GPU_UUID"].startswith("GPU-") and hot["GPU_TEMP_C"] == "91"
     xid = next(e for e in received if e["LLAMA_GUARD_EVENT"] == "gpu_xid")
-    assert xid["XID"] == "79" and int(xid["SERVER_PID"]) == first
+    assert xid["XID"] == "48" and int(xid["SERVER_PID"]) == first
     assert remote_oom == next(e for e in received if e["LLAMA_GUARD_EVENT"] == "server_oom") | {
         k: remote_oom[k] for k in PER_FILE if k in remote_oom}
     assert int(remote_oom["SERVER_PID"]) == second and "out of memory" in remote_oom["LINE"]
