@@ -477,11 +477,9 @@ class RuntimeConfig(_Section):
         return value
 
 
-class MetricsConfig(_Section):
-    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set).
-
-    ``listen``: ``"PORT"`` (bound to 127.0.0.1), ``"HOST:PORT"`` or ``"[IPv6]:PORT"``; "" = off.
-    """
+class _Listener(_Section):
+    """A section with a ``listen`` address: ``"PORT"`` (bound to 127.0.0.1), ``"HOST:PORT"`` or
+    ``"[IPv6]:PORT"``; "" = off."""
 
     listen: str = ""
 
@@ -498,7 +496,11 @@ class MetricsConfig(_Section):
         return parse_listen(self.listen) if self.listen else None
 
 
-class FrontConfig(_Section):
+class MetricsConfig(_Listener):
+    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set)."""
+
+
+class FrontConfig(_Listener):
     """``[front]``: the front door, a reverse proxy that holds requests while llama-server is not
     ready (off unless ``listen`` is set; see docs/front.md).
 
@@ -515,7 +517,6 @@ class FrontConfig(_Section):
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
     """
 
-    listen: str = ""
     hold_timeout_s: PositiveFloat = 120.0
     max_held: int = Field(256, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
@@ -524,18 +525,6 @@ class FrontConfig(_Section):
     body_timeout_s: PositiveFloat = 60.0
     stall_timeout_s: float = Field(120.0, ge=0.0)
     max_connections: int = Field(16384, ge=1)
-
-    @field_validator("listen")
-    @classmethod
-    def _listen(cls, value: str) -> str:
-        if value:
-            parse_listen(value)  # ValueError names the problem
-        return value
-
-    @property
-    def address(self) -> tuple[str, int] | None:
-        """``(host, port)`` to bind, or None when the front door is off."""
-        return parse_listen(self.listen) if self.listen else None
 
 
 def parse_listen(value: str) -> tuple[str, int]:
