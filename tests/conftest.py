@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from front_fixtures import door  # noqa: F401 (the front-door attack tests' fixture)
 from harness import FAKE_SERVER
 from needs import unavailable
 

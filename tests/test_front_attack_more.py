@@ -13,46 +13,17 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from harness import RunPool, free_port, merge
+from front_fixtures import served
 from llama_guard.front.source import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
-FRONT = {"header_timeout_s": 2.0, "body_timeout_s": 2.0, "max_body_bytes": 65536,
-         "max_buffered_bytes": 100_000, "hold_timeout_s": 60.0}
 BODY = b'{"prompt":"Hi","n_predict":1}'
 REQUEST = b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
-
-
-@pytest.fixture
-def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
-    pool = RunPool()
-
-    def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
-        port = free_port()
-        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), merge({
-            "front": {"listen": f"127.0.0.1:{port}", **FRONT, **(front or {})},
-            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}}, extra or {}))
-        run.front = port
-        run.start()
-        run.first = run.wait_event("server_ready", 60)["server_pid"]
-        return run
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
-
-
-def served(port: int) -> bool:
-    """A normal client is answered in full."""
-    resp = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=120)
-    return resp.status_code == 200 and resp.json()["tokens_predicted"] == 1
 
 
 def raw(port: int, data: bytes, *, timeout: float = 30.0) -> socket.socket:

@@ -1,0 +1,43 @@
+"""The front-door attack tests' shared pieces: a daemon with the front door on (before the real
+llama-server, canary off, slow liveness), its bounds, and "a normal client is served"."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import RunPool, free_port, merge
+
+FRONT = {"header_timeout_s": 2.0, "body_timeout_s": 2.0, "max_body_bytes": 65536,
+         "max_buffered_bytes": 100_000, "hold_timeout_s": 60.0}
+
+
+@pytest.fixture
+def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
+    """``make(front=None, extra=None)``: a started daemon whose ``front`` is the clients' port and
+    ``first`` the first server's pid; ``extra`` sections are merged over the defaults."""
+    pool = RunPool()
+
+    def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
+        port = free_port()
+        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), merge({
+            "front": {"listen": f"127.0.0.1:{port}", **FRONT, **(front or {})},
+            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}}, extra or {}))
+        run.front = port
+        run.start()
+        run.first = run.wait_event("server_ready", 60)["server_pid"]
+        return run
+
+    yield make
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def served(port: int) -> bool:
+    """A normal client is answered in full."""
+    resp = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=120)
+    return resp.status_code == 200 and resp.json()["tokens_predicted"] == 1
