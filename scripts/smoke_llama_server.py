@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import IO
 
 DEADLINE_S = 120.0
 FIX = ("rebuild it portable: rm -rf .work/real/venv and run scripts/get-real-components.sh "
@@ -30,8 +31,12 @@ def free_port() -> int:
 
 
 def main(binary: str, model: str) -> int:
+    with tempfile.TemporaryFile() as log:
+        return run(binary, model, log)
+
+
+def run(binary: str, model: str, log: IO[bytes]) -> int:
     port = free_port()
-    log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1"],
         stdout=log, stderr=subprocess.STDOUT)
@@ -62,7 +67,7 @@ def main(binary: str, model: str) -> int:
             proc.wait()
 
 
-def died(returncode: int, log: tempfile._TemporaryFileWrapper[bytes]) -> int:  # type: ignore[name-defined]
+def died(returncode: int, log: IO[bytes]) -> int:
     log.seek(0)
     tail = log.read().decode(errors="replace").splitlines()[-5:]
     if returncode < 0:

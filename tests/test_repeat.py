@@ -6,6 +6,7 @@ lines through the real classifier and the real policy."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -177,3 +178,49 @@ def test_offloaded_zero_layers_is_on_the_cpu() -> None:
     _, acts = feed(s, 100, ["0.00.300.000 I load_tensors: offloaded 31/31 layers to GPU"], 0.1)
     assert acts == []
     assert isinstance(acts, list) and not any(isinstance(a, Emit) for a in acts)
+
+
+def die_by(*signals: int) -> Failure:
+    """Each start dies by the next of ``signals`` (cycling) before ready, after a line that differs
+    from start to start (where the output got to depends on timing)."""
+    def failure(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+        sig = signals[(pid - 100) % len(signals)]
+        s, _ = feed(s, pid, [f"0.00.0{pid}.000 I load_tensors: offloaded {pid % 7}/31 layers"], now + 0.1)
+        return decide(s, Exited(pid, -sig), now + 0.2)
+    return failure
+
+
+def test_illegal_instruction_and_segfault_alternating_is_a_verdict_within_three_starts() -> None:
+    # A native build on a CPU with AMX: SIGILL at tilezero, SIGSEGV at ldtilecfg, alternating.
+    s, per_start = run(die_by(signal.SIGILL, signal.SIGSEGV), 8)
+    assert len(per_start) == 3 and s.phase is Phase.EXITED
+    assert exit_code(per_start[-1]) == EXIT_CONFIG
+    verdict = emitted(per_start[-1], "server_boot_failure")
+    cause = str(verdict.fields["cause"])
+    assert cause.startswith("llama-server dies with an illegal instruction")
+    assert "built for CPU instructions this machine cannot run" in cause and "GGML_NATIVE=OFF" in cause
+    assert verdict.fields["signals"] == ["SIGILL", "SIGSEGV"]
+    assert BUILD in cause
+
+
+def test_segfault_on_every_start_names_the_build_fault_not_an_illegal_instruction() -> None:
+    for sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
+        _s, per_start = run(die_by(sig), 8)
+        assert len(per_start) == 3 and exit_code(per_start[-1]) == EXIT_CONFIG, sig
+        cause = str(emitted(per_start[-1], "server_boot_failure").fields["cause"])
+        assert "illegal instruction" not in cause and signal.Signals(sig).name in cause
+        assert "GGML_NATIVE=OFF" in cause and "another driver" in cause
+
+
+def test_fault_signals_after_ready_on_each_start_are_a_verdict_too() -> None:
+    def ready_then_sigill(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+        s, _ = decide(s, HealthOk(pid), now + 0.1)
+        return decide(s, Exited(pid, -signal.SIGILL), now + 0.5)
+    _s, per_start = run(ready_then_sigill, 8)
+    assert len(per_start) == 3 and exit_code(per_start[-1]) == EXIT_CONFIG
+    assert "illegal instruction" in str(emitted(per_start[-1], "server_failure_repeated").fields["cause"])
+
+
+def test_a_fault_signal_between_other_failures_breaks_no_rule_and_sigkill_never_chains() -> None:
+    _s, per_start = run(die_by(signal.SIGILL, signal.SIGKILL), 6)
+    assert all(exit_code(acts) != EXIT_CONFIG for acts in per_start)

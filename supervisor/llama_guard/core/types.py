@@ -244,6 +244,8 @@ class State:
     identical: int = 0          # how many consecutive starts ended that way
     identical_since: float = 0.0  # when the first of them failed (monotonic seconds)
     last_line: str = ""         # the last line the failed server printed (Exited)
+    exit_signal: int | None = None  # the signal that ended the last server (None: it exited, or not yet)
+    fault_signals: frozenset[int] = frozenset()  # CPU-fault signals (SIGILL, SIGSEGV …) of the current chain
     failure_line: str = ""      # the server's line that decided the current failure (a fault, no GPU)
     build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
@@ -275,6 +277,11 @@ class State:
 def initial_state(params: Params) -> State:
     """A STOPPED state with a fresh backoff."""
     return State(params=params, next_backoff_s=params.backoff_initial_s)
+
+
+def exit_signal(returncode: int | None) -> int | None:
+    """The signal number in a waitpid status (``-11`` → 11), None for an exit or an unknown status."""
+    return -returncode if returncode is not None and returncode < 0 else None
 
 
 def exit_text(returncode: int | None) -> str:

@@ -38,7 +38,7 @@ from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, Phase, RestartCause, State, exit_text
+from llama_guard.core.types import AfterStop, Phase, RestartCause, State, exit_signal, exit_text
 from llama_guard.exitcodes import EXIT_CONFIG
 
 
@@ -139,7 +139,8 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
         model = {"model": state.params.model_path} if cause != state.boot_cause else {}
         return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
-    new = replace(state, last_failure=f"exited while loading: {exit_text(event.returncode)}", cause=RestartCause.CRASH)
+    new = replace(state, last_failure=f"exited while loading: {exit_text(event.returncode)}", cause=RestartCause.CRASH,
+                  exit_signal=exit_signal(event.returncode))
     new, actions = count_failure(new, now)
     return new, [exited, *actions]
 
@@ -164,7 +165,8 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         return alloc_fatal(state, event, now, state.phase.value)
     if isinstance(event, Exited) and event.pid == pid:
         fields = exit_fields(pid, event.returncode, state.last_error)
-        new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH)
+        new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH,
+                      exit_signal=exit_signal(event.returncode))
         # A crash is restarted; the same crash again within the window is said, with the request
         # kind its exception names (a SIGKILL comes from outside: not the server's own crash).
         signature = "" if event.returncode == -signal.SIGKILL or not state.last_error else failure_signature(

@@ -37,6 +37,23 @@ FIX_BOOT = ("the server's own line says why it cannot start: fix the [server] se
             "check` checks them), or use another llama.cpp build if the fault is this build's")
 
 
+#: Signals by which the CPU refuses the build's own code (an instruction this CPU lacks, a fault in
+#: an accelerated path such as AMX tile setup): the same binary dies the same way on every start,
+#: at whatever line its output reached, so these chain whatever was printed. SIGABRT is not here:
+#: an abort names its cause in a line, and the line-based chain judges it.
+FAULT_SIGNALS = frozenset({signal.SIGILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE})
+FIX_ILLEGAL = ("it was built for CPU instructions this machine cannot run (rebuild with GGML_NATIVE=OFF, e.g. "
+               "CMAKE_ARGS=-DGGML_NATIVE=OFF; a native build runs only on the CPU kind that built it)")
+FIX_FAULT = ("a fault of this build on this machine: a native build made for another CPU (rebuild with "
+             "GGML_NATIVE=OFF, or run it with --no-repack in [server].extra_args), or a CUDA build made for "
+             "another driver or GPU (rebuild it on this host); the build is named")
+
+
+def _fault_signal(state: State) -> int | None:
+    """The CPU-fault signal that ended the server (None: another ending)."""
+    return state.exit_signal if state.exit_signal in FAULT_SIGNALS else None
+
+
 def _line(state: State) -> str:
     """The line that names the failure: the one that decided it (a fault, no GPU: the lines after it
     depend on how fast the stop was), else the last error line, else the last line printed."""
@@ -53,10 +70,14 @@ def _signature(state: State) -> str:
     if classify_line(state.last_error).family in _TRANSIENT_FAMILIES or state.last_failure.startswith("server_oom"):
         return ""
     when = "before ready" if state.ready_at is None else "after ready"
+    if _fault_signal(state) is not None:
+        return f"{when} | killed by a CPU fault signal"
     return f"{when} | {failure_signature(state.last_failure, _line(state))}"
 
 
 def _fix(state: State) -> str:
+    if state.fault_signals:
+        return FIX_ILLEGAL if signal.SIGILL in state.fault_signals else FIX_FAULT
     family = classify_line(state.last_error).family if state.last_error else Family.HARMLESS
     if state.last_failure.startswith("GPU unavailable") or family is Family.GPU_UNAVAILABLE:
         return FIX_GPU
@@ -75,9 +96,12 @@ def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[A
     so that a fault that goes away within that time is ridden out."""
     signature = _signature(state)
     if not signature:
-        return replace(state, boot_signature="", identical=0), None, []
+        return replace(state, boot_signature="", identical=0, fault_signals=frozenset()), None, []
     count = state.identical + 1 if signature == state.boot_signature else 1
     since = state.identical_since if count > 1 else now
+    fault = _fault_signal(state)
+    chained = state.fault_signals if count > 1 else frozenset()
+    state = replace(state, fault_signals=chained | {fault} if fault is not None else frozenset())
     if count >= state.params.identical_failures and now - since < state.params.repeat_confirm_s:
         count = state.params.identical_failures - 1  # too soon to confirm: the next start does
     state = replace(state, boot_signature=signature, identical=count, identical_since=since)
@@ -87,10 +111,26 @@ def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[A
     line = _line(state)
     when = "before it is ready" if state.ready_at is None else "soon after it became ready"
     build = f"; build: {state.build or 'unknown'}"
-    cause = (f"llama-server fails the same way {when} on {count} consecutive starts "
-             f"({state.last_failure}): {line or state.last_failure}{build}; fix: {_fix(state)}")
+    if state.fault_signals:
+        cause = f"{_fault_cause(state.fault_signals)} on {count} consecutive starts {when}: {_fix(state)}{build}"
+    else:
+        cause = (f"llama-server fails the same way {when} on {count} consecutive starts "
+                 f"({state.last_failure}): {line or state.last_failure}{build}; fix: {_fix(state)}")
     fields: dict[str, object] = {"cause": cause, "line": line, "failure": state.last_failure,
                                  "consecutive_starts": count, "fix": _fix(state), "build": state.build,
                                  "server_pid": state.pid}
     name: EventName = "server_boot_failure" if state.ready_at is None else "server_failure_repeated"
-    return replace(state, boot_signature="", identical=0), Emit(name, fields), []
+    if state.fault_signals:
+        fields["signals"] = sorted(signal.Signals(n).name for n in state.fault_signals)
+    return replace(state, boot_signature="", identical=0, fault_signals=frozenset()), Emit(name, fields), []
+
+
+def _fault_cause(signals: frozenset[int]) -> str:
+    """How the server died, in words: "llama-server dies with an illegal instruction (SIGILL, also
+    SIGSEGV)", or by the fault signals it died of."""
+    names = sorted(signal.Signals(n).name for n in signals)
+    if signal.SIGILL in signals:
+        others = [n for n in names if n != "SIGILL"]
+        also = f", also {', '.join(others)}" if others else ""
+        return f"llama-server dies with an illegal instruction (SIGILL{also})"
+    return f"llama-server dies by {', '.join(names)} at the same point"
