@@ -5,7 +5,9 @@
    llama-server; no line, no CPU time, no HTTP answer) → ``server_load_stalled``, and → the next
    ``server_ready`` (a real load), at ``[health].load_stall_s`` (shipped default unless ``--load-stall``);
 2. SIGSTOP → ``server_hang`` at the shipped ``[health]`` defaults (interval, timeout, canary, strikes):
-   the bench SIGSTOPs a ready server and times the event (the goal: within 30 s).
+   the bench SIGSTOPs a ready server and times the event (the goal: within 20 s, the docs' figure
+   ``hang_strikes`` × ``interval_s`` + ``timeout_s``), and the verdict → the server's exit (the goal:
+   within 2 s: a hung server gets no full graceful stop).
 
 Times against the daemon's event timestamps use ``time.time()`` (same host). On a shared machine the load
 average printed at both ends says how much to trust the figures.
@@ -75,8 +77,10 @@ def frozen_rounds(rounds: int, stall_s: float, tmp: Path, binary: str, model: st
     return out
 
 
-def hang_rounds(rounds: int, tmp: Path, binary: str, model: str) -> list[float]:
+def hang_rounds(rounds: int, tmp: Path, binary: str, model: str) -> tuple[list[float], list[float]]:
+    """(SIGSTOP → server_hang, server_hang → the server's exit event) per round, seconds."""
     out: list[float] = []
+    killed: list[float] = []
     daemon = DaemonRun(tmp, sections(tmp, binary, model, free_port(), dict(SHIPPED)))
     daemon.start()
     try:
@@ -87,9 +91,11 @@ def hang_rounds(rounds: int, tmp: Path, binary: str, model: str) -> list[float]:
             os.kill(pid, signal.SIGSTOP)
             hang = daemon.wait_event("server_hang", 90.0, skip=i)
             out.append(epoch(hang["timestamp"]) - t_wall)
+            gone = daemon.wait_event("server_stopped", 30.0, skip=i)
+            killed.append(epoch(gone["timestamp"]) - epoch(hang["timestamp"]))
     finally:
         daemon.stop()
-    return out
+    return out, killed
 
 
 def main() -> int:
@@ -105,11 +111,12 @@ def main() -> int:
     print(f"load average at start: {os.getloadavg()}; shipped [health]: {SHIPPED}", flush=True)
     with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
         frozen = frozen_rounds(args.rounds, args.load_stall, Path(d1), binary, model)
-        hang = hang_rounds(args.rounds, Path(d2), binary, model)
+        hang, killed = hang_rounds(args.rounds, Path(d2), binary, model)
     print_table([
         (f"frozen at load → server_load_stalled (load_stall_s {args.load_stall:g})", frozen["stalled"]),
         ("frozen at load → replaced (next server_ready)", frozen["replaced"]),
         ("SIGSTOP → server_hang at shipped defaults", hang),
+        ("server_hang → the hung server's exit (server_stopped)", killed),
     ], title="judgement latencies (real llama-server), from the stall's start / the SIGSTOP")
     print(f"load average at end: {os.getloadavg()}")
     return 0

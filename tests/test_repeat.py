@@ -224,3 +224,22 @@ def test_fault_signals_after_ready_on_each_start_are_a_verdict_too() -> None:
 def test_a_fault_signal_between_other_failures_breaks_no_rule_and_sigkill_never_chains() -> None:
     _s, per_start = run(die_by(signal.SIGILL, signal.SIGKILL), 6)
     assert all(exit_code(acts) != EXIT_CONFIG for acts in per_start)
+
+
+def test_a_hung_server_is_killed_one_second_after_the_verdict_not_after_stop_grace_s() -> None:
+    from llama_guard.core.actions import Kill
+    from llama_guard.core.inputs import Probe
+    from llama_guard.core.policy.steps import HUNG_GRACE_S
+
+    s, _ = decide(initial_state(P), Boot(), 0.0)
+    s, _ = decide(s, Spawned(100, ("llama-server",)), 0.0)
+    s, _ = decide(s, HealthOk(100), 0.5)
+    now, acts = 1.0, []
+    for _ in range(P.hang_strikes):
+        now += 5.0
+        s, acts = decide(s, Probe(100, False, None, False, False, "/health failed within 3.0 s"), now)
+    assert "server_hang" in names(acts) and s.phase is Phase.STOPPING
+    s, early = decide(s, Tick(), now + HUNG_GRACE_S - 0.1)
+    assert not any(isinstance(a, Kill) for a in early)
+    s, late = decide(s, Tick(), now + HUNG_GRACE_S)
+    assert any(isinstance(a, Kill) for a in late) and P.stop_grace_s > HUNG_GRACE_S

@@ -40,6 +40,7 @@ REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
+MIN_ROUND_GAP_S = 0.5  # liveness rounds that took longer than interval_s: the next one after this pause
 PROBE_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -153,8 +154,13 @@ class ServerWatch:
         while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
+        round_at = ctx.clock()
         while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
-            await asyncio.sleep(health.interval_s)
+            # Rounds start interval_s apart (not interval_s after the previous one ended): a probe
+            # that times out does not stretch the cycle, so a hang is found within
+            # hang_strikes x interval_s + timeout_s of its start.
+            await asyncio.sleep(max(MIN_ROUND_GAP_S, round_at + ctx.get_config().health.interval_s - ctx.clock()))
+            round_at = ctx.clock()
             if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
                 return
             # A request that completed since the previous round (the server's own log line for it, or

@@ -33,7 +33,16 @@ from llama_guard.core.judgement import (
 )
 from llama_guard.core.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.core.policy.port import exited_port_taken
-from llama_guard.core.policy.steps import Result, count_failure, exit_daemon, exit_fields, restart_event, start, stop
+from llama_guard.core.policy.steps import (
+    HUNG_GRACE_S,
+    Result,
+    count_failure,
+    exit_daemon,
+    exit_fields,
+    restart_event,
+    start,
+    stop,
+)
 from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
@@ -240,7 +249,7 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     else:
         reason += "; no progress (CPU time, output lines, token counters, GPU use) since the last probe"
     new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
-    new, actions = stop(new, now, AfterStop.FAILURE, "hang")
+    new, actions = stop(new, now, AfterStop.FAILURE, "hang", grace_s=HUNG_GRACE_S)
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
 

@@ -73,11 +73,19 @@ def exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[
     return fields
 
 
+#: Seconds a server judged hung gets between SIGTERM and SIGKILL. Its graceful stop cannot help (a
+#: wedged decode never reaches it; a SIGSTOPped process does not run it; llama-server's "cleaning up
+#: before exit" waits for the stuck slot) and every held client waits for it.
+HUNG_GRACE_S = 1.0
+
+
 def stop(state: State, now: float, after: AfterStop, fault: str, *,
-          code: int = EXIT_OK, reason: str = "") -> Result:
-    """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline)."""
+          code: int = EXIT_OK, reason: str = "", grace_s: float | None = None) -> Result:
+    """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
+    seconds, else ``stop_grace_s``)."""
+    grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
     new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
-                  deadline=now + state.params.stop_grace_s, killed=False,
+                  deadline=now + grace, killed=False,
                   exit_code=code, exit_reason=reason or state.exit_reason)
     if state.pid is None:
         return new, []
