@@ -186,7 +186,7 @@ class TestOomReset:
         assert reset.fields["foreign_name"] == "python3" and reset.fields["foreign_mib"] == 81000
         assert reset.fields["gpu_index"] == 0 and "GPU 0" in str(reset.fields["reason"])
         assert not of_type(acts, ExitDaemon) and "gpu_lost" not in names(acts)
-        assert "reset skipped" in s.last_failure
+        assert "reset skipped" in s.failure.text
         restart_after_backoff(s, 101, 9.0)
 
     @pytest.mark.parametrize("reason", ["nvidia-smi exited 1: The following GPUs could not be reset: / "
@@ -353,7 +353,7 @@ class TestLostAndXid:
         assert s.after_stop is AfterStop.FAILURE and not s.gpu_lost
         s, acts = decide(s, Exited(100, -15), 6.0)
         assert not of_type(acts, InspectGpu) and s.phase is Phase.BACKOFF
-        assert "Xid 13" in s.last_failure
+        assert "Xid 13" in s.failure.text
 
     def test_xid_13_while_backing_off_does_nothing(self) -> None:
         s, _ = decide(ready(), Exited(100, 1), 5.0)

@@ -91,7 +91,7 @@ def test_the_wait_is_bounded_and_then_counts_one_failure() -> None:
         if CheckVram() in acts:
             s, acts = decide(s, SHORT, t)
     assert s.phase is Phase.BACKOFF and len(s.failures) == 1 and t >= 30.1
-    assert "VRAM still held after 30 s" in s.last_failure and "pid 5151 (python3" in s.last_failure
+    assert "VRAM still held after 30 s" in s.failure.text and "pid 5151 (python3" in s.failure.text
     # The next start checks again (a fresh wait).
     s, acts = decide(s, Tick(), s.deadline or t + 1)
     assert s.phase is Phase.WAITING_VRAM and acts[-1] == CheckVram()
@@ -180,7 +180,7 @@ def test_answers_arriving_faster_than_the_poll_do_not_postpone_the_timeout() -> 
         s, _ = decide(s, later, t)
     assert s.phase is Phase.BACKOFF and t == pytest.approx(30.1)
     # The reason is built from the latest facts, not from those that began the wait.
-    assert "142980 MiB" in s.last_failure and "170 MiB free" in s.last_failure
+    assert "142980 MiB" in s.failure.text and "170 MiB free" in s.failure.text
 
 
 def test_a_timeout_after_failed_checks_says_how_old_its_facts_are() -> None:
@@ -193,4 +193,4 @@ def test_a_timeout_after_failed_checks_says_how_old_its_facts_are() -> None:
         if CheckVram() in acts:
             s, acts = decide(s, FAILED_CHECK, t + 0.1)
     assert s.phase is Phase.BACKOFF and len(s.failures) == 1
-    assert "pid 5151 (python3" in s.last_failure and "the VRAM checks since then failed" in s.last_failure
+    assert "pid 5151 (python3" in s.failure.text and "the VRAM checks since then failed" in s.failure.text

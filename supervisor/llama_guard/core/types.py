@@ -130,6 +130,19 @@ class RestartCause(enum.Enum):
     SCHEDULE = "scheduled"               # the cron schedule
     DECAY = "decay"                      # a decay trigger (VRAM/RSS growth, speed drop)
     CONFIG_CHANGE = "reload"             # a reload changed the server's flags
+    PORT_TAKEN = "port_taken"            # another process held the server's port (retried within port_wait_s)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the current or last server failed, typed: set by the policy where it decides the stop or
+    counts the failure (:func:`llama_guard.core.policy.steps.fail`), read by the restart event
+    (``restart_cause``), the repeat verdicts (:mod:`llama_guard.core.policy.repeat`), the crash-loop
+    and backoff events (``last_failure``) and ``status``."""
+
+    cause: RestartCause = RestartCause.CRASH  # why the next restart happens (a plan sets it too)
+    text: str = ""  # the failure in words ("exited: killed by SIGSEGV", "load timeout" …); "" before any
+    line: str = ""  # the server's own line that decided it (a fatal GPU line, no GPU); "" when none did
 
 
 # The policy's defaults are a default configuration's (config.py's models are the one truth);
@@ -224,8 +237,7 @@ class State:
     boot_cause: str = ""
     fault: str = ""             # why the current/last server is being stopped
     pending_event: tuple[EventName, str] | None = None  # (name, cause) still to report at exit
-    last_failure: str = ""
-    cause: RestartCause = RestartCause.CRASH  # why the next restart happens (set with the fault or plan)
+    failure: Failure = field(default_factory=Failure)  # why the last server failed, why the next restart happens
     restarts: int = 0
     resets: tuple[float, ...] = ()
     reset_reason: str = ""
@@ -246,7 +258,6 @@ class State:
     last_line: str = ""         # the last line the failed server printed (Exited)
     exit_signal: int | None = None  # the signal that ended the last server (None: it exited, or not yet)
     fault_signals: frozenset[int] = frozenset()  # CPU-fault signals (SIGILL, SIGSEGV …) of the current chain
-    failure_line: str = ""      # the server's line that decided the current failure (a fault, no GPU)
     build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
     reset_command_at: float | None = None  # while RESETTING: when the reset command was started
     port_taken: bool = False    # the current server said its port is taken

@@ -77,7 +77,7 @@ def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, 
         "status": line,
         "restarts": state.restarts,
         "recent_failures": len(state.failures),
-        "last_failure": state.last_failure,
+        "last_failure": state.failure.text,
         "updated": time.time(),
         "events": list(recent)[-RECENT_EVENTS:],
         "liveness": ({"answering": liveness.answering, "silent_s": round(liveness.silent_s, 1)}

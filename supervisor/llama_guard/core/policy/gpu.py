@@ -9,7 +9,7 @@ from dataclasses import replace
 from llama_guard.core.actions import Emit, InspectGpu, RunReset
 from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.core.policy.reset_stop import reset_started
-from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, stop
+from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, fail, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.core.types import (
     AfterStop,
@@ -77,12 +77,12 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         return state, []
     if event.action is XidAction.RESTART:
         if state.phase in SERVING or state.phase is Phase.STARTING:
-            new = replace(state, last_failure=event.reason, cause=RestartCause.XID)
+            new = fail(state, RestartCause.XID, event.reason)
             return stop(new, now, AfterStop.FAILURE, event.reason)
         return state, []
     trigger = ResetTrigger.GPU_LOST if event.kind is GpuFaultKind.GPU_LOST else ResetTrigger.XID
     cause = RestartCause.GPU_LOST if event.kind is GpuFaultKind.GPU_LOST else RestartCause.XID
-    state = replace(state, gpu_lost=state.gpu_lost or lost, last_failure=event.reason, cause=cause)
+    state = replace(fail(state, cause, event.reason), gpu_lost=state.gpu_lost or lost)
     can_reset = p.reset_possible and trigger in p.reset_on
     if state.phase is Phase.STOPPING:
         if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK):
@@ -139,7 +139,8 @@ def _after_no_reset(state: State, now: float, emit: Emit, reason: str) -> Result
         why = f"the GPU is lost and was not reset ({reason}); reboot the host"
         new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
         return new, [emit, Emit("gpu_lost", {"reason": why, "gpu_index": gpu_index_of(state)}), *actions]
-    new = replace(state, pid=None, last_failure=f"{state.reset_reason or reason} (no GPU reset: {reason})")
+    why = f"{state.reset_reason or reason} (no GPU reset: {reason})"
+    new = replace(fail(state, state.failure.cause, why), pid=None)
     new, actions = count_failure(new, now)
     return new, [emit, *actions]
 

@@ -11,7 +11,7 @@ from llama_guard.core.actions import Action, Emit
 from llama_guard.core.inputs import Line
 from llama_guard.core.judgement import incompatibility
 from llama_guard.core.policy.port import on_port_line
-from llama_guard.core.policy.steps import Result, after_fault, stop
+from llama_guard.core.policy.steps import Result, after_fault, fail, stop
 from llama_guard.core.policy.verdicts import watchdog_hit
 from llama_guard.core.server_log import Family, LineClass
 from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
@@ -35,14 +35,16 @@ def fault_event(state: State, verdict: LineClass, text: str) -> tuple[EventName,
     return None
 
 
-def reset_trigger(family: Family) -> ResetTrigger | None:
-    """The ``reset_on`` trigger of a fatal line's family; None: never a reset (the launch watchdog)."""
-    return {Family.OOM: ResetTrigger.OOM, Family.GPU_WATCHDOG: None,
-            Family.DEVICE_LOST: ResetTrigger.GPU_LOST}.get(family, ResetTrigger.CUDA_ERROR)
-
-
-#: The restart cause of a fatal line's family (a GPU error line by default).
-_CAUSE = {Family.OOM: RestartCause.OOM, Family.DEVICE_LOST: RestartCause.GPU_LOST}
+#: A fatal GPU line's family: the restart cause its failure is recorded with, and its
+#: ``[recovery].reset_on`` trigger (None: never a reset — the launch watchdog ended one channel's
+#: work, the GPU is fine). The one mapping, wherever the line is seen (loading, serving, stopping).
+FATAL_FAMILIES: dict[Family, tuple[RestartCause, ResetTrigger | None]] = {
+    Family.OOM: (RestartCause.OOM, ResetTrigger.OOM),
+    Family.GPU_FATAL: (RestartCause.CUDA_ERROR, ResetTrigger.CUDA_ERROR),
+    Family.GPU_WATCHDOG: (RestartCause.CUDA_ERROR, None),
+    Family.DEVICE_LOST: (RestartCause.GPU_LOST, ResetTrigger.GPU_LOST),
+    Family.GPU_ABORT: (RestartCause.CUDA_ERROR, ResetTrigger.CUDA_ERROR),
+}
 
 
 def stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str) -> Result:
@@ -60,9 +62,9 @@ def incompatible(state: State, now: float, verdict: LineClass, text: str) -> Res
                                             "cause": verdict.cause, "fix": verdict.limit})
     if state.phase is Phase.STOPPING:
         new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_CONFIG, exit_reason=reason,
-                      pending_event=None, last_failure=reason)
+                      pending_event=None, failure=replace(state.failure, text=reason))
         return new, [emit]
-    new, actions = stop(replace(state, last_failure=reason), now, AfterStop.EXIT, reason,
+    new, actions = stop(fail(state, state.failure.cause, reason), now, AfterStop.EXIT, reason,
                          code=EXIT_CONFIG, reason=reason)
     return new, [emit, *actions]
 
@@ -73,12 +75,11 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
     verdict = event.verdict
     if verdict.family is Family.GPU_INCOMPATIBLE:
         return incompatible(state, now, verdict, event.text)
-    trigger = reset_trigger(verdict.family)
     fault = fault_event(state, verdict, event.text)
     if fault is not None:
         name, fields = fault
-        cause = _CAUSE.get(verdict.family, RestartCause.CUDA_ERROR)
-        new = replace(state, last_failure=f"{name}: {verdict.cause}", cause=cause, failure_line=event.text.strip())
+        cause, trigger = FATAL_FAMILIES[verdict.family]
+        new = fail(state, cause, f"{name}: {verdict.cause}", event.text.strip())
         repeated: list[Emit] = []
         if trigger is None:  # restart only, never a reset; said when it repeats
             new, actions = stop(new, now, AfterStop.FAILURE, f"{name}: {verdict.cause}")
@@ -89,10 +90,11 @@ def fault_line(state: State, event: Line, now: float, phase: str) -> Result | No
             fields = {**fields, "phase": phase}
         return new, [Emit(name, fields), *repeated, *actions]
     if verdict.family is Family.GPU_ABORT:
-        new = replace(state, last_failure=verdict.cause, pending_event=("server_cuda_error", verdict.cause),
-                      failure_line=event.text.strip(),
-                      cause=RestartCause.CUDA_ERROR)
-        return stop_for_fault(new, now, ResetTrigger.CUDA_ERROR, verdict.cause)
+        cause, trigger = FATAL_FAMILIES[Family.GPU_ABORT]
+        assert trigger is not None  # an abort line may call for a reset (FATAL_FAMILIES)
+        new = replace(fail(state, cause, verdict.cause, event.text.strip()),
+                      pending_event=("server_cuda_error", verdict.cause))
+        return stop_for_fault(new, now, trigger, verdict.cause)
     return None
 
 
@@ -143,8 +145,7 @@ def on_starting_line(state: State, event: Line, now: float) -> Result:
     if verdict.family is Family.GPU_UNAVAILABLE and not state.params.require_gpu:
         return on_cpu(state, event)
     if verdict.family is Family.GPU_UNAVAILABLE and state.params.require_gpu:
-        new = replace(state, last_failure=f"GPU unavailable: {verdict.cause}", cause=RestartCause.GPU_UNAVAILABLE,
-                      failure_line=event.text.strip())
+        new = fail(state, RestartCause.GPU_UNAVAILABLE, f"GPU unavailable: {verdict.cause}", event.text.strip())
         new, actions = stop(new, now, AfterStop.FAILURE, "GPU unavailable")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.text.strip(),
                                                      "cause": verdict.cause}), *actions]

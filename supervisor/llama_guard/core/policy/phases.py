@@ -39,7 +39,9 @@ from llama_guard.core.policy.steps import (
     count_failure,
     exit_daemon,
     exit_fields,
+    fail,
     restart_event,
+    restart_for,
     start,
     stop,
 )
@@ -65,7 +67,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_starting", {"server_pid": event.pid, "argv": " ".join(event.argv)})]
     if isinstance(event, SpawnFailed):
         if not event.fatal:
-            return count_failure(replace(state, last_failure=event.reason, cause=RestartCause.SPAWN_FAILED), now,
+            return count_failure(fail(state, RestartCause.SPAWN_FAILED, event.reason), now,
                                  judged=False)
         new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
@@ -76,7 +78,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
                                                       "ignored": "the server is still loading"})]
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
-        new, actions = stop(replace(state, cause=event.cause), now, AfterStop.RESTART, event.reason)
+        new, actions = stop(restart_for(state, event.cause), now, AfterStop.RESTART, event.reason)
         planned: list[Action] = [PlannedRestart(state.pid, event.cause, event.reason, 0.0)]
         if state.pid is not None:
             planned.append(PlannedStop(state.pid, drained=False))
@@ -85,7 +87,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
-        new = replace(state, last_failure=f"GPU unavailable: {event.reason}", cause=RestartCause.GPU_UNAVAILABLE)
+        new = fail(state, RestartCause.GPU_UNAVAILABLE, f"GPU unavailable: {event.reason}")
         new, actions = stop(new, now, AfterStop.FAILURE, "not on the GPU")
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
                                                      "cause": event.reason}), *actions]
@@ -110,7 +112,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Tick) and (stalled := _load_stalled(state, now)) is not None:
         return stalled
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        new = replace(state, last_failure="load timeout", cause=RestartCause.LOAD_TIMEOUT)
+        new = fail(state, RestartCause.LOAD_TIMEOUT, "load timeout")
         new, actions = stop(new, now, AfterStop.FAILURE, "load timeout")
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
@@ -124,7 +126,7 @@ def _load_stalled(state: State, now: float) -> Result | None:
         return None
     quiet = now - state.last_progress_at
     reason = f"load stalled: no output line, CPU time or HTTP answer for {quiet:.0f} s"
-    new = replace(state, last_failure=reason, cause=RestartCause.LOAD_STALLED)
+    new = fail(state, RestartCause.LOAD_STALLED, reason)
     new, actions = stop(new, now, AfterStop.FAILURE, "load stalled")
     loading = now - (state.started_at if state.started_at is not None else now)
     return new, [Emit("server_load_stalled", {"server_pid": state.pid, "stalled_s": round(quiet, 1),
@@ -148,7 +150,7 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
         model = {"model": state.params.model_path} if cause != state.boot_cause else {}
         return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
-    new = replace(state, last_failure=f"exited while loading: {exit_text(event.returncode)}", cause=RestartCause.CRASH,
+    new = replace(fail(state, RestartCause.CRASH, f"exited while loading: {exit_text(event.returncode)}"),
                   exit_signal=exit_signal(event.returncode))
     new, actions = count_failure(new, now)
     return new, [exited, *actions]
@@ -174,7 +176,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         return alloc_fatal(state, event, now, state.phase.value)
     if isinstance(event, Exited) and event.pid == pid:
         fields = exit_fields(pid, event.returncode, state.last_error)
-        new = replace(state, last_failure=f"exited: {fields['exit_text']}", cause=RestartCause.CRASH,
+        new = replace(fail(state, RestartCause.CRASH, f"exited: {fields['exit_text']}"),
                       exit_signal=exit_signal(event.returncode))
         # A crash is restarted; the same crash again within the window is said, with the request
         # kind its exception names (a SIGKILL comes from outside: not the server's own crash).
@@ -200,7 +202,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return state, []
-        state = replace(state, cause=event.cause)
+        state = restart_for(state, event.cause)
         uptime = now - (state.ready_at or now)
         emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
                                                  "cause": event.cause.value, "uptime_s": uptime})
@@ -236,7 +238,7 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     assert state.pid is not None
     if failed:  # it answers, and says its completions fail: not a hang
         reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
-        new = replace(state, strikes=strikes, last_failure=reason, cause=RestartCause.COMPLETION_ERROR)
+        new = replace(fail(state, RestartCause.COMPLETION_ERROR, reason), strikes=strikes)
         new, actions = stop(new, now, AfterStop.FAILURE, reason)
         return new, [*recovered, Emit("server_completion_error", {
             "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
@@ -248,7 +250,7 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
                    "progress signal)")
     else:
         reason += "; no progress (CPU time, output lines, token counters, GPU use) since the last probe"
-    new = replace(state, strikes=strikes, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
+    new = replace(fail(state, RestartCause.HANG, f"hang: {reason}"), strikes=strikes)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang", grace_s=HUNG_GRACE_S)
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
@@ -257,9 +259,9 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
 def on_backoff(state: State, event: Input, now: float) -> Result:
     due = isinstance(event, Tick) and state.deadline is not None and now >= state.deadline
     if due or isinstance(event, RestartRequest):
-        reason = event.reason if isinstance(event, RestartRequest) else f"after {state.last_failure}"
+        reason = event.reason if isinstance(event, RestartRequest) else f"after {state.failure.text}"
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
         return new, [Emit("server_restart", {"reason": reason, "restart_count": len(state.failures),
-                                             "restart_cause": state.cause.value}),
+                                             "restart_cause": state.failure.cause.value}),
                      *actions]
     return state, []

@@ -18,11 +18,12 @@ from dataclasses import replace
 from llama_guard.core.actions import Action, Emit, ReadBuild
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import State, exit_text
+from llama_guard.core.types import RestartCause, State, exit_text
 from llama_guard.output.events import EventName
 
 # Failures another process can cause and end (the chain is broken, never a verdict).
 _TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})
+_TRANSIENT_CAUSES = frozenset({RestartCause.OOM, RestartCause.PORT_TAKEN})
 _TRANSIENT_TEXT = ("busy or unavailable", "Address already in use", "couldn't bind", "port is already in use",
                    exit_text(-signal.SIGKILL))
 
@@ -57,31 +58,31 @@ def _fault_signal(state: State) -> int | None:
 def _line(state: State) -> str:
     """The line that names the failure: the one that decided it (a fault, no GPU: the lines after it
     depend on how fast the stop was), else the last error line, else the last line printed."""
-    return state.failure_line or state.last_error or state.last_line
+    return state.failure.line or state.last_error or state.last_line
 
 
 def _signature(state: State) -> str:
     """This failure, comparable across starts ("" when it says nothing about the binary)."""
     if state.stable:
         return ""
-    text = f"{state.last_failure} {state.last_error}"
+    text = f"{state.failure.text} {state.last_error}"
     if any(t.lower() in text.lower() for t in _TRANSIENT_TEXT):
         return ""
-    if classify_line(state.last_error).family in _TRANSIENT_FAMILIES or state.last_failure.startswith("server_oom"):
+    if classify_line(state.last_error).family in _TRANSIENT_FAMILIES or state.failure.cause in _TRANSIENT_CAUSES:
         return ""
     when = "before ready" if state.ready_at is None else "after ready"
     if _fault_signal(state) is not None:
         return f"{when} | killed by a CPU fault signal"
-    return f"{when} | {failure_signature(state.last_failure, _line(state))}"
+    return f"{when} | {failure_signature(state.failure.text, _line(state))}"
 
 
 def _fix(state: State) -> str:
     if state.fault_signals:
         return FIX_ILLEGAL if signal.SIGILL in state.fault_signals else FIX_FAULT
     family = classify_line(state.last_error).family if state.last_error else Family.HARMLESS
-    if state.last_failure.startswith("GPU unavailable") or family is Family.GPU_UNAVAILABLE:
+    if state.failure.cause is RestartCause.GPU_UNAVAILABLE or family is Family.GPU_UNAVAILABLE:
         return FIX_GPU
-    if state.last_failure.startswith(("load stalled", "load timeout")):
+    if state.failure.cause in (RestartCause.LOAD_STALLED, RestartCause.LOAD_TIMEOUT):
         return FIX_STALL
     return FIX_BUILD if state.ready_at is not None else FIX_BOOT
 
@@ -115,8 +116,8 @@ def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[A
         cause = f"{_fault_cause(state.fault_signals)} on {count} consecutive starts {when}: {_fix(state)}{build}"
     else:
         cause = (f"llama-server fails the same way {when} on {count} consecutive starts "
-                 f"({state.last_failure}): {line or state.last_failure}{build}; fix: {_fix(state)}")
-    fields: dict[str, object] = {"cause": cause, "line": line, "failure": state.last_failure,
+                 f"({state.failure.text}): {line or state.failure.text}{build}; fix: {_fix(state)}")
+    fields: dict[str, object] = {"cause": cause, "line": line, "failure": state.failure.text,
                                  "consecutive_starts": count, "fix": _fix(state), "build": state.build,
                                  "server_pid": state.pid}
     name: EventName = "server_boot_failure" if state.ready_at is None else "server_failure_repeated"

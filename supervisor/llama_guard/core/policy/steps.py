@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
-from llama_guard.core.types import AfterStop, Params, Phase, ResetTrigger, RestartCause, State, exit_text
+from llama_guard.core.types import AfterStop, Failure, Params, Phase, ResetTrigger, RestartCause, State, exit_text
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.output.events import EventName
 
@@ -42,6 +42,18 @@ def restart_event(cause: RestartCause) -> EventName:
     """The event name for a graceful restart asked for with ``cause`` (``restart_requested`` for any
     cause that is not a plan)."""
     return RESTART_EVENT.get(cause, "restart_requested")
+
+
+def fail(state: State, cause: RestartCause, text: str, line: str = "") -> State:
+    """``state`` with its failure record set: the restart ``cause``, the failure in words, and the
+    server's own ``line`` that decided it ("" when none did). The one place a failure is recorded."""
+    return replace(state, failure=Failure(cause, text, line))
+
+
+def restart_for(state: State, cause: RestartCause) -> State:
+    """``state`` with the next restart's ``cause`` set (a plan, a reset for an Xid), the last
+    failure's words and line kept."""
+    return replace(state, failure=replace(state.failure, cause=cause))
 
 
 def after_fault(params: Params, trigger: ResetTrigger, *, loading: bool) -> AfterStop:
@@ -96,7 +108,7 @@ def spawn(state: State) -> Result:
     return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
-                    last_line="", failure_line="", on_cpu_reported=False, port_taken=False,
+                    last_line="", failure=replace(state.failure, line=""), on_cpu_reported=False, port_taken=False,
                     stalls=0, http_errors=0),
             [Spawn()])
 
@@ -132,9 +144,9 @@ def _back_off(state: State, now: float) -> Result:
     recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
     state = replace(state, failures=recent, pid=None)
     if len(recent) > p.max_restarts:
-        new, actions = exit_daemon(state, EXIT_CRASH_LOOP, f"crash loop: {state.last_failure}")
+        new, actions = exit_daemon(state, EXIT_CRASH_LOOP, f"crash loop: {state.failure.text}")
         emit = Emit("crash_loop", {"restart_count": len(recent), "window_s": p.restart_window_s,
-                                   "max_restarts": p.max_restarts, "last_failure": state.last_failure})
+                                   "max_restarts": p.max_restarts, "last_failure": state.failure.text})
         return new, [emit, *actions]
     if state.stable or (len(recent) == 1 and state.next_backoff_s <= p.backoff_initial_s):
         # A server that had run stably (or the first failure in the window) restarts at once; the
@@ -147,7 +159,7 @@ def _back_off(state: State, now: float) -> Result:
     new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
-                                         "last_failure": state.last_failure})]
+                                         "last_failure": state.failure.text})]
 
 
 def start(state: State, now: float) -> Result:

@@ -10,9 +10,18 @@ from dataclasses import replace
 from llama_guard.core.actions import Action, Emit, Kill, Terminate
 from llama_guard.core.inputs import Exited, Input, Line, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
-from llama_guard.core.policy.lines import fault_event, incompatible, reset_trigger
+from llama_guard.core.policy.lines import FATAL_FAMILIES, fault_event, incompatible
 from llama_guard.core.policy.reset_stop import stop_during_reset
-from llama_guard.core.policy.steps import Result, after_fault, count_failure, exit_daemon, exit_fields, start, stop
+from llama_guard.core.policy.steps import (
+    Result,
+    after_fault,
+    count_failure,
+    exit_daemon,
+    exit_fields,
+    fail,
+    start,
+    stop,
+)
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
 from llama_guard.core.types import AfterStop, Phase, ResetTrigger, RestartCause, State
@@ -36,12 +45,10 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
         if fault is not None:
             name, fields = fault
             reason = f"{name}: {event.verdict.cause}"
-            restart_cause = RestartCause.OOM if event.verdict.family is Family.OOM else RestartCause.CUDA_ERROR
-            new = replace(state, pending_event=None, last_failure=reason, cause=restart_cause,
-                          failure_line=event.text.strip())
             # The abort line can come before the message (seen on an H200): the message decides
-            # whether this fault calls for a reset.
-            trigger = reset_trigger(event.verdict.family)
+            # the cause and whether this fault calls for a reset.
+            restart_cause, trigger = FATAL_FAMILIES[event.verdict.family]
+            new = replace(fail(state, restart_cause, reason, event.text.strip()), pending_event=None)
             if trigger is None:  # the launch watchdog: a restart only, even after an abort line
                 new, repeated = watchdog_hit(replace(new, after_stop=AfterStop.FAILURE), now, event.verdict.cause)
                 return new, [Emit(name, fields), *repeated]
@@ -84,7 +91,7 @@ def finish_stop(state: State, now: float) -> Result:
     if state.after_stop is AfterStop.RESTART:
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
         return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
-                                             "restart_cause": state.cause.value}), *actions]
+                                             "restart_cause": state.failure.cause.value}), *actions]
     return count_failure(state, now)
 
 
@@ -96,8 +103,7 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
     oom = Emit("server_oom", {"server_pid": state.pid, "line": state.alloc_failure,
                               "cause": state.alloc_failure, "phase": phase, **{
                                   k: v for k, v in fields.items() if k != "server_pid"}})
-    new = replace(state, last_failure=reason, alloc_failure="", boot_signature="", reset_reason=reason,
-                  cause=RestartCause.OOM)
+    new = replace(fail(state, RestartCause.OOM, reason), alloc_failure="", boot_signature="", reset_reason=reason)
     # As for an OOM line that stops the server (after_fault): VRAM check, reset or a failure.
     after = after_fault(state.params, ResetTrigger.OOM, loading=phase == "loading")
     new, actions = finish_stop(replace(new, after_stop=after), now)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Emit
 from llama_guard.core.inputs import Input, RequestCompleted, StreamStalled, UpstreamError
-from llama_guard.core.policy.steps import Result, stop
+from llama_guard.core.policy.steps import Result, fail, stop
 from llama_guard.core.types import AfterStop, RestartCause, State
 
 #: 5xx answers in a row (no 2xx between them) after which ``server_http_errors`` is reported, once per run.
@@ -47,7 +47,7 @@ def _stalled(state: State, event: StreamStalled, now: float) -> Result:
         return replace(state, stalls=stalls), [emit]
     reason = (f"{stalls} streaming responses got no byte for {event.stalled_s:.0f} s each, with no request "
               "completed and no token counter moving in between")
-    new = replace(state, stalls=stalls, last_failure=f"hang: {reason}", cause=RestartCause.HANG)
+    new = replace(fail(state, RestartCause.HANG, f"hang: {reason}"), stalls=stalls)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang")
     hang = Emit("server_hang", {"server_pid": state.pid, "failures": stalls, "reason": reason,
                                 "phase": state.phase.value})

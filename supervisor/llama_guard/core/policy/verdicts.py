@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.core.actions import Emit
-from llama_guard.core.policy.steps import Result, exit_daemon, stop
+from llama_guard.core.policy.steps import Result, exit_daemon, fail, stop
 from llama_guard.core.types import AfterStop, Phase, RecoveryAction, State, XidAction
 from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE
 
@@ -66,9 +66,9 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
     emit = Emit("gpu_lost", {**fields, "reason": why, "reset": "not attempted (a reset cannot help)"})
     if state.phase is Phase.STOPPING:
         return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why,
-                       last_failure=why, pending_event=None), [emit]
+                       failure=replace(state.failure, text=why), pending_event=None), [emit]
     if state.pid is not None:
-        new, actions = stop(replace(state, last_failure=why), now, AfterStop.EXIT, why,
+        new, actions = stop(fail(state, state.failure.cause, why), now, AfterStop.EXIT, why,
                              code=EXIT_GPU_UNRECOVERABLE, reason=why)
         return new, [emit, *actions]
     new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
@@ -93,9 +93,9 @@ def unkillable(state: State) -> Result:
     emit = Emit("server_unkillable", {"server_pid": pid, "waited_s": waited, "holds": "it is still alive",
                                       "advice": "reboot the host"})
     if state.after_stop is AfterStop.EXIT:  # a stop was asked for (or a verdict given): keep its code
-        new, actions = exit_daemon(replace(state, last_failure=why), state.exit_code, state.exit_reason or why)
+        new, actions = exit_daemon(fail(state, state.failure.cause, why), state.exit_code, state.exit_reason or why)
     else:
-        new, actions = exit_daemon(replace(state, last_failure=why), EXIT_GPU_UNRECOVERABLE, why)
+        new, actions = exit_daemon(fail(state, state.failure.cause, why), EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from llama_guard.core.actions import CheckVram, Emit
 from llama_guard.core.inputs import Input, Tick, VramFacts
 from llama_guard.core.policy.gpu import begin_reset
-from llama_guard.core.policy.steps import Result, after_fault, count_failure, spawn
+from llama_guard.core.policy.steps import Result, after_fault, count_failure, fail, restart_for, spawn
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
 from llama_guard.core.types import AfterStop, RecoveryAction, ResetTrigger, RestartCause, State, XidAction
 
@@ -59,8 +59,8 @@ def _vram_timed_out(state: State, now: float) -> Result:
     reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
     if state.vram_facts_at is not None and now - state.vram_facts_at > 2 * p.vram_poll_s + 1.0:
         reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
-    new = replace(state, vram_wait_until=None, vram_after_oom=False, vram_short="", vram_facts_at=None,
-                  last_failure=reason, cause=RestartCause.VRAM_WAIT)
+    new = replace(fail(state, RestartCause.VRAM_WAIT, reason), vram_wait_until=None, vram_after_oom=False,
+                  vram_short="", vram_facts_at=None)
     return count_failure(new, now, judged=False)
 
 
@@ -78,8 +78,8 @@ def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result
         elif len([t for t in state.resets if now - t < p.reset_window_s]) >= p.max_resets:
             reason += f" (the {p.max_resets} GPU resets allowed within {p.reset_window_s:.0f} s are spent)"
         else:
-            new, actions = begin_reset(replace(state, reset_reason=reason, pid=None, vram_after_oom=False,
-                                               after_stop=AfterStop.FAILURE, cause=RestartCause.XID), now)
+            new, actions = begin_reset(replace(restart_for(state, RestartCause.XID), reset_reason=reason, pid=None,
+                                               vram_after_oom=False, after_stop=AfterStop.FAILURE), now)
             return new, [emit, *actions]
     new, actions = needs_reboot(replace(state, pid=None), now, reason,
                                 {"gpu_index": facts.gpu_index, "server_pid": None})
