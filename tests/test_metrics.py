@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
-from llama_guard.core.actions import Emit, Spawn
+from llama_guard.core.actions import Action, Emit, Spawn
 from llama_guard.core.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.core.policy import decide
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import GpuFaultKind, Params, Phase, State, XidAction, XidScope, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuSample
@@ -44,6 +45,12 @@ def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None,
     return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
+def observe(src: MetricsSource, ctx: Context, *actions: Action) -> None:
+    """One step of the loop that kept the state ``ctx.state`` and asked for ``actions``, as the
+    daemon publishes it (``on_transition``)."""
+    src.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), actions, ctx.clock()))
+
+
 def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(source.registry).decode()
     out = {}
@@ -61,15 +68,15 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
-    src.on_action(ctx, Spawn())
+    observe(src, ctx, Spawn())
     clock.now += 2.5
     holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
-    src.on_action(ctx, Emit("server_ready", {"server_pid": 1}))
+    observe(src, ctx, Emit("server_ready", {"server_pid": 1}))
     clock.now += 30
     for cause in ("oom", "hang", "oom"):
-        src.on_action(ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
-    src.on_action(ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
-    src.on_action(ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
+        observe(src, ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
+    observe(src, ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
+    observe(src, ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
     m = scrape(src)
     assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 2
     assert m[("llama_guard_restarts_total", (("cause", "hang"),))] == 1
@@ -159,7 +166,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     metrics.ctx = ctx
     emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
     emitter.emit("server_line", server_pid=1, line="x")
-    metrics.on_action(ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
+    observe(metrics, ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
     emitter.emit("server_restart", reason="oom", restart_cause="oom")
     m = scrape(metrics)
@@ -171,7 +178,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
 class PolicyRun:
     """The real policy driven input by input, each action handed to the metrics source as the daemon
-    does (``on_action`` with ``ctx.state`` already the state that asked for it)."""
+    does (``on_transition``: one record per step, ``ctx.state`` already the state after it)."""
 
     def __init__(self, src: MetricsSource, ctx: Context, holder: dict[str, State], clock: Clock,
                  params: Params) -> None:
@@ -180,10 +187,10 @@ class PolicyRun:
 
     def feed(self, event: Input, after_s: float = 0.1) -> State:
         self.clock.now += after_s
-        state, actions = decide(self.holder["state"], event, self.clock.now)
+        before = self.holder["state"]
+        state, actions = decide(before, event, self.clock.now)
         self.holder["state"] = state
-        for action in actions:
-            self.src.on_action(self.ctx, action)
+        self.src.on_transition(self.ctx, Transition(before, state, event, tuple(actions), self.clock.now))
         return state
 
     def until_restart(self) -> State:
@@ -225,7 +232,7 @@ async def test_a_reload_followed_by_a_crash_counts_as_crash(tmp_path: Path) -> N
     run = PolicyRun(src, ctx, holder, clock, PARAMS)
     run.feed(Boot())
     run.start(100)
-    src.on_action(ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
+    observe(src, ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
     assert run.feed(ParamsChanged(PARAMS, server_changed=False)).phase is Phase.READY
     run.feed(Exited(100, -9))
     run.until_restart()

@@ -12,6 +12,7 @@ from llama_guard.config import Config, ScheduleConfig, ServerConfig
 from llama_guard.core.actions import NotifyReady
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, Phase, RestartCause, State
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
@@ -70,9 +71,9 @@ class Rig:
 
     def play(self, event: Input) -> None:
         """Feed ``event`` to the real policy and hand its actions to the source, as the daemon does."""
-        self.state, actions = decide(self.state, event, self.mono)
-        for action in actions:
-            self.source.on_action(self.ctx, action)
+        before = self.state
+        self.state, actions = decide(before, event, self.mono)
+        self.source.on_transition(self.ctx, Transition(before, self.state, event, tuple(actions), self.mono))
 
     def names(self) -> list[str]:
         return [name for name, _ in self.emitted]
@@ -163,7 +164,8 @@ async def test_a_drained_restart_is_recorded_with_its_figures() -> None:
     rig = await Rig(decay_warmup_s=0.0, speed_window_tokens=100).start()
     rig.serve(100)
     rig.texts = [metrics(0, 0.0)]
-    rig.source.on_action(rig.ctx, NotifyReady())
+    rig.source.on_transition(rig.ctx, Transition(replace(rig.state, phase=Phase.STARTING), rig.state, HealthOk(100),
+                                                  (NotifyReady(),), rig.mono))
     await rig.settle()  # the window starts when the server is ready
     rig.advance(11)
     rig.source.tick(rig.ctx)

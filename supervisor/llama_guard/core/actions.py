@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llama_guard.core.types import RestartCause
 from llama_guard.output.events import EventName
 
 
@@ -51,26 +50,6 @@ class StartDrain(Action):
     """Watch ``/slots`` of ``pid`` and answer Drained once no slot is processing."""
 
     pid: int
-
-
-@dataclass(frozen=True)
-class PlannedRestart(Action):
-    """Observers only (the restart record): a planned restart of server ``pid`` (None while its
-    spawn has not answered) begins, for ``cause``, after ``uptime_s`` seconds of serving."""
-
-    pid: int | None
-    cause: RestartCause
-    reason: str
-    uptime_s: float
-
-
-@dataclass(frozen=True)
-class PlannedStop(Action):
-    """Observers only: the server of a planned restart is being stopped now; ``drained`` when its
-    slots went idle first (False: the drain timed out, or there was none)."""
-
-    pid: int
-    drained: bool
 
 
 @dataclass(frozen=True)

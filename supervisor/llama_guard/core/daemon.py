@@ -2,7 +2,9 @@
 
 The loop owns the input queue, the policy state and the action executor. Sources (the server's
 tasks in :mod:`.server`, the watchers, signals, timers) put :mod:`.policy` inputs on the queue; the
-loop calls :func:`~llama_guard.core.policy.decide` and carries out the actions. Signal handlers only
+loop calls :func:`~llama_guard.core.policy.decide`, hands each step to the sources as one frozen
+:class:`~llama_guard.core.transition.Transition` (state before and after, input, actions, time),
+then carries out the actions. Signal handlers only
 enqueue (SIGHUP too). Every wait has a deadline on ``time.monotonic()``.
 
 The decision step never awaits I/O: the spawn (:mod:`.spawner`), drains, reloads (:mod:`.reload`)
@@ -66,6 +68,7 @@ from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
 from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, Phase, State, initial_state
 from llama_guard.core.watcher import Context, Source
 from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
@@ -236,8 +239,10 @@ class Daemon:
         if isinstance(event, StopRequest):
             self._send_stopping()
             self._cancel_pending_spawn()
-        before = self.state.phase
-        self.state, actions = decide(self.state, event, self.clock())
+        before, now = self.state, self.clock()
+        self.state, actions = decide(before, event, now)
+        step = Transition(before, self.state, event, tuple(actions), now)
+        self._for_sources("on_transition", lambda src, ctx: src.on_transition(ctx, step))
         if self.state.phase is Phase.EXITED or (self.state.phase is Phase.STOPPING
                                                 and self.state.after_stop is AfterStop.EXIT):
             self._send_stopping()
@@ -249,7 +254,7 @@ class Daemon:
             pid, code = event.pid, event.returncode
             self._for_sources("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
             self.tasks.start(gen.end(), "end of a server")
-        if self.state.phase is not before:
+        if self.state.phase is not before.phase:
             self._write_status()
             self.notifier.status(self._status_line())
             if self.state.phase is Phase.STARTING:
@@ -287,7 +292,6 @@ class Daemon:
     # ------------------------------------------------------------ actions
 
     def _execute(self, action: Action) -> None:
-        self._for_sources("on_action", lambda src, ctx: src.on_action(ctx, action))
         gen = self._gen
         if isinstance(action, Emit):
             self.emitter.emit(action.name, **action.fields)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.actions import Action
 from llama_guard.core.inputs import Input, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
 from llama_guard.output.events import EmitFn
 
@@ -77,9 +77,10 @@ class Source:
         """After /health 200: None if the server may be called ready, else the reason it may not."""
         return None
 
-    def on_action(self, ctx: Context, action: Action) -> None:
-        """The daemon is about to carry out the policy's ``action`` (an event to emit, a stop, a
-        drain …); ``ctx.state`` is already the state that asked for it. Observe only."""
+    def on_transition(self, ctx: Context, step: Transition) -> None:
+        """The loop took one ``step`` (every input, whether or not the state or phase changed): the
+        state before and after, the input, the actions it is about to carry out. ``ctx.state`` is
+        already ``step.after``. Observe only."""
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         """A validated configuration replaced ``old``."""

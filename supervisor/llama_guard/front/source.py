@@ -1,8 +1,9 @@
 """The front door as a watcher of the daemon (:class:`~llama_guard.core.watcher.Source`).
 
-It learns readiness from the policy's state only — after every action of the policy (``on_action``:
-the state has changed) and once a second — never from probing the server itself; it reports request
-outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through ``ctx.post``.
+It learns readiness from the policy's state only — from the record of every step of the loop
+(``on_transition``: the state after it), never from probing the server itself nor by polling; it
+reports request outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through
+``ctx.post``.
 Off (a no-op source) when ``[front].listen`` is empty.
 """
 
@@ -15,15 +16,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from llama_guard.config import Config, host_port
-from llama_guard.core.actions import Action
 from llama_guard.core.inputs import StreamStalled
+from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Source
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp
 from llama_guard.front.forward import Forwarder
 from llama_guard.front.metrics import FrontMetrics
 
-CHECK_S = 1.0  # how often stalled streams are looked for (and the gate re-read from the state)
+CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
 
 
@@ -67,7 +68,6 @@ class FrontSource(Source):
             return
         while True:
             await asyncio.sleep(CHECK_S)
-            self.admission.update(ctx.state)
             stall_s = ctx.config.front.stall_timeout_s
             if stall_s <= 0:
                 continue
@@ -75,9 +75,9 @@ class FrontSource(Source):
                 if pid == ctx.state.pid:
                     ctx.post(StreamStalled(pid, waited))
 
-    def on_action(self, ctx: Context, action: Action) -> None:
+    def on_transition(self, ctx: Context, step: Transition) -> None:
         if self.admission is not None:
-            self.admission.update(ctx.state)
+            self.admission.update(step.after)
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.forwarder is not None:

@@ -1,10 +1,10 @@
 """Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset).
 
 :class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
-counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions from
-``on_action``), times the phases (``on_action``) and reads the live policy state, the GPU watcher's
-last sample and the limits watcher's last usage reading (typed accessors) when Prometheus scrapes,
-so the daemon needs nothing but the source in its list.
+counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions of each
+step the loop publishes, ``on_transition``), times the phases (from the same records) and reads
+the live policy state, the GPU watcher's last sample and the limits watcher's last usage reading
+(typed accessors) when Prometheus scrapes, so the daemon needs nothing but the source in its list.
 Its :meth:`MetricsSource.snapshot` (``status.json``'s ``"metrics"``) keeps restart causes and the
 wall-clock time the server became ready for ``llama-guard status``.
 
@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from llama_guard.core.actions import Action, Emit
+from llama_guard.core.actions import Emit
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
@@ -78,10 +79,12 @@ class MetricsSource(Source, Collector):
             self.listening = (address[0], int(self._server.server_address[1]))
         return None
 
-    def on_action(self, ctx: Context, action: Action) -> None:
-        self._track_phase(ctx)
-        if isinstance(action, Emit) and not self.attached:
-            self.count(action.name, action.fields)
+    def on_transition(self, ctx: Context, step: Transition) -> None:
+        self._track_phase(step.after.phase, step.at)
+        if not self.attached:
+            for action in step.actions:
+                if isinstance(action, Emit):
+                    self.count(action.name, action.fields)
 
     def write(self, record: dict[str, Any]) -> None:
         """:class:`llama_guard.output.eventlog.EventSink`: every emitted event, the policy's and the
@@ -105,8 +108,8 @@ class MetricsSource(Source, Collector):
             if isinstance(value, (int, float)):
                 self.vram_wait = (self.vram_wait[0] + 1, self.vram_wait[1] + float(value))
 
-    def _track_phase(self, ctx: Context) -> None:
-        phase, now = ctx.state.phase, ctx.clock()
+    def _track_phase(self, phase: Phase, now: float) -> None:
+        """The phase is ``phase`` at monotonic ``now``: a stay in the previous one ends."""
         if phase is not self._phase:
             if self._phase is not None:
                 count, total = self.phase_time.get(self._phase.value, (0, 0.0))

@@ -14,9 +14,10 @@ counters. A trigger past its opt-in bound reports ``decay_detected`` and asks fo
 drained restart.
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
-followed through the policy's typed actions (:meth:`on_action`): ``PlannedRestart`` (it begins),
-``StartDrain``, ``PlannedStop`` (the old server is stopped, drained or not), ``NotifyReady`` (the
-new one is ready); a crash while draining is seen by :meth:`on_exit`. The record
+followed through the records the loop publishes (:meth:`on_transition`,
+:class:`~llama_guard.core.transition.Transition`): it begins (a drain, or a stop at once), its
+server is stopped (drained or not), the new server is ready; a crash while draining is seen by
+:meth:`on_exit`. The record
 (:class:`~llama_guard.restarts.history.RestartRecord`: uptime, drained or timed out, seconds
 unavailable = SIGTERM → READY, tokens/s and VRAM before) is reported as ``planned_restart_done``
 when the new server is ready; its "after" figures (the new server's baselines) are filled in
@@ -37,10 +38,10 @@ import httpx
 
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
-from llama_guard.core.actions import Action, NotifyReady, PlannedRestart, PlannedStop, StartDrain
 from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import Phase, RestartCause
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import GpuSample
@@ -105,7 +106,6 @@ class _Pending:
     """A planned restart between its drain and the new server's READY."""
 
     pid: int | None
-    drained: bool | None = None
     stop_mono: float | None = None
 
 
@@ -206,36 +206,36 @@ class ScheduleSource(Source):
         if pending is not None and pending.pid == pid and pending.stop_mono is None:
             # It ended before the stop was asked for (a crash while draining).
             pending.stop_mono = ctx.clock()
-            pending.drained = False
             self.history.update_last(drained=False, server_exited=True)
 
-    def on_action(self, ctx: Context, action: Action) -> None:
-        """Follow a planned restart through the policy's typed actions (never event names)."""
-        if isinstance(action, PlannedRestart):
-            self._begin(ctx, action)
-        elif isinstance(action, StartDrain):
-            if self._pending is not None and self._pending.pid == action.pid:
-                self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
-        elif isinstance(action, PlannedStop):
-            pending = self._pending
-            if pending is None or pending.pid != action.pid or pending.stop_mono is not None:
-                return
-            pending.stop_mono = ctx.clock()
-            pending.drained = action.drained
-            self.history.update_last(drained=action.drained, **self._before_figures())
-        elif isinstance(action, NotifyReady):
-            self._on_ready(ctx, ctx.state.pid)
+    def on_transition(self, ctx: Context, step: Transition) -> None:
+        """Follow a planned restart through the loop's records (never event names)."""
+        pending = self._pending
+        if step.restart_begins:
+            pending = self._begin(step)
+        if step.entered(Phase.DRAINING) and pending is not None and pending.pid == step.before.pid:
+            self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
+        if step.planned_stop and pending is not None and pending.pid == step.before.pid and pending.stop_mono is None:
+            pending.stop_mono = step.at
+            self.history.update_last(drained=step.drained, **self._before_figures())
+        if step.entered(Phase.READY):
+            self._on_ready(ctx, step.after.pid)
 
-    def _begin(self, ctx: Context, action: PlannedRestart) -> None:
-        kind = _KIND.get(action.cause, action.cause.value)
-        if action.cause is RestartCause.DECAY and self._post_kind is not None:
+    def _begin(self, step: Transition) -> _Pending:
+        """A planned restart of ``step.before``'s server begins: its record is opened."""
+        cause = step.after.failure.cause
+        kind = _KIND.get(cause, cause.value)
+        if cause is RestartCause.DECAY and self._post_kind is not None:
             kind = self._post_kind  # the trigger that fired: vram_growth, rss_growth, speed_drop
         self._post_kind = None
+        ready_at = step.before.ready_at
         self.history.begin(RestartRecord(
-            kind=kind, reason=action.reason, requested_at=self._wall(), uptime_s=action.uptime_s,
+            kind=kind, reason=step.after.fault, requested_at=self._wall(),
+            uptime_s=step.at - ready_at if ready_at is not None else 0.0,
             tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
-        self._pending = _Pending(pid=action.pid)
+        self._pending = _Pending(pid=step.before.pid)
         self._after_pid = None
+        return self._pending
 
     def _on_ready(self, ctx: Context, pid: int | None) -> None:
         pending = self._pending

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, Emit, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.actions import Action, Emit, NotifyReady, StartDrain
 from llama_guard.core.inputs import (
     Boot,
     Drained,
@@ -79,11 +79,8 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
         new, actions = stop(restart_for(state, event.cause), now, AfterStop.RESTART, event.reason)
-        planned: list[Action] = [PlannedRestart(state.pid, event.cause, event.reason, 0.0)]
-        if state.pid is not None:
-            planned.append(PlannedStop(state.pid, drained=False))
         return new, [Emit(restart_event(event.cause), {"server_pid": state.pid, "reason": event.reason,
-                                                       "cause": event.cause.value}), *planned, *actions]
+                                                       "cause": event.cause.value}), *actions]
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
@@ -197,7 +194,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
             new, actions = stop(state, now, AfterStop.RESTART, state.fault)
             return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
-                                                "reason": state.fault}), PlannedStop(pid, drained=False), *actions]
+                                                "reason": state.fault}), *actions]
         return state, []
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
@@ -206,15 +203,13 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         uptime = now - (state.ready_at or now)
         emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
                                                  "cause": event.cause.value, "uptime_s": uptime})
-        planned = PlannedRestart(pid, event.cause, event.reason, uptime)
         if not event.drain:
             new, actions = stop(state, now, AfterStop.RESTART, event.reason)
-            return new, [emit, planned, PlannedStop(pid, drained=False), *actions]
+            return new, [emit, *actions]
         new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason)
-        return new, [emit, planned, StartDrain(pid)]
+        return new, [emit, StartDrain(pid)]
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
-        new, actions = stop(state, now, AfterStop.RESTART, state.fault)
-        return new, [PlannedStop(pid, drained=True), *actions]
+        return stop(state, now, AfterStop.RESTART, state.fault)
     return state, []
 
 
