@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 REAL_ENV := .work/real/env
 
-.PHONY: venv real demo test lint bench clean
+.PHONY: venv real demo test policy-coverage lint bench clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -22,8 +22,17 @@ $(REAL_ENV): scripts/get-real-components.sh
 demo: venv real
 	bash scripts/demo.sh
 
+# The pure policy (supervisor/llama_guard/core/policy/) is covered line by line by its unit tests
+# (no process, no clock): below 100 % the run fails.
+POLICY_TESTS := tests/test_policy*.py tests/test_repeat.py tests/test_judgement.py tests/test_restart_cause.py \
+	tests/test_recovery_defaults.py tests/test_front_rules.py tests/test_metrics.py tests/test_public_reports.py \
+	tests/test_schedule_source.py tests/test_vram_wait_h200_fixture.py tests/test_h200_daemon_fixture.py
+policy-coverage: venv
+	$(BIN)/pytest -q --cov=llama_guard.core.policy --cov-report=term-missing:skip-covered --cov-fail-under=100 \
+		$(POLICY_TESTS)
+
 # The whole test suite, against the real llama-server, journald and systemd user manager.
-test: venv real
+test: venv real policy-coverage
 	. ./$(REAL_ENV) && $(BIN)/pytest -ra
 
 lint: venv

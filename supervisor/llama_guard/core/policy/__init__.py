@@ -66,10 +66,7 @@ def decide(state: State, event: Input, now: float) -> Result:
         return on_port_holder(state, event, now)
     if isinstance(event, BuildInfo):
         return replace(state, build=event.text), []
-    handler = _HANDLERS.get(state.phase)
-    if handler is None:
-        return state, []
-    return handler(state, event, now)
+    return _HANDLERS[state.phase](state, event, now)
 
 
 def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
@@ -80,6 +77,7 @@ def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
     return state, []
 
 
+#: Each phase's handler (every phase but EXITED, which ignores every input).
 _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
     Phase.WAITING_VRAM: on_waiting_vram,
     Phase.RESETTING: on_resetting,
