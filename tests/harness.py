@@ -19,7 +19,8 @@ from llama_guard.core.actions import Emit, NotifyReady, Spawn
 from llama_guard.core.inputs import Boot, HealthOk, Line, Spawned
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import Params, Phase, State, initial_state
+from llama_guard.core.types import Params, State, initial_state
+from llama_guard.vocab.phases import Phase
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"

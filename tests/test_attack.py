@@ -23,7 +23,8 @@ from llama_guard.config import ConfigError, load_config
 from llama_guard.core.actions import Terminate
 from llama_guard.core.inputs import Boot, ParamsChanged, Spawned
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Params, Phase, initial_state
+from llama_guard.core.types import Params, initial_state
+from llama_guard.vocab.phases import Phase
 
 GOOD = """
 [server]

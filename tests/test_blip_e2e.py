@@ -23,7 +23,7 @@ import httpx
 import pytest
 from harness import DaemonRun, RunPool
 from llama_guard.config import RecoveryConfig
-from llama_guard.exitcodes import EXIT_CRASH_LOOP
+from llama_guard.vocab.exitcodes import EXIT_CRASH_LOOP
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(240)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness import RunPool
-from llama_guard.exitcodes import EXIT_CONFIG
+from llama_guard.vocab.exitcodes import EXIT_CONFIG
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(120)]
 

@@ -8,9 +8,9 @@ import pytest
 from fake_nvml import FakeNvml
 from gguf_synth import facts_27b
 from llama_guard.config import Config
+from llama_guard.gpu.info import gpu_memory_facts
 from llama_guard.insight.budget import Settings, kv_read_bytes, weights_read_bytes
 from llama_guard.insight.ceiling import Ceiling, bandwidth_from_bus, ceiling_tokens_per_s
-from llama_guard.insight.gpu_info import gpu_memory_facts
 
 
 def test_v100_bandwidth_and_the_16_gb_ceiling() -> None:

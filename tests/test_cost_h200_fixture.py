@@ -28,8 +28,8 @@ from llama_guard.insight.budget import Settings, estimate, weights_read_bytes
 from llama_guard.insight.ceiling import Ceiling
 from llama_guard.insight.model_facts import read_model_facts
 from llama_guard.insight.vram_check import need_mib_in_child
-from llama_guard.output.events import CATALOG, render_message
 from llama_guard.units import MIB
+from llama_guard.vocab.events import CATALOG, render_message
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

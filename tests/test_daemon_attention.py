@@ -34,11 +34,11 @@ from llama_guard.core.daemon import Daemon
 from llama_guard.core.inputs import GpuFault, Input, StopRequest
 from llama_guard.core.types import GpuFaultKind
 from llama_guard.core.watcher import Context, Source
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.gpu.nvml import Nvml, NvmlHung
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink
 from llama_guard.output.notify import SdNotifier
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

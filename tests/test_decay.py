@@ -8,7 +8,6 @@ from datetime import datetime, timezone
 import pytest
 from llama_guard.config import ScheduleConfig
 from llama_guard.core.prometheus import MetricsError, parse_metrics
-from llama_guard.output.events import CATALOG, render_message
 from llama_guard.restarts.decay import (
     TOKENS_PREDICTED,
     TOKENS_PREDICTED_SECONDS,
@@ -19,6 +18,7 @@ from llama_guard.restarts.decay import (
     predicted_counters,
 )
 from llama_guard.restarts.history import RestartHistory, RestartRecord
+from llama_guard.vocab.events import CATALOG, render_message
 
 # What llama-server's /metrics really prints (llama.cpp server: HELP, TYPE, value per metric;
 # values via C++ ostream, so 6 significant digits and exponents past a million).

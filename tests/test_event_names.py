@@ -7,7 +7,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from llama_guard.output.events import CATALOG, EventName
+from llama_guard.vocab.events import CATALOG, EventName
 from mypy import api as mypy_api
 
 ROOT = Path(__file__).resolve().parent.parent

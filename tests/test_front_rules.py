@@ -16,11 +16,12 @@ from llama_guard.core.actions import Emit, Terminate
 from llama_guard.core.inputs import Probe, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy import decide
 from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
-from llama_guard.core.types import AfterStop, Params, Phase, State
+from llama_guard.core.types import AfterStop, Params, State
 from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
 from llama_guard.front.forward import REQUEST_DROP, end_to_end
 from llama_guard.front.sse import error_event, is_sse
 from llama_guard.output.health import liveness_from_thread, readiness
+from llama_guard.vocab.phases import Phase
 from multidict import CIMultiDict, CIMultiDictProxy
 
 READY = State(params=Params(hang_strikes=3), phase=Phase.READY, pid=42, ready_at=0.0)
@@ -179,7 +180,7 @@ def test_check_names_both_addresses_and_refuses_a_shared_port(tmp_path: Path) ->
     import sys
 
     from llama_guard.front.check import check_front
-    from llama_guard.verdicts import Verdict
+    from llama_guard.vocab.verdicts import Verdict
 
     path = tmp_path / "c.toml"
     path.write_text('[server]\nport = 18551\n[front]\nlisten = "127.0.0.1:18550"\n')

@@ -358,7 +358,7 @@ def test_xid_table(xid: int, scope: XidScope, action: XidAction) -> None:
 
 
 def test_gpu_xid_event_renders() -> None:
-    from llama_guard.output.events import render_message
+    from llama_guard.vocab.events import render_message
 
     fields = {"gpu_index": 0, "xid": 79, "meaning": "GPU has fallen off the bus"}
     assert render_message("gpu_xid", fields) == "GPU 0 reported Xid 79: GPU has fallen off the bus"

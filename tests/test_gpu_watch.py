@@ -18,7 +18,7 @@ from llama_guard.gpu.rules import (
     server_on_gpu,
     vram_released,
 )
-from llama_guard.output.events import CATALOG, render_message
+from llama_guard.vocab.events import CATALOG, render_message
 
 ID = GpuIdentity(index=0, uuid="GPU-x", pci_bus_id="0000:02:00.0", name="Fake")
 BASE = GpuSample(identity=ID, driver_version="535.183.01", temperature_c=50, temp_slowdown_c=95,

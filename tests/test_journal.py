@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.events import CATALOG
 from llama_guard.output.journal import (
     JournalSink,
     fallback_line,
@@ -25,6 +24,7 @@ from llama_guard.output.journal import (
     journald_enabled,
     stderr_is_journal,
 )
+from llama_guard.vocab.events import CATALOG
 
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager

@@ -17,11 +17,12 @@ from llama_guard.core.actions import Action, Emit, Spawn
 from llama_guard.core.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import GpuFaultKind, Params, Phase, State, XidAction, XidScope, initial_state
+from llama_guard.core.types import GpuFaultKind, Params, State, XidAction, XidScope, initial_state
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuSample
 from llama_guard.limits.usage import UsageSample
 from llama_guard.output.metrics import MetricsSource
+from llama_guard.vocab.phases import Phase
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

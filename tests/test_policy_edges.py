@@ -27,8 +27,9 @@ from llama_guard.core.inputs import (
     VramFacts,
 )
 from llama_guard.core.policy import decide
-from llama_guard.core.types import AfterStop, GpuFaultKind, Params, Phase, RestartCause, State, initial_state
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK
+from llama_guard.core.types import AfterStop, GpuFaultKind, Params, RestartCause, State, initial_state
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK
+from llama_guard.vocab.phases import Phase
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, max_restarts=3, restart_window_s=100,
            stable_after_s=10, stop_grace_s=4, kill_wait_s=2, drain_timeout_s=20, port=8080)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from llama_guard.core.actions import FindPortHolder
 from llama_guard.core.inputs import Boot, Exited, HealthOk, PortHolder, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Params, Phase, State, initial_state
-from llama_guard.exitcodes import EXIT_CONFIG
+from llama_guard.core.types import Params, State, initial_state
+from llama_guard.vocab.exitcodes import EXIT_CONFIG
+from llama_guard.vocab.phases import Phase
 from test_judgement import emitted, feed, names
 
 P = Params(port=8080, port_wait_s=10.0, port_retry_s=2.0, max_restarts=2, backoff_initial_s=1)

@@ -8,7 +8,7 @@ from fake_nvml import GIB, FakeNvml
 from gguf_synth import write_gguf
 from llama_guard.config import Config
 from llama_guard.preflight import check_gpu, check_vram
-from llama_guard.verdicts import NodeAction
+from llama_guard.vocab.verdicts import NodeAction
 
 
 def cfg(tmp: Path, model_bytes: int = 1024, **gpu: object) -> Config:

@@ -25,7 +25,6 @@ from llama_guard.core.types import (
     AfterStop,
     GpuFaultKind,
     Params,
-    Phase,
     RecoveryAction,
     ResetTrigger,
     State,
@@ -33,10 +32,11 @@ from llama_guard.core.types import (
     XidScope,
     initial_state,
 )
-from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgParser, UnparsedXid, XidRecord
 from llama_guard.gpu.nvml import DeviceSelector, NotSupported, Nvml
 from llama_guard.gpu.xid import XidMatcher, recovery_action_of, xid_info
+from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
+from llama_guard.vocab.phases import Phase
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "public_reports"
 H200 = Path(__file__).resolve().parent / "fixtures" / "h200_recovery" / "field_values.json"

@@ -9,7 +9,8 @@ import pytest
 from llama_guard.config import Config
 from llama_guard.core.inputs import Boot, Exited, Spawned, Tick
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Params, Phase, initial_state
+from llama_guard.core.types import Params, initial_state
+from llama_guard.vocab.phases import Phase
 
 
 def test_policy_params_defaults_are_the_config_defaults() -> None:

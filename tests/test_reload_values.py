@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.core.model_file import model_problem
 from llama_guard.core.reload import API_KEY_NAME, MASK, reload_report
-from llama_guard.preflight import model_problem
 
 
 def _config(tmp_path: Path, text: str) -> Config:

@@ -14,8 +14,9 @@ from llama_guard.core.actions import Emit, ExitDaemon, ReadBuild
 from llama_guard.core.inputs import Boot, BuildInfo, Exited, HealthOk, LoadProgress, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.policy.repeat import FIX_BUILD, FIX_GPU, FIX_STALL
-from llama_guard.core.types import Params, Phase, State, initial_state
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
+from llama_guard.core.types import Params, State, initial_state
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
+from llama_guard.vocab.phases import Phase
 from test_judgement import emitted, feed, names
 
 P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts=10, restart_window_s=600,

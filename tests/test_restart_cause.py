@@ -37,18 +37,10 @@ from llama_guard.core.inputs import (
     VramFacts,
 )
 from llama_guard.core.policy import decide
-from llama_guard.core.types import (
-    GpuFaultKind,
-    Params,
-    Phase,
-    RestartCause,
-    State,
-    XidAction,
-    XidScope,
-    initial_state,
-)
+from llama_guard.core.types import GpuFaultKind, Params, RestartCause, State, XidAction, XidScope, initial_state
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import journal_fields
+from llama_guard.vocab.phases import Phase
 from test_metrics import make as make_metrics
 from test_metrics import scrape
 

@@ -9,8 +9,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from llama_guard.config import ConfigError, ScheduleConfig, load_config
-from llama_guard.output.events import CATALOG, render_message
-from llama_guard.restarts.cron import (
+from llama_guard.cron import (
     Outcome,
     PlannedRestarts,
     ScheduleError,
@@ -20,6 +19,7 @@ from llama_guard.restarts.cron import (
     validate_cron,
 )
 from llama_guard.restarts.watcher import planned_restarts
+from llama_guard.vocab.events import CATALOG, render_message
 
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")

@@ -13,10 +13,11 @@ from llama_guard.core.actions import NotifyReady
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, Phase, RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State
 from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.restarts.watcher import ScheduleSource
+from llama_guard.vocab.phases import Phase
 
 UTC = timezone.utc
 T0 = datetime(2025, 3, 10, 4, 29, 50, tzinfo=UTC)  # ten seconds before "30 4 * * *"

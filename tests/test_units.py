@@ -22,7 +22,7 @@ from llama_guard.core.privileges import (
 )
 from llama_guard.core.service import STOP_MARGIN_S
 from llama_guard.core.types import Params
-from llama_guard.output.events import CATALOG
+from llama_guard.vocab.events import CATALOG
 from systemd_fixtures import require, unit_capabilities
 
 ROOT = Path(__file__).resolve().parent.parent

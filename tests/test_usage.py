@@ -24,7 +24,7 @@ from llama_guard.limits.usage import (
     UsageTracker,
     sample_cost_per_hour,
 )
-from llama_guard.output.events import CATALOG, render_message
+from llama_guard.vocab.events import CATALOG, render_message
 
 
 def _s(fds: int, *, pid: int = 100, limit: int = 100, threads: int = 5, nproc: int | None = None,

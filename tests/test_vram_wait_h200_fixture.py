@@ -17,7 +17,8 @@ import pytest
 from llama_guard.core.actions import CheckVram, Emit, Spawn
 from llama_guard.core.inputs import Boot, GpuHolder, Tick, VramFacts
 from llama_guard.core.policy import decide
-from llama_guard.core.types import Params, Phase, initial_state
+from llama_guard.core.types import Params, initial_state
+from llama_guard.vocab.phases import Phase
 
 FIX = Path(__file__).parent / "fixtures" / "h200_vram_wait"
 

@@ -2,8 +2,8 @@
 action, the way node-health gates report (NVIDIA's GPU health validation prints one JSON verdict;
 Kubernetes' node-problem-detector reads a custom plugin's exit code: 0 OK, 1 NonOK, 2 Unknown).
 
-Pure: :func:`overall` takes the :class:`~llama_guard.preflight.CheckResult` lines, :func:`document`
-gives the JSON document. The exit codes are :mod:`llama_guard.exitcodes`' ``EXIT_GATE_*``.
+Pure: :func:`overall` takes the :class:`~llama_guard.vocab.verdicts.CheckResult` lines, :func:`document`
+gives the JSON document. The exit codes are :mod:`llama_guard.vocab.exitcodes`' ``EXIT_GATE_*``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_guard.exitcodes import EXIT_GATE_FAIL, EXIT_GATE_PASS, EXIT_GATE_UNKNOWN
-from llama_guard.preflight import CheckResult
-from llama_guard.verdicts import NodeAction, NodeVerdict, Verdict
+from llama_guard.vocab.exitcodes import EXIT_GATE_FAIL, EXIT_GATE_PASS, EXIT_GATE_UNKNOWN
+from llama_guard.vocab.verdicts import CheckResult, NodeAction, NodeVerdict, Verdict
 
 SCHEMA = 1
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_guard import __version__
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from llama_guard.paths import resolve_config_path, runtime_dir_of
-from llama_guard.verdicts import Verdict
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from llama_guard.vocab.verdicts import Verdict
 
 if TYPE_CHECKING:
     from llama_guard.config import Config
@@ -89,7 +89,8 @@ def _check_json(args: argparse.Namespace) -> int:
     """``check --json``: one node verdict and action (exit 0 pass/warn, 1 fail, 2 unknown), then the lines."""
     from llama_guard.check_report import document, overall, unknown
     from llama_guard.config import ConfigError, load_config
-    from llama_guard.preflight import CheckResult, run_checks
+    from llama_guard.preflight import run_checks
+    from llama_guard.vocab.verdicts import CheckResult
 
     path = resolve_config_path(args.config)
     try:

@@ -41,7 +41,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from llama_guard.restarts.cron import validate_cron, validate_timezone
+from llama_guard.cron import validate_cron, validate_timezone
 
 RLIM_INFINITY = resource.RLIM_INFINITY
 
@@ -415,7 +415,7 @@ class LimitsConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """``[schedule]``: planned restarts (see ``llama_guard.restarts.cron`` and ``llama_guard.restarts.decay``).
+    """``[schedule]``: planned restarts (see ``llama_guard.cron`` and ``llama_guard.restarts.decay``).
 
     ``restart_cron``: standard 5-field cron ("" disables); ``timezone``: IANA name ("" = the
     host's). Durations in seconds. The decay thresholds are opt-in: 0 disables each.

@@ -9,15 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, list_devices, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode, read_api_key
 from llama_guard.core.child import child_environ
+from llama_guard.core.model_file import model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
@@ -40,24 +39,9 @@ from llama_guard.gpu.nvml import (
     UnknownError,
     WatchOff,
 )
-from llama_guard.paths import os_reason
-from llama_guard.verdicts import NodeAction, Verdict
+from llama_guard.vocab.verdicts import CheckResult, NodeAction, Verdict
 
-GGUF_MAGIC = b"GGUF"
 MODEL_CHECK_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation).
-    ``action``: what this line asks of the operator when it is not OK (a FAIL that names none is a
-    configuration problem: :mod:`llama_guard.check_report`)."""
-
-    name: str
-    verdict: Verdict
-    detail: str
-    data: dict[str, Any] | None = field(default=None, compare=False)
-    action: NodeAction = NodeAction.NONE
 
 
 # What an NVML error at check time asks of the operator. A GPU off the bus (NVIDIA's Xid 79 family,
@@ -132,41 +116,6 @@ def check_offload(config: Config) -> list[CheckResult]:
                             "would run on the CPU (a build without GPU support, or no GPU visible; under "
                             "systemd the unit's CUDA_VISIBLE_DEVICES applies); set n_gpu_layers = 0 to mean it")]
     return [CheckResult("offload", Verdict.OK, f"n_gpu_layers = {layers} on {'; '.join(devices)}")]
-
-
-def model_problem(path: Path) -> str:
-    """Why ``path`` cannot be llama-server's model ("" when it can): it must be a regular file
-    (``os.stat`` + ``S_ISREG`` before any ``open``, so a FIFO, a directory or a device is refused at
-    once instead of blocking), readable, and start with the 4-byte GGUF magic ``b"GGUF"``.
-
-    The one GGUF check, used by ``llama-guard check`` and by every reload. It still touches the
-    filesystem (a hung network mount can block ``stat``): callers run it with a deadline.
-    """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"{path}: {os_reason(exc)}"
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-        return f"{path} is {kind}, not a regular file"
-    try:
-        # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() does not wait.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        return f"{path}: {os_reason(exc)}"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return f"{path} is not a regular file"
-        magic = os.read(fd, 4)
-    except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
-    finally:
-        os.close(fd)
-    if magic != GGUF_MAGIC:
-        return f"{path}: not a GGUF file (magic {magic!r})"
-    return ""
 
 
 def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> CheckResult:
@@ -481,7 +430,7 @@ def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     """The VRAM budget from the model's GGUF metadata against the GPU's free memory (or
     ``[gpu].vram_total_mib``), with the operators' ladder when it does not fit
     (:mod:`llama_guard.insight.vram_check`). The first row carries the budget as ``data``."""
-    from llama_guard.insight.gpu_info import gpu_memory_facts
+    from llama_guard.gpu.info import gpu_memory_facts
     from llama_guard.insight.vram_check import report_lines, vram_report
 
     report = vram_report(config, gpu_memory_facts(config, nvml_module=nvml_module))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llama_guard.output.events import EventName
+from llama_guard.vocab.events import EventName
 
 
 class Action:

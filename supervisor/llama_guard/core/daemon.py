@@ -69,12 +69,13 @@ from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout
 from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, Phase, State, initial_state
+from llama_guard.core.types import AfterStop, State, initial_state
 from llama_guard.core.watcher import Context, Source
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
+from llama_guard.vocab.phases import Phase
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)

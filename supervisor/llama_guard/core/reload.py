@@ -15,10 +15,10 @@ from pathlib import Path
 
 from llama_guard.argv import resolve_binary
 from llama_guard.config import SECRET_FLAGS, Config, ConfigError, is_secret_env, load_config
+from llama_guard.core.model_file import model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import ServerIdentity
 from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, prepare
-from llama_guard.preflight import model_problem
 
 # Keys read live (from the current config, by the policy's parameters or a watcher's on_reload):
 # a change takes effect at once. "*" = every key of the section.

@@ -29,8 +29,8 @@ from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.spawner import PROC_TIMEOUT_S
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
+from llama_guard.vocab.phases import Phase
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
 LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled load's verdict

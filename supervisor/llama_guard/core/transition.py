@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from llama_guard.core.actions import Action
 from llama_guard.core.inputs import Drained, Input
-from llama_guard.core.types import AfterStop, Phase, State
+from llama_guard.core.types import AfterStop, State
+from llama_guard.vocab.phases import Phase
 
 
 @dataclass(frozen=True)

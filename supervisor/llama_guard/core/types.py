@@ -16,20 +16,9 @@ import signal
 from dataclasses import dataclass, field
 
 from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig
-from llama_guard.exitcodes import EXIT_OK
-from llama_guard.output.events import EventName
-
-
-class Phase(enum.Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    RESETTING = "resetting_gpu"
-    EXITED = "exited"
-    WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
+from llama_guard.vocab.events import EventName
+from llama_guard.vocab.exitcodes import EXIT_OK
+from llama_guard.vocab.phases import Phase
 
 
 class AfterStop(enum.Enum):

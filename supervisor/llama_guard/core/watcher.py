@@ -18,7 +18,7 @@ from llama_guard.config import Config
 from llama_guard.core.inputs import Input, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
-from llama_guard.output.events import EmitFn
+from llama_guard.vocab.events import EmitFn
 
 
 @dataclass

@@ -18,7 +18,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llama_guard.core.types import AfterStop, Phase, State
+from llama_guard.core.types import AfterStop, State
+from llama_guard.vocab.phases import Phase
 
 
 class Gate(enum.Enum):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import socket
 
 from llama_guard.config import Config, host_port
-from llama_guard.preflight import CheckResult
-from llama_guard.verdicts import Verdict
+from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
 def check_front(config: Config) -> CheckResult:

@@ -23,8 +23,8 @@ import psutil
 
 from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
-from llama_guard.output.events import EventName
 from llama_guard.units import MIB
+from llama_guard.vocab.events import EventName
 
 if TYPE_CHECKING:
     from llama_guard.config import GpuConfig

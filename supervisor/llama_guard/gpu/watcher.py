@@ -28,7 +28,7 @@ from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFaultKind, Phase, RecoveryAction, XidAction
+from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
@@ -45,6 +45,7 @@ from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_x
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import NeedCache, need_key
 from llama_guard.units import MIB
+from llama_guard.vocab.phases import Phase
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)

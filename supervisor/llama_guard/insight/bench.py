@@ -217,9 +217,9 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 def ceiling_for(config: Config, result: BenchResult, *, nvml_module: Any = None) -> dict[str, Any]:
     """The ceiling of ``config`` at ``result``'s context and median, as a dict (``Ceiling.as_dict``);
     ``{"error": ...}`` when the model's metadata cannot be read."""
+    from llama_guard.gpu.info import gpu_memory_facts
     from llama_guard.insight.budget import Settings, kv_read_bytes, layers_on_gpu, weights_read_bytes
     from llama_guard.insight.ceiling import Ceiling
-    from llama_guard.insight.gpu_info import gpu_memory_facts
     from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
 
     try:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_guard.config import Config
+from llama_guard.gpu.info import GpuMemoryFacts
 from llama_guard.insight.budget import CUDA_OVERHEAD_MIB, Budget, Settings, Step, estimate, ladder
-from llama_guard.insight.gpu_info import GpuMemoryFacts
 from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
 from llama_guard.insight.need_child import ADMISSION_SHARE
 from llama_guard.units import MIB
-from llama_guard.verdicts import Verdict
+from llama_guard.vocab.verdicts import Verdict
 
 # A budget within this fraction of the available VRAM is a WARN: the estimate is ±10 %.
 TIGHT_FRACTION = 0.9

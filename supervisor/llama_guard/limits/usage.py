@@ -33,7 +33,7 @@ import psutil
 from llama_guard.limits.own import cgroup_pids
 from llama_guard.limits.readback import ProcessLimits, read_limits
 from llama_guard.limits.rlimits import NOFILE, NPROC, RLIM_INFINITY, SPEC_BY_NAME, fix_hint
-from llama_guard.output.events import EventName
+from llama_guard.vocab.events import EventName
 
 PIDS_MAX = "pids.max"
 """The name used in events for the cgroup task limit (systemd ``TasksMax=``)."""

@@ -21,7 +21,7 @@ from llama_guard.limits.plan import LimitPlan, plan_child_limits
 from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
 from llama_guard.limits.rlimits import format_limit
 from llama_guard.limits.usage import UsageSample, UsageSampler, UsageTracker
-from llama_guard.output.events import EventName
+from llama_guard.vocab.events import EventName
 
 
 class LimitsSource(Source):

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TextIO
 
 import structlog
 
-from llama_guard.output.events import CATALOG, EventName, Severity, render_message
+from llama_guard.vocab.events import CATALOG, EventName, Severity, render_message
 
 _LEVEL_NAMES = {
     Severity.CRITICAL: "critical",

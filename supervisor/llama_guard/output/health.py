@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from llama_guard.core.types import Phase, State
+from llama_guard.core.types import State
+from llama_guard.vocab.phases import Phase
 
 LOOP_ANSWER_S = 2.0  # /livez on the metrics listener: the loop must answer within this many seconds
 

@@ -26,11 +26,11 @@ from prometheus_client.registry import Collector
 
 from llama_guard.core.actions import Emit
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
 from llama_guard.output.health import liveness_from_thread, readiness, start_wsgi, with_health
+from llama_guard.vocab.phases import Phase
 
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
 NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe

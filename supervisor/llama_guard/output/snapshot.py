@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_guard.core.types import Phase, State
+from llama_guard.core.types import State
 from llama_guard.core.watcher import Source
 from llama_guard.output.instance import InstanceName, NameTaken, port_key
 from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
+from llama_guard.vocab.phases import Phase
 
 RECENT_EVENTS = 10  # how many of the latest events the snapshot carries
 

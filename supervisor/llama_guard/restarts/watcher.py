@@ -1,6 +1,6 @@
 """The daemon's planned-restart watcher: the cron schedule, decay triggers, and the restart record.
 
-Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.restarts.cron.PlannedRestarts`
+Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.cron.PlannedRestarts`
 whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
 whether the policy is READY). A due fire becomes ``RestartRequest(cause=RestartCause.SCHEDULE,
 drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
@@ -42,13 +42,14 @@ from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import Phase, RestartCause
+from llama_guard.core.types import RestartCause
 from llama_guard.core.watcher import Context, Source
+from llama_guard.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.gpu.readings import GpuSample
-from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
 from llama_guard.units import MIB
+from llama_guard.vocab.phases import Phase
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves

@@ -43,7 +43,8 @@ from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
 from llama_guard.core.server_log import ERROR_FAMILIES
-from llama_guard.core.types import Phase, RestartCause, State
+from llama_guard.core.types import RestartCause, State
+from llama_guard.vocab.phases import Phase
 
 __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 

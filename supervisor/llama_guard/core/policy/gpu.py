@@ -14,7 +14,6 @@ from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, reco
 from llama_guard.core.types import (
     AfterStop,
     GpuFaultKind,
-    Phase,
     ResetOutcome,
     ResetTrigger,
     RestartCause,
@@ -22,7 +21,8 @@ from llama_guard.core.types import (
     XidAction,
     XidScope,
 )
-from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
+from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
+from llama_guard.vocab.phases import Phase
 
 
 def on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:

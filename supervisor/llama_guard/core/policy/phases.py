@@ -49,8 +49,9 @@ from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, Phase, RestartCause, State, exit_signal, exit_text
-from llama_guard.exitcodes import EXIT_CONFIG
+from llama_guard.core.types import AfterStop, RestartCause, State, exit_signal, exit_text
+from llama_guard.vocab.exitcodes import EXIT_CONFIG
+from llama_guard.vocab.phases import Phase
 
 
 def on_stopped(state: State, event: Input, now: float) -> Result:

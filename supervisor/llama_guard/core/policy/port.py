@@ -15,8 +15,9 @@ from dataclasses import replace
 from llama_guard.core.actions import Emit, FindPortHolder
 from llama_guard.core.inputs import Exited, Line, PortHolder
 from llama_guard.core.policy.steps import Result, exit_daemon, exit_fields, fail
-from llama_guard.core.types import Phase, RestartCause, State
-from llama_guard.exitcodes import EXIT_CONFIG
+from llama_guard.core.types import RestartCause, State
+from llama_guard.vocab.exitcodes import EXIT_CONFIG
+from llama_guard.vocab.phases import Phase
 
 
 def _holder_text(state: State) -> str:

@@ -19,7 +19,7 @@ from llama_guard.core.actions import Action, Emit, ReadBuild
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import RestartCause, State, exit_text
-from llama_guard.output.events import EventName
+from llama_guard.vocab.events import EventName
 
 # Failures another process can cause and end (the chain is broken, never a verdict).
 _TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})

@@ -17,7 +17,7 @@ from llama_guard.core.actions import Emit
 from llama_guard.core.inputs import StopRequest
 from llama_guard.core.policy.steps import Result, exit_daemon
 from llama_guard.core.types import AfterStop, ResetOutcome, State
-from llama_guard.exitcodes import EXIT_OK
+from llama_guard.vocab.exitcodes import EXIT_OK
 
 
 def reset_started(state: State, now: float) -> Emit:

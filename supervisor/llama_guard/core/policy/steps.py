@@ -10,9 +10,10 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
-from llama_guard.core.types import AfterStop, Failure, Params, Phase, ResetTrigger, RestartCause, State, exit_text
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
-from llama_guard.output.events import EventName
+from llama_guard.core.types import AfterStop, Failure, Params, ResetTrigger, RestartCause, State, exit_text
+from llama_guard.vocab.events import EventName
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.vocab.phases import Phase
 
 Result = tuple[State, list[Action]]
 """What every handler answers: the next state and the actions to carry out, in order."""

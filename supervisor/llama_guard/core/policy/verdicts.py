@@ -19,8 +19,9 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Emit
 from llama_guard.core.policy.steps import Result, exit_daemon, fail, stop
-from llama_guard.core.types import AfterStop, Phase, RecoveryAction, State, XidAction
-from llama_guard.exitcodes import EXIT_GPU_UNRECOVERABLE
+from llama_guard.core.types import AfterStop, RecoveryAction, State, XidAction
+from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE
+from llama_guard.vocab.phases import Phase
 
 R = RecoveryAction
 

@@ -80,7 +80,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
 from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
 
-from llama_guard.output.events import EventName
+from llama_guard.vocab.events import EventName
 
 __all__ = [
     "Decision",

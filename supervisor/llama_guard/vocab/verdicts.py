@@ -1,9 +1,12 @@
 """The verdict of one line of ``llama-guard check`` (an enum, so no code decides by comparing strings),
-and the node-level verdict and recommended action of ``check --json``."""
+the node-level verdict and recommended action of ``check --json``, and one line of the report
+(:class:`CheckResult`)."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class Verdict(str, enum.Enum):
@@ -45,3 +48,16 @@ class NodeAction(str, enum.Enum):
     def severity(self) -> int:
         """0 for ``none`` up to 3 for ``reboot``: the most severe action of all lines is the node's."""
         return list(NodeAction).index(self)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation).
+    ``action``: what this line asks of the operator when it is not OK (a FAIL that names none is a
+    configuration problem: :mod:`llama_guard.check_report`)."""
+
+    name: str
+    verdict: Verdict
+    detail: str
+    data: dict[str, Any] | None = field(default=None, compare=False)
+    action: NodeAction = NodeAction.NONE
