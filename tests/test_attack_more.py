@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from llama_guard.config import ConfigError, ServerConfig, read_api_key
+from llama_guard.api_key import read_api_key
+from llama_guard.config import ConfigError, ServerConfig
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

@@ -174,7 +174,8 @@ def test_api_key_file_is_a_typed_key(tmp_path: Path) -> None:
 
 
 def test_read_api_key(tmp_path: Path) -> None:
-    from llama_guard.config import ServerConfig, read_api_key
+    from llama_guard.api_key import read_api_key
+    from llama_guard.config import ServerConfig
 
     assert read_api_key(ServerConfig()) == ""
     key = tmp_path / "k"

@@ -15,11 +15,12 @@ from llama_guard.core.actions import Emit, InspectGpu, RunReset, Spawn
 from llama_guard.core.inputs import Boot, Exited, HealthOk, Line, ResetDone, ResetFacts, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import Params, ResetTrigger, initial_state
+from llama_guard.core.types import Params, initial_state
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.gpu.rules import GpuWatch, server_on_gpu
 from llama_guard.units import MIB
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "h200_daemon"
 

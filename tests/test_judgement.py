@@ -15,9 +15,10 @@ from llama_guard.core.inputs import BuildInfo, Exited, HealthOk, Line, LoadProgr
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, Params, ResetTrigger, State
+from llama_guard.core.types import AfterStop, Params, State
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 P = Params(load_timeout_s=900, hang_strikes=3, backoff_initial_s=1, max_restarts=5, restart_window_s=600,
            stop_grace_s=4, load_stall_s=20)

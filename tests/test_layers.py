@@ -14,10 +14,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor" / "llama_guard"
 #: The floors, bottom first (as the README draws them, top first). A module is on the floor of the
 #: longest prefix that names it.
 FLOORS: list[tuple[str, ...]] = [
-    ("llama_guard", "llama_guard.vocab", "llama_guard.units", "llama_guard.paths"),
+    ("llama_guard", "llama_guard.vocab", "llama_guard.units", "llama_guard.paths", "llama_guard.limit_values",
+     "llama_guard.server_flags"),
     ("llama_guard.cron",),
     ("llama_guard.config",),
-    ("llama_guard.argv",),
+    ("llama_guard.argv", "llama_guard.api_key"),
     ("llama_guard.output.eventlog", "llama_guard.output.journal", "llama_guard.output.notify",
      "llama_guard.output.instance", "llama_guard.output.status", "llama_guard.output.status_view"),
     ("llama_guard.core.types", "llama_guard.core.inputs", "llama_guard.core.actions", "llama_guard.core.transition",

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard import config as LC
+from llama_guard import limit_values as LC
 from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
 from llama_guard.limits import own as LO
 from llama_guard.limits import plan as LP

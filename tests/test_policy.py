@@ -23,9 +23,10 @@ from llama_guard.core.inputs import (
     Tick,
 )
 from llama_guard.core.policy import decide
-from llama_guard.core.types import AfterStop, Params, ResetTrigger, RestartCause, State, exit_text, initial_state
+from llama_guard.core.types import AfterStop, Params, RestartCause, State, exit_text, initial_state
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_factor=2, backoff_max_s=5,
            max_restarts=3, restart_window_s=100, stable_after_s=10, stop_grace_s=4, kill_wait_s=2,

@@ -25,9 +25,10 @@ from llama_guard.core.inputs import (
 )
 from llama_guard.core.policy import decide
 from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import GpuFaultKind, Params, ResetTrigger, State, initial_state
+from llama_guard.core.types import GpuFaultKind, Params, State, initial_state
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 P = Params(load_timeout_s=30, backoff_initial_s=1, max_restarts=3, restart_window_s=100, stop_grace_s=4,
            reset_possible=True, reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.OOM}),

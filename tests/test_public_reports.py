@@ -26,7 +26,6 @@ from llama_guard.core.types import (
     GpuFaultKind,
     Params,
     RecoveryAction,
-    ResetTrigger,
     State,
     XidAction,
     XidScope,
@@ -37,6 +36,7 @@ from llama_guard.gpu.nvml import DeviceSelector, NotSupported, Nvml
 from llama_guard.gpu.xid import XidMatcher, recovery_action_of, xid_info
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "public_reports"
 H200 = Path(__file__).resolve().parent / "fixtures" / "h200_recovery" / "field_values.json"

@@ -166,7 +166,8 @@ def cmd_restart(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import contextlib
 
-    from llama_guard.config import ConfigError, load_config, read_api_key
+    from llama_guard.api_key import read_api_key
+    from llama_guard.config import ConfigError, load_config
     from llama_guard.insight.bench import BenchError, Progress, ceiling_for, describe, record, run_bench, spawned_server
 
     path, config = _load(args)

@@ -5,9 +5,10 @@ Every section forbids unknown keys. :func:`load_config` turns every problem (mis
 invalid TOML, unknown key, bad value) into a :class:`ConfigError` whose lines each name the
 file, the key and the reason.
 
-Size (~650 lines): one pydantic model per TOML section with its validators and the units of
-every key in its field description; splitting the sections apart would scatter the contract that
-``etc/llama-guard.toml`` documents in one file.
+One pydantic model per TOML section with its validators and the units of every key in its field
+description, and the loading. What the models lean on lives beside: the ``[limits]`` value syntax
+(:mod:`llama_guard.limit_values`), llama-server's flag lists (:mod:`llama_guard.server_flags`), the
+cron syntax (:mod:`llama_guard.cron`); the API key file is read by :mod:`llama_guard.api_key`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import enum
 import ipaddress
 import os
 import re
-import resource
 import stat
 import sys
 from collections.abc import Mapping
@@ -42,31 +42,28 @@ from pydantic_settings import (
 )
 
 from llama_guard.cron import validate_cron, validate_timezone
-
-RLIM_INFINITY = resource.RLIM_INFINITY
+from llama_guard.limit_values import normalize_config_value
+from llama_guard.server_flags import OWNED_FLAGS, QUANTIZED_CACHE_TYPES, SECRET_FLAGS, SECRET_NAME, CacheType
+from llama_guard.vocab.triggers import ResetTrigger
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from llama_guard.paths import (  # noqa: E402  (shared with the CLI's fast paths; re-exported)
+from llama_guard.paths import (
     DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH,
 )
-from llama_guard.paths import (  # noqa: E402
+from llama_guard.paths import (
     DEFAULT_RUNTIME_DIR,
     ENV_CONFIG_PATH,
     ENV_PREFIX,
     os_reason,
-    read_regular,
 )
-from llama_guard.paths import resolve_config_path as resolve_config_path  # noqa: E402
+from llama_guard.paths import resolve_config_path as resolve_config_path
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
-ResetTrigger = Literal["gpu_lost", "xid", "oom", "cuda_error"]
 
 
 class GpuWatchMode(str, enum.Enum):
@@ -84,81 +81,11 @@ class ForeignProcesses(str, enum.Enum):
     REFUSE = "refuse"
 
 
-DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = ("gpu_lost", "xid", "oom")
+DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = (ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM)
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-# Flags llama-guard sets itself from typed keys; extra_args may not repeat them.
-OWNED_FLAGS = frozenset({
-    "-m", "--model", "--host", "--port", "-ngl", "--gpu-layers", "--n-gpu-layers", "-c", "--ctx-size",
-    "-np", "--parallel", "-b", "--batch-size", "-ub", "--ubatch-size", "-ctk", "--cache-type-k",
-    "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
-    "--metrics", "--mlock", "--api-key-file",
-})
-# Flags whose value is a secret: refused in extra_args, since a secret in llama-server's argv shows
-# in events, journald, status.json and `ps`; the key belongs in [server].api_key_file.
-SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
-# [server].env names that carry secrets the same way (LLAMA_API_KEY, HF_TOKEN, LLAMA_ARG_API_KEY ...).
-_SECRET_ENV = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", re.IGNORECASE)
-
-
-def is_secret_env(name: str) -> bool:
-    """Whether an environment variable (or flag) named ``name`` carries a secret by its name."""
-    return _SECRET_ENV.search(name.replace("-", "_")) is not None
 
 _ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
 
-
-
-# Limit values (``[limits]``): parsed here so the config owns its own validation.
-
-_UNLIMITED_WORDS = frozenset({"unlimited", "infinity", "inf", "-1"})
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]?)(i?b)?\s*$", re.IGNORECASE)
-_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
-
-
-def parse_limit_value(value: int | str, *, sizes: bool = False) -> int:
-    """Parse one limit value into an integer for :func:`resource.setrlimit`.
-
-    Accepts a non-negative ``int``, a decimal string, or ``"unlimited"`` / ``"infinity"`` /
-    ``"inf"`` / ``-1`` (returned as :data:`RLIM_INFINITY`). With ``sizes=True`` (memlock, in
-    bytes) a unit suffix is accepted, binary as systemd's ``LimitMEMLOCK=`` reads it:
-    ``K``/``KiB``/``KB`` = 1024, ``M`` = 1024², ``G``, ``T``, ``P``, ``E``; ``"64M"`` is
-    67108864 bytes and ``"1.5G"`` is rounded down to whole bytes.
-
-    Raises :class:`ValueError` naming the bad value (negative, empty, unknown unit, a unit on
-    a count, a bool).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a limit value")
-    if isinstance(value, int):
-        if value == -1:
-            return RLIM_INFINITY
-        if value < 0:
-            raise ValueError(f"{value} is negative (use \"unlimited\")")
-        return value
-    text = str(value).strip()
-    if text.lower() in _UNLIMITED_WORDS:
-        return RLIM_INFINITY
-    if text.isdigit():
-        return int(text)
-    match = _SIZE_RE.match(text)
-    if match is None or not sizes or (not match.group(2) and not match.group(3)):
-        allowed = "a byte count with an optional unit (K, M, G, T)" if sizes else "a whole number"
-        raise ValueError(f"{value!r} is not a limit: expected {allowed} or \"unlimited\"")
-    number, unit = match.group(1), match.group(2).lower()
-    return int(float(number) * (1 << _SIZE_SHIFT[unit])) if "." in number else int(number) << _SIZE_SHIFT[unit]
-
-
-def normalize_config_value(value: int | str | None, *, sizes: bool = False) -> int | Literal["unlimited"] | None:
-    """The ``[limits]`` config form of ``value``: ``None``, a non-negative int, or ``"unlimited"``.
-
-    Used by :class:`llama_guard.config.LimitsConfig`'s validator so that ``memlock = "64M"``
-    reaches the rest of the daemon as ``67108864``. Raises :class:`ValueError`.
-    """
-    if value is None:
-        return None
-    parsed = parse_limit_value(value, sizes=sizes)
-    return "unlimited" if parsed == RLIM_INFINITY else parsed
 
 
 class ConfigError(Exception):
@@ -262,7 +189,7 @@ class ServerConfig(_Section):
             if key == "NOTIFY_SOCKET" or key.startswith("WATCHDOG_"):
                 raise ValueError(f"env may not set {key}: it belongs to llama-guard's service manager")
         for key in self.env:
-            if _SECRET_ENV.search(key):
+            if SECRET_NAME.search(key):
                 raise ValueError(f"env may not set {key}: a secret in llama-server's environment can be read "
                                  "from /proc/PID/environ and lands in core dumps and crash reports; put an API key in "
                                  "[server].api_key_file")
@@ -646,31 +573,6 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def read_api_key(server: ServerConfig) -> str:
-    """The API key llama-guard's probes send: the first key line of ``[server].api_key_file``
-    ("" when none is configured). llama-server reads the same file (``--api-key-file``: one key per
-    line). Raises :class:`ConfigError` naming the file for a missing, unreadable or empty one; the
-    key itself is never part of an error.
-    """
-    if not server.api_key_file:
-        return ""
-    path = Path(server.api_key_file)
-    try:
-        text = read_regular(path).decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        raise ConfigError([f"server.api_key_file: {path}: cannot read: {reason}"]) from None
-    # As llama-server reads it: one key per line, empty lines skipped, "#" lines are comments.
-    keys = [line for line in text.splitlines() if line and not line.startswith("#")]
-    if not keys:
-        raise ConfigError([f"server.api_key_file: {path}: holds no key"])
-    for number, key in enumerate(keys, 1):
-        if key != key.strip() or any(ord(c) < 0x21 or ord(c) > 0x7E for c in key):
-            raise ConfigError([f"server.api_key_file: {path}: key {number} has spaces or characters that "
-                               "cannot be sent in an HTTP header (printable ASCII only, no spaces)"])
-    return keys[0]
 
 
 def load_config(path: Path) -> Config:

@@ -4,7 +4,7 @@ read at daemon start and again at each reload."""
 from __future__ import annotations
 
 from llama_guard.config import Config, GpuWatchMode
-from llama_guard.core.types import Params, ResetTrigger, reset_deadline_s
+from llama_guard.core.types import Params, reset_deadline_s
 
 
 def params_from(config: Config, *, reset_possible: bool = False) -> Params:
@@ -24,7 +24,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,
-        reset_on=frozenset(ResetTrigger(t) for t in config.recovery.reset_on),
+        reset_on=frozenset(config.recovery.reset_on),
         max_resets=config.recovery.max_resets,
         reset_window_s=config.recovery.reset_window_s,
         reset_deadline_s=reset_deadline_s(config.recovery, config.gpu),

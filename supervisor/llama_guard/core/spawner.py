@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_guard.api_key import read_api_key
 from llama_guard.argv import build_argv, resolve_binary
-from llama_guard.config import Config, ConfigError, read_api_key
+from llama_guard.config import Config, ConfigError
 from llama_guard.core.child import ServerProcess, child_environ, spawn
 from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.model_file import model_problem

@@ -19,6 +19,7 @@ from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, Schedule
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 
 class AfterStop(enum.Enum):
@@ -76,15 +77,6 @@ class XidOrigin(enum.Enum):
     NVML = "nvml"                # NVML's event alone (it carries no pid)
     KMSG = "kmsg"                # the kernel-log line (``pid=``, ``name=``)
     NVML_AND_KMSG = "nvml+kmsg"  # NVML's event matched with the kernel-log line of the same Xid
-
-
-class ResetTrigger(enum.Enum):
-    """What may lead to a GPU reset (``[recovery].reset_on``)."""
-
-    GPU_LOST = "gpu_lost"
-    XID = "xid"
-    OOM = "oom"
-    CUDA_ERROR = "cuda_error"
 
 
 class ResetOutcome(enum.Enum):
@@ -171,7 +163,7 @@ class Params:
     drain_timeout_s: float = _SCHEDULE.drain_timeout_s
     require_gpu: bool = False
     reset_possible: bool = False
-    reset_on: frozenset[ResetTrigger] = frozenset(ResetTrigger(t) for t in _RECOVERY.reset_on)
+    reset_on: frozenset[ResetTrigger] = frozenset(_RECOVERY.reset_on)
     max_resets: int = _RECOVERY.max_resets
     reset_window_s: float = _RECOVERY.reset_window_s
     reset_deadline_s: float = reset_deadline_s(_RECOVERY, _GPU)

@@ -11,7 +11,7 @@ import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llama_guard.config import parse_limit_value
+from llama_guard.limit_values import parse_limit_value
 from llama_guard.limits.own import OwnLimits
 from llama_guard.limits.rlimits import (
     MEMLOCK,

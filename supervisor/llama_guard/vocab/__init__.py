@@ -1,2 +1,2 @@
 """The ground floor: the words every layer shares — event names and their catalogue, exit codes,
-the policy's phases, the check verdicts. Imports nothing of llama-guard's own."""
+the policy's phases, the reset triggers, the check verdicts. Imports nothing of llama-guard's own."""

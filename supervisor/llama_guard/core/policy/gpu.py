@@ -11,18 +11,10 @@ from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.core.policy.reset_stop import reset_started
 from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, fail, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
-from llama_guard.core.types import (
-    AfterStop,
-    GpuFaultKind,
-    ResetOutcome,
-    ResetTrigger,
-    RestartCause,
-    State,
-    XidAction,
-    XidScope,
-)
+from llama_guard.core.types import AfterStop, GpuFaultKind, ResetOutcome, RestartCause, State, XidAction, XidScope
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 
 def on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:

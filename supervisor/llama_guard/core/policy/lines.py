@@ -14,10 +14,11 @@ from llama_guard.core.policy.port import on_port_line
 from llama_guard.core.policy.steps import Result, after_fault, fail, stop
 from llama_guard.core.policy.verdicts import watchdog_hit
 from llama_guard.core.server_log import Family, LineClass
-from llama_guard.core.types import AfterStop, ResetTrigger, RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 
 def fault_event(state: State, verdict: LineClass, text: str) -> tuple[EventName, dict[str, object]] | None:

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
-from llama_guard.core.types import AfterStop, Failure, Params, ResetTrigger, RestartCause, State, exit_text
+from llama_guard.core.types import AfterStop, Failure, Params, RestartCause, State, exit_text
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 Result = tuple[State, list[Action]]
 """What every handler answers: the next state and the actions to carry out, in order."""

@@ -24,9 +24,10 @@ from llama_guard.core.policy.steps import (
 )
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
-from llama_guard.core.types import AfterStop, ResetTrigger, RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.triggers import ResetTrigger
 
 
 def on_stopping(state: State, event: Input, now: float) -> Result:

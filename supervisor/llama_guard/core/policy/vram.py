@@ -13,7 +13,8 @@ from llama_guard.core.inputs import Input, Tick, VramFacts
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.steps import Result, after_fault, count_failure, fail, restart_for, spawn
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
-from llama_guard.core.types import AfterStop, RecoveryAction, ResetTrigger, RestartCause, State, XidAction
+from llama_guard.core.types import AfterStop, RecoveryAction, RestartCause, State, XidAction
+from llama_guard.vocab.triggers import ResetTrigger
 
 
 def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:

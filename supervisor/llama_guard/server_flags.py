@@ -1,0 +1,29 @@
+"""llama-server's flags as llama-guard treats them: the ones it sets itself from typed keys, the ones
+whose value is a secret, the KV cache types that are quantized. Pure lists, read by the
+configuration's validators and by the argv builder."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+QUANTIZED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+
+# Flags llama-guard sets itself from typed keys; extra_args may not repeat them.
+OWNED_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "-ngl", "--gpu-layers", "--n-gpu-layers", "-c", "--ctx-size",
+    "-np", "--parallel", "-b", "--batch-size", "-ub", "--ubatch-size", "-ctk", "--cache-type-k",
+    "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
+    "--metrics", "--mlock", "--api-key-file",
+})
+# Flags whose value is a secret: refused in extra_args, since a secret in llama-server's argv shows
+# in events, journald, status.json and `ps`; the key belongs in [server].api_key_file.
+SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
+# [server].env names that carry secrets the same way (LLAMA_API_KEY, HF_TOKEN, LLAMA_ARG_API_KEY ...).
+SECRET_NAME = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", re.IGNORECASE)
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether an environment variable (or flag) named ``name`` carries a secret by its name."""
+    return SECRET_NAME.search(name.replace("-", "_")) is not None
