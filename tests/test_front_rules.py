@@ -141,8 +141,8 @@ def test_the_sse_error_event_is_well_formed() -> None:
     assert raw.startswith("\n\n") and raw.endswith("\n\n")
     lines = raw.strip("\n").split("\n")
     assert lines[0] == "event: error" and lines[1].startswith("data: ") and len(lines) == 2
-    assert json.loads(lines[1][6:]) == {"type": "error", "error": {"code": 502, "message": "cut",
-                                                                   "type": "server_error"}}
+    assert json.loads(lines[1][6:]) == {"type": "error", "error": {
+        "code": 502, "message": "llama-guard front door: cut", "type": "server_error"}}
 
 
 def test_livez_from_another_thread_needs_the_loop_to_answer() -> None:

@@ -1,6 +1,6 @@
 """``llama-guard check``: what can be known before starting the server.
 
-Size (~500 lines): one small function per check row (config, binary and flags, model, port, GPU,
+One module: one small function per check row (config, binary and flags, model, port, GPU,
 limits, VRAM budget, reset); the verdict and the node-health action are in :mod:`.check_report`.
 """
 

@@ -13,7 +13,7 @@ backoff; one that keeps failing or a failure in the daemon's own tasks ends it w
 (systemd restarts it). Towards systemd: ``STOPPING=1`` when a stop begins, never ``READY=1`` after
 it. The status line and ``status.json`` come from :mod:`llama_guard.output.snapshot`.
 
-Size (~420 lines): the loop, the executor and the reload's apply step share the state the loop owns.
+One module: the loop, the executor and the reload's apply step share the state the loop owns.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.forward import Forwarder, origin_form
 from llama_guard.front.metrics import FrontMetrics
+from llama_guard.front.sse import FRONT_DOOR
 from llama_guard.output.health import liveness, readiness
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
@@ -63,9 +64,10 @@ def _quiet_logger() -> logging.Logger:
 
 
 def error_response(status: int, message: str, *, retry_after: int | None = None) -> web.Response:
-    """A JSON error in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
+    """A JSON error in llama-server's shape: ``{"error": {"code", "message", "type"}}``, its message
+    beginning with :data:`~llama_guard.front.sse.FRONT_DOOR` (the front door answered, not llama-server)."""
     kind = "unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps({"error": {"code": status, "message": message, "type": kind}})
+    body = json.dumps({"error": {"code": status, "message": FRONT_DOOR + message, "type": kind}})
     headers = {hdrs.RETRY_AFTER: str(retry_after)} if retry_after is not None else None
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
 

@@ -25,7 +25,7 @@ The ``pynvml`` module is injectable (``module=``): tests pass a fake. The method
 "fastest first" unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so the index in ``CUDA_VISIBLE_DEVICES``
 may name another GPU: start the server with ``CUDA_VISIBLE_DEVICES=<uuid>`` (:attr:`GpuIdentity.uuid`).
 
-Size (~700 lines): the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
+One module: the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
 call, its deadline, its error translation and its cache live here so nothing else touches ``pynvml``.
 """
 

@@ -7,7 +7,7 @@ NVML calls run in threads; results come back to the loop as events and policy in
 ``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
 tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
 
-Size (~540 lines): the sampler, the Xid intake (NVML events matched with kernel-log records) and
+One module: the sampler, the Xid intake (NVML events matched with kernel-log records) and
 the reset share one NVML handle and the one record of which pid is ours; the pure rules they feed
 live in :mod:`.rules`, :mod:`.xid` and :mod:`.reset`.
 """
