@@ -22,14 +22,13 @@ from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, read_api_key
 from llama_guard.core.child import ServerProcess, child_environ, spawn
 from llama_guard.core.inputs import SpawnFailed
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity, child_hooks, server_identity
 from llama_guard.core.watcher import Context, Source
 from llama_guard.preflight import model_problem
 
 MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
-PROC_TIMEOUT_S = 5.0  # a /proc scan (port owner, pipe holders)
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Spawner:
     pid (for ``before_spawn``).
     """
 
-    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[str, Lane],
+    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[LaneKind, Lane],
                  clock: Callable[[], float]) -> None:
         self._emit = emit
         self._sources = sources
@@ -86,7 +85,7 @@ class Spawner:
             return SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found")
         model = Path(server_cfg.model)
         try:
-            problem = await self._lanes["config"].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
+            problem = await self._lanes[LaneKind.CONFIG].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
                                                       f"checking {model}")
         except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
             self._emit("blocking_call_timeout", call=f"checking {model}", timeout_s=MODEL_CHECK_TIMEOUT_S,
@@ -95,7 +94,7 @@ class Spawner:
         if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
             return SpawnFailed(f"server.model: {problem}")
         try:
-            argv = await self._lanes["probe"].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
+            argv = await self._lanes[LaneKind.PROBE].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
                                                   f"{binary} --help")
         except (CallTimeout, LaneBusy) as exc:
             self._emit("blocking_call_timeout", call=f"{binary} --help", timeout_s=HELP_PROBE_TIMEOUT_S,
@@ -111,7 +110,12 @@ class Spawner:
         preexec_all = child_hooks([h for h in (src.preexec() for src in self._sources) if h is not None],
                                   self.identity, os.getpid())
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
-            key = await asyncio.to_thread(read_api_key, server_cfg)
+            key = await self._lanes[LaneKind.CONFIG].run(lambda: read_api_key(server_cfg), MODEL_CHECK_TIMEOUT_S,
+                                                         "reading [server].api_key_file")
+        except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
+            self._emit("blocking_call_timeout", call="reading [server].api_key_file", timeout_s=MODEL_CHECK_TIMEOUT_S,
+                       effect="the server is not started now")
+            return SpawnFailed(f"server.api_key_file: {exc}", fatal=False)
         except ConfigError as exc:
             return SpawnFailed(exc.lines[0])
 

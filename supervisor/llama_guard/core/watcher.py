@@ -3,8 +3,8 @@
 A :class:`Source` observes one kind of thing and reports through :class:`Context`: events to
 emit, and policy inputs to queue. The daemon calls the hooks below at fixed points of the
 server's life; every hook has a no-op default, and none may block the loop (blocking work goes
-to a thread with ``asyncio.to_thread``). A source must never raise out of a hook: the daemon
-logs and ignores such an error, but the observation is lost.
+to a lane of :mod:`llama_guard.core.offload`, with a deadline). A source must never raise out of
+a hook: the daemon logs and ignores such an error, but the observation is lost.
 """
 
 from __future__ import annotations

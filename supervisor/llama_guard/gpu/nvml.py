@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llama_guard.config import GpuWatchMode
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
@@ -245,8 +245,8 @@ class Nvml:
         """The deadline of one NVML call, seconds (an event wait: its own timeout on top)."""
         # One call at a time per lane (callers wait their turn on the lock); a call past its
         # deadline keeps its lane's one slot until it returns, and later calls fail at once.
-        self._lanes = {False: (Lane("nvml-call", max_calls=1), threading.Lock()),
-                       True: (Lane("nvml-event-wait", max_calls=1), threading.Lock())}
+        self._lanes = {False: (Lane(LaneKind.NVML_CALL), threading.Lock()),
+                       True: (Lane(LaneKind.NVML_EVENT_WAIT), threading.Lock())}
         self._retry_s = unsupported_retry_s
         self._lock = threading.RLock()
         self._initialised = False

@@ -26,7 +26,7 @@ import psutil
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFaultKind, Phase, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
@@ -88,8 +88,8 @@ class GpuSource(Source):
         self._learning: asyncio.Future[int | None] | None = None
         self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
         self._needs_opened = False
-        self._need_lane = Lane("vram-need", max_calls=2)  # daemon threads: never delay the exit
-        self._stat_lane = Lane("vram-need-key", max_calls=4)
+        self._need_lane = Lane(LaneKind.VRAM_NEED)  # daemon threads: never delay the exit
+        self._stat_lane = Lane(LaneKind.VRAM_NEED_KEY)
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""

@@ -39,6 +39,7 @@ from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
 from llama_guard.core.actions import Action, NotifyReady, PlannedRestart, PlannedStop, StartDrain
 from llama_guard.core.inputs import RestartRequest
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.types import Phase, RestartCause
@@ -130,6 +131,7 @@ class ScheduleSource(Source):
         self._sample_interval_s = sample_interval_s
         self._rss_reader = rss_reader
         self._metrics_reader = metrics_reader
+        self._lane = Lane(LaneKind.PROC)
         self._client: httpx.AsyncClient | None = None
         self.schedule: PlannedRestarts | None = None
         self.monitor: DecayMonitor = DecayMonitor()
@@ -322,7 +324,10 @@ class ScheduleSource(Source):
         pid = self._pid
         if pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING):
             return
-        rss = await asyncio.to_thread(self._rss_reader, pid)
+        try:
+            rss = await self._lane.run(lambda: self._rss_reader(pid), PROC_TIMEOUT_S, "server RSS")
+        except (CallTimeout, LaneBusy):  # /proc does not answer: no reading this round
+            rss = None
         if rss is not None and self._pid == pid:
             self._observe(ctx, pid, self.monitor.observe_rss(ctx.clock(), rss))
         vram = self._vram_mib(pid)
