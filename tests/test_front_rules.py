@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +19,7 @@ from llama_guard.core.types import AfterStop, Params, Phase, State
 from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
 from llama_guard.front.forward import REQUEST_DROP, end_to_end
 from llama_guard.front.sse import error_event, is_sse
-from llama_guard.output.health import liveness_from_thread, readiness
+from llama_guard.output.health import liveness, readiness
 from multidict import CIMultiDict, CIMultiDictProxy
 
 READY = State(params=Params(hang_strikes=3), phase=Phase.READY, pid=42, ready_at=0.0)
@@ -145,20 +144,10 @@ def test_the_sse_error_event_is_well_formed() -> None:
         "code": 502, "message": "llama-guard front door: cut", "type": "server_error"}}
 
 
-def test_livez_from_another_thread_needs_the_loop_to_answer() -> None:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        assert liveness_from_thread(loop, lambda: READY) == (200, {"live": True, "phase": "ready"})
-        loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop is blocked for a second
-        status, body = liveness_from_thread(loop, lambda: READY, timeout_s=0.3)
-        assert status == 503 and "did not answer" in str(body["reason"])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+def test_readyz_answers_503_unless_the_server_is_ready() -> None:
+    assert readiness(READY) == (200, {"ready": True, "phase": "ready"})
     assert readiness(replace(READY, phase=Phase.DRAINING)) == (503, {"ready": False, "phase": "draining"})
+    assert liveness(replace(READY, phase=Phase.EXITED)) == (503, {"live": False, "phase": "exited"})
 
 
 def test_a_front_port_equal_to_the_server_port_is_a_config_error(tmp_path: Path) -> None:
