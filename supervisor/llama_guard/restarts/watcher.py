@@ -33,11 +33,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
 from llama_guard.core.actions import Action, NotifyReady, PlannedRestart, PlannedStop, StartDrain
+from llama_guard.core.client import RequestFailed, ServerClient
 from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.probes import make_client
@@ -92,12 +91,12 @@ def anon_memory_mib(status_text: str) -> float | None:
     return (fields["RssAnon"] + fields.get("VmSwap", 0)) * 1024 / MIB
 
 
-async def _fetch_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> str | None:
+async def _fetch_metrics(client: ServerClient, base_url: str, timeout_s: float) -> str | None:
     try:
-        resp = await client.get(f"{base_url}/metrics", timeout=timeout_s)
-    except httpx.HTTPError:
+        resp = await client.get(f"{base_url}/metrics", timeout_s=timeout_s)
+    except RequestFailed:
         return None
-    return resp.text if resp.status_code == 200 else None
+    return resp.text if resp.status == 200 else None
 
 
 @dataclass
@@ -132,7 +131,7 @@ class ScheduleSource(Source):
         self._rss_reader = rss_reader
         self._metrics_reader = metrics_reader
         self._lane = Lane(LaneKind.PROC)
-        self._client: httpx.AsyncClient | None = None
+        self._client: ServerClient | None = None
         self.schedule: PlannedRestarts | None = None
         self.monitor: DecayMonitor = DecayMonitor()
         self.history: RestartHistory = RestartHistory()
