@@ -20,10 +20,10 @@ from pathlib import Path
 
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError, read_api_key
-from llama_guard.core.child import ServerProcess, child_environ, spawn
+from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.privileges import ServerIdentity, child_hooks, server_identity
+from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
 from llama_guard.core.watcher import Context, Source
 from llama_guard.preflight import model_problem
 
@@ -105,10 +105,12 @@ class Spawner:
             refused = await source.before_spawn(ctx, self.last_pid)
             if refused:
                 return SpawnFailed(refused, fatal=False)
-        # The sources' hooks (rlimits), then the drop to [server].user: the child set-up that
-        # `bench --spawn` shares (privileges.child_hooks).
-        preexec_all = child_hooks([h for h in (src.preexec() for src in self._sources) if h is not None],
-                                  self.identity, os.getpid())
+        # The sources' rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
+        try:
+            setup = ChildSetup(tuple(drop_argv(self.identity)),
+                               tuple(pair for src in self._sources for pair in src.child_rlimits()))
+        except FileNotFoundError as exc:  # no setpriv: nothing can be started safely (exit 78)
+            return SpawnFailed(str(exc))
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
             key = await self._lanes[LaneKind.CONFIG].run(lambda: read_api_key(server_cfg), MODEL_CHECK_TIMEOUT_S,
                                                          "reading [server].api_key_file")
@@ -121,7 +123,7 @@ class Spawner:
 
         self.cancellable = False  # from here on the answer is Started (or an exec error)
         try:
-            server = await asyncio.shield(spawn(argv, env, preexec_extra=preexec_all))
+            server = await asyncio.shield(spawn(argv, env, setup))
         except OSError as exc:
             return SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}")
         self.live_key = key

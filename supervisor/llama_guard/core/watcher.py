@@ -59,9 +59,10 @@ class Source:
         """A long-running task (cancelled at shutdown); the default returns at once."""
         return None
 
-    def preexec(self) -> Callable[[], None] | None:
-        """A function to run in the child between fork and exec (async-signal-safe work only)."""
-        return None
+    def child_rlimits(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        """``(resource, (soft, hard))`` to set on the next llama-server before its exec (by the
+        parent, with prlimit(2): :class:`llama_guard.core.child.ChildSetup`)."""
+        return ()
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
         """Bounded preparation before each spawn; return a reason to refuse this start."""

@@ -160,8 +160,8 @@ def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[
     within ``[health].load_timeout_s``, yield the process, then stop it: SIGTERM, ``[recovery].stop_grace_s``,
     SIGKILL. Its output goes to ``log_path``. Raises :class:`BenchError` when it exits or is not ready in time."""
     from llama_guard.argv import build_argv, resolve_binary
-    from llama_guard.core.child import child_environ, popen
-    from llama_guard.core.privileges import child_hooks, server_identity
+    from llama_guard.core.child import ChildSetup, child_environ, popen
+    from llama_guard.core.privileges import drop_argv, server_identity
     from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
     from llama_guard.limits.plan import plan_child_limits
 
@@ -174,11 +174,13 @@ def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[
     except (ValueError, OSError) as exc:
         raise BenchError(f"[server].user: {exc}") from None
     plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
-    hooks = child_hooks([plan.preexec] if plan.settings else [], identity, os.getpid())
+    try:
+        setup = ChildSetup(tuple(drop_argv(identity)), plan.settings)
+    except FileNotFoundError as exc:
+        raise BenchError(str(exc)) from None
     with log_path.open("wb") as log:
         try:
-            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), stdout=log,
-                         preexec_extra=hooks)
+            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), setup, stdout=log)
         except OSError as exc:
             raise BenchError(f"cannot execute {binary}: {exc.strerror or exc}") from None
     try:

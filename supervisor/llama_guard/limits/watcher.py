@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -60,8 +59,8 @@ class LimitsSource(Source):
             self._say_once(ctx, "threads_warning", reason=note)
         return None
 
-    def preexec(self) -> Callable[[], None] | None:
-        return self.plan.preexec if self.plan is not None and self.plan.settings else None
+    def child_rlimits(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        return self.plan.settings if self.plan is not None else ()
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._pid = pid
