@@ -47,7 +47,7 @@ class LaneKind(enum.Enum):
 
 
 MAX_CALLS = {LaneKind.CONFIG: 2, LaneKind.PROBE: 1, LaneKind.PROC: 2, LaneKind.NVML_CALL: 1,
-             LaneKind.NVML_EVENT_WAIT: 1, LaneKind.GPU: 2, LaneKind.VRAM_NEED: 2, LaneKind.VRAM_NEED_KEY: 4,
+             LaneKind.NVML_EVENT_WAIT: 1, LaneKind.GPU: 8, LaneKind.VRAM_NEED: 2, LaneKind.VRAM_NEED_KEY: 4,
              LaneKind.SCRAPE: 2, LaneKind.CHECK: 1}
 """Each kind's slots: calls of that kind that may be unfinished at once (stuck ones included)."""
 PROC_TIMEOUT_S = 5.0  # the deadline of one /proc walk on a PROC lane (seconds)

@@ -651,6 +651,26 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+STEP_TIMEOUT_S = 60.0
+"""The deadline of one step made of NVML calls run off the loop (a sample, a mode change): each call
+has its own ``call_timeout_s``, and after one hangs the rest fail at once, so this is never reached
+while NVML answers."""
+
+
+async def nvml_step(lane: Lane, fn: Callable[[], T], what: str) -> T:
+    """``fn()`` (NVML calls, or waits on our NVML threads) on ``lane`` (a ``GPU`` lane) within
+    :data:`STEP_TIMEOUT_S`: its result, or its :class:`NvmlError`; a step past the deadline (or a
+    lane full of such) raises :class:`NvmlHung` naming ``what``, as a hung call does."""
+    try:
+        return await lane.run(fn, STEP_TIMEOUT_S, what)
+    except CallTimeout:
+        raise NvmlHung(what, STEP_TIMEOUT_S) from None
+    except LaneBusy:
+        stuck = lane.stuck
+        raise NvmlHung(stuck[0] if stuck else what, STEP_TIMEOUT_S,
+                       time.monotonic() - stuck[1] if stuck else 0.0, first=False) from None
+
+
 def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,
              clock: Callable[[], float] = time.monotonic,
              call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> Nvml | WatchOff:
