@@ -5,6 +5,9 @@ of it is the NVIDIA library's own mapping.
 Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--code NAME=DIR``):
 
 - ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
+- ``python + aiohttp`` / ``python + aiohttp + httpx``: the HTTP stack the daemon serves and speaks with
+  (its server, and a client session made), alone and with httpx's client beside it (what a second client
+  stack cost the daemon);
 - ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
   imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
   what the NVIDIA library maps and allocates by itself;
@@ -81,6 +84,9 @@ def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
 
 
 NVML_ONLY = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlDeviceGetHandleByIndex(0)"
+AIOHTTP = ("import asyncio\nimport aiohttp\nfrom aiohttp import web\n"
+           "async def session():\n    await aiohttp.ClientSession().close()\nasyncio.run(session())")
+HTTP_STACKS = {"python + aiohttp": AIOHTTP, "python + aiohttp + httpx": AIOHTTP + "\nimport httpx\nhttpx.AsyncClient()"}
 
 
 def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, gpu: str,
@@ -141,6 +147,8 @@ def main() -> int:
         script.write_text("{}")
         for r in range(args.rounds):
             rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
+            for name, code in HTTP_STACKS.items():
+                rows.setdefault(name, []).append(sleeper(code, {}))
             if args.nvml == "real":
                 rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))

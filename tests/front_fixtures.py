@@ -1,4 +1,4 @@
-"""The front-door attack tests' shared pieces: a daemon with the front door on (before the real
+"""The front-door bad-client tests' shared pieces: a daemon with the front door on (before the real
 llama-server, canary off, slow liveness), its bounds, and "a normal client is served"."""
 
 from __future__ import annotations

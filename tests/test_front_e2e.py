@@ -137,6 +137,7 @@ def test_server_never_ready_held_requests_get_503_within_hold_timeout(front: Any
     assert [r.status_code for r in results] == [503] * 3
     assert all(r.headers["Retry-After"] == "5" for r in results)
     assert all(r.json()["error"]["type"] == "unavailable_error" for r in results)
+    assert all(r.json()["error"]["message"].startswith("llama-guard front door: ") for r in results)
     assert 1.9 <= elapsed < 2.0 + 8.0  # held for hold_timeout_s (2 s), then answered: never a hang
     assert metric(run, "llama_guard_front_requests_failed_total") == 3
 
@@ -148,6 +149,7 @@ def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: A
     lines: list[str] = []
     with httpx.stream("POST", f"http://127.0.0.1:{run.front}/completion", json=body, timeout=120.0) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["x-accel-buffering"] == "no"  # a reverse proxy in front passes each event at once
         for line in resp.iter_lines():  # ends cleanly: the body was closed, not broken
             lines.append(line)
             if len(lines) == 2:

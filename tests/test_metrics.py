@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import socket
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,10 +47,14 @@ def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None,
     return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
-def observe(src: MetricsSource, ctx: Context, *actions: Action) -> None:
-    """One step of the loop that kept the state ``ctx.state`` and asked for ``actions``, as the
-    daemon publishes it (``on_transition``)."""
+def deliver(src: MetricsSource, ctx: Context, *actions: Action) -> None:
+    """What the daemon does with one step that kept the state ``ctx.state`` and asked for ``actions``:
+    the sources see the record (``on_transition``), then each action is executed — an ``Emit`` goes
+    through the emitter, whose sinks (the metrics source among them, as wiring attaches it) get it."""
     src.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), actions, ctx.clock()))
+    for action in actions:
+        if isinstance(action, Emit):
+            src.write({"event": action.name, **action.fields})
 
 
 def scrape(source: MetricsSource) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -69,15 +74,15 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
-    observe(src, ctx, Spawn())
+    deliver(src, ctx, Spawn())
     clock.now += 2.5
     holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
-    observe(src, ctx, Emit("server_ready", {"server_pid": 1}))
+    deliver(src, ctx, Emit("server_ready", {"server_pid": 1}))
     clock.now += 30
     for cause in ("oom", "hang", "oom"):
-        observe(src, ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
-    observe(src, ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
-    observe(src, ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
+        deliver(src, ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
+    deliver(src, ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
+    deliver(src, ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
     m = scrape(src)
     assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 2
     assert m[("llama_guard_restarts_total", (("cause", "hang"),))] == 1
@@ -155,6 +160,42 @@ def test_bad_listen_is_a_config_error(tmp_path: Path) -> None:
         load_config(path)
 
 
+async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answers_nothing(tmp_path: Path) -> None:
+    """/livez and /readyz come from the daemon's loop (beside /metrics, on one aiohttp server): while
+    the loop is blocked, a probe gets no answer at all until its own timeout."""
+    port = free_port()
+    src, ctx, holder, _ = make(tmp_path, listen=str(port))
+    holder["state"] = State(phase=Phase.READY, pid=7)
+    assert await src.start(ctx) is None
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as client:
+            live = await client.get(base + "/livez", timeout=5)
+            ready = await client.get(base + "/readyz", timeout=5)
+            assert (live.status_code, live.json()) == (200, {"live": True, "phase": "ready"})
+            assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready"})
+            holder["state"] = State(phase=Phase.DRAINING, pid=7)
+            assert (await client.get(base + "/readyz", timeout=5)).status_code == 503
+            assert (await client.post(base + "/metrics", timeout=5)).status_code == 405
+            scraped = await client.get(base + "/metrics", timeout=5)
+            assert scraped.headers["content-type"].startswith("text/plain") and "llama_guard_phase{" in scraped.text
+        outcome: list[str] = []
+        ended = threading.Event()
+
+        def probe() -> None:
+            try:
+                outcome.append(str(httpx.get(base + "/livez", timeout=0.5).status_code))
+            except httpx.TimeoutException:
+                outcome.append("timeout")
+            ended.set()
+
+        threading.Thread(target=probe, daemon=True).start()
+        assert ended.wait(60)  # the loop is blocked here until the probe has its outcome
+        assert outcome == ["timeout"]
+    finally:
+        await src.close()
+
+
 async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Path) -> None:
     from llama_guard.output.eventlog import Emitter
     from llama_guard.wiring import make_sources
@@ -162,12 +203,12 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
     emitter = Emitter(min_level="error", fmt="json")
     metrics = make_sources(cfg, emitter=emitter)[-1]
-    assert isinstance(metrics, MetricsSource) and metrics.attached
+    assert isinstance(metrics, MetricsSource) and metrics in emitter.sinks
     _, ctx, _, _ = make(tmp_path)
     metrics.ctx = ctx
     emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
     emitter.emit("server_line", server_pid=1, line="x")
-    observe(metrics, ctx, Emit("server_oom", {}))  # attached: counted once, through the sink only
+    deliver(metrics, ctx, Emit("server_oom", {}))  # seen as an action: counted once, through the sink only
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
     emitter.emit("server_restart", reason="oom", restart_cause="oom")
     m = scrape(metrics)
@@ -179,7 +220,8 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
 class PolicyRun:
     """The real policy driven input by input, each action handed to the metrics source as the daemon
-    does (``on_transition``: one record per step, ``ctx.state`` already the state after it)."""
+    does (``on_transition`` with ``ctx.state`` already the state after the step, then :func:`deliver`'s
+    execution of each action)."""
 
     def __init__(self, src: MetricsSource, ctx: Context, holder: dict[str, State], clock: Clock,
                  params: Params) -> None:
@@ -192,6 +234,9 @@ class PolicyRun:
         state, actions = decide(before, event, self.clock.now)
         self.holder["state"] = state
         self.src.on_transition(self.ctx, Transition(before, state, event, tuple(actions), self.clock.now))
+        for action in actions:
+            if isinstance(action, Emit):
+                self.src.write({"event": action.name, **action.fields})
         return state
 
     def until_restart(self) -> State:
@@ -233,7 +278,7 @@ async def test_a_reload_followed_by_a_crash_counts_as_crash(tmp_path: Path) -> N
     run = PolicyRun(src, ctx, holder, clock, PARAMS)
     run.feed(Boot())
     run.start(100)
-    observe(src, ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
+    deliver(src, ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
     assert run.feed(ParamsChanged(PARAMS, server_changed=False)).phase is Phase.READY
     run.feed(Exited(100, -9))
     run.until_restart()

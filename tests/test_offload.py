@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, run_with_deadline
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind, run_with_deadline
 
 
 def _boom() -> int:
@@ -15,7 +15,7 @@ def _boom() -> int:
 
 
 def test_sync_result_and_exception() -> None:
-    lane = Lane("t", max_calls=1)
+    lane = Lane(LaneKind.CONFIG, max_calls=1)
     assert lane.run_sync(lambda: 41 + 1, 5.0) == 42
     with pytest.raises(ValueError, match="bad"):
         lane.run_sync(_boom, 5.0)
@@ -24,7 +24,7 @@ def test_sync_result_and_exception() -> None:
 
 
 async def test_async_result_and_exception() -> None:
-    lane = Lane("t", max_calls=2)
+    lane = Lane(LaneKind.CONFIG, max_calls=2)
     assert await lane.run(lambda: 7, 5.0) == 7
     with pytest.raises(ValueError, match="bad"):
         await lane.run(_boom, 5.0)
@@ -32,11 +32,11 @@ async def test_async_result_and_exception() -> None:
 
 
 def test_a_stuck_call_times_out_holds_its_slot_and_is_named() -> None:
-    lane = Lane("t", max_calls=1)
+    lane = Lane(LaneKind.CONFIG, max_calls=1)
     release = threading.Event()
     with pytest.raises(CallTimeout) as timed_out:
         lane.run_sync(release.wait, 0.05, "open model")
-    assert timed_out.value.what == "open model" and timed_out.value.lane == "t"
+    assert timed_out.value.what == "open model" and timed_out.value.lane is LaneKind.CONFIG
     stuck = lane.stuck
     assert stuck is not None and stuck[0] == "open model"
     with pytest.raises(LaneBusy):  # refused at once, not queued behind the stuck call
@@ -50,7 +50,7 @@ def test_a_stuck_call_times_out_holds_its_slot_and_is_named() -> None:
 
 
 async def test_async_timeout_leaves_the_loop_free() -> None:
-    lane = Lane("t", max_calls=1)
+    lane = Lane(LaneKind.CONFIG, max_calls=1)
     release = threading.Event()
     with pytest.raises(CallTimeout):
         await lane.run(release.wait, 0.05, "fifo")
@@ -59,10 +59,9 @@ async def test_async_timeout_leaves_the_loop_free() -> None:
 
 
 def test_an_idle_worker_is_reused_then_ends() -> None:
-    lane = Lane("reuse", max_calls=1, idle_s=0.5)
-    names = {lane.run_sync(lambda: threading.get_ident(), 5.0) for _ in range(20)}
-    assert len(names) == 1  # one worker thread served every call
-    deadline = time.monotonic() + 10
-    while any(t.name == "lane-reuse" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(t.name == "lane-reuse" for t in threading.enumerate())
+    lane = Lane(LaneKind.SCRAPE, max_calls=1, idle_s=0.5)
+    workers = {lane.run_sync(threading.current_thread, 5.0) for _ in range(20)}
+    assert len(workers) == 1  # one worker thread served every call
+    worker = workers.pop()
+    worker.join(10)  # idle for idle_s: it ends
+    assert not worker.is_alive()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 from llama_guard.config import Config
+from llama_guard.core.child import GATE_CLOSED, ChildSetup, popen
 from llama_guard.core.privileges import (
     CAP_NUMBERS,
     Credentials,
@@ -101,3 +103,16 @@ def test_check_credentials_warns_for_a_root_server() -> None:
     cfg = Config.model_validate({"server": {"binary": "/bin/true", "user": "no-such-user-lg"}})
     [row] = check_credentials(cfg, creds=ROOT_CREDS)
     assert row.verdict == "FAIL" and "no such user" in row.detail
+
+
+def test_the_child_runs_nothing_before_its_gate_opens_and_exits_if_it_never_does(tmp_path: Path) -> None:
+    """The parent sets the rlimits while the child waits at the gate; a parent that gives up (or dies)
+    before opening it leaves the child to exit 125 without running its program."""
+    marker = tmp_path / "ran"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(ChildSetup().argv(["touch", str(marker)]), stdin=read_end)
+    os.close(read_end)
+    os.close(write_end)  # never opened
+    assert proc.wait(30) == GATE_CLOSED and not marker.exists()
+    opened = popen(["touch", str(marker)], os.environ, ChildSetup(), stdout=subprocess.DEVNULL)
+    assert opened.wait(30) == 0 and marker.exists()

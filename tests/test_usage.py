@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -180,9 +181,11 @@ def test_real_fd_use_warns_before_exhaustion(children: list[subprocess.Popen[str
     still open more; resource_exhausted when it is at the limit."""
     plan = LP.plan_child_limits(Config(limits=LimitsConfig(nofile=64)), LO.read_own_limits(),
                                LO.can_raise_hard_limits())
-    proc = subprocess.Popen([sys.executable, "-c", FD_CHILD], preexec_fn=plan.preexec, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", FD_CHILD], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
     children.append(proc)
+    for res, pair in plan.settings:  # the child opens nothing before it reads its first line
+        resource.prlimit(proc.pid, res, pair)
     assert proc.stdin is not None
     assert proc.stdout is not None
     sampler = UsageSampler(proc.pid)

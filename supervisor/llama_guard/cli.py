@@ -20,7 +20,7 @@ from llama_guard.vocab.verdicts import Verdict
 if TYPE_CHECKING:
     from llama_guard.config import Config
 
-# Each verb imports what it uses: `status` and `restart` need neither pydantic, httpx nor asyncio.
+# Each verb imports what it uses: `status` and `restart` need neither pydantic, aiohttp nor asyncio.
 
 
 def _load(args: argparse.Namespace) -> tuple[Path, Config]:

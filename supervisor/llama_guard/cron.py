@@ -63,7 +63,7 @@ Cron times are wall-clock times, so this module takes aware wall-clock datetimes
 (``datetime.now(timezone.utc)`` in the daemon, anything aware in tests). A clock stepped backwards
 never fires a handled time twice: the cursor only moves forward from the last handled fire.
 
-Size (~530 lines): the cron translation, DST rules and the skip/misfire state machine are one
+One module: the cron translation, DST rules and the skip/misfire state machine are one
 concern, and most of the module is the docstrings of those rules.
 """
 

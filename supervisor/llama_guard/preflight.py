@@ -1,6 +1,6 @@
 """``llama-guard check``: what can be known before starting the server.
 
-Size (~500 lines): one small function per check row (config, binary and flags, model, port, GPU,
+One module: one small function per check row (config, binary and flags, model, port, GPU,
 limits, VRAM budget, reset); the verdict and the node-health action are in :mod:`.check_report`.
 """
 
@@ -22,6 +22,7 @@ from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
     Credentials,
+    drop_argv,
     identity_problem,
     read_credentials,
     reset_precondition,
@@ -349,8 +350,8 @@ def check_port(config: Config) -> CheckResult:
 def check_credentials(config: Config, *, creds: Credentials | None = None) -> list[CheckResult]:
     """Who llama-server would run as, and whether llama-guard can start it so: ``[server].user``
     resolves, llama-guard has CAP_SETUID/CAP_SETGID for the switch, and the binary and model are
-    reachable by that user (the mode bits of each path component). WARN when llama-server would run
-    as root, FAIL when it could not be started as configured."""
+    reachable by that user (the mode bits of each path component); ``setpriv`` is there to start it.
+    WARN when llama-server would run as root, FAIL when it could not be started as configured."""
     server = config.server
     creds = creds if creds is not None else read_credentials()
     try:
@@ -360,6 +361,10 @@ def check_credentials(config: Config, *, creds: Credentials | None = None) -> li
     problem = identity_problem(identity, creds)
     if problem:
         return [CheckResult("server user", Verdict.FAIL, problem)]
+    try:  # the wrapper every llama-server child is started through
+        drop_argv(identity, creds)
+    except FileNotFoundError as exc:
+        return [CheckResult("server user", Verdict.FAIL, str(exc))]
     if identity.uid is None:
         if creds.uid == 0:
             return [CheckResult("server user", Verdict.WARN, "llama-server would run as root (without capabilities): "

@@ -31,7 +31,7 @@ def make_notifier() -> ServiceNotifier:
     return SdNotifier(unset_environment=True)
 
 
-def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | None = None) -> list[Source]:
+def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -> list[Source]:
     """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
     set; it counts every event of ``emitter``), the front door (when [front].listen is set).
     ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
@@ -48,8 +48,6 @@ def make_sources(config: Config, *, nvml_module: Any = None, emitter: Emitter | 
     limits = LimitsSource()
     sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample)]
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
-    if emitter is not None:
-        emitter.sinks.append(metrics)
-        metrics.attached = True
+    emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.
     return [*sources, FrontSource(registry=metrics.registry), metrics]

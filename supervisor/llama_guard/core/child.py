@@ -7,30 +7,38 @@ notification and socket-activation variables. stdout and stderr are one pipe, re
 as written. The exit is learnt from the kernel (a pidfd, :meth:`ServerProcess.exited`), never
 from the pipe's end: a grandchild that left the process group can hold the pipe open for good
 (:func:`pipe_holders` finds such processes).
+
+No Python runs in the child between fork and exec (the daemon has threads; CPython documents
+``preexec_fn`` as unsafe there): subprocess's own C code makes the new session, and the child's
+first programs are a :class:`ChildSetup`'s wrapper (``setpriv``: the privilege drop and the
+parent-death signal) and :data:`GATE`, a ``/bin/sh`` that waits on a pipe. While it waits, the
+parent sets the child's rlimits with prlimit(2) — they hold across exec — then opens the gate and
+llama-server is exec'd in the same process (one pid throughout). A parent that dies before it
+opened the gate leaves the pipe at EOF: the child exits without running llama-server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
+import resource
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
 _LINE_LIMIT = 1 << 20  # bytes; longer lines are split, never an error
 # Variables addressed to llama-guard's own main process only (sd_notify(3), sd_listen_fds(3)).
 MANAGER_VARIABLES = frozenset({
     "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
 })
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_prctl = _libc.prctl
+# Reads one line from its stdin (the gate pipe), then becomes the program after it with stdin from
+# /dev/null; EOF (the parent died or gave up) ends the child with GATE_CLOSED before llama-server runs.
+GATE = 'IFS= read -r _ || exit 125; exec "$@" </dev/null'
+GATE_CLOSED = 125
 
 
 def child_environ(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -42,17 +50,29 @@ def child_environ(base: Mapping[str, str], extra: Mapping[str, str] | None = Non
     return env
 
 
-def _make_preexec(parent_pid: int, extra: Callable[[], None] | None) -> Callable[[], None]:
-    """A preexec_fn that only calls pre-resolved C functions (safe between fork and exec)."""
+@dataclass(frozen=True)
+class ChildSetup:
+    """How a llama-server child is set up before its exec: ``wrapper``, the argv prefix it is exec'd
+    through (:func:`llama_guard.core.privileges.drop_argv`; it must end in ``--`` and exec what
+    follows), and ``rlimits``, ``(resource, (soft, hard))`` pairs the parent sets with prlimit(2)
+    while the child waits at :data:`GATE` (a refused one is skipped: the limits' read-back reports it)."""
 
-    def preexec() -> None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the daemon died before prctl took effect
-            os._exit(1)
-        if extra is not None:
-            extra()
+    wrapper: tuple[str, ...] = ()
+    rlimits: tuple[tuple[int, tuple[int, int]], ...] = ()
 
-    return preexec
+    def argv(self, argv: list[str]) -> list[str]:
+        """``argv`` as the child runs it: the wrapper, then the gate (on stdin), then ``argv``."""
+        return [*self.wrapper, "/bin/sh", "-c", GATE, "llama-guard-gate", *argv]
+
+    def release(self, pid: int, gate: int) -> None:
+        """Set ``rlimits`` on child ``pid``, then open the gate (write end ``gate``, closed here)."""
+        try:
+            for res, pair in self.rlimits:
+                with contextlib.suppress(OSError, ValueError):
+                    resource.prlimit(pid, res, pair)
+            os.write(gate, b"\n")
+        finally:
+            os.close(gate)
 
 
 @dataclass
@@ -144,31 +164,47 @@ class ServerProcess:
             yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
 
 
-def popen(argv: list[str], env: Mapping[str, str], *, stdout: IO[bytes],
-          preexec_extra: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+def popen(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
+          stdout: IO[bytes] | int) -> subprocess.Popen[bytes]:
     """:func:`spawn` for a caller without an event loop (``llama-guard bench --spawn``): the same
-    session and process group, ``PR_SET_PDEATHSIG``, stdin from /dev/null; stdout and stderr go to
-    ``stdout``. Raises OSError if exec fails."""
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
-                            env=dict(env), start_new_session=True,
-                            preexec_fn=_make_preexec(os.getpid(), preexec_extra))
+    session and process group and ``setup``, llama-server's stdin from /dev/null; stdout and stderr go to
+    ``stdout``. Raises OSError if the wrapper cannot be exec'd."""
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = subprocess.Popen(setup.argv(argv), stdin=gate_r, stdout=stdout, stderr=subprocess.STDOUT,
+                                env=dict(env), start_new_session=True)
+    except BaseException:
+        os.close(gate_w)
+        raise
+    finally:
+        os.close(gate_r)
+    setup.release(proc.pid, gate_w)
+    return proc
 
 
-async def spawn(argv: list[str], env: Mapping[str, str], *,
-                preexec_extra: Callable[[], None] | None = None,
+async def spawn(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
                 cwd: str | None = None) -> ServerProcess:
-    """Start llama-server. Raises OSError (FileNotFoundError, PermissionError …) if exec fails."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=dict(env),
-        cwd=cwd,
-        start_new_session=True,
-        preexec_fn=_make_preexec(os.getpid(), preexec_extra),
-        limit=_LINE_LIMIT,
-    )
+    """Start llama-server through ``setup``. Raises OSError (FileNotFoundError, PermissionError …)
+    if the wrapper cannot be exec'd; a failing drop or a missing llama-server is an early exit
+    (its reason on the output pipe)."""
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *setup.argv(argv),
+            stdin=gate_r,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            limit=_LINE_LIMIT,
+        )
+    except BaseException:
+        os.close(gate_w)
+        raise
+    finally:
+        os.close(gate_r)
+    setup.release(proc.pid, gate_w)
     pidfd: int | None
     try:
         pidfd = os.pidfd_open(proc.pid)

@@ -15,7 +15,7 @@ backoff; one that keeps failing or a failure in the daemon's own tasks ends it w
 (systemd restarts it). Towards systemd: ``STOPPING=1`` when a stop begins, never ``READY=1`` after
 it. The status line and ``status.json`` come from :mod:`llama_guard.output.snapshot`.
 
-Size (~420 lines): the loop, the executor and the reload's apply step share the state the loop owns.
+One module: the loop, the executor and the reload's apply step share the state the loop owns.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ from llama_guard.core.inputs import (
     StopRequest,
     Tick,
 )
-from llama_guard.core.offload import Lane
+from llama_guard.core.offload import CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
-from llama_guard.core.spawner import Spawner, prepare
+from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, State, initial_state
@@ -82,6 +82,7 @@ STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sour
 TASK_CANCEL_TIMEOUT_S = 5.0  # at shutdown: how long the daemon's tasks may take to end
 SOURCE_CLOSE_TIMEOUT_S = 10.0  # at shutdown: how long each source's close() may take
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+PREPARE_CALL = "reading the API key file and the [server].user account"  # the start's blocking call
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Daemon:
         self.runtime = RuntimeFiles(config.runtime.dir, config.server.port, emitter.emit)
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
-        self.lanes = {"config": Lane("config", 2), "probe": Lane("probe", 1), "proc": Lane("proc", 2)}
+        self.lanes = daemon_lanes()
         self.spawner = Spawner(emitter.emit, self.sources, self.lanes, clock)
         self.start_timeout = StartTimeout(self.notifier, clock)
         self.stop_timeout = StopTimeout(self.notifier, clock)
@@ -190,7 +191,12 @@ class Daemon:
         self._write_status()
         try:
             try:
-                _, self.spawner.identity = await asyncio.to_thread(prepare, self.config, self.config_path)
+                _, self.spawner.identity = await self.lanes[LaneKind.CONFIG].run(
+                    lambda: prepare(self.config, self.config_path), MODEL_CHECK_TIMEOUT_S, PREPARE_CALL)
+            except (CallTimeout, LaneBusy) as exc:  # a hung mount at start: nothing can run
+                self.emitter.emit("blocking_call_timeout", call=PREPARE_CALL, timeout_s=MODEL_CHECK_TIMEOUT_S,
+                                  effect="the daemon does not start")
+                return self._refuse(str(exc))
             except ConfigError as exc:
                 for line in exc.lines:
                     self.emitter.emit("config_error", reason=line)
@@ -314,9 +320,10 @@ class Daemon:
         elif isinstance(action, (InspectGpu, RunReset)):
             self.tasks.start(self._reset_step(action), "GPU reset")
         elif isinstance(action, FindPortHolder):
-            self.tasks.start(self._answer(find_port_holder(action.port, self.lanes["proc"])), "port holder")
+            self.tasks.start(self._answer(find_port_holder(action.port, self.lanes[LaneKind.PROC])), "port holder")
         elif isinstance(action, ReadBuild):
-            self.tasks.start(self._answer(read_build(self.config.server.binary)), "llama-server --version")
+            build = read_build(self.config.server.binary, self.lanes[LaneKind.PROBE])
+            self.tasks.start(self._answer(build), "llama-server --version")
         elif isinstance(action, CheckVram):
             # One check at a time: a poll still running answers for the ones asked meanwhile (a
             # slow check must not pile up threads that starve the sampler and the loop).

@@ -5,14 +5,12 @@ when a verdict that names it may follow)."""
 
 from __future__ import annotations
 
-import asyncio
-
-from llama_guard.argv import build_of, resolve_binary
+from llama_guard.argv import BUILD_TIMEOUT_S, build_of, resolve_binary
 from llama_guard.core.inputs import BuildInfo, PortHolder
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
 from llama_guard.core.procs import port_holder
 
-PROC_TIMEOUT_S = 5.0  # a /proc scan for the port's listener
+BUILD_CALL_S = BUILD_TIMEOUT_S + 2.0  # the child's own deadline, then the time to kill and reap it
 
 
 async def find_port_holder(port: int, lane: Lane) -> PortHolder:
@@ -25,9 +23,13 @@ async def find_port_holder(port: int, lane: Lane) -> PortHolder:
     return PortHolder(port, pid, name)
 
 
-async def read_build(binary: str) -> BuildInfo:
-    """``binary --version`` (resolved on $PATH like the spawn; bounded by argv.BUILD_TIMEOUT_S)."""
+async def read_build(binary: str, lane: Lane) -> BuildInfo:
+    """``binary --version`` (resolved on $PATH like the spawn) on ``lane``, bounded by
+    argv.BUILD_TIMEOUT_S (the child's own deadline) and BUILD_CALL_S; "unknown" when it did not answer."""
     path = resolve_binary(binary)
     if path is None:
         return BuildInfo(f"unknown ({binary!r} not found)")
-    return BuildInfo(await asyncio.to_thread(build_of, path))
+    try:
+        return BuildInfo(await lane.run(lambda: build_of(path), BUILD_CALL_S, f"{path} --version"))
+    except (CallTimeout, LaneBusy) as exc:
+        return BuildInfo(f"unknown ({exc})")

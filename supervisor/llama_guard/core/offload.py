@@ -11,13 +11,17 @@ at once with :class:`LaneBusy` instead of queueing. Nothing on one lane can dela
 the event loop.
 
 Callers wait either on the event loop (:meth:`Lane.run`) or on their own thread
-(:meth:`Lane.run_sync`: ``llama-guard check``, the NVML wrapper's calls).
+(:meth:`Lane.run_sync`: ``llama-guard check``, the NVML wrapper's calls). This is the one policy
+for every blocking call of the daemon: nothing calls ``asyncio.to_thread`` (its shared executor has
+neither a bound nor a deadline). A lane is named by its :class:`LaneKind`, which also gives its
+default number of slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import queue
 import threading
 import time
@@ -27,11 +31,33 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class LaneKind(enum.Enum):
+    """What the calls of a lane do (each owner holds one lane per kind it uses)."""
+
+    CONFIG = "config"  # the config file, the model file's head, the API key file: a hung mount, a FIFO
+    PROBE = "probe"  # running the llama-server binary (--help, --version)
+    PROC = "proc"  # /proc walks (psutil): CPU time, RSS, port and pipe holders, our own limits
+    NVML_CALL = "nvml-call"  # one NVML call (gpu/nvml.py)
+    NVML_EVENT_WAIT = "nvml-event-wait"  # NVML's blocking Xid event wait
+    GPU = "gpu"  # the GPU watcher's steps made of NVML calls (each NVML call bounded on its own lane)
+    VRAM_NEED = "vram-need"  # measuring the model's VRAM need (a child process)
+    VRAM_NEED_KEY = "vram-need-key"  # the model file's identity for the need cache (stat, metadata)
+    SCRAPE = "scrape"  # rendering /metrics for one scrape
+    CHECK = "check"  # ``llama-guard check``'s own calls (:func:`run_with_deadline`)
+
+
+MAX_CALLS = {LaneKind.CONFIG: 2, LaneKind.PROBE: 1, LaneKind.PROC: 2, LaneKind.NVML_CALL: 1,
+             LaneKind.NVML_EVENT_WAIT: 1, LaneKind.GPU: 8, LaneKind.VRAM_NEED: 2, LaneKind.VRAM_NEED_KEY: 4,
+             LaneKind.SCRAPE: 2, LaneKind.CHECK: 1}
+"""Each kind's slots: calls of that kind that may be unfinished at once (stuck ones included)."""
+PROC_TIMEOUT_S = 5.0  # the deadline of one /proc walk on a PROC lane (seconds)
+
+
 class CallTimeout(TimeoutError):
     """A call on a lane did not return within its timeout (seconds in :attr:`timeout_s`)."""
 
-    def __init__(self, lane: str, what: str, timeout_s: float) -> None:
-        super().__init__(f"{what} did not return within {timeout_s:g} s ({lane} lane)")
+    def __init__(self, lane: LaneKind, what: str, timeout_s: float) -> None:
+        super().__init__(f"{what} did not return within {timeout_s:g} s ({lane.value} lane)")
         self.lane = lane
         self.what = what
         self.timeout_s = timeout_s
@@ -61,14 +87,15 @@ class _Call(Generic[T]):
 
 
 class Lane:
-    """At most ``max_calls`` concurrent blocking calls named ``name``; see the module docstring.
+    """At most ``max_calls`` (default: :data:`MAX_CALLS` of ``kind``) concurrent blocking calls of
+    ``kind``; see the module docstring.
 
     :attr:`in_flight` counts calls whose thread has not returned yet (stuck ones included).
     """
 
-    def __init__(self, name: str, max_calls: int = 2, idle_s: float = 30.0) -> None:
-        self.name = name
-        self.max_calls = max_calls
+    def __init__(self, kind: LaneKind, max_calls: int | None = None, idle_s: float = 30.0) -> None:
+        self.kind = kind
+        self.max_calls = MAX_CALLS[kind] if max_calls is None else max_calls
         self.idle_s = idle_s
         """How long an idle worker waits for the next call before its thread ends (seconds)."""
         self.in_flight = 0
@@ -86,12 +113,12 @@ class Lane:
     def _submit(self, call: _Call[T]) -> None:
         with self._lock:
             if self.in_flight >= self.max_calls:
-                raise LaneBusy(f"{call.what}: {self.in_flight} earlier {self.name} calls have not returned")
+                raise LaneBusy(f"{call.what}: {self.in_flight} earlier {self.kind.value} calls have not returned")
             self.in_flight += 1
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._worker, args=(inbox,), name=f"lane-{self.name}", daemon=True).start()
+            threading.Thread(target=self._worker, args=(inbox,), name=f"lane-{self.kind.value}", daemon=True).start()
         inbox.put(call)  # type: ignore[arg-type]
 
     def _worker(self, inbox: queue.SimpleQueue[_Call[object]]) -> None:
@@ -122,7 +149,7 @@ class Lane:
         with self._lock:
             if not call.done.is_set():
                 self._stuck[id(call)] = call  # type: ignore[assignment]
-        return CallTimeout(self.name, call.what, timeout_s)
+        return CallTimeout(self.kind, call.what, timeout_s)
 
     def run_sync(self, fn: Callable[[], T], timeout_s: float, what: str = "") -> T:
         """``fn()`` on a worker of this lane, waited for on the calling thread: its result or its
@@ -164,4 +191,9 @@ class Lane:
 def run_with_deadline(fn: Callable[[], T], timeout_s: float, what: str = "") -> T:
     """``fn()`` on a fresh one-call :class:`Lane`, for synchronous callers (``llama-guard check``):
     its result or exception; :class:`CallTimeout` when it has not returned after ``timeout_s``."""
-    return Lane("sync", max_calls=1, idle_s=0.0).run_sync(fn, timeout_s, what)
+    return Lane(LaneKind.CHECK, idle_s=0.0).run_sync(fn, timeout_s, what)
+
+
+def daemon_lanes() -> dict[LaneKind, Lane]:
+    """The daemon's own lanes (the watchers hold theirs): config files, binary probes, /proc walks."""
+    return {kind: Lane(kind) for kind in (LaneKind.CONFIG, LaneKind.PROBE, LaneKind.PROC)}

@@ -11,20 +11,19 @@ caller. So a reset needs euid 0 *and* CAP_SYS_ADMIN in the effective set
 llama-server, the network-facing process, runs as ``[server].user`` / ``[server].group`` (+
 ``supplementary_groups`` for the GPU device nodes) with no capabilities at all (effective,
 permitted, inheritable, ambient; the bounding set emptied where CAP_SETPCAP allows) and
-``PR_SET_NO_NEW_PRIVS`` — the way supervisord starts each program as its ``user``. The drop runs
-in the child between fork and exec (:func:`make_drop`), after the rlimits are applied (raising a
-hard limit needs the privileges being dropped); everything it needs is resolved before the fork.
+``PR_SET_NO_NEW_PRIVS`` — the way supervisord starts each program as its ``user``. No Python runs
+in the child between fork and exec (CPython documents ``preexec_fn`` as unsafe in a process with
+threads, which the daemon is): the drop is util-linux ``setpriv``, exec'd as the child's first
+program (:func:`drop_argv`), which then execs llama-server; the rlimits are set by the parent
+(:mod:`llama_guard.core.child`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import grp
-import os
 import pwd
-import signal
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,26 +46,6 @@ DAEMON_CAPABILITIES: dict[str, str] = {
 }
 # What the GPU reset itself needs, on top of euid 0.
 RESET_CAPABILITIES: tuple[str, ...] = ("CAP_SYS_ADMIN",)
-
-_PR_SET_PDEATHSIG = 1
-_PR_CAPBSET_DROP = 24
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_CLEAR_ALL = 4
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-_EXIT_DROP_FAILED = 126
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
-
 
 @dataclass(frozen=True)
 class Credentials:
@@ -185,54 +164,31 @@ def identity_problem(identity: ServerIdentity, creds: Credentials | None = None)
     return ""
 
 
-def make_drop(identity: ServerIdentity, parent_pid: int) -> Callable[[], None]:
-    """The preexec step that leaves llama-server unprivileged; call it after the rlimits are set.
+SETPRIV = "setpriv"  # util-linux (2.33 or later: --pdeathsig); on $PATH
 
-    In order: clear the ambient set; empty the bounding set (needs CAP_SETPCAP, skipped per
-    capability where refused); setgroups, setresgid, setresuid to ``identity``; capset all
-    three sets to zero (setuid away from root clears effective/permitted but not inheritable);
-    ``PR_SET_NO_NEW_PRIVS``; and ``PR_SET_PDEATHSIG`` again, since a credential change clears it.
-    A failing step writes one line to stderr (the server's output pipe) and exits 126 before exec.
-    """
-    prctl = _libc.prctl
-    capset = _libc.capset
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    try:
-        last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-    except (OSError, ValueError):
-        last_cap = 63
-    caps = tuple(range(last_cap + 1))
-    uid, gid, groups = identity.uid, identity.gid, identity.groups
-    fail_ids = f"llama-guard: cannot switch llama-server to {identity.description}\n".encode()
-    fail_caps = b"llama-guard: cannot clear llama-server's capabilities (capset)\n"
-    fail_nnp = b"llama-guard: cannot set no_new_privs for llama-server\n"
 
-    def drop() -> None:
-        prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        for cap in caps:
-            prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
-        try:
-            if groups is not None:
-                os.setgroups(groups)
-            if gid is not None:
-                os.setresgid(gid, gid, gid)
-            if uid is not None:
-                os.setresuid(uid, uid, uid)
-        except OSError:
-            os.write(2, fail_ids)
-            os._exit(_EXIT_DROP_FAILED)
-        if capset(ctypes.byref(header), data) != 0:
-            os.write(2, fail_caps)
-            os._exit(_EXIT_DROP_FAILED)
-        if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            os.write(2, fail_nnp)
-            os._exit(_EXIT_DROP_FAILED)
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the daemon died in between
-            os._exit(1)
-
-    return drop
+def drop_argv(identity: ServerIdentity, creds: Credentials | None = None) -> list[str]:
+    """The exec wrapper that leaves llama-server unprivileged: ``setpriv`` (util-linux) with, in its
+    own order, the bounding set emptied (only when llama-guard holds CAP_SETPCAP, which that needs),
+    setresgid/setresuid and the supplementary groups of ``identity`` (nothing changed for
+    llama-guard's own user), no_new_privs, the inheritable and ambient sets emptied, and
+    ``PR_SET_PDEATHSIG`` = SIGKILL last (a credential change clears it). Leaving uid 0 clears the
+    effective and permitted sets (capabilities(7)); for llama-guard's own uid, an empty bounding and
+    inheritable set leave nothing to gain at exec. A failing step: setpriv writes one line to
+    stderr (the server's output pipe) and exits 127 before llama-server runs. ``creds``: llama-guard's
+    own (default: read now). Raises FileNotFoundError when setpriv is not on $PATH."""
+    setpriv = shutil.which(SETPRIV)
+    if setpriv is None:
+        raise FileNotFoundError(f"{SETPRIV} (util-linux) is not on $PATH: llama-guard starts llama-server through it")
+    creds = creds if creds is not None else read_credentials()
+    argv = [setpriv]
+    if creds.has("CAP_SETPCAP"):
+        argv.append("--bounding-set=-all")
+    if identity.uid is not None:
+        groups = identity.groups or ()
+        argv += [f"--reuid={identity.uid}", f"--regid={identity.gid}",
+                 f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
+    return [*argv, "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--pdeathsig=KILL", "--"]
 
 
 def server_identity(user: str, group: str, supplementary_groups: Sequence[str]) -> ServerIdentity:
@@ -243,17 +199,3 @@ def server_identity(user: str, group: str, supplementary_groups: Sequence[str]) 
     if problem:
         raise ValueError(problem)
     return identity
-
-
-def child_hooks(before_drop: Sequence[Callable[[], None]], identity: ServerIdentity,
-                parent_pid: int) -> Callable[[], None]:
-    """The one preexec step of every llama-server child (the daemon's and ``bench --spawn``'s):
-    ``before_drop`` in order (the rlimits: raising a hard limit needs the privileges the drop then
-    takes away), then :func:`make_drop` to ``identity``. Async-signal-safe work only."""
-    hooks = (*before_drop, make_drop(identity, parent_pid))
-
-    def run_all() -> None:
-        for hook in hooks:
-            hook()
-
-    return run_all

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from llama_guard.core.client import Answer, RequestFailed, ServerClient
 from llama_guard.core.prometheus import MetricsError, parse_metrics
 
 # Prometheus counters of llama-server (--metrics) that move while it decodes.
@@ -41,24 +40,10 @@ CANARY_GRACE_S = 1.0  # a completion seen this long after the canary's answer ma
 ERROR_TEXT_MAX = 300  # characters of the server's error message kept for events
 
 
-class BearerKey(httpx.Auth):
-    """Sends ``Authorization: Bearer <key>`` with the key current at each request (``get_key()``;
-    "" sends nothing), so that a reloaded ``[server].api_key_file`` applies to open clients."""
-
-    def __init__(self, get_key: Callable[[], str]) -> None:
-        self._get_key = get_key
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        key = self._get_key()
-        if key:
-            request.headers["Authorization"] = f"Bearer {key}"
-        yield request
-
-
-def make_client(get_key: Callable[[], str] = lambda: "", base_url: str = "") -> httpx.AsyncClient:
-    """The one way llama-guard builds an HTTP client for its llama-server: no proxy from the
-    environment, and the API key (``get_key``) on every request."""
-    return httpx.AsyncClient(base_url=base_url, trust_env=False, auth=BearerKey(get_key))
+def make_client(get_key: Callable[[], str] = lambda: "", base_url: str = "") -> ServerClient:
+    """The one way llama-guard builds an HTTP client for its llama-server (:mod:`llama_guard.core.client`):
+    no proxy from the environment, and the API key (``get_key``) on every request."""
+    return ServerClient(base_url, get_key)
 
 
 class CanaryOutcome(enum.Enum):
@@ -155,7 +140,7 @@ def canary_slot(slots: list[Any]) -> int | None:
     return None
 
 
-def _error_text(resp: httpx.Response) -> str:
+def _error_text(resp: Answer) -> str:
     """llama-server's error message (``{"error": {"message": ...}}``) or the body's start."""
     try:
         data: Any = resp.json()
@@ -176,7 +161,7 @@ class ServerProbe:
     seconds (the silence since the last answer is measured on it)."""
 
     def __init__(self, base_url: str, *, timeout_s: float, canary_timeout_s: float,
-                 canary: bool = True, client: httpx.AsyncClient | None = None,
+                 canary: bool = True, client: ServerClient | None = None,
                  get_key: Callable[[], str] = lambda: "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.base_url = base_url
@@ -205,11 +190,11 @@ class ServerProbe:
         """The HTTP status of ``GET /health`` (200 ready, 503 loading …), or None when nothing
         answered within ``timeout_s``. Any answer shows the server's HTTP loop is alive."""
         try:
-            resp = await self._client.get("/health", timeout=self.timeout_s)
-        except httpx.HTTPError:
+            resp = await self._client.get("/health", timeout_s=self.timeout_s)
+        except RequestFailed:
             return None
         self._answered()
-        return resp.status_code
+        return resp.status
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 within ``timeout_s``."""
@@ -218,10 +203,10 @@ class ServerProbe:
     async def slots(self) -> SlotsView | None:
         """``GET /slots`` summarised, or None when unavailable."""
         try:
-            resp = await self._client.get("/slots", timeout=self.timeout_s)
+            resp = await self._client.get("/slots", timeout_s=self.timeout_s)
             self._answered()
-            data: Any = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            data: Any = resp.json() if resp.status == 200 else None
+        except (RequestFailed, ValueError):
             return None
         if not isinstance(data, list):
             return None
@@ -244,11 +229,11 @@ class ServerProbe:
     async def metrics(self) -> MetricsView | None:
         """``GET /metrics`` (one main-loop task), or None when it did not answer 200 in time."""
         try:
-            resp = await self._client.get("/metrics", timeout=self.timeout_s)
-        except httpx.HTTPError:
+            resp = await self._client.get("/metrics", timeout_s=self.timeout_s)
+        except RequestFailed:
             return None
         self._answered()
-        if resp.status_code != 200:
+        if resp.status != 200:
             return None
         values = parse_counters(resp.text, (*PROGRESS_COUNTERS, PROCESSING, DEFERRED))
         return MetricsView(counters=tuple(values.get(name, 0.0) for name in PROGRESS_COUNTERS),
@@ -264,15 +249,16 @@ class ServerProbe:
         if slot is not None:
             body["id_slot"] = slot
         try:
-            resp = await self._client.post("/completion", json=body, timeout=self.canary_timeout_s)
-        except httpx.TimeoutException:
-            self._canaries += 1  # it may still run and count one token
-            return CanaryOutcome.TIMED_OUT, None, f"canary completion timed out after {self.canary_timeout_s:.1f} s"
-        except httpx.HTTPError as exc:
-            return CanaryOutcome.NO_ANSWER, None, f"canary completion failed: {exc.__class__.__name__}"
+            resp = await self._client.post("/completion", json=body, timeout_s=self.canary_timeout_s)
+        except RequestFailed as exc:
+            if exc.timed_out:
+                self._canaries += 1  # it may still run and count one token
+                return (CanaryOutcome.TIMED_OUT, None,
+                        f"canary completion timed out after {self.canary_timeout_s:.1f} s")
+            return CanaryOutcome.NO_ANSWER, None, f"canary completion failed: {exc}"
         self._answered()
-        if resp.status_code != 200:
-            return CanaryOutcome.HTTP_ERROR, resp.status_code, _error_text(resp)
+        if resp.status != 200:
+            return CanaryOutcome.HTTP_ERROR, resp.status, _error_text(resp)
         self._canaries += 1
         return CanaryOutcome.OK, None, ""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
 from llama_guard.core.model_file import model_problem
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity
 from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, prepare
 from llama_guard.server_flags import SECRET_FLAGS, is_secret_env
@@ -186,16 +186,16 @@ class Candidate:
     identity: ServerIdentity
 
 
-async def load_candidate(path: Path, lanes: dict[str, Lane], emit: Callable[..., None]) -> Candidate | None:
+async def load_candidate(path: Path, lanes: dict[LaneKind, Lane], emit: Callable[..., None]) -> Candidate | None:
     """Load and check ``path`` for a reload on the ``config`` lane, each step bounded by
     MODEL_CHECK_TIMEOUT_S (a model on a hung filesystem, a FIFO). None when it is refused: every
     reason is reported as ``config_error`` and the running configuration stays."""
     keep = " (keeping the running configuration)"
     try:
-        new = await lanes["config"].run(lambda: load_config(path), MODEL_CHECK_TIMEOUT_S, f"loading {path}")
-        problem = await lanes["config"].run(lambda: startable(new), MODEL_CHECK_TIMEOUT_S,
+        new = await lanes[LaneKind.CONFIG].run(lambda: load_config(path), MODEL_CHECK_TIMEOUT_S, f"loading {path}")
+        problem = await lanes[LaneKind.CONFIG].run(lambda: startable(new), MODEL_CHECK_TIMEOUT_S,
                                             f"checking {new.server.model}")
-        key, identity = await lanes["config"].run(lambda: prepare(new, path), MODEL_CHECK_TIMEOUT_S,
+        key, identity = await lanes[LaneKind.CONFIG].run(lambda: prepare(new, path), MODEL_CHECK_TIMEOUT_S,
                                                   "reading [server].api_key_file")
     except ConfigError as exc:
         for line in exc.lines:

@@ -20,14 +20,13 @@ from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.probes import ServerProbe
 from llama_guard.core.procs import port_owner
-from llama_guard.core.progress import ProgressSampler
+from llama_guard.core.progress import ProgressSample, ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
-from llama_guard.core.spawner import PROC_TIMEOUT_S
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.watcher import Context, Source
 from llama_guard.vocab.phases import Phase
@@ -59,7 +58,7 @@ def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
 class ServerWatch:
     """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them."""
 
-    def __init__(self, server: ServerProcess, ctx: Context, sources: Sequence[Source], lanes: dict[str, Lane],
+    def __init__(self, server: ServerProcess, ctx: Context, sources: Sequence[Source], lanes: dict[LaneKind, Lane],
                  tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str]) -> None:
         config = ctx.get_config()
         self.server = server
@@ -153,7 +152,7 @@ class ServerWatch:
             await asyncio.sleep(health.startup_poll_s)
         while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
-        await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
+        await self._sample(sampler)  # the liveness window starts at ready
         round_at = ctx.clock()
         while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
             # Rounds start interval_s apart (not interval_s after the previous one ended): a probe
@@ -168,7 +167,7 @@ class ServerWatch:
             seen = [t for t in (self.completed_at, ctx.get_state().last_request_at) if t is not None]
             result = await self.probe.liveness(completed_at=max(seen) if seen else None)
             self.answering = result.answered
-            moved = await asyncio.to_thread(sampler.sample)  # psutil walks /proc: off the loop
+            moved = await self._sample(sampler)
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
             ctx.emit("server_probe", server_pid=pid, health_ok=result.health_ok,
                      canary_ok=result.canary_ok, canary=result.canary.value, busy=result.busy,
@@ -184,7 +183,7 @@ class ServerWatch:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
         its own port) to the policy, and keep systemd's start timeout ahead while they move."""
         threshold = self._ctx.get_config().health.progress_cpu_s
-        moved = await asyncio.to_thread(lambda: sampler.sample(accumulate_below_s=threshold))
+        moved = await self._sample(sampler, threshold)
         signals = list(moved.signals(threshold))
         if answered and await self._port_owner() is not None:
             signals.append("http")
@@ -192,12 +191,21 @@ class ServerWatch:
             self._ctx.post(LoadProgress(self.pid, tuple(signals)))
             self._start_timeout.extend()
 
+    async def _sample(self, sampler: ProgressSampler, accumulate_below_s: float = 0.0) -> ProgressSample:
+        """``sampler``'s next sample (psutil walks /proc) on the proc lane; nothing moved (unknown CPU
+        time) when the walk did not answer within PROC_TIMEOUT_S."""
+        try:
+            return await self._lanes[LaneKind.PROC].run(lambda: sampler.sample(accumulate_below_s=accumulate_below_s),
+                                                        PROC_TIMEOUT_S, "progress sample")
+        except (CallTimeout, LaneBusy):
+            return ProgressSample(cpu_s=None, lines=0, gpu_busy=None)
+
     async def _port_owner(self) -> tuple[int, str] | None:
         """The process (pid, name) of this server's tree that listens on ``[server].port``; None
         when none does yet, or the scan did not answer (asked again at the next poll)."""
         pid, port = self.pid, self._ctx.get_config().server.port
         try:
-            return await self._lanes["proc"].run(lambda: port_owner(pid, port), PROC_TIMEOUT_S, "port owner")
+            return await self._lanes[LaneKind.PROC].run(lambda: port_owner(pid, port), PROC_TIMEOUT_S, "port owner")
         except (CallTimeout, LaneBusy):
             return None
 
@@ -217,7 +225,7 @@ class ServerWatch:
             holders: list[tuple[int, str]] = []
             if inode is not None:
                 with contextlib.suppress(CallTimeout, LaneBusy):
-                    holders = await self._lanes["proc"].run(
+                    holders = await self._lanes[LaneKind.PROC].run(
                         lambda: pipe_holders(inode, frozenset({os.getpid()})), PROC_TIMEOUT_S, "pipe holders")
             for holder, comm in holders:
                 self._ctx.emit("server_escaped_process", server_pid=pid, escaped_pid=holder, escaped_name=comm)

@@ -21,16 +21,15 @@ from pathlib import Path
 from llama_guard.api_key import read_api_key
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError
-from llama_guard.core.child import ServerProcess, child_environ, spawn
+from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.model_file import model_problem
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
-from llama_guard.core.privileges import ServerIdentity, child_hooks, server_identity
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
+from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
 from llama_guard.core.watcher import Context, Source
 
 MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
-PROC_TIMEOUT_S = 5.0  # a /proc scan (port owner, pipe holders)
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class Spawner:
     pid (for ``before_spawn``).
     """
 
-    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[str, Lane],
+    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[LaneKind, Lane],
                  clock: Callable[[], float]) -> None:
         self._emit = emit
         self._sources = sources
@@ -87,7 +86,7 @@ class Spawner:
             return SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found")
         model = Path(server_cfg.model)
         try:
-            problem = await self._lanes["config"].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
+            problem = await self._lanes[LaneKind.CONFIG].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
                                                       f"checking {model}")
         except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
             self._emit("blocking_call_timeout", call=f"checking {model}", timeout_s=MODEL_CHECK_TIMEOUT_S,
@@ -96,7 +95,7 @@ class Spawner:
         if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
             return SpawnFailed(f"server.model: {problem}")
         try:
-            argv = await self._lanes["probe"].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
+            argv = await self._lanes[LaneKind.PROBE].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
                                                   f"{binary} --help")
         except (CallTimeout, LaneBusy) as exc:
             self._emit("blocking_call_timeout", call=f"{binary} --help", timeout_s=HELP_PROBE_TIMEOUT_S,
@@ -107,18 +106,25 @@ class Spawner:
             refused = await source.before_spawn(ctx, self.last_pid)
             if refused:
                 return SpawnFailed(refused, fatal=False)
-        # The sources' hooks (rlimits), then the drop to [server].user: the child set-up that
-        # `bench --spawn` shares (privileges.child_hooks).
-        preexec_all = child_hooks([h for h in (src.preexec() for src in self._sources) if h is not None],
-                                  self.identity, os.getpid())
+        # The sources' rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
+        try:
+            setup = ChildSetup(tuple(drop_argv(self.identity)),
+                               tuple(pair for src in self._sources for pair in src.child_rlimits()))
+        except FileNotFoundError as exc:  # no setpriv: nothing can be started safely (exit 78)
+            return SpawnFailed(str(exc))
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
-            key = await asyncio.to_thread(read_api_key, server_cfg)
+            key = await self._lanes[LaneKind.CONFIG].run(lambda: read_api_key(server_cfg), MODEL_CHECK_TIMEOUT_S,
+                                                         "reading [server].api_key_file")
+        except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
+            self._emit("blocking_call_timeout", call="reading [server].api_key_file", timeout_s=MODEL_CHECK_TIMEOUT_S,
+                       effect="the server is not started now")
+            return SpawnFailed(f"server.api_key_file: {exc}", fatal=False)
         except ConfigError as exc:
             return SpawnFailed(exc.lines[0])
 
         self.cancellable = False  # from here on the answer is Started (or an exec error)
         try:
-            server = await asyncio.shield(spawn(argv, env, preexec_extra=preexec_all))
+            server = await asyncio.shield(spawn(argv, env, setup))
         except OSError as exc:
             return SpawnFailed(f"cannot execute {binary}: {exc.strerror or exc}")
         self.live_key = key

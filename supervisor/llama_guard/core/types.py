@@ -5,7 +5,7 @@ Kept apart from the transitions (:mod:`llama_guard.core.policy`) so that watcher
 can speak the policy's language without importing its rules (the model: supervisord's
 ``states.py``). Everything here is a frozen dataclass or an enum; nothing does I/O.
 
-Size (~400 lines): the State's fields are the policy's memory, each with the one line that says
+One module: the State's fields are the policy's memory, each with the one line that says
 what it holds; splitting them would hide one from the others.
 """
 

@@ -3,8 +3,8 @@
 A :class:`Source` observes one kind of thing and reports through :class:`Context`: events to
 emit, and policy inputs to queue. The daemon calls the hooks below at fixed points of the
 server's life; every hook has a no-op default, and none may block the loop (blocking work goes
-to a thread with ``asyncio.to_thread``). A source must never raise out of a hook: the daemon
-logs and ignores such an error, but the observation is lost.
+to a lane of :mod:`llama_guard.core.offload`, with a deadline). A source must never raise out of
+a hook: the daemon logs and ignores such an error, but the observation is lost.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class Source:
         """A long-running task (cancelled at shutdown); the default returns at once."""
         return None
 
-    def preexec(self) -> Callable[[], None] | None:
-        """A function to run in the child between fork and exec (async-signal-safe work only)."""
-        return None
+    def child_rlimits(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        """``(resource, (soft, hard))`` to set on the next llama-server before its exec (by the
+        parent, with prlimit(2): :class:`llama_guard.core.child.ChildSetup`)."""
+        return ()
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
         """Bounded preparation before each spawn; return a reason to refuse this start."""

@@ -30,7 +30,8 @@ from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.forward import Forwarder, origin_form
 from llama_guard.front.metrics import FrontMetrics
-from llama_guard.output.health import liveness, readiness
+from llama_guard.front.sse import FRONT_DOOR
+from llama_guard.output.health import HEALTH_PATHS, health_response
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
 FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
@@ -63,9 +64,10 @@ def _quiet_logger() -> logging.Logger:
 
 
 def error_response(status: int, message: str, *, retry_after: int | None = None) -> web.Response:
-    """A JSON error in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
+    """A JSON error in llama-server's shape: ``{"error": {"code", "message", "type"}}``, its message
+    beginning with :data:`~llama_guard.front.sse.FRONT_DOOR` (the front door answered, not llama-server)."""
     kind = "unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps({"error": {"code": status, "message": message, "type": kind}})
+    body = json.dumps({"error": {"code": status, "message": FRONT_DOOR + message, "type": kind}})
     headers = {hdrs.RETRY_AFTER: str(retry_after)} if retry_after is not None else None
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
 
@@ -173,8 +175,8 @@ class FrontApp:
             self._server = None
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in ("/livez", "/readyz"):
-            return self._health(request.path)
+        if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in HEALTH_PATHS:
+            return health_response(request.path, self._state())
         if origin_form(request) is None:
             return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))
         seq = next(self._seq)
@@ -250,7 +252,3 @@ class FrontApp:
     def _answer(self, response: web.Response) -> web.Response:
         self.metrics.requests.labels(str(response.status)).inc()
         return response
-
-    def _health(self, path: str) -> web.Response:
-        status, body = (liveness if path == "/livez" else readiness)(self._state())
-        return web.json_response(body, status=status)

@@ -34,7 +34,7 @@ from yarl import URL
 from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
 from llama_guard.front.metrics import FrontMetrics
-from llama_guard.front.sse import error_event, is_sse
+from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                         "te", "trailer", "transfer-encoding", "upgrade"})
@@ -173,6 +173,8 @@ class Forwarder:
             if upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers:
                 out.content_length = upstream.content_length
             sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
+            if sse:
+                out.headers.setdefault(*NO_BUFFERING)
             try:
                 await out.prepare(request)
             except ConnectionError:

@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 
 SSE_TYPE = "text/event-stream"
+FRONT_DOOR = "llama-guard front door: "  # begins every error message the front door writes itself
+# Asks a reverse proxy in front (nginx; others read it too) to pass each event on at once, not buffer it.
+NO_BUFFERING = ("X-Accel-Buffering", "no")
 
 
 def is_sse(content_type: str) -> bool:
@@ -26,7 +29,7 @@ def is_sse(content_type: str) -> bool:
 
 def error_event(message: str, code: int = 502) -> bytes:
     """The closing SSE error event for ``message`` (one line, UTF-8; ``code`` the HTTP-style status
-    the error stands for). Begins with a blank line so that it is an event of its own even when the
-    cut left an event unfinished."""
-    payload = {"type": "error", "error": {"code": code, "message": message, "type": "server_error"}}
+    the error stands for; the message gets the :data:`FRONT_DOOR` prefix). Begins with a blank line so
+    that it is an event of its own even when the cut left an event unfinished."""
+    payload = {"type": "error", "error": {"code": code, "message": FRONT_DOOR + message, "type": "server_error"}}
     return b"\n\nevent: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -25,7 +25,7 @@ The ``pynvml`` module is injectable (``module=``): tests pass a fake. The method
 "fastest first" unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so the index in ``CUDA_VISIBLE_DEVICES``
 may name another GPU: start the server with ``CUDA_VISIBLE_DEVICES=<uuid>`` (:attr:`GpuIdentity.uuid`).
 
-Size (~700 lines): the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
+One module: the one chokepoint by design (the model: nvitop's ``libnvml.py``); every NVML
 call, its deadline, its error translation and its cache live here so nothing else touches ``pynvml``.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llama_guard.config import GpuWatchMode
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample, RemappedRows
@@ -245,8 +245,8 @@ class Nvml:
         """The deadline of one NVML call, seconds (an event wait: its own timeout on top)."""
         # One call at a time per lane (callers wait their turn on the lock); a call past its
         # deadline keeps its lane's one slot until it returns, and later calls fail at once.
-        self._lanes = {False: (Lane("nvml-call", max_calls=1), threading.Lock()),
-                       True: (Lane("nvml-event-wait", max_calls=1), threading.Lock())}
+        self._lanes = {False: (Lane(LaneKind.NVML_CALL), threading.Lock()),
+                       True: (Lane(LaneKind.NVML_EVENT_WAIT), threading.Lock())}
         self._retry_s = unsupported_retry_s
         self._lock = threading.RLock()
         self._initialised = False
@@ -649,6 +649,26 @@ class XidEventSet:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+STEP_TIMEOUT_S = 60.0
+"""The deadline of one step made of NVML calls run off the loop (a sample, a mode change): each call
+has its own ``call_timeout_s``, and after one hangs the rest fail at once, so this is never reached
+while NVML answers."""
+
+
+async def nvml_step(lane: Lane, fn: Callable[[], T], what: str) -> T:
+    """``fn()`` (NVML calls, or waits on our NVML threads) on ``lane`` (a ``GPU`` lane) within
+    :data:`STEP_TIMEOUT_S`: its result, or its :class:`NvmlError`; a step past the deadline (or a
+    lane full of such) raises :class:`NvmlHung` naming ``what``, as a hung call does."""
+    try:
+        return await lane.run(fn, STEP_TIMEOUT_S, what)
+    except CallTimeout:
+        raise NvmlHung(what, STEP_TIMEOUT_S) from None
+    except LaneBusy:
+        stuck = lane.stuck
+        raise NvmlHung(stuck[0] if stuck else what, STEP_TIMEOUT_S,
+                       time.monotonic() - stuck[1] if stuck else 0.0, first=False) from None
 
 
 def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,

@@ -25,8 +25,9 @@ import psutil
 
 from llama_guard.config import Config
 from llama_guard.core.inputs import GpuHolder, ResetDone, ResetFacts
+from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
-from llama_guard.gpu.nvml import Nvml, NvmlError
+from llama_guard.gpu.nvml import Nvml, NvmlError, nvml_step
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
 from llama_guard.units import MIB
@@ -98,11 +99,12 @@ class ResetExecutor:
         self._resume_xid = resume_xid
         self._credentials = credentials
         self._poll_s = poll_s
+        self._lane = Lane(LaneKind.GPU)
 
     async def sample(self) -> GpuSample | None:
         """One NVML sample, or None when NVML does not answer."""
         try:
-            return await asyncio.to_thread(self.nvml.sample)
+            return await nvml_step(self._lane, self.nvml.sample, "a GPU sample")
         except NvmlError:
             return None
 
@@ -158,7 +160,7 @@ class ResetExecutor:
         persistence_on = before is not None and before.persistence_mode is True
         fields: dict[str, object] = {}
         await self._halt_xid()
-        await asyncio.to_thread(self.nvml.suspend)  # our own NVML session counts as a user of the GPU
+        await nvml_step(self._lane, self.nvml.suspend, "releasing our NVML session")  # it counts as a user
         try:
             status, output, detail = await run_bounded(argv, config.recovery.reset_timeout_s)
             if (status not in (0, None) and "in use" in output.lower() and persistence_on
@@ -192,14 +194,14 @@ class ResetExecutor:
                 nvml.suspend()  # release the session again: it counts as a user too
 
         try:
-            await asyncio.to_thread(set_mode, False)
+            await nvml_step(self._lane, lambda: set_mode(False), "persistence mode off")
         except NvmlError as exc:
             return None, "", f"the reset needs persistence mode off, which could not be done: {exc}"
         try:
             status, output, detail = await run_bounded(argv, timeout_s)
         finally:
             try:
-                await asyncio.to_thread(set_mode, True)
+                await nvml_step(self._lane, lambda: set_mode(True), "persistence mode on")
             except NvmlError as exc:
                 detail = f"{detail}; persistence mode could NOT be restored: {exc}"
         return status, output, detail + " (with persistence mode off for the reset)"

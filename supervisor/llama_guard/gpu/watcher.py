@@ -7,7 +7,7 @@ NVML calls run in threads; results come back to the loop as events and policy in
 ``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
 tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
 
-Size (~540 lines): the sampler, the Xid intake (NVML events matched with kernel-log records) and
+One module: the sampler, the Xid intake (NVML events matched with kernel-log records) and
 the reset share one NVML handle and the one record of which pid is ours; the pure rules they feed
 live in :mod:`.rules`, :mod:`.xid` and :mod:`.reset`.
 """
@@ -26,13 +26,13 @@ import psutil
 
 from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
+from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe
+from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe, nvml_step
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import ResetExecutor, holders_of
 from llama_guard.gpu.rules import (
@@ -89,8 +89,9 @@ class GpuSource(Source):
         self._learning: asyncio.Future[int | None] | None = None
         self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
         self._needs_opened = False
-        self._need_lane = Lane("vram-need", max_calls=2)  # daemon threads: never delay the exit
-        self._stat_lane = Lane("vram-need-key", max_calls=4)
+        self._gpu_lane = Lane(LaneKind.GPU)  # the steps of NVML calls (each call has its own deadline)
+        self._need_lane = Lane(LaneKind.VRAM_NEED)  # daemon threads: never delay the exit
+        self._stat_lane = Lane(LaneKind.VRAM_NEED_KEY)
         self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
         self._measured_pid: int | None = None
         self.off_reason = ""
@@ -116,8 +117,9 @@ class GpuSource(Source):
     async def start(self, ctx: Context) -> str | None:
         cfg = ctx.config.gpu
         selector = DeviceSelector(cfg.index, cfg.uuid, cfg.pci_bus_id)
-        opened = await asyncio.to_thread(open_gpu, selector, enabled=cfg.enabled, module=self._nvml_module,
-                                         call_timeout_s=self._call_timeout_s)
+        opened = await nvml_step(self._gpu_lane, lambda: open_gpu(
+            selector, enabled=cfg.enabled, module=self._nvml_module, call_timeout_s=self._call_timeout_s),
+            "opening NVML")
         if not isinstance(opened, Nvml):
             self.off_reason = opened.reason
             ctx.emit("gpu_watch_off", reason=opened.reason)
@@ -125,7 +127,7 @@ class GpuSource(Source):
                 return f"[gpu].enabled = \"on\" but the GPU cannot be watched: {opened.reason}"
             return None
         self.nvml = opened
-        self.identity = await asyncio.to_thread(opened.open)
+        self.identity = await nvml_step(self._gpu_lane, opened.open, "selecting the GPU")
         self.watch = GpuWatch(WatchSettings.from_config(cfg))
         self.executor = ResetExecutor(opened, halt_xid=self._halt_xid, resume_xid=self._resume_xid)
         self._can_reset = True
@@ -236,9 +238,9 @@ class GpuSource(Source):
         self._stop.set()
         self._xid_halt.set()
         for thread in self._threads:
-            await asyncio.to_thread(thread.join, 2.0)
+            await nvml_step(self._gpu_lane, functools.partial(thread.join, 2.0), f"ending thread {thread.name}")
         if self.nvml is not None:
-            await asyncio.to_thread(self.nvml.close)
+            await nvml_step(self._gpu_lane, self.nvml.close, "closing NVML")
 
     # ------------------------------------------------------------ observations
 
@@ -286,7 +288,8 @@ class GpuSource(Source):
         while True:
             if self.thread_error:
                 raise RuntimeError(self.thread_error)
-            result = await asyncio.to_thread(self._tick, self.nvml, self.watch, ctx.clock())
+            tick = functools.partial(self._tick, self.nvml, self.watch, ctx.clock())
+            result = await nvml_step(self._gpu_lane, tick, "a GPU sample")
             self._observe_hang(ctx, result.error if result is not None else None)
             if result is not None:
                 await self._on_tick(ctx, result)
@@ -388,7 +391,7 @@ class GpuSource(Source):
         if self.nvml is None:
             return None
         try:
-            return await asyncio.to_thread(self.nvml.recovery_action)
+            return await nvml_step(self._gpu_lane, self.nvml.recovery_action, "the recovery action")
         except NvmlError:
             return None
 
@@ -406,9 +409,10 @@ class GpuSource(Source):
                      action="not changed: [gpu].enable_persistence needs llama-guard to run as root "
                             "with CAP_SYS_ADMIN")
             return
-        assert self.nvml is not None
+        nvml = self.nvml
+        assert nvml is not None
         try:
-            await asyncio.to_thread(self.nvml.set_persistence, True)
+            await nvml_step(self._gpu_lane, lambda: nvml.set_persistence(True), "enabling persistence mode")
         except NvmlError as exc:
             ctx.emit("gpu_persistence_off", gpu_index=index, action=f"could not enable it: {exc}")
             return
@@ -488,7 +492,7 @@ class GpuSource(Source):
             self._xid_halt.set()
             self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
 
-        await asyncio.to_thread(halt)
+        await nvml_step(self._gpu_lane, halt, "halting the Xid waiter")
 
     def _resume_xid(self) -> None:
         if not self._stop.is_set():

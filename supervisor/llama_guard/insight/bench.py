@@ -23,10 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from llama_guard.config import Config
-from llama_guard.core.probes import BearerKey
+from llama_guard.core.client import BlockingClient, RequestFailed
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 BENCH_FILE = "bench.json"  # the last bench's result under [runtime].dir (exported as metrics)
@@ -113,17 +111,18 @@ class Progress:
             self.stream.flush()
 
 
-def completion(client: httpx.Client, tokens: int, prompt: str) -> RunTimings:
-    """One completion; its ``timings``. Raises :class:`BenchError`."""
+def completion(client: BlockingClient, tokens: int, prompt: str, timeout_s: float) -> RunTimings:
+    """One completion within ``timeout_s``; its ``timings``. Raises :class:`BenchError`."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "cache_prompt": False}
     try:
-        resp = client.post("/v1/chat/completions", json=body)
-        resp.raise_for_status()
+        resp = client.post("/v1/chat/completions", json=body, timeout_s=timeout_s)
+        if resp.status != 200:
+            raise BenchError(f"completion failed: HTTP {resp.status}: {' '.join(resp.text.split())[:300]}")
         t = resp.json()["timings"]
         return RunTimings(int(t["predicted_n"]), float(t["predicted_per_second"]),
                           int(t["prompt_n"]), float(t["prompt_per_second"]))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except (RequestFailed, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"completion failed: {exc!r}") from exc
 
 
@@ -136,13 +135,13 @@ def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFA
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
     done: list[RunTimings] = []
-    with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False, auth=BearerKey(lambda: api_key)) as client:
+    with BlockingClient(url, api_key) as client:
         if warmup:
             if progress:
                 progress.update(0, "warm-up")
-            completion(client, tokens, prompt)
+            completion(client, tokens, prompt, timeout_s)
         for i in range(runs):
-            run = completion(client, tokens, prompt)
+            run = completion(client, tokens, prompt, timeout_s)
             done.append(run)
             if progress:
                 progress.update(i + 1, f"{run.predicted_per_second:,.1f} tokens/s")
@@ -161,8 +160,8 @@ def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[
     within ``[health].load_timeout_s``, yield the process, then stop it: SIGTERM, ``[recovery].stop_grace_s``,
     SIGKILL. Its output goes to ``log_path``. Raises :class:`BenchError` when it exits or is not ready in time."""
     from llama_guard.argv import build_argv, resolve_binary
-    from llama_guard.core.child import child_environ, popen
-    from llama_guard.core.privileges import child_hooks, server_identity
+    from llama_guard.core.child import ChildSetup, child_environ, popen
+    from llama_guard.core.privileges import drop_argv, server_identity
     from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
     from llama_guard.limits.plan import plan_child_limits
 
@@ -175,22 +174,24 @@ def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[
     except (ValueError, OSError) as exc:
         raise BenchError(f"[server].user: {exc}") from None
     plan = plan_child_limits(config, read_own_limits(), can_raise_hard_limits())
-    hooks = child_hooks([plan.preexec] if plan.settings else [], identity, os.getpid())
+    try:
+        setup = ChildSetup(tuple(drop_argv(identity)), plan.settings)
+    except FileNotFoundError as exc:
+        raise BenchError(str(exc)) from None
     with log_path.open("wb") as log:
         try:
-            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), stdout=log,
-                         preexec_extra=hooks)
+            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), setup, stdout=log)
         except OSError as exc:
             raise BenchError(f"cannot execute {binary}: {exc.strerror or exc}") from None
     try:
         deadline = time.monotonic() + config.health.load_timeout_s
-        with httpx.Client(base_url=config.server.base_url, timeout=config.health.timeout_s, trust_env=False) as c:
+        with BlockingClient(config.server.base_url) as c:
             while True:
                 if proc.poll() is not None:
                     raise BenchError(f"llama-server exited with {proc.returncode} before it was ready "
                                      f"(log: {log_path})")
-                with contextlib.suppress(httpx.HTTPError):
-                    if c.get("/health").status_code == 200:
+                with contextlib.suppress(RequestFailed):
+                    if c.get("/health", timeout_s=config.health.timeout_s).status == 200:
                         break
                 if time.monotonic() > deadline:
                     raise BenchError(f"llama-server not ready within {config.health.load_timeout_s:g} s "

@@ -1,13 +1,12 @@
 """The plan for llama-server's rlimits: what to set in the child (before exec) and why.
 
-Pure given its inputs (the config, the daemon's own limits and privileges); applied in the child
-between fork and exec by :func:`apply_in_child`.
+Pure given its inputs (the config, the daemon's own limits and privileges); set on the child by
+the parent before the child's exec (:class:`llama_guard.core.child.ChildSetup`).
 """
 
 from __future__ import annotations
 
 import enum
-import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,7 +72,8 @@ class LimitDecision:
 class LimitPlan:
     """What to set on the child (see :func:`plan_child_limits`).
 
-    ``settings`` holds only ints and tuples, built in the parent, for :func:`apply_in_child`.
+    ``settings`` holds ``(resource, (soft, hard))`` pairs for the child's set-up
+    (:class:`llama_guard.core.child.ChildSetup`: set by the parent with prlimit(2) before the exec).
     ``thread_notes`` are warnings about ``--threads``/``--threads-batch`` against the CPUs and
     the process/task limits.
     """
@@ -89,10 +89,6 @@ class LimitPlan:
             if d.spec.name == name:
                 return d
         raise KeyError(name)
-
-    def preexec(self) -> None:
-        """``preexec_fn`` for :class:`subprocess.Popen`: :func:`apply_in_child` on this plan."""
-        apply_in_child(self)
 
 
 def _wanted(cfg: Config, spec: LimitSpec) -> tuple[int | str | None, str]:
@@ -206,18 +202,3 @@ def plan_child_limits(cfg: Config, own_limits: OwnLimits, is_root: bool) -> Limi
     nproc = next(d.effective for d in decisions if d.spec is NPROC)
     estimate, notes = _thread_notes(cfg, own_limits, nproc, is_root)
     return LimitPlan(tuple(decisions), settings, notes, estimate)
-
-
-def apply_in_child(plan: LimitPlan) -> None:
-    """Set the plan's limits on the current process; meant to run as ``preexec_fn``.
-
-    Runs between fork and exec: only :func:`resource.setrlimit` calls on integers the parent
-    computed, no imports, no I/O. Errors (``OSError``, ``ValueError``) are ignored here: the
-    parent predicted them in the plan and :func:`verify_applied` reports what really happened.
-    """
-    setrlimit = resource.setrlimit
-    for res, pair in plan.settings:
-        try:  # noqa: SIM105 - no contextlib object between fork and exec
-            setrlimit(res, pair)
-        except (OSError, ValueError):
-            pass

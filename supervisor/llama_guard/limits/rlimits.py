@@ -13,13 +13,13 @@ The flow, as the daemon uses it::
     own = read_own_limits()                                   # at start, once per spawn
     plan = plan_child_limits(cfg, own, can_raise_hard_limits())
     for d in plan.decisions: d.problem and emit("limit_not_raised", ...)
-    Popen(argv, preexec_fn=plan.preexec)                      # apply_in_child(plan)
+    spawn(argv, env, ChildSetup(wrapper, plan.settings))      # prlimit(2) before the exec
     applied = read_limits(child.pid)                          # read back from the process
     for text in verify_applied(plan, applied): emit("limit_not_raised", ...)
 
-:func:`plan_child_limits` is pure (no I/O, no clock); :func:`apply_in_child` is the only code
-that runs in the forked child and only calls :func:`resource.setrlimit` with integers computed
-in the parent.
+:func:`plan_child_limits` is pure (no I/O, no clock); the parent sets the planned pairs on the
+child while it waits before its exec (:class:`llama_guard.core.child.ChildSetup`): no code of
+ours runs in the forked child.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.watcher import Context, Source
 from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
 from llama_guard.limits.plan import LimitPlan, plan_child_limits
@@ -37,6 +37,7 @@ class LimitsSource(Source):
         self._sampler: UsageSampler | None = None
         self._tracker: UsageTracker | None = None
         self._last_usage: UsageSample | None = None
+        self._lane = Lane(LaneKind.PROC)
 
     def _say_once(self, ctx: Context, name: EventName, **fields: Any) -> None:
         key = f"{name}:{fields.get('limit', '')}:{fields.get('reason', '')}"
@@ -45,7 +46,10 @@ class LimitsSource(Source):
             ctx.emit(name, **fields)
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
-        own = await asyncio.to_thread(read_own_limits)
+        try:
+            own = await self._lane.run(read_own_limits, PROC_TIMEOUT_S, "reading the daemon's own limits")
+        except (CallTimeout, LaneBusy) as exc:  # /proc does not answer: not now, tried again after backoff
+            return f"the child's limits cannot be planned: {exc}"
         plan = plan_child_limits(ctx.config, own, can_raise_hard_limits())
         self.plan = plan
         for d in plan.decisions:
@@ -55,8 +59,8 @@ class LimitsSource(Source):
             self._say_once(ctx, "threads_warning", reason=note)
         return None
 
-    def preexec(self) -> Callable[[], None] | None:
-        return self.plan.preexec if self.plan is not None and self.plan.settings else None
+    def child_rlimits(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        return self.plan.settings if self.plan is not None else ()
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._pid = pid
@@ -88,8 +92,8 @@ class LimitsSource(Source):
             if sampler is None or tracker is None:
                 continue
             try:
-                sample = await asyncio.to_thread(sampler.sample)
-            except (ProcessLookupError, OSError):
+                sample = await self._lane.run(sampler.sample, PROC_TIMEOUT_S, "usage sample")
+            except (ProcessLookupError, OSError, CallTimeout, LaneBusy):
                 continue
             self._last_usage = sample
             for event in tracker.update(sample, ctx.clock()):

@@ -1,8 +1,10 @@
-"""Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset).
+"""Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset) by
+:class:`~llama_guard.output.listener.MetricsListener` on the daemon's loop.
 
 :class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
-counts every emitted event (as a sink of the emitter; alone, the policy's ``Emit`` actions of each
-step the loop publishes, ``on_transition``), times the phases (from the same records) and reads
+counts every emitted event (wiring makes it a sink of the emitter, which the policy's ``Emit``
+actions and the watchers' own events both go through), times the phases (from the records the loop
+publishes, ``on_transition``) and reads
 the live policy state, the GPU watcher's last sample and the limits watcher's last usage reading
 (typed accessors) when Prometheus scrapes, so the daemon needs nothing but the source in its list.
 Its :meth:`MetricsSource.snapshot` (``status.json``'s ``"metrics"``) keeps restart causes and the
@@ -18,19 +20,20 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from llama_guard.core.actions import Emit
 from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
-from llama_guard.output.health import liveness_from_thread, readiness, start_wsgi, with_health
 from llama_guard.vocab.phases import Phase
+
+if TYPE_CHECKING:
+    from llama_guard.output.listener import MetricsListener
 
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
 NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
@@ -60,8 +63,7 @@ class MetricsSource(Source, Collector):
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
         self.listening: tuple[str, int] | None = None
-        self.attached = False  # True once wiring made this source a sink of the emitter
-        self._server: Any = None
+        self._listener: MetricsListener | None = None
 
     # -- Source ----------------------------------------------------------------------------------
     async def start(self, ctx: Context) -> str | None:
@@ -69,22 +71,20 @@ class MetricsSource(Source, Collector):
         self._phase, self._phase_since = ctx.state.phase, ctx.clock()
         address = ctx.config.metrics.address
         if address is not None and self.serve:
+            # Imported here: aiohttp's server is loaded only when something listens.
+            from llama_guard.output.listener import MetricsListener
+
+            # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
+            listener = MetricsListener(self.registry, ctx.get_state)
             try:
-                # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
-                app = with_health(make_wsgi_app(self.registry), ready=lambda: readiness(ctx.state),
-                                  live=lambda: liveness_from_thread(ctx.loop, ctx.get_state))
-                self._server, _thread = start_wsgi(address[0], address[1], app)
+                self.listening = await listener.listen(address[0], address[1])
             except OSError as exc:
                 return f"[metrics].listen = {ctx.config.metrics.listen!r}: cannot listen: {exc.strerror or exc}"
-            self.listening = (address[0], int(self._server.server_address[1]))
+            self._listener = listener
         return None
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         self._track_phase(step.after.phase, step.at)
-        if not self.attached:
-            for action in step.actions:
-                if isinstance(action, Emit):
-                    self.count(action.name, action.fields)
 
     def write(self, record: dict[str, Any]) -> None:
         """:class:`llama_guard.output.eventlog.EventSink`: every emitted event, the policy's and the
@@ -125,10 +125,9 @@ class MetricsSource(Source, Collector):
                 "events": dict(self.events)}
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
 
     # -- Collector -------------------------------------------------------------------------------
     def describe(self) -> Iterable[Any]:

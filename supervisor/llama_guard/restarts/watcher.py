@@ -34,11 +34,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config, ScheduleConfig
+from llama_guard.core.client import RequestFailed, ServerClient
 from llama_guard.core.inputs import RestartRequest
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.transition import Transition
@@ -93,12 +93,12 @@ def anon_memory_mib(status_text: str) -> float | None:
     return (fields["RssAnon"] + fields.get("VmSwap", 0)) * 1024 / MIB
 
 
-async def _fetch_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> str | None:
+async def _fetch_metrics(client: ServerClient, base_url: str, timeout_s: float) -> str | None:
     try:
-        resp = await client.get(f"{base_url}/metrics", timeout=timeout_s)
-    except httpx.HTTPError:
+        resp = await client.get(f"{base_url}/metrics", timeout_s=timeout_s)
+    except RequestFailed:
         return None
-    return resp.text if resp.status_code == 200 else None
+    return resp.text if resp.status == 200 else None
 
 
 @dataclass
@@ -131,7 +131,8 @@ class ScheduleSource(Source):
         self._sample_interval_s = sample_interval_s
         self._rss_reader = rss_reader
         self._metrics_reader = metrics_reader
-        self._client: httpx.AsyncClient | None = None
+        self._lane = Lane(LaneKind.PROC)
+        self._client: ServerClient | None = None
         self.schedule: PlannedRestarts | None = None
         self.monitor: DecayMonitor = DecayMonitor()
         self.history: RestartHistory = RestartHistory()
@@ -323,7 +324,10 @@ class ScheduleSource(Source):
         pid = self._pid
         if pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING):
             return
-        rss = await asyncio.to_thread(self._rss_reader, pid)
+        try:
+            rss = await self._lane.run(lambda: self._rss_reader(pid), PROC_TIMEOUT_S, "server RSS")
+        except (CallTimeout, LaneBusy):  # /proc does not answer: no reading this round
+            rss = None
         if rss is not None and self._pid == pid:
             self._observe(ctx, pid, self.monitor.observe_rss(ctx.clock(), rss))
         vram = self._vram_mib(pid)

@@ -613,12 +613,13 @@ def test_sighup_right_after_sigterm_sends_no_ready_after_stopping(
 
 
 def test_status_and_restart_import_only_what_they_use(tmp_path: Path) -> None:
-    """`llama-guard status` imported pydantic, httpx and asyncio (0.22 s) to read one JSON
+    """`llama-guard status` imported pydantic, an HTTP client and asyncio (0.22 s) to read one JSON
     file. Now it imports none of them, with --runtime-dir or with a config file."""
     config = tmp_path / "lg.toml"
     config.write_text(f'[runtime]\ndir = "{tmp_path / "run"}"\n')
     code = ("import sys; from llama_guard.cli import main; main(sys.argv[1:]);"
-            "print(sorted(m for m in ('pydantic', 'httpx', 'asyncio', 'pydantic_settings') if m in sys.modules))")
+            "print(sorted(m for m in ('pydantic', 'httpx', 'aiohttp', 'asyncio', 'pydantic_settings')"
+            " if m in sys.modules))")
     for argv in (["status", "--runtime-dir", str(tmp_path / "run")], ["status", "--config", str(config)],
                  ["restart", "--config", str(config)]):
         out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=30,

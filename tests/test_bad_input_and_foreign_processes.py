@@ -1,6 +1,8 @@
-"""Reproductions of real bugs found by hostile testing, kept as regression tests.
+"""Bad input changes nothing, and foreign processes are never taken for ours: undecodable or invalid
+config (at start and on reload), a reload that could not start, a server change during a spawn, a
+process that is not ours on the server's pid or port, a FIFO as the server log.
 
-Each test's docstring (``ATTACK: …``) describes the operator-visible defect as it was found; every
+Each test's docstring (``Regression: …``) describes the operator-visible defect it pins; every
 test failed on the code before its fix and passes since.
 """
 
@@ -52,8 +54,8 @@ def _write(tmp_path: Path, text: str | bytes, name: str = "lg.toml") -> Path:
 
 # ---------------------------------------------------------------- config: tracebacks / exit 1
 
-def test_attack_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
-    """ATTACK: a config file with invalid UTF-8 (binary garbage, a Latin-1 editor save) raises
+def test_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
+    """Regression: a config file with invalid UTF-8 (binary garbage, a Latin-1 editor save) raises
     UnicodeDecodeError out of load_config: `llama-guard run` prints a traceback and exits 1 (not
     78, so systemd restarts it forever), and a SIGHUP reload of such a file is silently ignored."""
     path = _write(tmp_path, b"[server]\nhost = \"caf\xe9\"\n")
@@ -61,8 +63,8 @@ def test_attack_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_attack_non_utf8_config_cli_exit_78(tmp_path: Path) -> None:
-    """ATTACK: same, through the CLI: exit status must be 78 with one line and no traceback."""
+def test_non_utf8_config_cli_exit_78(tmp_path: Path) -> None:
+    """Regression: same, through the CLI: exit status must be 78 with one line and no traceback."""
     path = _write(tmp_path, b"\xff\xfe\x00garbage")
     proc = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
                           capture_output=True, text=True, timeout=60)
@@ -75,9 +77,9 @@ def test_attack_non_utf8_config_cli_exit_78(tmp_path: Path) -> None:
     ("LLAMA_GUARD_RECOVERY__RESET_ON", "oom"),              # not JSON
     ("LLAMA_GUARD_SERVER__ENV", "{bad"),                    # broken JSON
 ])
-def test_attack_non_json_env_override_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_non_json_env_override_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         var: str, value: str) -> None:
-    """ATTACK: an env override of a list/dict key that is not JSON raises pydantic-settings'
+    """Regression: an env override of a list/dict key that is not JSON raises pydantic-settings'
     SettingsError (a traceback, exit 1) instead of one config-error line and exit 78."""
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError):
@@ -87,8 +89,8 @@ def test_attack_non_json_env_override_is_a_config_error(tmp_path: Path, monkeypa
 # ---------------------------------------------------------------- config: accepted, then exit 70
 
 @pytest.mark.parametrize("entry", ['"A=B" = "c"', '"X" = "a\\u0000b"'])
-def test_attack_bad_server_env_is_rejected_by_the_config(tmp_path: Path, entry: str) -> None:
-    """ATTACK: [server.env] keys with '=' or values with NUL validate, then spawn raises
+def test_bad_server_env_is_rejected_by_the_config(tmp_path: Path, entry: str) -> None:
+    """Regression: [server.env] keys with '=' or values with NUL validate, then spawn raises
     ValueError and the daemon exits 70 ("internal error") — systemd restarts it in a loop instead
     of stopping on a configuration error (78)."""
     text = GOOD + "[server.env]\n" + entry + "\n"
@@ -97,8 +99,8 @@ def test_attack_bad_server_env_is_rejected_by_the_config(tmp_path: Path, entry: 
 
 
 @pytest.mark.parametrize("host", ["localhost:99", "[::1"])
-def test_attack_bad_host_is_rejected_by_the_config(tmp_path: Path, host: str) -> None:
-    """ATTACK: [server].host = "localhost:99" validates; at the first spawn httpx raises
+def test_bad_host_is_rejected_by_the_config(tmp_path: Path, host: str) -> None:
+    """Regression: [server].host = "localhost:99" validates; at the first spawn httpx raises
     InvalidURL building the probe and the daemon exits 70 (internal error) instead of 78."""
     with pytest.raises(ConfigError):
         load_config(_write(tmp_path, GOOD.replace('port = 18999', f'port = 18999\nhost = "{host}"')))
@@ -132,8 +134,8 @@ def _daemon(tmp_path: Path, path: Path) -> Any:
     return Daemon(config, path, Emitter(min_level="critical", fmt="json"), notifier=notes), notes
 
 
-def test_attack_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: Path) -> None:
-    """ATTACK: SIGHUP with a non-UTF-8 file: _reload dies with UnicodeDecodeError inside its task;
+def test_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: Path) -> None:
+    """Regression: SIGHUP with a non-UTF-8 file: _reload dies with UnicodeDecodeError inside its task;
     no config_error is logged at all and sd_notify got RELOADING=1 but never READY=1, so systemd
     keeps the unit in "reloading"."""
     path = _write(tmp_path, GOOD + f'[runtime]\ndir = "{tmp_path / "run"}"\n')
@@ -151,8 +153,8 @@ def test_attack_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: P
     assert notes.calls == ["reloading", "ready"]
 
 
-def test_attack_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_path: Path) -> None:
-    """ATTACK: a reload that changes [runtime].dir (or [log].level) says "changed: log, runtime"
+def test_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_path: Path) -> None:
+    """Regression: a reload that changes [runtime].dir (or [log].level) says "changed: log, runtime"
     but the status/pid files stay in the old directory (and the emitter keeps the old level):
     `llama-guard status/restart --config <same file>` then report "not running"."""
     model = tmp_path / "m.gguf"
@@ -171,8 +173,8 @@ def test_attack_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_p
     assert daemon.runtime.status_file.dir == tmp_path / "new"
 
 
-def test_attack_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) -> None:
-    """ATTACK (fixed): an empty or truncated file is valid TOML with every key at its default; a
+def test_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) -> None:
+    """Regression: an empty or truncated file is valid TOML with every key at its default; a
     reload then used to stop the working server and exit 78 ("llama-server not found")."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
@@ -196,8 +198,8 @@ def test_attack_reload_that_could_not_start_keeps_the_running_config(tmp_path: P
 
 # ---------------------------------------------------------------- policy
 
-def test_attack_server_change_while_spawn_in_flight_is_not_lost() -> None:
-    """ATTACK: a reload (SIGHUP) whose ParamsChanged(server_changed=True) is queued while the
+def test_server_change_while_spawn_in_flight_is_not_lost() -> None:
+    """Regression: a reload (SIGHUP) whose ParamsChanged(server_changed=True) is queued while the
     spawn is in flight (STARTING, pid None — _spawn awaits before_spawn() and the exec, and the
     reload task can finish in between) is dropped: the server then runs with the OLD argv
     although config_reloaded said "changed: server". (SIGUSR1 there is dropped the same way.)"""
@@ -211,8 +213,8 @@ def test_attack_server_change_while_spawn_in_flight_is_not_lost() -> None:
 
 # ---------------------------------------------------------------- restart / pid file
 
-def test_attack_restart_never_signals_an_unrelated_process(tmp_path: Path) -> None:
-    """ATTACK: `llama-guard restart` trusts any pid whose argv merely *contains* "llama-guard":
+def test_restart_never_signals_an_unrelated_process(tmp_path: Path) -> None:
+    """Regression: `llama-guard restart` trusts any pid whose argv merely *contains* "llama-guard":
     with a stale pid file (daemon SIGKILLed, pid reused) it sends SIGUSR1 to e.g.
     `tail -f /var/log/llama-guard/…`, `vim /etc/llama-guard/llama-guard.toml` or a llama-server
     whose --model lives under /var/lib/llama-guard — and SIGUSR1's default action kills them."""
@@ -234,8 +236,8 @@ def test_attack_restart_never_signals_an_unrelated_process(tmp_path: Path) -> No
 
 # ---------------------------------------------------------------- blocking I/O in the event loop
 
-def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> None:
-    """ATTACK: [log].server_log_file naming a FIFO with no reader (a log shipper that is down)
+def test_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> None:
+    """Regression: [log].server_log_file naming a FIFO with no reader (a log shipper that is down)
     blocks open() inside the event loop forever: the server is spawned but never reported,
     SIGTERM is not handled (only SIGKILL ends the daemon)."""
     from llama_guard.core.daemon import Daemon
@@ -265,9 +267,9 @@ def test_attack_server_log_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------- readiness
 
-def test_attack_foreign_process_on_the_port_is_not_called_ready(tmp_path: Path, fake_server: Path,
+def test_foreign_process_on_the_port_is_not_called_ready(tmp_path: Path, fake_server: Path,
                                                                 real_model: Path) -> None:
-    """ATTACK: another process already answers /health 200 on [server].port. The child fails to
+    """Regression: another process already answers /health 200 on [server].port. The child fails to
     bind, but the first /health poll reaches the squatter and the daemon reports server_ready
     (sd_notify READY=1) for a child that never listened; the bind failure then counts as a crash
     (exit 75, restarted by systemd) instead of a boot failure (exit 78)."""

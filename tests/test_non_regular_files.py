@@ -1,4 +1,4 @@
-"""Hostile inputs found by hostile testing: a FIFO where llama-guard expects a regular file
+"""Files that are not what llama-guard expects: a FIFO where llama-guard expects a regular file
 (api_key_file, the config, the runtime dir's pid file and status.json) must be refused at once
 with a clear message, never block the process (which then also ignores SIGTERM)."""
 
@@ -26,8 +26,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=30, stdin=subprocess.DEVNULL)
 
 
-def test_attack_api_key_file_fifo_is_a_config_error(tmp_path: Path) -> None:
-    """ATTACK: api_key_file = a FIFO: read_api_key blocked in open() forever (no writer); `run`
+def test_api_key_file_fifo_is_a_config_error(tmp_path: Path) -> None:
+    """Regression: api_key_file = a FIFO: read_api_key blocked in open() forever (no writer); `run`
     then hung before its signal handlers could act, and SIGTERM did nothing."""
     server = ServerConfig(binary="/bin/true", model="/tmp/m.gguf", api_key_file=str(_fifo(tmp_path / "key")))
     with pytest.raises(ConfigError, match="not a regular file"):
@@ -36,8 +36,8 @@ def test_attack_api_key_file_fifo_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["llama-guard.pid", "status.json"])
 @pytest.mark.parametrize("verb", ["status", "restart"])
-def test_attack_runtime_file_fifo_does_not_hang_the_cli(tmp_path: Path, name: str, verb: str) -> None:
-    """ATTACK: a FIFO in place of the pid file or status.json made `llama-guard status` (a health
+def test_runtime_file_fifo_does_not_hang_the_cli(tmp_path: Path, name: str, verb: str) -> None:
+    """Regression: a FIFO in place of the pid file or status.json made `llama-guard status` (a health
     check run from cron/monitoring) and `restart` block forever."""
     run = tmp_path / "run"
     run.mkdir()
@@ -47,16 +47,16 @@ def test_attack_runtime_file_fifo_does_not_hang_the_cli(tmp_path: Path, name: st
     assert "Traceback" not in proc.stderr
 
 
-def test_attack_status_with_fifo_config_does_not_hang(tmp_path: Path) -> None:
-    """ATTACK: `llama-guard status --config FIFO` blocked reading the config for [runtime].dir."""
+def test_status_with_fifo_config_does_not_hang(tmp_path: Path) -> None:
+    """Regression: `llama-guard status --config FIFO` blocked reading the config for [runtime].dir."""
     proc = _cli("status", "--config", str(_fifo(tmp_path / "cfg.toml")))
     assert proc.returncode == 78, proc.stderr  # main: an unreadable config is a config error for status
     assert "not a regular file" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_attack_runtime_dir_deleted_while_running_gets_its_pid_file_back(tmp_path: Path) -> None:
-    """ATTACK: `rm -rf /run/llama-guard` (tmpfiles cleanup, an operator) while the daemon runs: the
+def test_runtime_dir_deleted_while_running_gets_its_pid_file_back(tmp_path: Path) -> None:
+    """Regression: `rm -rf /run/llama-guard` (tmpfiles cleanup, an operator) while the daemon runs: the
     next snapshot recreated the dir and status.json but never the pid file, so `llama-guard status`
     said "not running" (exit 3) and `restart` found no daemon for the rest of the daemon's life."""
     import shutil
@@ -72,8 +72,8 @@ def test_attack_runtime_dir_deleted_while_running_gets_its_pid_file_back(tmp_pat
     assert (run / PID_NAME).read_text().strip() == str(os.getpid())
 
 
-def test_attack_world_readable_api_key_file_is_a_check_warning(tmp_path: Path) -> None:
-    """ATTACK: api_key_file mode 0644 (any local user can read the server's API key): `check`
+def test_world_readable_api_key_file_is_a_check_warning(tmp_path: Path) -> None:
+    """Regression: api_key_file mode 0644 (any local user can read the server's API key): `check`
     said OK without a word."""
     from llama_guard.config import Config
     from llama_guard.preflight import check_api_key

@@ -1,0 +1,115 @@
+"""The one HTTP client llama-guard talks to its llama-server with: aiohttp, the stack the front door
+serves and forwards with (one HTTP stack in the daemon; measured in docs/front.md, "Cost").
+
+Every request has a deadline (``timeout_s``, the whole exchange: connect, send, the complete answer);
+no proxy is taken from the environment; the API key current at each request (``get_key()``; "" sends
+none) goes as ``Authorization: Bearer``, so that a reloaded ``[server].api_key_file`` applies to an
+open client. A request that got no complete answer raises :class:`RequestFailed` (``timed_out`` tells
+a deadline from a failed connection); any HTTP status is an :class:`Answer`.
+
+:class:`ServerClient` is for the event loop (the probes, the planned-restart watcher);
+:class:`BlockingClient` runs one on a loop of its own for the synchronous verbs (``bench``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+
+class RequestFailed(Exception):
+    """No complete answer: the connection failed, or the deadline passed (``timed_out``)."""
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A complete HTTP answer: its ``status`` and ``body`` (bytes)."""
+
+    status: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        """The body as text (UTF-8; undecodable bytes replaced)."""
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON. Raises ValueError when it is not JSON."""
+        return jsonlib.loads(self.body)
+
+
+class ServerClient:
+    """Requests to ``base_url`` (``http://host:port``; "": each path is a whole URL) on the running
+    event loop; the connection pool is made at the first request and closed by :meth:`aclose`."""
+
+    def __init__(self, base_url: str = "", get_key: Callable[[], str] = lambda: "") -> None:
+        self.base_url = base_url
+        self._get_key = get_key
+        self._session: aiohttp.ClientSession | None = None
+
+    async def request(self, method: str, path: str, *, timeout_s: float, json: Any = None) -> Answer:
+        """``method path`` (with a JSON body when ``json`` is not None) answered in full within
+        ``timeout_s`` seconds. Raises :class:`RequestFailed`."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+        key = self._get_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        try:
+            async with self._session.request(method, self.base_url + path, json=json, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return Answer(resp.status, await resp.read())
+        except asyncio.TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
+            raise RequestFailed(f"{method} {path}: no answer within {timeout_s:g} s", timed_out=True) from None
+        except aiohttp.ClientError as exc:
+            raise RequestFailed(f"{method} {path}: {exc.__class__.__name__}: {exc}", timed_out=False) from None
+
+    async def get(self, path: str, *, timeout_s: float) -> Answer:
+        return await self.request("GET", path, timeout_s=timeout_s)
+
+    async def post(self, path: str, *, json: Any, timeout_s: float) -> Answer:
+        return await self.request("POST", path, json=json, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ServerClient:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+class BlockingClient:
+    """A :class:`ServerClient` on an event loop of its own, for callers without one (``bench``):
+    each call blocks until the answer or its deadline. Use as a context manager."""
+
+    def __init__(self, base_url: str, api_key: str = "") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = ServerClient(base_url, lambda: api_key)
+
+    def get(self, path: str, *, timeout_s: float) -> Answer:
+        return self._loop.run_until_complete(self._client.get(path, timeout_s=timeout_s))
+
+    def post(self, path: str, *, json: Any, timeout_s: float) -> Answer:
+        return self._loop.run_until_complete(self._client.post(path, json=json, timeout_s=timeout_s))
+
+    def __enter__(self) -> BlockingClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._loop.run_until_complete(self._client.aclose())
+        self._loop.close()
