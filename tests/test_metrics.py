@@ -208,7 +208,8 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     metrics.ctx = ctx
     emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
     emitter.emit("server_line", server_pid=1, line="x")
-    deliver(metrics, ctx, Emit("server_oom", {}))  # seen as an action: counted once, through the sink only
+    metrics.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), (Emit("server_oom", {}),), ctx.clock()))
+    # seen as an action of a step: counted once, through the sink only (the emit below)
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
     emitter.emit("server_restart", reason="oom", restart_cause="oom")
     m = scrape(metrics)
