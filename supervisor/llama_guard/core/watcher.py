@@ -77,6 +77,10 @@ class Source:
         """After /health 200: None if the server may be called ready, else the reason it may not."""
         return None
 
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        """A planned restart drained server ``pid`` (no slot processing, clients held); it is
+        stopped when every source's hook returned. Bounded by the source itself."""
+
     def on_action(self, ctx: Context, action: Action) -> None:
         """The daemon is about to carry out the policy's ``action`` (an event to emit, a stop, a
         drain …); ``ctx.state`` is already the state that asked for it. Observe only."""
