@@ -21,7 +21,7 @@ import httpx
 import pytest
 from harness import RunPool, free_port
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
 
 @pytest.fixture
@@ -53,10 +53,11 @@ def carry(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[
 class Conversation:
     """A chat whose history grows by each turn's question and answer."""
 
-    def __init__(self, topic: str) -> None:
-        facts = " ".join(f"Fact {i} about {topic}: item {i} weighs {i * 7 % 113} grams and costs {i * 13 % 97} coins."
-                         for i in range(40))
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": f"You know these facts. {facts}"}]
+    def __init__(self, topic: str, facts: int = 25) -> None:
+        """``facts``: the history's size (25: over 500 tokens with SmolLM2's tokenizer; checked by the tests)."""
+        known = " ".join(f"Fact {i} about {topic}: item {i} weighs {i * 7 % 113} grams and costs {i * 13 % 97} coins."
+                         for i in range(facts))
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": f"You know these facts. {known}"}]
         self.prompt_tokens = 0  # the previous turn's whole prompt, in tokens
 
     def turn(self, port: int, question: str) -> dict[str, Any]:
@@ -116,7 +117,7 @@ def test_two_slots_keep_two_conversations(carry: Any) -> None:
 
 def test_a_tampered_slot_file_is_refused_and_the_server_serves(carry: Any) -> None:
     run = carry(1)
-    chat = Conversation("tools")
+    chat = Conversation("tools", facts=5)  # small: after the refusal the whole history is evaluated again
     chat.turn(run.front, "Which item weighs the most?")
     saved = run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == run.first)
     path = Path(saved["file"])

@@ -23,7 +23,7 @@ import contextlib
 from pathlib import Path
 
 from llama_guard.argv import build_of, resolve_binary, slot_save_dir
-from llama_guard.config import Config
+from llama_guard.config import Config, ServerConfig
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.types import Phase
 from llama_guard.core.watcher import Context, Source
@@ -43,7 +43,9 @@ class SlotsSource(Source):
         self.store: SlotStore | None = None
         self._builds: dict[tuple[str, int], str] = {}  # (binary, mtime_ns) -> its --version
         self._saved: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) as last saved
-        self._pid: int | None = None  # the server _saved belongs to
+        self._spawned: ServerConfig | None = None  # the [server] section the next server is started from
+        self._pid: int | None = None  # the server _saved and _fp belong to
+        self._fp: Fingerprint | None = None  # that server's fingerprint (None: no saves for it)
         self._lock = asyncio.Lock()  # one save or restore pass at a time
 
     # ------------------------------------------------------------ set-up
@@ -52,6 +54,7 @@ class SlotsSource(Source):
         return await self._prepare(ctx.config)
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+        self._spawned = ctx.config.server  # a reload may change the config while this server runs
         return await self._prepare(ctx.config)
 
     async def _prepare(self, config: Config) -> str | None:
@@ -69,9 +72,9 @@ class SlotsSource(Source):
         self.store = store
         return None
 
-    async def _fingerprint(self, ctx: Context) -> Fingerprint | None:
-        """This configuration's fingerprint (the build read once per binary file); None (reported) when unreadable."""
-        server = ctx.config.server
+    async def _fingerprint(self, ctx: Context, server: ServerConfig) -> Fingerprint | None:
+        """The fingerprint of a server started from ``server`` (the build read once per binary file);
+        None (reported) when it cannot be read."""
 
         def compute() -> Fingerprint:
             binary = resolve_binary(server.binary)
@@ -100,6 +103,7 @@ class SlotsSource(Source):
             return None
         async with self._lock:
             self._pid, self._saved = pid, {}
+            self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
             bound = ctx.config.slots.restore_timeout_s
             try:
                 await asyncio.wait_for(self._restore_all(ctx, self.store), bound)
@@ -110,7 +114,7 @@ class SlotsSource(Source):
         return None
 
     async def _restore_all(self, ctx: Context, store: SlotStore) -> None:
-        fingerprint = await self._fingerprint(ctx)
+        fingerprint = self._fp
         if fingerprint is None or await asyncio.to_thread(store.unrestorable, fingerprint):
             return
         good, refused = await asyncio.to_thread(store.check, fingerprint)
@@ -163,20 +167,23 @@ class SlotsSource(Source):
         """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is processing."""
         store = self.store
         async with self._lock:
-            if store is None:
-                return
-            if self._pid != pid:
-                self._pid, self._saved = pid, {}
-            fingerprint = await self._fingerprint(ctx)
-            if fingerprint is None or await asyncio.to_thread(store.unrestorable, fingerprint):
+            fingerprint = self._fp
+            if store is None or self._pid != pid or fingerprint is None:
+                return  # a server whose restore pass did not run (slots were off): nothing to label its files with
+            if await asyncio.to_thread(store.unrestorable, fingerprint):
                 return
             client = self._client(ctx)
             try:
                 await self._save_with(ctx, client, store, fingerprint, pid, reason)
             finally:
                 await client.aclose()
-            for dropped in await asyncio.to_thread(store.prune):
-                ctx.emit("slot_dropped", file=dropped.file, bytes=dropped.bytes, budget_mib=ctx.config.slots.budget_mib)
+            try:
+                dropped = await asyncio.to_thread(store.prune)
+            except OSError as exc:
+                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"pruning the slot files: {exc}")
+                return
+            for item in dropped:
+                ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
 
     async def _save_with(self, ctx: Context, client: SlotClient, store: SlotStore, fingerprint: Fingerprint,
                          pid: int, reason: str) -> None:
