@@ -232,6 +232,38 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "another service can hold it for a while, so llama-guard retries every 2 s, without counting\n"
         "a crash, for [recovery].port_wait_s (@PORT_WAIT_S@ s); then it exits 78 naming the holder.\n"
         "Find it with `ss -ltnp 'sport = :@PORT@'`."),
+    "slot_saved": (
+        "a slot's KV cache was saved",
+        "llama-guard saved slot @SLOT_ID@ of llama-server pid @SERVER_PID@ (@N_TOKENS@ tokens, @BYTES@ bytes)\n"
+        "to @FILE@ (@REASON@). After the next restart it is restored into the same slot, so the\n"
+        "conversation's next turn evaluates only its new tokens. See docs/slots.md."),
+    "slot_save_failed": (
+        "a slot's KV cache could not be saved",
+        "Saving slot @SLOT_ID@ failed: @ERROR@. The slot's previous file (if any) stays; after a restart\n"
+        "its conversation pays its whole prompt again. Check the slot directory's space and owner."),
+    "slot_dropped": (
+        "a slot file was dropped for the disk budget",
+        "@FILE@ (@BYTES@ bytes) was removed: the slot files exceeded [slots].budget_mib (@BUDGET_MIB@ MiB).\n"
+        "The oldest go first. Raise the budget to keep more slots across restarts."),
+    "slot_restored": (
+        "a slot's KV cache was restored and verified",
+        "Slot @SLOT_ID@ of llama-server pid @SERVER_PID@ was restored (@N_TOKENS@ tokens in @RESTORE_MS@ ms)\n"
+        "and verified: evaluating its tokens reused @CACHE_N@ of them from the restored cache."),
+    "slot_restore_failed": (
+        "a slot could not be restored",
+        "Restoring slot @SLOT_ID@ failed or took too long: @ERROR@. The server is ready without it; its\n"
+        "conversation pays its whole prompt again on its next turn."),
+    "slot_restore_refused": (
+        "a slot file was refused before it reached llama-server",
+        "@FILE@ was refused (@REFUSAL@): @DETAIL@. llama-server was never asked to load it, and it was\n"
+        "removed. Foreign files come from a server with another model file, build, context size, slot\n"
+        "count, KV cache type or KV-layout flag; truncated or corrupt ones from a crash or a disk fault."),
+    "slot_restore_unused": (
+        "a restored slot was not reused: restores stop for this model and build",
+        "A slot was restored but evaluating its own tokens reused @CACHE_N@ of @N_TOKENS@ from it, with\n"
+        "model @MODEL@ and build @BUILD@. Models with recurrent or hybrid layers or sliding-window\n"
+        "attention can do this. llama-guard no longer saves or restores slots for this model and build\n"
+        "(remembered in unrestorable.json in the slot directory; delete that file to try again)."),
     "server_on_cpu": (
         "llama-server runs on the CPU though asked to offload",
         "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"

@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("llama_guard.core",),
     ("llama_guard.insight", "llama_guard.limits"),
     ("llama_guard.gpu",),
-    ("llama_guard.restarts", "llama_guard.front"),
+    ("llama_guard.restarts", "llama_guard.front", "llama_guard.slots"),
     ("llama_guard.insight.vram_check", "llama_guard.insight.bench"),
     ("llama_guard.output.metrics", "llama_guard.output.listener", "llama_guard.preflight"),
     ("llama_guard.check_report", "llama_guard.wiring"),

@@ -7,7 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from llama_guard.config import ServerConfig
+from llama_guard.config import RuntimeConfig, ServerConfig, SlotsConfig
+
+SLOT_SAVE_FLAG = "--slot-save-path"
 
 
 def resolve_binary(binary: str) -> Path | None:
@@ -19,8 +21,30 @@ def resolve_binary(binary: str) -> Path | None:
     return Path(found) if found else None
 
 
-def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
+def own_slot_save_path(server: ServerConfig) -> Path | None:
+    """The directory of ``--slot-save-path DIR`` (or ``=DIR``) in ``extra_args`` (the last one), or None."""
+    value: str | None = None
+    args = server.extra_args
+    for i, arg in enumerate(args):
+        if arg == SLOT_SAVE_FLAG and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(SLOT_SAVE_FLAG + "="):
+            value = arg.split("=", 1)[1]
+    return Path(value) if value else None
+
+
+def slot_save_dir(server: ServerConfig, slots: SlotsConfig, runtime: RuntimeConfig) -> Path:
+    """Where slot files live: the user's own ``--slot-save-path`` when ``extra_args`` has one, else
+    ``[slots].dir``, else ``<[runtime].dir>/slots``."""
+    return own_slot_save_path(server) or (Path(slots.dir) if slots.dir else runtime.dir / "slots")
+
+
+def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsConfig | None = None,
+               runtime: RuntimeConfig | None = None) -> list[str]:
     """The full argv of llama-server for ``server``.
+
+    ``--slot-save-path`` (:func:`slot_save_dir`) when ``slots`` is given and enabled, unless
+    ``extra_args`` has the user's own.
 
     ``--metrics`` is always on: the liveness probe reads the decode counters from ``/metrics``.
     ``--api-key-file`` comes from ``[server].api_key_file``.
@@ -50,6 +74,8 @@ def build_argv(server: ServerConfig, binary: Path | None = None) -> list[str]:
         argv += mlock_args(binary)
     if server.api_key_file:  # the file's path, never the key (argv shows in events and ps)
         argv += ["--api-key-file", server.api_key_file]
+    if slots is not None and runtime is not None and slots.enabled and own_slot_save_path(server) is None:
+        argv += [SLOT_SAVE_FLAG, str(slot_save_dir(server, slots, runtime))]
     argv += server.extra_args
     return argv
 

@@ -454,6 +454,33 @@ class FrontConfig(_Listener):
     max_connections: int = Field(16384, ge=1)
 
 
+class SlotsConfig(_Section):
+    """``[slots]``: each slot's KV cache carried across restarts (see docs/slots.md).
+
+    ``enabled``: save each slot that holds tokens before a planned restart, save idle slots as they
+    change (for crashes) and restore them into the next server, verified. ``dir``: where the files go
+    ("" = ``<[runtime].dir>/slots``); llama-server is started with ``--slot-save-path`` on it unless
+    ``extra_args`` gives its own (then that directory is used). ``budget_mib``: the files' total size
+    (MiB); the oldest are dropped first. ``rolling_save_interval_s``: an idle slot is saved at most
+    this often (seconds). ``restore_timeout_s``: the most all restores may add to a start (seconds).
+    ``save_timeout_s``: the most the saves before a planned stop may take (seconds).
+    """
+
+    enabled: bool = True
+    dir: str = ""
+    budget_mib: float = Field(8192.0, gt=0)
+    rolling_save_interval_s: PositiveFloat = 10.0
+    restore_timeout_s: PositiveFloat = 30.0
+    save_timeout_s: PositiveFloat = 60.0
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, value: str) -> str:
+        if "\0" in value or value == ".":
+            raise ValueError("dir must name a directory (or be empty for <[runtime].dir>/slots)")
+        return value
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""
     text = value.strip()
@@ -508,6 +535,7 @@ class Config(BaseSettings):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     front: FrontConfig = Field(default_factory=FrontConfig)
+    slots: SlotsConfig = Field(default_factory=SlotsConfig)
 
     @model_validator(mode="after")
     def _front_port(self) -> Config:

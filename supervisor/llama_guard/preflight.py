@@ -89,7 +89,7 @@ def check_binary(config: Config) -> list[CheckResult]:
     except OSError as exc:
         return [CheckResult("binary", Verdict.FAIL, f"{binary} --help failed: {exc}")]
     results = [CheckResult("binary", Verdict.OK, str(binary))]
-    unknown = [f for f in flags_in(build_argv(config.server, binary)) if f not in listed]
+    unknown = [f for f in flags_in(build_argv(config.server, binary, config.slots, config.runtime)) if f not in listed]
     if unknown:
         results.append(CheckResult("flags", Verdict.FAIL,
                                    f"{binary} does not know: {' '.join(sorted(set(unknown)))}"))

@@ -32,10 +32,10 @@ def make_notifier() -> ServiceNotifier:
 
 
 def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -> list[Source]:
-    """The optional watchers: limits, GPU, planned restarts, metrics (served when [metrics].listen is
-    set; it counts every event of ``emitter``), the front door (when [front].listen is set).
-    ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
-    fake)."""
+    """The optional watchers: limits, GPU, planned restarts, slots (the KV cache carried across restarts),
+    metrics (served when [metrics].listen is set; it counts every event of ``emitter``), the front door
+    (when [front].listen is set). ``nvml_module``: the pynvml module the GPU watcher uses (None: the
+    real ``pynvml``; tests inject a fake)."""
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.insight.need_cache import NeedCache
@@ -43,10 +43,12 @@ def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -
     from llama_guard.limits.watcher import LimitsSource
     from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
+    from llama_guard.slots.watcher import SlotsSource
 
     gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
-    sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample)]
+    # The slots watcher after the GPU's: its restore (ready_check) runs once the server is on the GPU.
+    sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), SlotsSource()]
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.

@@ -239,6 +239,8 @@ class ServerWatch:
         timeout = self._ctx.get_config().schedule.drain_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.probe.wait_idle(), timeout)
+            for source in self._sources:
+                await source.after_drain(self._ctx, self.pid)
             self._ctx.post(Drained(self.pid))
 
     async def end(self) -> None:

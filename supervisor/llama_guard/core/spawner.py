@@ -95,12 +95,14 @@ class Spawner:
         if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
             return SpawnFailed(f"server.model: {problem}")
         try:
-            argv = await self._lanes[LaneKind.PROBE].run(lambda: build_argv(server_cfg, binary), HELP_PROBE_TIMEOUT_S,
+            argv = await self._lanes[LaneKind.PROBE].run(
+                lambda: build_argv(server_cfg, binary, config.slots, config.runtime), HELP_PROBE_TIMEOUT_S,
                                                   f"{binary} --help")
         except (CallTimeout, LaneBusy) as exc:
             self._emit("blocking_call_timeout", call=f"{binary} --help", timeout_s=HELP_PROBE_TIMEOUT_S,
                            effect=f"starting with --mlock unverified ({exc})")
-            argv = [str(binary), *build_argv(server_cfg, None)[1:]]  # no binary: plain --mlock
+            # no binary: plain --mlock
+            argv = [str(binary), *build_argv(server_cfg, None, config.slots, config.runtime)[1:]]
         env = child_environ(os.environ, server_cfg.env)
         for source in self._sources:
             refused = await source.before_spawn(ctx, self.last_pid)

@@ -78,6 +78,10 @@ class Source:
         """After /health 200: None if the server may be called ready, else the reason it may not."""
         return None
 
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        """A planned restart drained server ``pid`` (no slot processing, clients held); it is
+        stopped when every source's hook returned. Bounded by the source itself."""
+
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """The loop took one ``step`` (every input, whether or not the state or phase changed): the
         state before and after, the input, the actions it is about to carry out. ``ctx.state`` is

@@ -131,6 +131,13 @@ EventName = Literal[
     "server_failure_repeated",
     "server_on_cpu",
     "server_port_taken",
+    "slot_saved",
+    "slot_save_failed",
+    "slot_restored",
+    "slot_restore_failed",
+    "slot_restore_refused",
+    "slot_restore_unused",
+    "slot_dropped",
 ]
 
 
@@ -275,6 +282,22 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("server_http_errors", _S.WARNING,
                   "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
                   "(last {status})"),
+        # Each slot's KV cache carried across restarts (llama_guard.slots).
+        EventSpec("slot_saved", _S.INFO,
+                  "saved slot {slot_id} ({n_tokens} tokens, {bytes} bytes) in {save_ms:.0f} ms ({reason})"),
+        EventSpec("slot_save_failed", _S.WARNING, "could not save slot {slot_id}: {error}"),
+        EventSpec("slot_restored", _S.INFO,
+                  "restored slot {slot_id} ({n_tokens} tokens) in {restore_ms:.0f} ms; verified: {cache_n} "
+                  "tokens reused"),
+        EventSpec("slot_restore_failed", _S.WARNING, "could not restore slot {slot_id}: {error}"),
+        EventSpec("slot_restore_refused", _S.WARNING,
+                  "refused slot file {file} ({refusal}): {detail}; it was removed and never reached llama-server"),
+        EventSpec("slot_restore_unused", _S.ERROR,
+                  "a restored slot was not reused ({cache_n} of {n_tokens} tokens) with model {model} and build "
+                  "{build}: restores stop for this model and build"),
+        EventSpec("slot_dropped", _S.INFO,
+                  "dropped slot file {file} ({bytes} bytes): the slot files exceed [slots].budget_mib "
+                  "{budget_mib:.0f} MiB"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,

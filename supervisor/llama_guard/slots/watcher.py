@@ -1,0 +1,208 @@
+"""The slots watcher: saves each slot's KV cache and restores it into the next server, verified.
+
+- Planned restarts (schedule, ``llama-guard restart``, reload, decay): after the drain
+  (:meth:`SlotsSource.after_drain`: no slot processing, clients held by the front door) every slot
+  whose tokens changed since its last save is saved, within ``[slots].save_timeout_s``.
+- Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
+  processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
+  hang loses at most what changed since.
+- Every start: after ``/health`` 200 and before the server is called ready (:meth:`ready_check`:
+  clients are still held), each committed file of this server's fingerprint is restored into its
+  slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
+  the whole within ``[slots].restore_timeout_s``. A restore that reused nothing is reported with the
+  model and build, and restores stop for them (remembered on disk).
+
+The verification's completion also marks the slot as holding a conversation in ``/slots``, so the
+liveness canary (which only takes a slot without one) leaves a restored slot alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from llama_guard.argv import build_of, resolve_binary, slot_save_dir
+from llama_guard.config import Config, ServerConfig
+from llama_guard.core.privileges import resolve_identity
+from llama_guard.core.watcher import Context, Source
+from llama_guard.slots.client import SlotCallError, SlotClient
+from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
+from llama_guard.slots.store import SlotStore, StoreError, read_tokens
+from llama_guard.vocab.phases import Phase
+
+MIB = 1 << 20
+
+
+class SlotsSource(Source):
+    """Saves and restores llama-server's slots (off when ``[slots].enabled`` is false)."""
+
+    name = "slots"
+
+    def __init__(self) -> None:
+        self.store: SlotStore | None = None
+        self._builds: dict[tuple[str, int], str] = {}  # (binary, mtime_ns) -> its --version
+        self._saved: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) as last saved
+        self._spawned: ServerConfig | None = None  # the [server] section the next server is started from
+        self._pid: int | None = None  # the server _saved and _fp belong to
+        self._fp: Fingerprint | None = None  # that server's fingerprint (None: no saves for it)
+        self._lock = asyncio.Lock()  # one save or restore pass at a time
+
+    # ------------------------------------------------------------ set-up
+
+    async def start(self, ctx: Context) -> str | None:
+        return await self._prepare(ctx.config)
+
+    async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+        self._spawned = ctx.config.server  # a reload may change the config while this server runs
+        return await self._prepare(ctx.config)
+
+    async def _prepare(self, config: Config) -> str | None:
+        """The store for ``config`` (its directory created, owned by ``[server].user``); a reason when it cannot be."""
+        if not config.slots.enabled:
+            self.store = None
+            return None
+        root = slot_save_dir(config.server, config.slots, config.runtime)
+        store = SlotStore(root, int(config.slots.budget_mib * MIB))
+        try:
+            uid = resolve_identity(config.server.user, "", ()).uid if config.server.user else None
+            await asyncio.to_thread(store.prepare, uid)
+        except (OSError, ValueError) as exc:
+            return f"[slots] cannot prepare the slot directory {root}: {getattr(exc, 'strerror', None) or exc}"
+        self.store = store
+        return None
+
+    async def _fingerprint(self, ctx: Context, server: ServerConfig) -> Fingerprint | None:
+        """The fingerprint of a server started from ``server`` (the build read once per binary file);
+        None (reported) when it cannot be read."""
+
+        def compute() -> Fingerprint:
+            binary = resolve_binary(server.binary)
+            if binary is None:
+                raise OSError(f"llama-server binary {server.binary!r} not found")
+            stamp = (str(binary), binary.stat().st_mtime_ns)
+            if stamp not in self._builds:
+                self._builds[stamp] = build_of(binary)
+            return fingerprint_of(server, self._builds[stamp])
+
+        try:
+            return await asyncio.to_thread(compute)
+        except OSError as exc:
+            ctx.emit("slot_save_failed", slot_id=None, error=f"no fingerprint: {exc.strerror or exc}")
+            return None
+
+    def _client(self, ctx: Context) -> SlotClient:
+        timeout = min(ctx.config.slots.save_timeout_s, ctx.config.slots.restore_timeout_s)
+        return SlotClient(ctx.config.server.base_url, ctx.get_api_key, timeout)
+
+    # ------------------------------------------------------------ restore (every start)
+
+    async def ready_check(self, ctx: Context, pid: int) -> str | None:
+        """Restore and verify the committed slots of this server's fingerprint (bounded); never refuses."""
+        if self.store is None:
+            return None
+        async with self._lock:
+            self._pid, self._saved = pid, {}
+            self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
+            bound = ctx.config.slots.restore_timeout_s
+            try:
+                await asyncio.wait_for(self._restore_all(ctx, self.store), bound)
+            except asyncio.TimeoutError:
+                ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid,
+                         error=f"the restores took longer than [slots].restore_timeout_s ({bound:g} s); "
+                               "the server is called ready without the rest")
+        return None
+
+    async def _restore_all(self, ctx: Context, store: SlotStore) -> None:
+        fingerprint = self._fp
+        if fingerprint is None or await asyncio.to_thread(store.unrestorable, fingerprint):
+            return
+        good, refused = await asyncio.to_thread(store.check, fingerprint)
+        for item in refused:
+            ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
+        client = self._client(ctx)
+        try:
+            for manifest in good:
+                try:
+                    moved = await client.restore(manifest.slot_id, manifest.file)
+                    tokens = await asyncio.to_thread(read_tokens, store.root / manifest.file)
+                    cache_n = await client.reuse(manifest.slot_id, tokens)
+                except (SlotCallError, StoreError, OSError) as exc:
+                    ctx.emit("slot_restore_failed", slot_id=manifest.slot_id, server_pid=self._pid, error=str(exc))
+                    continue
+                if cache_n < len(tokens) - 1:
+                    ctx.emit("slot_restore_unused", slot_id=manifest.slot_id, n_tokens=len(tokens), cache_n=cache_n,
+                             model=fingerprint.model.path, build=fingerprint.build)
+                    await asyncio.to_thread(store.mark_unrestorable, fingerprint)
+                    return
+                ctx.emit("slot_restored", slot_id=manifest.slot_id, n_tokens=moved.n_tokens, bytes=moved.n_bytes,
+                         restore_ms=moved.ms, cache_n=cache_n, server_pid=self._pid)
+            with contextlib.suppress(SlotCallError):  # what is in the slots now needs no save
+                self._saved = {s.id: (s.id_task, s.n_tokens) for s in await client.slots()}
+        finally:
+            await client.aclose()
+
+    # ------------------------------------------------------------ saves
+
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        """Save the changed slots of drained server ``pid`` (bounded by ``[slots].save_timeout_s``)."""
+        if self.store is None:
+            return
+        bound = ctx.config.slots.save_timeout_s
+        try:
+            await asyncio.wait_for(self._save_changed(ctx, pid, "planned restart"), bound)
+        except asyncio.TimeoutError:
+            ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
+                     error=f"the saves took longer than [slots].save_timeout_s ({bound:g} s)")
+
+    async def run(self, ctx: Context) -> None:
+        """The rolling save: every ``rolling_save_interval_s``, the changed idle slots of a READY server."""
+        while True:
+            await asyncio.sleep(ctx.config.slots.rolling_save_interval_s)
+            state = ctx.state
+            if self.store is not None and state.phase is Phase.READY and state.pid is not None:
+                await self._save_changed(ctx, state.pid, "rolling")
+
+    async def _save_changed(self, ctx: Context, pid: int, reason: str) -> None:
+        """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is processing."""
+        store = self.store
+        async with self._lock:
+            fingerprint = self._fp
+            if store is None or self._pid != pid or fingerprint is None:
+                return  # a server whose restore pass did not run (slots were off): nothing to label its files with
+            if await asyncio.to_thread(store.unrestorable, fingerprint):
+                return
+            client = self._client(ctx)
+            try:
+                await self._save_with(ctx, client, store, fingerprint, pid, reason)
+            finally:
+                await client.aclose()
+            try:
+                dropped = await asyncio.to_thread(store.prune)
+            except OSError as exc:
+                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"pruning the slot files: {exc}")
+                return
+            for item in dropped:
+                ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
+
+    async def _save_with(self, ctx: Context, client: SlotClient, store: SlotStore, fingerprint: Fingerprint,
+                         pid: int, reason: str) -> None:
+        try:
+            slots = await client.slots()
+        except SlotCallError:
+            return  # a server that does not answer now is the liveness watch's business
+        if any(s.processing for s in slots):
+            return
+        for slot in slots:
+            seen = (slot.id_task, slot.n_tokens)
+            if slot.id_task is None or slot.n_tokens == 0 or slot.canary or self._saved.get(slot.id) == seen:
+                continue
+            try:
+                moved = await client.save(slot.id, store.incoming(slot.id))
+                manifest = await asyncio.to_thread(store.commit, slot.id, fingerprint)
+            except (SlotCallError, StoreError, OSError) as exc:
+                ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=str(exc))
+                continue
+            self._saved[slot.id] = seen
+            ctx.emit("slot_saved", slot_id=slot.id, n_tokens=manifest.n_tokens, bytes=manifest.bytes,
+                     save_ms=moved.ms, reason=reason, server_pid=pid, file=str(Path(store.root) / manifest.file))
