@@ -35,9 +35,10 @@ class BoundedStderr(io.TextIOBase):
     other end (EPIPE) or unusable, output is discarded silently: nobody is left to tell.
     """
 
+    encoding = "utf-8"  # what write encodes to (undecodable characters backslash-escaped)
+
     def __init__(self, fd: int = 2, max_bytes: int = MAX_BUFFERED_BYTES) -> None:
         super().__init__()
-        self.encoding = "utf-8"  # what write encodes to (with backslash escapes)
         self._fd = fd
         self._max = max_bytes
         self._cond = threading.Condition()
