@@ -68,7 +68,7 @@ from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.types import AfterStop, Phase, State, initial_state
 from llama_guard.core.watcher import Context, Source
-from llama_guard.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
+from llama_guard.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
@@ -110,6 +110,7 @@ class Daemon:
         self._gpu: GpuRequests | None = None
         self._gen: ServerWatch | None = None
         self._stop_signals = 0
+        self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a source's start that waits
         self._spawn_task: asyncio.Task[None] | None = None
         self._reload_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -193,7 +194,11 @@ class Daemon:
                 return self._refuse(exc.lines[0])
             self._warn_unauthenticated(self.config)
             for source in self.sources:
-                refusal = await source.start(self.ctx)
+                refusal = await self._start_source(source)
+                if refusal is None:
+                    self.emitter.emit("daemon_exit", exit_code=EXIT_OK, reason="stopped before llama-server started")
+                    self._exit_code = EXIT_OK
+                    return EXIT_OK
                 if refusal:
                     self.emitter.emit("server_boot_failure", cause=refusal)
                     return self._refuse(refusal)
@@ -210,6 +215,21 @@ class Daemon:
             for sig in SIGNALS:
                 loop.remove_signal_handler(sig)
         return self._exit_code if self._exit_code is not None else EXIT_SOFTWARE
+
+    async def _start_source(self, source: Source) -> str | None:
+        """``source.start`` (which may wait, e.g. for a taken port), given up when a stop is asked
+        meanwhile: its refusal ("" for none), or None when the stop came first."""
+        assert self.ctx is not None
+        start = asyncio.ensure_future(source.start(self.ctx))
+        stop = asyncio.ensure_future(self._stop_asked.wait())
+        await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if start.done():
+            return start.result() or ""
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        return None
 
     async def _loop(self) -> None:
         while self._exit_code is None:
@@ -275,6 +295,7 @@ class Daemon:
 
     def _on_term(self, sig: int) -> None:
         self._stop_signals += 1
+        self._stop_asked.set()
         self.queue.put_nowait(StopRequest(reason=f"{signal.Signals(sig).name} received",
                                           immediate=self._stop_signals > 1))
 
