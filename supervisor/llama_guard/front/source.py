@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import socket
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -23,6 +24,7 @@ from llama_guard.core.params import params_from
 from llama_guard.core.policy.port import holder_text
 from llama_guard.core.procs import port_holder
 from llama_guard.core.watcher import Context, Source
+from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp
 from llama_guard.front.forward import Forwarder
@@ -43,12 +45,15 @@ async def _holder(port: int) -> tuple[int, str] | None:
 
 
 class FrontSource(Source):
-    """Serves ``[front].listen``; its metrics go into ``registry`` (the exporter's, when there is one)."""
+    """Serves ``[front].listen`` — on the socket systemd passed (``passed``: :func:`activation.take`),
+    if any, else on one it binds; its metrics go into ``registry`` (the exporter's, when there is one)."""
 
     name = "front"
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 passed: list[tuple[str, socket.socket]] | None = None) -> None:
         self._registry = registry
+        self._passed = list(passed or [])
         self.admission: Admission | None = None
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
@@ -57,6 +62,9 @@ class FrontSource(Source):
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
         address = front.address
+        activated = activation.front_socket(self._passed, front.listen, address)
+        if isinstance(activated, str):
+            return activated
         if address is None:
             return None
         admission = Admission(ctx.clock, lambda episode: self._episode(ctx, episode))
@@ -68,7 +76,8 @@ class FrontSource(Source):
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
         await forwarder.open()
         try:
-            bound = await self._listen(ctx, app, address)
+            bound = await (app.listen(*address, sock=activated) if activated is not None
+                           else self._listen(ctx, app, address))
         except BaseException:  # a stop while the port is waited for
             await forwarder.close()
             raise
@@ -77,8 +86,8 @@ class FrontSource(Source):
             return bound
         self.listening = bound
         self.admission, self.forwarder, self.app = admission, forwarder, app
-        ctx.emit("front_listening", listen=host_port(*self.listening),
-                 upstream=ctx.config.server.base_url, max_connections=app.max_connections)
+        ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
+                 max_connections=app.max_connections, activated=activated is not None)
         return None
 
     async def _listen(self, ctx: Context, app: FrontApp, address: tuple[str, int]) -> tuple[str, int] | str:
