@@ -1,5 +1,5 @@
 """Which daemon serves a configuration, against the real llama-server: a deleted runtime directory
-does not let a second daemon in, ``status``/``restart`` follow the holder of the instance's name
+does not let a second daemon in, ``status``/``restart`` follow the holder of the instance's lock
 (never a pid file that names another instance), and the daemon keeps its pid file true."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_deleted_runtime_dir_does_not_let_a_second_daemon_in(
     assert f"llama-guard pid {first.pid}" in error["reason"], error
     assert second.wait_event("daemon_exit")["exit_code"] == 78
     assert server_pids_of(first.port) == [int(ready["server_pid"])]  # type: ignore[attr-defined]
-    # A writes its files again; `status` finds A through the name, not through the pid file.
+    # A writes its files again (and locks the new lock file); `status` finds A through the lock, not the pid file.
     assert until(lambda: (runtime / PID_NAME).is_file(), 10)
     assert until(lambda: cli("status", "--config", str(first.config)).returncode == 0, 10)
     print(f"second daemon refused in {refused_s:.2f} s naming pid {first.pid}")

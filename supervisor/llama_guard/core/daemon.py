@@ -99,7 +99,7 @@ class Daemon:
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
-        self.runtime = RuntimeFiles(config.runtime.dir, config.server.port, emitter.emit)
+        self.runtime = RuntimeFiles(config.runtime.dir, emitter.emit)
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
         self.lanes = {"config": Lane("config", 2), "probe": Lane("probe", 1), "proc": Lane("proc", 2)}
@@ -150,18 +150,23 @@ class Daemon:
         started as ``[server].user``.
         """
         try:
-            self.runtime.acquire(self.config.server.port)
+            await asyncio.to_thread(self.runtime.acquire, self._ports())
         except (AlreadyRunning, OSError) as exc:
             reason = str(exc) if isinstance(exc, AlreadyRunning) else (
                 f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
             self.emitter.emit("config_error", reason=reason)
             self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
             return EXIT_CONFIG
-        self.runtime.answer(asyncio.get_running_loop())
         try:
             return await self._run_locked()
         finally:
             self.runtime.release()
+
+    def _ports(self) -> dict[str, int]:
+        """The TCP ports only this instance may serve (a second daemon of it is refused by them)."""
+        front = self.config.front.address
+        return {"llama-server's port": self.config.server.port,
+                **({"the front door's port": front[1]} if front is not None else {})}
 
     def _warn_unauthenticated(self, config: Config) -> None:
         if not config.server.loopback and not config.server.api_key_file:
@@ -420,8 +425,6 @@ class Daemon:
                 self.emitter.emit("config_error", reason=f"[runtime].dir: {problem}; keeping {old.runtime.dir}")
             else:
                 self._write_status()
-        if new.server.port != old.server.port and (problem := self.runtime.switch_port(new.server.port)):
-            self.emitter.emit("config_error", reason=f"server.port {new.server.port}: {problem}")
         if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
             self._warn_unauthenticated(new)
         self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
@@ -444,7 +447,7 @@ class Daemon:
 
     def _write_status(self) -> None:
         self._status_at = self.clock()
-        self.runtime.status_file.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
+        self.runtime.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
                                                 list(self.emitter.recent), self.sources, self._liveness()))
 
     # ------------------------------------------------------------ shutdown
