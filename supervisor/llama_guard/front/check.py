@@ -55,7 +55,8 @@ def check_front(config: Config) -> CheckResult:
     problem = _bind_problem(family, address)
     if problem:
         return CheckResult("front door", Verdict.WARN, f"{text}; {listen} cannot be bound now ({problem}): "
-                           "the front door would not start unless that is this llama-guard")
+                           "the front door would not start unless that is this llama-guard or llama-guard.socket "
+                           "(socket activation)")
     return CheckResult("front door", Verdict.OK, text)
 
 
