@@ -85,7 +85,7 @@ own "$SERVER_READS" "$DESTDIR/var/lib/llama-guard/models"
 
 # --- units and journal catalog -------------------------------------------------------------
 install -d -m 0755 "$DESTDIR/etc/systemd/system" "$DESTDIR/usr/local/lib/systemd/catalog"
-for unit in "$SRC"/deploy/systemd/*.service; do
+for unit in "$SRC"/deploy/systemd/*.service "$SRC"/deploy/systemd/*.socket; do
     sed "s#/opt/llama-guard/#$PREFIX/#g" "$unit" > "$DESTDIR/etc/systemd/system/$(basename "$unit")"
     chmod 0644 "$DESTDIR/etc/systemd/system/$(basename "$unit")"
 done
@@ -103,7 +103,9 @@ install.sh: done. Next:
      /etc/llama-guard/llama-guard.toml ([server].binary, model; api_key_file for a non-loopback host:
      install -m 0640 -o root -g $SERVER_USER KEYFILE /etc/llama-guard/api-key)
   2. $PREFIX/bin/llama-guard check --config /etc/llama-guard/llama-guard.toml
-  3. systemctl enable --now llama-guard
+  3. systemctl enable --now llama-guard.socket llama-guard
+     (the socket keeps clients' connections waiting while llama-guard itself restarts; its
+     ListenStream= must be [front].listen)
      (one per GPU instead: /etc/llama-guard/N.toml and systemctl enable --now llama-guard@N)
   4. journalctl -u llama-guard -f
 MSG

@@ -319,6 +319,12 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "front door listening",
         "The front door accepts client requests on @LISTEN@ and forwards them to llama-server at\n"
         "@UPSTREAM@, holding them while the server is not ready. Clients use @LISTEN@."),
+    "front_port_taken": (
+        "the front door's port is held by another process",
+        "The front door cannot listen on @LISTEN@: @HOLDER@ holds that port. llama-guard retries\n"
+        "every 2 s for [recovery].port_wait_s (@PORT_WAIT_S@ s), then exits 78 naming the holder.\n"
+        "Stop that process (an old llama-guard, or llama-server started by hand on the clients'\n"
+        "port) or choose another [front].listen."),
     "front_held": (
         "requests held while llama-server was not ready",
         "While llama-server was @PHASE@ the front door held @HELD@ requests (the longest @LONGEST_S@ s);\n"

@@ -170,6 +170,20 @@ class DaemonRun:
                 self.proc.wait(timeout=10)
 
 
+PORT_HOLDER = ("import socket, sys, time\n"
+               "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+               "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('bound', flush=True)\n"
+               "time.sleep(float(sys.argv[2]))\n")
+
+
+def hold_port(port: int, seconds: float) -> subprocess.Popen[str]:
+    """A process (its comm: python3...) listening on ``port`` for ``seconds``."""
+    proc = subprocess.Popen([sys.executable, "-c", PORT_HOLDER, str(port), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "bound"
+    return proc
+
+
 def server_pids_of(port: int) -> list[int]:
     """Pids of processes whose argv has ``--port <port>`` (any llama-server of this test)."""
     out = []

@@ -204,6 +204,43 @@ def test_check_names_both_addresses_and_refuses_a_shared_port(tmp_path: Path) ->
     assert done.returncode == 78 and "front.listen" in done.stderr
 
 
+@pytest.mark.parametrize("text", [
+    '[server]\nport = 18561\n[metrics]\nlisten = "127.0.0.1:18561"\n',
+    '[server]\nport = 18561\n[front]\nlisten = "127.0.0.1:18562"\n[metrics]\nlisten = "0.0.0.0:18562"\n',
+    '[server]\nport = 18561\n[front]\nlisten = "127.0.0.1:18561"\n[metrics]\nlisten = "18561"\n',
+])
+def test_listeners_on_one_port_fail_check_and_run_at_once(tmp_path: Path, text: str) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "port" in err.value.lines[0] and "listen" in err.value.lines[0]
+    for verb in ("check", "run"):
+        done = subprocess.run([sys.executable, "-m", "llama_guard", verb, "--config", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 78, (verb, done.stdout, done.stderr)
+        assert err.value.lines[0] in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("section", ["front", "metrics"])
+def test_check_says_fail_for_a_listen_host_that_does_not_resolve(tmp_path: Path, section: str) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text(f'[server]\nport = 18563\n[{section}]\nlisten = "no-such-host.invalid:18564"\n')
+    done = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stdout + done.stderr
+    fail = [line for line in done.stdout.splitlines()
+            if line.startswith("FAIL") and f"[{section}].listen" in line]
+    assert len(fail) == 1 and "'no-such-host.invalid' does not resolve" in fail[0], done.stdout
+    assert done.returncode != 0
+
+
 def test_client_connections_leave_file_descriptors_for_the_daemon() -> None:
     import resource
 

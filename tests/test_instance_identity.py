@@ -1,14 +1,16 @@
 """Which daemon serves a configuration, against the real llama-server: a deleted runtime directory
-does not let a second daemon in, ``status``/``restart`` follow the holder of the instance's name
+does not let a second daemon in, ``status``/``restart`` follow the holder of the instance's lock
 (never a pid file that names another instance), and the daemon keeps its pid file true."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +65,7 @@ def test_deleted_runtime_dir_does_not_let_a_second_daemon_in(
     assert f"llama-guard pid {first.pid}" in error["reason"], error
     assert second.wait_event("daemon_exit")["exit_code"] == 78
     assert server_pids_of(first.port) == [int(ready["server_pid"])]  # type: ignore[attr-defined]
-    # A writes its files again; `status` finds A through the name, not through the pid file.
+    # A writes its files again (and locks the new lock file); `status` finds A through the lock, not the pid file.
     assert until(lambda: (runtime / PID_NAME).is_file(), 10)
     assert until(lambda: cli("status", "--config", str(first.config)).returncode == 0, 10)
     print(f"second daemon refused in {refused_s:.2f} s naming pid {first.pid}")
@@ -115,3 +117,55 @@ def test_truncated_model_is_78_naming_the_file(
     assert "corrupted or incomplete" in failure["cause"], failure
     assert str(truncated) in failure["cause"] and failure["model"] == str(truncated), failure
     assert json.dumps(failure)  # a plain event
+
+
+SQUATTER = """
+import fcntl, hashlib, os, socket, sys, time
+runtime, port = sys.argv[1], sys.argv[2]
+names = []
+for key in (f"llama-guard/port/{port}",
+            "llama-guard/dir/" + hashlib.sha256(os.path.normpath(runtime).encode()).hexdigest()[:32]):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind("\\0" + key)  # the names an older llama-guard held: any local user can bind them
+    s.listen()
+    names.append(s)
+print("names held", flush=True)
+sys.stdin.readline()
+try:
+    fd = os.open(os.path.join(runtime, "llama-guard.lock"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("lock taken", flush=True)
+except OSError as exc:
+    print(f"lock refused: {type(exc).__name__}", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an unprivileged squatter beside a root daemon needs root")
+def test_an_unprivileged_process_can_take_nothing_from_the_daemon(
+        pool: RunPool, llama_server_bin: Path, real_model: Path) -> None:
+    base = Path(tempfile.mkdtemp(prefix="llama-guard-squat-"))
+    base.chmod(0o755)  # others may look in; the runtime directory llama-guard makes is its own (0700)
+    squatter: subprocess.Popen[str] | None = None
+    try:
+        run = pool.new(base, str(llama_server_bin), str(real_model))
+        runtime = base / "run"
+        squatter = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", SQUATTER,
+             str(runtime), str(run.port)],  # type: ignore[attr-defined]
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert squatter.stdin is not None and squatter.stdout is not None
+        assert squatter.stdout.readline().strip() == "names held"
+        run.start()
+        run.wait_event("server_ready", 60)
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        assert squatter.stdout.readline().strip() == "lock refused: PermissionError"
+        status = cli("status", "--runtime-dir", str(runtime))
+        assert status.returncode == 0 and f"llama-guard pid {run.pid}" in status.stdout, status
+    finally:
+        if squatter is not None:
+            squatter.kill()
+            squatter.wait()
+        pool.finish()
+        shutil.rmtree(base, ignore_errors=True)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor" / "llama_guard"
 FLOORS: list[tuple[str, ...]] = [
     ("llama_guard", "llama_guard.vocab", "llama_guard.units", "llama_guard.paths", "llama_guard.limit_values",
      "llama_guard.server_flags"),
-    ("llama_guard.cron",),
+    ("llama_guard.cron", "llama_guard.core.procs"),
     ("llama_guard.config",),
     ("llama_guard.argv", "llama_guard.api_key"),
     ("llama_guard.output.eventlog", "llama_guard.output.journal", "llama_guard.output.notify",

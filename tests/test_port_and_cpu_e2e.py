@@ -14,14 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import RunPool
+from harness import RunPool, hold_port
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(180)]
-
-HOLDER = ("import socket, sys, time\n"
-          "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-          "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('bound', flush=True)\n"
-          "time.sleep(float(sys.argv[2]))\n")
 
 
 @pytest.fixture
@@ -29,14 +24,6 @@ def pool() -> Iterator[RunPool]:
     runs = RunPool()
     yield runs
     assert runs.finish() == [], "a llama-server outlived its daemon"
-
-
-def hold_port(port: int, seconds: float) -> subprocess.Popen[str]:
-    """A process (its comm: python3...) listening on ``port`` for ``seconds``."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(port), str(seconds)], stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "bound"
-    return proc
 
 
 def test_port_taken_after_a_kill_9_is_named_retried_and_the_server_comes_back(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -100,3 +101,69 @@ def test_second_daemon_refuses_and_leaves_the_first_alone(
         assert first.wait_exit(30) == 0
         first.stop()
         assert wait_gone(int(first.wait_event("server_ready")["server_pid"]))
+
+
+HOLD_LOCK = ("import fcntl, os, sys, time\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "print('held', flush=True); time.sleep(120)\n")
+
+
+def test_a_lock_holder_that_is_not_llama_guard_is_named_as_what_it_is(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(runtime / LOCK_NAME)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(AlreadyRunning) as info:
+            RuntimeLock(runtime).acquire()
+        text = str(info.value)
+        assert info.value.pid == holder.pid
+        assert f"pid {holder.pid} ({os.path.realpath(sys.executable)}: " in text and "which is not llama-guard" in text
+        assert "llama-guard pid" not in text
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RuntimeLock(runtime)
+    lock.acquire()  # the holder gone, the lock is free at once
+    lock.release()
+
+
+def test_a_runtime_dir_others_may_write_is_refused_naming_its_mode(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    runtime.chmod(0o777)
+    with pytest.raises(PermissionError) as info:
+        RuntimeLock(runtime).acquire()
+    assert "writable by others (mode 0777)" in str(info.value)
+    assert not (runtime / LOCK_NAME).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_runtime_dir_of_another_user_is_refused_naming_its_owner(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, 65534, 65534)  # made in advance by an unprivileged user (nobody)
+    with pytest.raises(PermissionError) as info:
+        RuntimeLock(runtime).acquire()
+    assert "belongs to uid 65534" in str(info.value)
+
+
+def test_a_deleted_lock_file_is_locked_again_at_the_next_status_write(tmp_path: Path) -> None:
+    from llama_guard.output.snapshot import RuntimeFiles
+    from llama_guard.output.status import holder_of
+
+    runtime = tmp_path / "run"
+    files = RuntimeFiles(runtime, lambda *a, **k: None)
+    files.acquire({})
+    try:
+        assert holder_of(runtime) == os.getpid()
+        shutil.rmtree(runtime)
+        assert holder_of(runtime) is None
+        files.write({"daemon_pid": os.getpid()})
+        assert holder_of(runtime) == os.getpid()
+        with pytest.raises(AlreadyRunning):
+            RuntimeLock(runtime).acquire()
+    finally:
+        files.release()
+    assert holder_of(runtime) is None

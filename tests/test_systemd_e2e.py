@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,3 +257,70 @@ def test_daemon_protocol_at_the_socket_start_reload_stop(
     assert heads == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"], msgs
     reload_msg = next(m for m in msgs if m.startswith("RELOADING=1"))
     assert re.search(r"^MONOTONIC_USEC=\d+$", reload_msg, re.M), reload_msg
+
+
+SOCKET_UNIT = ROOT / "deploy" / "systemd" / "llama-guard.socket"
+
+
+def _livez(port: int) -> str:
+    """One client: a new connection, ``GET /livez`` through the front door; "answered", "refused" or
+    what else happened."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as conn:
+            conn.sendall(b"GET /livez HTTP/1.1\r\nHost: front\r\nConnection: close\r\n\r\n")
+            head = conn.recv(64)
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as exc:
+        return f"error: {exc!r}"
+    return "answered" if head.startswith(b"HTTP/1.1 ") else f"closed: {head!r}"
+
+
+def test_socket_activation_keeps_clients_connecting_across_a_restart_of_llama_guard(
+        env: tuple[PrivateUserManager, PrivateJournald, Path, str]) -> None:
+    manager, journal, config, extra = env
+    front = _free_port()
+    config.write_text(config.read_text() + f'\n[front]\nlisten = "127.0.0.1:{front}"\n')
+    manager.install_unit("llama-guard.socket", SOCKET_UNIT.read_text().replace(
+        "ListenStream=127.0.0.1:8080", f"ListenStream=127.0.0.1:{front}"))
+    manager.install_unit("llama-guard.service", unit_text(config, extra_env=extra))
+    try:
+        assert manager.systemctl("start", "llama-guard.socket", timeout_s=30).returncode == 0
+        assert manager.systemctl("start", "llama-guard.service", timeout_s=90).returncode == 0
+        first = manager.show("llama-guard.service", "MainPID")["MainPID"]
+        outcomes: list[str] = []
+        stop = threading.Event()
+
+        def clients() -> None:
+            while not stop.is_set():
+                outcomes.append(_livez(front))
+                stop.wait(0.05)
+
+        loop = threading.Thread(target=clients, daemon=True)
+        loop.start()
+        try:
+            t0 = time.monotonic()
+            result = manager.systemctl("restart", "llama-guard.service", timeout_s=120)
+            restart_s = time.monotonic() - t0
+            assert result.returncode == 0, result.stderr
+            answered = len(outcomes)
+            deadline = time.monotonic() + 30
+            while len(outcomes) < answered + 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            loop.join(150)
+        assert manager.show("llama-guard.service", "MainPID")["MainPID"] != first
+        assert outcomes and set(outcomes) == {"answered"}, {o: outcomes.count(o) for o in set(outcomes)}
+        listening = journal.entries("LLAMA_GUARD_EVENT=front_listening")
+        assert [e["ACTIVATED"] for e in listening] == ["true", "true"], listening
+        print(f"systemctl restart took {restart_s:.1f} s; {len(outcomes)} clients, all answered")
+
+        # Between two daemons the connection waits in the kernel's queue: with llama-guard stopped,
+        # a client's connection is taken (and starts llama-guard) instead of being refused.
+        assert manager.systemctl("stop", "llama-guard.service", timeout_s=60).returncode == 0
+        assert manager.show("llama-guard.service", "ActiveState")["ActiveState"] == "inactive"
+        assert _livez(front) == "answered"
+        assert len(journal.entries("LLAMA_GUARD_EVENT=front_listening")) == 3
+    finally:
+        manager.systemctl("stop", "llama-guard.socket", "llama-guard.service", timeout_s=60)

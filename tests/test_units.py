@@ -84,6 +84,22 @@ def test_systemd_analyze_verify(unit: Path, tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_socket_unit_verifies_with_its_service_and_matches_the_shipped_config(tmp_path: Path) -> None:
+    from llama_guard.front.activation import FRONT_NAME
+    from llama_guard.front.app import LISTEN_BACKLOG
+
+    socket_unit = ROOT / "deploy" / "systemd" / "llama-guard.socket"
+    copy = tmp_path / socket_unit.name
+    copy.write_text(socket_unit.read_text())
+    result = verify(copy, rewritten(UNITS[0], tmp_path))
+    assert result.returncode == 0 and (result.stdout + result.stderr).strip() == "", result.stdout + result.stderr
+    sock = parse_unit(socket_unit.read_text())["Socket"]
+    shipped = load_config(ROOT / "etc" / "llama-guard.toml")
+    assert sock["ListenStream"] == [shipped.front.listen]
+    assert sock["FileDescriptorName"] == [FRONT_NAME]
+    assert sock["Backlog"] == [str(LISTEN_BACKLOG)]
+
+
 def test_verify_catches_a_typo(tmp_path: Path) -> None:
     """The check above is real: an unknown key fails it."""
     copy = rewritten(UNITS[0], tmp_path)
@@ -257,7 +273,7 @@ def test_install_script_stages_every_file(tmp_path: Path) -> None:
     assert "keeping /etc/llama-guard/llama-guard.toml" in result.stdout
     for rel in ("etc/llama-guard/llama-guard.toml", "etc/llama-guard/llama-guard.toml.dist",
                 "etc/systemd/system/llama-guard.service", "etc/systemd/system/llama-guard@.service",
-                "usr/local/lib/systemd/catalog/llama-guard.catalog",
+                "etc/systemd/system/llama-guard.socket", "usr/local/lib/systemd/catalog/llama-guard.catalog",
                 "opt/lg/share/doc/llama-guard/systemd.md"):
         assert (tmp_path / rel).is_file(), rel
     unit = (tmp_path / "etc/systemd/system/llama-guard.service").read_text()

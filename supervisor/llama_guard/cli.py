@@ -62,13 +62,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
     from llama_guard.core.daemon import Daemon
+    from llama_guard.output import stderr
     from llama_guard.wiring import make_emitter, make_notifier, make_sources
 
     path, config = _load(args)
-    emitter = make_emitter(config)
-    sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
-    return asyncio.run(daemon.run())
+    output = stderr.install()  # the loop never waits on its own output
+    try:
+        emitter = make_emitter(config)
+        sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
+        daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
+        return asyncio.run(daemon.run())
+    finally:
+        output.drain()
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -538,15 +538,21 @@ class Config(BaseSettings):
     slots: SlotsConfig = Field(default_factory=SlotsConfig)
 
     @model_validator(mode="after")
-    def _front_port(self) -> Config:
-        address = self.front.address
-        if address is not None and address[1] == self.server.port:
+    def _ports(self) -> Config:
+        """llama-server, the front door and the exporter each need a port of their own: two of them
+        on one port would have the second wait for the first forever (or refuse at start)."""
+        front, metrics = self.front.address, self.metrics.address
+        if front is not None and front[1] == self.server.port:
             raise ValueError(f"front.listen {self.front.listen!r} uses port {self.server.port}, which is "
                              "[server].port: with the front door on, [server].port is llama-server's private "
                              "port (e.g. 8081) and clients use front.listen")
-        metrics = self.metrics.address
-        if address is not None and metrics is not None and metrics[1] == address[1]:
-            raise ValueError(f"front.listen {self.front.listen!r} and metrics.listen use the same port")
+        if metrics is not None and metrics[1] == self.server.port:
+            raise ValueError(f"metrics.listen {self.metrics.listen!r} uses port {self.server.port}, which is "
+                             "[server].port, where llama-server listens: give the exporter a port of its own "
+                             "(e.g. 9400)")
+        if front is not None and metrics is not None and metrics[1] == front[1]:
+            raise ValueError(f"front.listen {self.front.listen!r} and metrics.listen {self.metrics.listen!r} "
+                             f"use the same port {front[1]}: give each a port of its own")
         return self
 
     @classmethod

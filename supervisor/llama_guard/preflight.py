@@ -454,9 +454,9 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     results.append(model)
     results += check_settings(config)
     results.append(check_port(config))
-    from llama_guard.front.check import check_front  # it reports in this module's terms
+    from llama_guard.front.check import check_front, check_metrics  # they report in this module's terms
 
-    results.append(check_front(config))
+    results += [check_front(config), check_metrics(config)]
     results += check_credentials(config)
     results.append(check_api_key(config))
     results += check_limits(config)

@@ -36,6 +36,7 @@ def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -
     metrics (served when [metrics].listen is set; it counts every event of ``emitter``), the front door
     (when [front].listen is set). ``nvml_module``: the pynvml module the GPU watcher uses (None: the
     real ``pynvml``; tests inject a fake)."""
+    from llama_guard.front import activation
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
     from llama_guard.insight.need_cache import NeedCache
@@ -51,5 +52,6 @@ def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -
     sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), SlotsSource()]
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
     emitter.sinks.append(metrics)
-    # The front door (off unless [front].listen is set); its metrics go to the exporter's registry.
-    return [*sources, FrontSource(registry=metrics.registry), metrics]
+    # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
+    # metrics go to the exporter's registry.
+    return [*sources, FrontSource(registry=metrics.registry, passed=activation.take()), metrics]

@@ -74,7 +74,7 @@ from llama_guard.core.watcher import Context, Source
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
-from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_SOFTWARE
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.vocab.phases import Phase
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
@@ -104,7 +104,7 @@ class Daemon:
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
-        self.runtime = RuntimeFiles(config.runtime.dir, config.server.port, emitter.emit)
+        self.runtime = RuntimeFiles(config.runtime.dir, emitter.emit)
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
         self.lanes = daemon_lanes()
@@ -115,6 +115,7 @@ class Daemon:
         self._gpu: GpuRequests | None = None
         self._gen: ServerWatch | None = None
         self._stop_signals = 0
+        self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a source's start that waits
         self._spawn_task: asyncio.Task[None] | None = None
         self._reload_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -154,18 +155,23 @@ class Daemon:
         started as ``[server].user``.
         """
         try:
-            self.runtime.acquire(self.config.server.port)
+            await asyncio.to_thread(self.runtime.acquire, self._ports())
         except (AlreadyRunning, OSError) as exc:
             reason = str(exc) if isinstance(exc, AlreadyRunning) else (
                 f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
             self.emitter.emit("config_error", reason=reason)
             self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
             return EXIT_CONFIG
-        self.runtime.answer(asyncio.get_running_loop())
         try:
             return await self._run_locked()
         finally:
             self.runtime.release()
+
+    def _ports(self) -> dict[str, int]:
+        """The TCP ports only this instance may serve (a second daemon of it is refused by them)."""
+        front = self.config.front.address
+        return {"llama-server's port": self.config.server.port,
+                **({"the front door's port": front[1]} if front is not None else {})}
 
     def _warn_unauthenticated(self, config: Config) -> None:
         if not config.server.loopback and not config.server.api_key_file:
@@ -203,7 +209,11 @@ class Daemon:
                 return self._refuse(exc.lines[0])
             self._warn_unauthenticated(self.config)
             for source in self.sources:
-                refusal = await source.start(self.ctx)
+                refusal = await self._start_source(source)
+                if refusal is None:
+                    self.emitter.emit("daemon_exit", exit_code=EXIT_OK, reason="stopped before llama-server started")
+                    self._exit_code = EXIT_OK
+                    return EXIT_OK
                 if refusal:
                     self.emitter.emit("server_boot_failure", cause=refusal)
                     return self._refuse(refusal)
@@ -220,6 +230,21 @@ class Daemon:
             for sig in SIGNALS:
                 loop.remove_signal_handler(sig)
         return self._exit_code if self._exit_code is not None else EXIT_SOFTWARE
+
+    async def _start_source(self, source: Source) -> str | None:
+        """``source.start`` (which may wait, e.g. for a taken port), given up when a stop is asked
+        meanwhile: its refusal ("" for none), or None when the stop came first."""
+        assert self.ctx is not None
+        start = asyncio.ensure_future(source.start(self.ctx))
+        stop = asyncio.ensure_future(self._stop_asked.wait())
+        await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if start.done():
+            return start.result() or ""
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        return None
 
     async def _loop(self) -> None:
         while self._exit_code is None:
@@ -287,6 +312,7 @@ class Daemon:
 
     def _on_term(self, sig: int) -> None:
         self._stop_signals += 1
+        self._stop_asked.set()
         self.queue.put_nowait(StopRequest(reason=f"{signal.Signals(sig).name} received",
                                           immediate=self._stop_signals > 1))
 
@@ -411,8 +437,6 @@ class Daemon:
                 self.emitter.emit("config_error", reason=f"[runtime].dir: {problem}; keeping {old.runtime.dir}")
             else:
                 self._write_status()
-        if new.server.port != old.server.port and (problem := self.runtime.switch_port(new.server.port)):
-            self.emitter.emit("config_error", reason=f"server.port {new.server.port}: {problem}")
         if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
             self._warn_unauthenticated(new)
         self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
@@ -435,7 +459,7 @@ class Daemon:
 
     def _write_status(self) -> None:
         self._status_at = self.clock()
-        self.runtime.status_file.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
+        self.runtime.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
                                                 list(self.emitter.recent), self.sources, self._liveness()))
 
     # ------------------------------------------------------------ shutdown

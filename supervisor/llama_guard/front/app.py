@@ -134,8 +134,10 @@ class FrontApp:
     def connections(self) -> int:
         return len(self._server.connections) if self._server is not None else 0
 
-    async def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Open the listening socket (OSError when it cannot be bound); returns the bound address."""
+    async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> tuple[str, int]:
+        """Serve on ``sock`` (a listening socket passed by systemd's socket activation) or else open
+        a listening socket on ``host:port`` (OSError when it cannot be bound); returns the bound
+        address."""
         front = self._config()
         self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
                                   logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s,
@@ -150,8 +152,9 @@ class FrontApp:
             return server()
 
         loop = asyncio.get_running_loop()
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        if sock is None:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         try:
             self._listener = await loop.create_server(factory, sock=sock, backlog=ACCEPT_SLICE)
         except BaseException:

@@ -1,6 +1,8 @@
-"""``llama-guard check`` on ``[front]``: both addresses, and whether the front door's can be bound.
+"""``llama-guard check`` on the listeners: the front door's and the exporter's addresses, whether
+each host resolves and whether each can be bound now.
 
-A front port equal to ``[server].port`` never gets here: the configuration refuses it (exit 78).
+Two listeners (or one and ``[server].port``) on one port never get here: the configuration refuses
+it (exit 78).
 """
 
 from __future__ import annotations
@@ -11,26 +13,65 @@ from llama_guard.config import Config, host_port
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
+def _family(host: str, port: int) -> socket.AddressFamily | str:
+    """The address family ``host`` resolves to, or why it does not resolve (getaddrinfo(3)'s text)."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return str(exc.args[1] if isinstance(exc, socket.gaierror) and len(exc.args) > 1 else exc)
+
+
+def _bind_problem(family: socket.AddressFamily, address: tuple[str, int]) -> str:
+    """Why ``address`` cannot be bound now (the errno's text), "" when it can."""
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return str(exc.strerror or exc)
+    return ""
+
+
 def check_front(config: Config) -> CheckResult:
-    """One report line: where clients connect and where llama-server listens privately; WARN when
-    llama-server listens beyond loopback (clients could go around the front door) or the front
-    address cannot be bound now (perhaps by this very llama-guard)."""
+    """One report line: where clients connect and where llama-server listens privately; FAIL when
+    the front door's host does not resolve; WARN when llama-server listens beyond loopback (clients
+    could go around the front door) or the front address cannot be bound now (perhaps by this very
+    llama-guard)."""
     server = f"{config.server.host}:{config.server.port}"
     address = config.front.address
     if address is None:
         return CheckResult("front door", Verdict.NOTE, f"off: clients connect to llama-server at {server} directly "
                            "and see every restart (set [front].listen to hold their requests)")
     listen = host_port(*address)
+    family = _family(*address)
+    if isinstance(family, str):
+        return CheckResult("front door", Verdict.FAIL, f"[front].listen = {config.front.listen!r}: host "
+                           f"{address[0]!r} does not resolve ({family})")
     text = f"clients connect to {listen}; llama-server listens privately on {server}"
     if not config.server.loopback:
         return CheckResult("front door", Verdict.WARN, f"{text}, beyond loopback: clients can go around the front "
                            'door (set [server].host = "127.0.0.1")')
-    family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            return CheckResult("front door", Verdict.WARN, f"{text}; {listen} cannot be bound now ({exc.strerror}): "
-                               "the front door would not start unless that is this llama-guard")
+    problem = _bind_problem(family, address)
+    if problem:
+        return CheckResult("front door", Verdict.WARN, f"{text}; {listen} cannot be bound now ({problem}): "
+                           "the front door would not start unless that is this llama-guard or llama-guard.socket "
+                           "(socket activation)")
     return CheckResult("front door", Verdict.OK, text)
+
+
+def check_metrics(config: Config) -> CheckResult:
+    """One report line on ``[metrics].listen``: off, FAIL when its host does not resolve, WARN when
+    it cannot be bound now, else OK with the address."""
+    address = config.metrics.address
+    if address is None:
+        return CheckResult("metrics", Verdict.NOTE, "off (set [metrics].listen for /metrics, /livez and /readyz)")
+    listen = host_port(*address)
+    family = _family(*address)
+    if isinstance(family, str):
+        return CheckResult("metrics", Verdict.FAIL, f"[metrics].listen = {config.metrics.listen!r}: host "
+                           f"{address[0]!r} does not resolve ({family})")
+    problem = _bind_problem(family, address)
+    if problem:
+        return CheckResult("metrics", Verdict.WARN, f"{listen} cannot be bound now ({problem}): the exporter "
+                           "would not start unless that is this llama-guard")
+    return CheckResult("metrics", Verdict.OK, f"/metrics, /livez and /readyz on {listen}")

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import socket
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from llama_guard.config import Config, host_port
 from llama_guard.core.inputs import StreamStalled
+from llama_guard.core.offload import PROC_TIMEOUT_S
+from llama_guard.core.params import params_from
+from llama_guard.core.policy.port import holder_text
+from llama_guard.core.procs import port_holder
 from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Source
+from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp
 from llama_guard.front.forward import Forwarder
@@ -28,13 +35,26 @@ CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
 
 
+async def _holder(port: int) -> tuple[int, str] | None:
+    """Who listens on TCP ``port`` (a /proc scan in a thread, bounded by PROC_TIMEOUT_S); None when
+    it cannot be told."""
+    try:
+        pid, name = await asyncio.wait_for(asyncio.to_thread(port_holder, port), PROC_TIMEOUT_S)
+    except TimeoutError:
+        return None
+    return (pid, name) if pid is not None else None
+
+
 class FrontSource(Source):
-    """Serves ``[front].listen``; its metrics go into ``registry`` (the exporter's, when there is one)."""
+    """Serves ``[front].listen`` — on the socket systemd passed (``passed``: :func:`activation.take`),
+    if any, else on one it binds; its metrics go into ``registry`` (the exporter's, when there is one)."""
 
     name = "front"
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 passed: list[tuple[str, socket.socket]] | None = None) -> None:
         self._registry = registry
+        self._passed = list(passed or [])
         self.admission: Admission | None = None
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
@@ -43,6 +63,9 @@ class FrontSource(Source):
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
         address = front.address
+        activated = activation.front_socket(self._passed, front.listen, address)
+        if isinstance(activated, str):
+            return activated
         if address is None:
             return None
         admission = Admission(ctx.clock, lambda episode: self._episode(ctx, episode))
@@ -54,14 +77,43 @@ class FrontSource(Source):
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
         await forwarder.open()
         try:
-            self.listening = await app.listen(*address)
-        except OSError as exc:
+            bound = await (app.listen(*address, sock=activated) if activated is not None
+                           else self._listen(ctx, app, address))
+        except BaseException:  # a stop while the port is waited for
             await forwarder.close()
-            return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
+            raise
+        if isinstance(bound, str):
+            await forwarder.close()
+            return bound
+        self.listening = bound
         self.admission, self.forwarder, self.app = admission, forwarder, app
-        ctx.emit("front_listening", listen=host_port(*self.listening),
-                 upstream=ctx.config.server.base_url, max_connections=app.max_connections)
+        ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
+                 max_connections=app.max_connections, activated=activated is not None)
         return None
+
+    async def _listen(self, ctx: Context, app: FrontApp, address: tuple[str, int]) -> tuple[str, int] | str:
+        """Bind the front door's ``address``: the bound address, or why it cannot be bound. A port another
+        process holds is retried every ``port_retry_s`` for ``[recovery].port_wait_s`` (as
+        llama-server's port is), the holder named (``front_port_taken``) when first seen and
+        whenever it changes; then the refusal names it."""
+        front, params = ctx.config.front, params_from(ctx.config)
+        since, named = ctx.clock(), ""
+        while True:
+            try:
+                return await app.listen(*address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
+            holder = holder_text(await _holder(address[1]))
+            waited = ctx.clock() - since
+            if waited >= params.port_wait_s:
+                return (f"[front].listen = {front.listen!r}: port {address[1]} is held by {holder}, still after "
+                        f"{waited:.0f} s of retries; fix: stop that process or choose another [front].listen")
+            if holder != named:
+                named = holder
+                ctx.emit("front_port_taken", listen=host_port(*address), holder=holder, waited_s=round(waited, 1),
+                         port_wait_s=params.port_wait_s)
+            await asyncio.sleep(min(params.port_retry_s, params.port_wait_s - waited))
 
     async def run(self, ctx: Context) -> None:
         if self.forwarder is None or self.admission is None:

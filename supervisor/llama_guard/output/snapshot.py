@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 from llama_guard.core.types import State
 from llama_guard.core.watcher import Source
-from llama_guard.output.instance import InstanceName, NameTaken, port_key
+from llama_guard.output.instance import port_daemon
 from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 from llama_guard.vocab.phases import Phase
 
@@ -88,54 +87,40 @@ def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, 
 
 
 class RuntimeFiles:
-    """This instance's identity and files: the runtime directory's lock (and name), the name of
-    llama-server's port (:mod:`llama_guard.output.instance`: both outlive a deleted directory)
-    and the status file; ``emit`` reports failed writes (``status_write_failed``)."""
+    """This instance's identity and files: the runtime directory's lock, the check that no other
+    llama-guard of this user serves its ports (:mod:`llama_guard.output.instance`: what answers
+    when the directory was deleted) and the status file; ``emit`` reports failed writes
+    (``status_write_failed``)."""
 
-    def __init__(self, directory: Path, port: int, emit: Callable[..., None]) -> None:
+    def __init__(self, directory: Path, emit: Callable[..., None]) -> None:
         self._emit = emit
         self.lock = RuntimeLock(directory)
-        self.port_name = InstanceName(port_key(port))
         self.status_file = self._status_file(directory)
-        self._answered: list[int] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _status_file(self, directory: Path) -> StatusFile:
         return StatusFile(directory, on_error=lambda reason: self._emit(
             "status_write_failed", runtime_dir=str(directory), reason=reason))
 
-    def acquire(self, port: int) -> None:
-        """Take the directory's lock and name, then the port's name; raises AlreadyRunning (naming
-        the holder) or OSError, holding nothing."""
+    def acquire(self, ports: dict[str, int]) -> None:
+        """Take the directory's lock, then check that no llama-guard of this user serves one of
+        ``ports`` (what each is → TCP port: llama-server's, the front door's); raises AlreadyRunning
+        (naming the holder) or OSError, holding nothing. Blocking (a /proc scan)."""
         self.lock.acquire()
-        try:
-            self.port_name.bind()
-        except NameTaken as exc:
-            self.lock.release()
-            raise AlreadyRunning(self.lock.dir, exc.pid or None, f"it serves llama-server's port {port}") from None
-        except OSError:
-            self.lock.release()
-            raise
+        for what, port in ports.items():
+            pid = port_daemon(port)
+            if pid is not None and pid != os.getpid():
+                self.lock.release()
+                raise AlreadyRunning(self.lock.dir, pid, f"it serves {what} {port}")
 
-    def answer(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Accept (and close) connections to the held names from ``loop`` (None: stop), so that
-        ``status``, ``restart`` or a second daemon asking who holds them never fill their backlog."""
-        if self._loop is not None:
-            for fd in self._answered:
-                self._loop.remove_reader(fd)
-        self._answered, self._loop = [], loop
-        if loop is None:
-            return
-        for name in (*self.lock.names, self.port_name):
-            if name.fileno() >= 0:
-                loop.add_reader(name.fileno(), name.answer)
-                self._answered.append(name.fileno())
+    def write(self, document: dict[str, Any]) -> None:
+        """Write the status snapshot, first taking the lock again if the lock file was deleted
+        (:meth:`RuntimeLock.refresh`); never raises."""
+        self.lock.refresh()
+        self.status_file.write(document)
 
     def release(self) -> None:
         """Give everything back; never raises."""
-        self.answer(None)
         self.lock.release()
-        self.port_name.release()
 
     def switch(self, new: Path) -> str:
         """Move to directory ``new``: lock it, drop the old status file, release the old lock.
@@ -145,25 +130,8 @@ class RuntimeFiles:
             lock.acquire()
         except (AlreadyRunning, OSError) as exc:
             return str(exc)
-        loop = self._loop
-        self.answer(None)
         self.status_file.remove()
         self.lock.release()
         self.lock = lock
         self.status_file = self._status_file(new)
-        self.answer(loop)
-        return ""
-
-    def switch_port(self, port: int) -> str:
-        """Hold the name of llama-server's new ``port`` instead of the old one; "" or why not."""
-        name = InstanceName(port_key(port))
-        try:
-            name.bind()
-        except (NameTaken, OSError) as exc:
-            return f"{exc} (another llama-guard serves port {port})"
-        loop = self._loop
-        self.answer(None)
-        self.port_name.release()
-        self.port_name = name
-        self.answer(loop)
         return ""

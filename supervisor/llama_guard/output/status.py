@@ -4,9 +4,9 @@
 change; ``llama-guard.pid`` holds the daemon's pid for ``llama-guard restart``, written the same
 way and rewritten whenever it no longer names the daemon. Both are mode 0600 and the directory
 llama-guard creates is 0700 (systemd's ``RuntimeDirectoryMode=0700``). ``llama-guard.lock`` is
-held with ``flock`` for the daemon's life (:class:`RuntimeLock`), together with an abstract socket
-name keyed by the directory (:mod:`.instance`) that survives the directory's deletion: a second
-daemon of the same instance refuses to start and names the first. A status file that cannot be
+held with ``flock`` for the daemon's life (:class:`RuntimeLock`; who may hold it and how its holder
+is known: :mod:`.instance`): a second daemon of the same instance refuses to start and names the
+first. A status file that cannot be
 written is reported once (through ``on_error``: the daemon makes it the ``status_write_failed``
 event) and otherwise ignored: status is a convenience, never a reason to stop supervising; a
 failed write never leaves an empty pid file.
@@ -15,8 +15,8 @@ failed write never leaves an empty pid file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import itertools
 import json
 import os
 import sys
@@ -25,9 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from llama_guard.output.instance import InstanceName, NameTaken, dir_key, holder
+from llama_guard.output.instance import describe, is_llama_guard, lock_holder, unsafe_dir
 from llama_guard.paths import read_regular
 
 STATUS_NAME = "status.json"
@@ -70,79 +68,88 @@ def make_runtime_dir(directory: Path) -> None:
 
 
 class AlreadyRunning(Exception):
-    """Another llama-guard holds the runtime directory's lock or this instance's name; ``pid`` is
-    its pid (None if unknown)."""
+    """Another llama-guard (or, named as what it is, another process) holds the runtime directory's
+    lock or serves this instance's port; ``pid`` is its pid (None if unknown)."""
 
     def __init__(self, directory: Path, pid: int | None, what: str = "") -> None:
-        who = f"llama-guard pid {pid}" if pid else "another llama-guard"
+        if pid and not is_llama_guard(pid):
+            who = f"{describe(pid)}, which is not llama-guard,"
+        else:
+            who = f"llama-guard pid {pid}" if pid else "another llama-guard"
         held = what or f"it holds {directory / LOCK_NAME}"
         super().__init__(f"{who} already runs on {directory} ({held}); refusing to start a second llama-server")
         self.pid = pid
 
 
 class RuntimeLock:
-    """This instance's identity, held for the daemon's life: the abstract name of its runtime
-    directory (:mod:`.instance`) and an exclusive ``flock`` on ``<dir>/llama-guard.lock``, whose
-    content is the holder's pid. (The daemon holds llama-server's port name beside it.)
+    """This instance's identity, held for the daemon's life: an exclusive ``flock`` on
+    ``<dir>/llama-guard.lock`` (whose content is the holder's pid, for people), in a directory only
+    this user may write (:func:`~llama_guard.output.instance.unsafe_dir`).
 
-    The kernel drops all of it when the holder exits, however it exits, so nothing stale blocks a
-    start. The lock file is never deleted (deleting it would let two daemons lock two files); when
-    someone else deletes it, or the whole directory, the names still refuse a second daemon.
+    The kernel drops it when the holder exits, however it exits, so nothing stale blocks a start.
+    The lock file is never deleted by llama-guard; when someone else deletes it, or the whole
+    directory, :meth:`refresh` takes the lock of the new file at that path.
     """
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self._fd: int | None = None
-        self.names: list[InstanceName] = []
 
     def acquire(self) -> None:
-        """Take the names and the lock or raise :class:`AlreadyRunning` (naming the holder) or
-        OSError. Nothing is held after a failure."""
-        name = InstanceName(dir_key(self.dir))
-        try:
-            try:
-                name.bind()
-            except NameTaken as exc:
-                raise AlreadyRunning(self.dir, exc.pid or None, "it holds this runtime directory's name, "
-                                     "which outlives the directory") from None
-            self.names.append(name)
-            self._lock_file()
-        except BaseException:
-            self.release()
-            raise
+        """Take the lock or raise :class:`AlreadyRunning` (naming the holder) or OSError (an unsafe
+        directory: PermissionError naming its owner or mode). Nothing is held after a failure."""
+        self._fd = self._lock_file()
 
-    def _lock_file(self) -> None:
+    def refresh(self) -> None:
+        """When the lock file at the path is no longer the one locked (the file or the directory was
+        deleted), lock the file found or made there instead; never raises (tried again next time)."""
+        if self._fd is None:
+            return
+        try:
+            same = os.path.samestat(os.fstat(self._fd), os.stat(self.dir / LOCK_NAME, follow_symlinks=False))
+        except OSError:
+            same = False
+        if same:
+            return
+        with contextlib.suppress(AlreadyRunning, OSError):
+            fd = self._lock_file()
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = fd
+
+    def _lock_file(self) -> int:
         make_runtime_dir(self.dir)
+        problem = unsafe_dir(self.dir)
+        if problem:
+            raise PermissionError(errno.EPERM, problem)
         fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise PermissionError(errno.EPERM, f"{self.dir / LOCK_NAME} belongs to another user")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder_pid = _read_pid_text(os.pread(fd, 32, 0).decode(errors="replace"))
             os.close(fd)
-            raise AlreadyRunning(self.dir, holder_pid) from None
+            raise AlreadyRunning(self.dir, lock_holder(self.dir / LOCK_NAME) or None) from None
         except OSError:
             os.close(fd)
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        return fd
 
     def release(self) -> None:
-        """Drop the lock (the file stays) and the names; never raises."""
+        """Drop the lock (the file stays); never raises."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-        for name in self.names:
-            name.release()
-        self.names = []
 
 
 def holder_of(directory: Path) -> int | None:
-    """The pid of the daemon whose ``[runtime].dir`` is ``directory`` — the holder of its name —
-    or None when none runs (0: one runs but its pid could not be read). Not the pid file: that
-    can be stale, overwritten or deleted."""
-    return holder(dir_key(directory))
+    """The pid of the process that holds ``directory``'s lock (the kernel's lock table), or None
+    when none does (0: one does but its pid cannot be seen). Not the pid file: that can be stale,
+    overwritten or deleted."""
+    return lock_holder(directory / LOCK_NAME)
 
 
 def _read_pid_text(text: str) -> int | None:
@@ -216,23 +223,6 @@ def read_status(directory: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_llama_guard(pid: int) -> bool:
-    """Whether process ``pid`` is a llama-guard daemon (its command line names llama-guard or
-    llama_guard), so that a stale pid file reused by another process is never signalled."""
-    try:
-        cmdline = psutil.Process(pid).cmdline()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True  # cannot tell; the kill itself will be refused if it is not ours
-    # `llama-guard run ...` (console script, possibly via python) or `python -m llama_guard run ...`;
-    # a mere mention (tail -f /var/log/llama-guard/..., an editor on the config) does not count.
-    names = [os.path.basename(word) for word in cmdline[:3]]
-    script = "llama-guard" in names
-    module = any(a == "-m" and b == "llama_guard" for a, b in itertools.pairwise(cmdline))
-    return (script or module) and "run" in cmdline
-
-
 def read_pid(directory: Path) -> int | None:
     """The running daemon's pid from the pid file, or None when absent, stale or not llama-guard.
     Raises PermissionError when the pid file (or its directory) may not be read."""
@@ -250,7 +240,7 @@ def read_pid(directory: Path) -> int | None:
 @dataclass(frozen=True)
 class Located:
     """The daemon of one runtime directory as ``status`` and ``restart`` find it: ``pid`` the holder
-    of the directory's name (None: no daemon runs for it); ``note`` says what did not agree (a pid
+    of the directory's lock (None: no daemon runs for it); ``note`` says what did not agree (a pid
     file that names another process), "" when all agreed."""
 
     pid: int | None
@@ -258,7 +248,7 @@ class Located:
 
 
 def locate_daemon(directory: Path) -> Located:
-    """Which llama-guard serves ``directory``: the holder of its name (:func:`holder_of`), checked
+    """Which llama-guard serves ``directory``: the holder of its lock (:func:`holder_of`), checked
     to be llama-guard by its command line; the pid file only when the holder's pid cannot be read.
     Never another instance's pid, whatever the pid file says. Raises PermissionError when the pid
     file may not be read."""
@@ -268,10 +258,10 @@ def locate_daemon(directory: Path) -> Located:
         note = (f"{directory / PID_NAME} names llama-guard pid {file_pid}, which does not serve {directory} "
                 "(a stale pid file, or another instance's)") if file_pid is not None else ""
         return Located(None, note)
-    if held == 0:  # held, but the holder's pid was not given (its loop is busy): the pid file, if it agrees
-        return Located(file_pid, "" if file_pid else f"a daemon holds {directory}'s name but its pid is unknown")
+    if held == 0:  # held, but the holder's pid cannot be seen (another pid namespace): the pid file, if it agrees
+        return Located(file_pid, "" if file_pid else f"a daemon holds {directory}'s lock but its pid is unknown")
     if not is_llama_guard(held):
-        return Located(None, f"pid {held} holds {directory}'s name but is not llama-guard")
+        return Located(None, f"{describe(held)} holds {directory}'s lock but is not llama-guard")
     note = "" if file_pid == held else (f"{directory / PID_NAME} names {file_pid or 'no live llama-guard'}; "
                                         f"the daemon of {directory} is pid {held}")
     return Located(held, note)

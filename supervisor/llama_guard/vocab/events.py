@@ -124,6 +124,7 @@ EventName = Literal[
     "gpu_recovery_action",
     "gpu_watchdog_repeated",
     "front_listening",
+    "front_port_taken",
     "front_held",
     "server_stream_stalled",
     "server_http_errors",
@@ -273,6 +274,9 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("front_listening", _S.INFO,
                   "front door listening on {listen} for llama-server at {upstream} "
                   "(at most {max_connections} connections)"),
+        EventSpec("front_port_taken", _S.WARNING,
+                  "the front door's address {listen} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
+                  "(taken for {waited_s:.0f} s so far)"),
         EventSpec("front_held", _S.NOTICE,
                   "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
                   "{forwarded} forwarded, {replayed} replayed, {failed} failed"),

@@ -20,10 +20,11 @@ from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
 
-def _holder_text(state: State) -> str:
-    if state.port_holder is None:
+def holder_text(holder: tuple[int | None, str] | None) -> str:
+    """How a port's holder ``(pid, name)`` is named to people (None: not identified)."""
+    if holder is None:
         return "a process llama-guard could not identify"
-    pid, name = state.port_holder
+    pid, name = holder
     return f"pid {pid} ({name or '?'})" if pid else f"a process of another user ({name or '?'})"
 
 
@@ -44,7 +45,7 @@ def on_port_holder(state: State, event: PortHolder, now: float) -> Result:
     new = replace(state, port_holder=(event.pid, event.name) if event.pid is not None else None)
     waited = now - state.port_taken_since
     return new, [Emit("server_port_taken", {
-        "port": event.port, "holder_pid": event.pid, "holder_name": event.name, "holder": _holder_text(new),
+        "port": event.port, "holder_pid": event.pid, "holder_name": event.name, "holder": holder_text(new.port_holder),
         "waited_s": round(waited, 1), "port_wait_s": state.params.port_wait_s, "server_pid": state.pid})]
 
 
@@ -56,7 +57,7 @@ def exited_port_taken(state: State, event: Exited, now: float) -> Result:
     fields = exit_fields(state.pid, event.returncode, state.last_error)
     exited = Emit("server_exited", {**fields, "phase": "loading"})
     waited = now - state.port_taken_since
-    holder = _holder_text(state)
+    holder = holder_text(state.port_holder)
     if waited >= p.port_wait_s:
         cause = (f"port {p.port} is held by {holder}, still after {waited:.0f} s of retries; fix: stop that "
                  f"process or choose another [server].port")
