@@ -88,7 +88,7 @@ class ServerWatch:
                        self._taskset.start(self._watch_exit(), "exit watch")]
 
     def drain(self) -> None:
-        """Wait (bounded by ``[schedule].drain_timeout_s``) for the server to go idle; posts Drained."""
+        """Wait (bounded by ``[schedule].drain_timeout_s``) until no client request is in flight; posts Drained."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
 
     def signal(self, sig: signal.Signals) -> None:
@@ -230,8 +230,16 @@ class ServerWatch:
     async def _drain(self) -> None:
         timeout = self._ctx.get_config().schedule.drain_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.probe.wait_idle(), timeout)
+            await asyncio.wait_for(self._requests_done(), timeout)
             self._ctx.post(Drained(self.pid))
+
+    async def _requests_done(self) -> None:
+        """No client request left in flight: the front door's count when it is on (it sees every
+        request), else no slot of ``/slots`` processing."""
+        for source in self._sources:
+            if await source.wait_requests_done():
+                return
+        await self.probe.wait_idle()
 
     async def end(self) -> None:
         """Cancel this server's tasks and close its probe client, log file and pidfd (bounded)."""

@@ -267,8 +267,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "front door listening on {listen} for llama-server at {upstream} "
                   "(at most {max_connections} connections)"),
         EventSpec("front_held", _S.NOTICE,
-                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
-                  "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
+                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s "
+                  "from arrival): {forwarded} forwarded, {replayed} replayed, {failed} failed, {gone} gone "
+                  "(the client left); {refused} refused (max_held)"),
         EventSpec("server_stream_stalled", _S.WARNING,
                   "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
                   "(stall {stalls} of {hang_strikes})"),
