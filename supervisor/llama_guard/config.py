@@ -355,6 +355,9 @@ class RecoveryConfig(_Section):
     restart_window_s: PositiveFloat = 600.0
     stable_after_s: PositiveFloat = 60.0
     stop_grace_s: PositiveFloat = 15.0
+    # On SIGTERM/SIGINT, how long the requests in flight may finish before llama-server is stopped
+    # (new ones get 503 at once with the front door on); 0 = stop at once.
+    stop_drain_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     reset_on: list[ResetTrigger] = Field(default_factory=lambda: list(DEFAULT_RESET_ON))
     reset_command: list[str] = Field(
         default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])

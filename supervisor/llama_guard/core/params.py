@@ -21,6 +21,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         restart_window_s=config.recovery.restart_window_s,
         stable_after_s=config.recovery.stable_after_s,
         stop_grace_s=config.recovery.stop_grace_s,
+        stop_drain_s=config.recovery.stop_drain_s,
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,

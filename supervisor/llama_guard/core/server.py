@@ -88,7 +88,9 @@ class ServerWatch:
                        self._taskset.start(self._watch_exit(), "exit watch")]
 
     def drain(self) -> None:
-        """Wait (bounded by ``[schedule].drain_timeout_s``) until no client request is in flight; posts Drained."""
+        """Wait until no client request is in flight; posts Drained. The policy bounds the drain (its
+        deadline: ``[schedule].drain_timeout_s``, or ``[recovery].stop_drain_s`` before an exit); the
+        wait ends with this server's tasks."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
 
     def signal(self, sig: signal.Signals) -> None:
@@ -228,10 +230,8 @@ class ServerWatch:
         self._ctx.post(Exited(pid, code, self.last_line))
 
     async def _drain(self) -> None:
-        timeout = self._ctx.get_config().schedule.drain_timeout_s
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._requests_done(), timeout)
-            self._ctx.post(Drained(self.pid))
+        await self._requests_done()
+        self._ctx.post(Drained(self.pid))
 
     async def _requests_done(self) -> None:
         """No client request left in flight: the front door's count when it is on (it sees every

@@ -108,6 +108,7 @@ EventName = Literal[
     "decay_detected",
     "planned_restart_done",
     "drain_timeout",
+    "stop_drain_timeout",
     "config_reloaded",
     "config_error",
     "reload_ignored",
@@ -241,6 +242,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "unavailable {unavailable_s:.1f} s; {summary}"),
         EventSpec("drain_timeout", _S.WARNING,
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
+        EventSpec("stop_drain_timeout", _S.WARNING,
+                  "requests still in flight to llama-server pid {server_pid} after {stop_drain_s:.0f} s "
+                  "([recovery].stop_drain_s); stopping it anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
         EventSpec("reload_ignored", _S.NOTICE, "reload (SIGHUP) ignored: {reason}"),
