@@ -287,7 +287,7 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "requests still in flight when the stop's drain ended",
         "llama-guard was asked to stop (SIGTERM/SIGINT) and gave the requests in flight to llama-server\n"
         "pid @SERVER_PID@ @STOP_DRAIN_S@ s to finish; some had not, and were cut when the server was\n"
-        "stopped. Raise [recovery].stop_drain_s to let long requests finish (llama-guard extends\n"
+        "stopped. Raise [front].stop_drain_s to let long requests finish (llama-guard extends\n"
         "systemd's TimeoutStopSec with EXTEND_TIMEOUT_USEC while it drains)."),
     "front_listening": (
         "front door listening",

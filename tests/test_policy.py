@@ -8,7 +8,7 @@ import pytest
 from harness import emitted, line, names
 from harness import ready as policy_ready
 from harness import started as policy_started
-from llama_guard.core.actions import Action, ExitDaemon, Kill, Spawn, StartDrain, Terminate
+from llama_guard.core.actions import ExitDaemon, Kill, Spawn, StartDrain, Terminate
 from llama_guard.core.inputs import (
     Boot,
     Drained,
@@ -37,13 +37,6 @@ def started(pid: int = 100, now: float = 0.0, params: Params = P) -> State:
 
 def ready(pid: int = 100, now: float = 1.0, params: Params = P) -> State:
     return policy_ready(params, pid, now)
-
-
-def stopping(now: float) -> tuple[State, list[Action]]:
-    """SIGTERM to a ready server with no request in flight: the drain ends at once, the stop begins."""
-    s, acts = decide(ready(), StopRequest("SIGTERM received"), now)
-    assert s.phase is Phase.DRAINING and StartDrain(100) in acts and Terminate(100) not in acts
-    return decide(s, Drained(100), now)
 
 
 class TestStartup:
@@ -255,7 +248,7 @@ class TestHang:
 
 class TestStopping:
     def test_term_deadline_then_kill_then_give_up_waiting(self) -> None:
-        s, acts = stopping(5.0)
+        s, acts = decide(ready(), StopRequest("SIGTERM received"), 5.0)
         assert Terminate(100) in acts and s.deadline == pytest.approx(9.0)
         s, acts = decide(s, Tick(), 9.0)
         assert Kill(100) in acts and "server_stop_timeout" in names(acts)
@@ -263,7 +256,7 @@ class TestStopping:
         assert s.phase is Phase.EXITED and ExitDaemon(EXIT_OK, "SIGTERM received") in acts
 
     def test_sigterm_exits_zero_after_the_server_is_gone(self) -> None:
-        s, _ = stopping(5.0)
+        s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
         s, acts = decide(s, Exited(100, 0), 5.5)
         assert names(acts)[0] == "server_stopped" and acts[-1] == ExitDaemon(EXIT_OK, "SIGTERM received")
 
@@ -362,7 +355,7 @@ def test_abort_line_then_other_gpu_error_does_not_reset_when_only_oom_resets() -
 
 
 def test_our_own_sigkill_is_not_blamed_on_the_oom_killer() -> None:
-    s, _ = stopping(5.0)
+    s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
     s, _ = decide(s, Tick(), 9.0)  # grace over: SIGKILL sent
     s, acts = decide(s, Exited(100, -9), 9.1)
     assert "sent by llama-guard" in str(emitted(acts, "server_stopped").fields["exit_text"])

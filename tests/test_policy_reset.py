@@ -13,7 +13,6 @@ from harness import ready as policy_ready
 from llama_guard.core.actions import Action, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
 from llama_guard.core.inputs import (
     Boot,
-    Drained,
     Exited,
     GpuFault,
     GpuHolder,
@@ -403,7 +402,6 @@ class TestLostAndXid:
 
     def test_fault_while_stopping_on_request_keeps_exit_0(self) -> None:
         s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
-        s, acts = decide(s, Drained(100), 5.0)
         s, acts = decide(s, LOST, 5.1)
         assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_OK
         s, acts = decide(s, Exited(100, -15), 5.5)

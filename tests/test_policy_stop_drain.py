@@ -1,5 +1,5 @@
-"""SIGTERM/SIGINT while llama-server serves: the requests in flight may finish (DRAINING, bounded by
-``[recovery].stop_drain_s``), new ones are refused at once, then the server is stopped and the daemon
+"""SIGTERM/SIGINT while llama-server serves behind the front door: the requests in flight may finish
+(DRAINING, bounded by ``[front].stop_drain_s``), new ones are refused at once, then the server is stopped and the daemon
 exits 0 — whatever happens during the drain (a crash, a fault, a second signal). Pure policy."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from harness import ready as policy_ready
 from llama_guard.config import Config
 from llama_guard.core.actions import ExitDaemon, Kill, PlannedStop, Spawn, StartDrain, Terminate
 from llama_guard.core.inputs import Drained, Exited, RestartRequest, StopRequest, Tick
+from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.types import AfterStop, Params, Phase, RestartCause, State
 from llama_guard.exitcodes import EXIT_OK
@@ -82,9 +83,17 @@ def test_stop_drain_s_0_stops_at_once() -> None:
 
 
 def test_the_shipped_stop_fits_in_the_units_timeout_stop_sec() -> None:
-    shipped = Config().recovery
+    shipped = Config()
     unit = re.search(r"^TimeoutStopSec=(\d+)s$", UNIT.read_text(), re.M)
     assert unit is not None
     # The drain, SIGTERM → grace → SIGKILL → its wait, then the front door's connections closed.
-    worst = shipped.stop_drain_s + shipped.stop_grace_s + Params().kill_wait_s + CLOSE_TIMEOUT_S + 1.0
+    worst = (shipped.front.stop_drain_s + shipped.recovery.stop_grace_s + Params().kill_wait_s + CLOSE_TIMEOUT_S
+             + 1.0)
     assert worst < int(unit.group(1)), (worst, unit.group(1))
+
+
+def test_only_the_front_door_drains_on_stop() -> None:
+    off = Config()
+    on = Config.model_validate({"front": {"listen": "127.0.0.1:18080"}})
+    assert params_from(off).stop_drain_s == 0.0
+    assert params_from(on).stop_drain_s == on.front.stop_drain_s > 0

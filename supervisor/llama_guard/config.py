@@ -355,9 +355,6 @@ class RecoveryConfig(_Section):
     restart_window_s: PositiveFloat = 600.0
     stable_after_s: PositiveFloat = 60.0
     stop_grace_s: PositiveFloat = 15.0
-    # On SIGTERM/SIGINT, how long the requests in flight may finish before llama-server is stopped
-    # (new ones get 503 at once with the front door on); 0 = stop at once.
-    stop_drain_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     reset_on: list[ResetTrigger] = Field(default_factory=lambda: list(DEFAULT_RESET_ON))
     reset_command: list[str] = Field(
         default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])
@@ -518,6 +515,8 @@ class FrontConfig(_Listener):
     this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
     byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
+    ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
+    is stopped, while new ones get 503 at once (0 = stop at once).
     """
 
     hold_timeout_s: PositiveFloat = 120.0
@@ -528,6 +527,7 @@ class FrontConfig(_Listener):
     body_timeout_s: PositiveFloat = 60.0
     stall_timeout_s: float = Field(120.0, ge=0.0)
     max_connections: int = Field(16384, ge=1)
+    stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -244,7 +244,7 @@ CATALOG: dict[EventName, EventSpec] = {
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
         EventSpec("stop_drain_timeout", _S.WARNING,
                   "requests still in flight to llama-server pid {server_pid} after {stop_drain_s:.0f} s "
-                  "([recovery].stop_drain_s); stopping it anyway"),
+                  "([front].stop_drain_s); stopping it anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
         EventSpec("reload_ignored", _S.NOTICE, "reload (SIGHUP) ignored: {reason}"),

@@ -105,8 +105,8 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
 
 
 def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
-    """SIGTERM/SIGINT while the server serves: let the requests in flight finish (DRAINING, at most
-    ``stop_drain_s``; a planned drain under way goes on, its deadline cut to that), then stop the
+    """SIGTERM/SIGINT while the server serves behind the front door: let the requests in flight finish
+    (DRAINING, at most ``stop_drain_s``; a planned drain under way goes on, its deadline cut to that), then stop the
     server and exit 0. New requests are refused at once meanwhile (the front door's gate closes on
     the pending exit); a second signal kills the server at once."""
     assert state.pid is not None
@@ -119,7 +119,7 @@ def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
     new = replace(state, phase=Phase.DRAINING, deadline=deadline, after_stop=AfterStop.EXIT, exit_code=EXIT_OK,
                   exit_reason=event.reason, fault=event.reason)
     emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
-                                              f"{deadline - now:.0f} s, [recovery].stop_drain_s)",
+                                              f"{deadline - now:.0f} s, [front].stop_drain_s)",
                                     "server_pid": state.pid})
     return new, [emit, *drain]
 
