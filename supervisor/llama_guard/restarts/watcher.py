@@ -18,7 +18,8 @@ followed through the policy's typed actions (:meth:`on_action`): ``PlannedRestar
 ``StartDrain``, ``PlannedStop`` (the old server is stopped, drained or not), ``NotifyReady`` (the
 new one is ready); a crash while draining is seen by :meth:`on_exit`. The record
 (:class:`~llama_guard.restarts.history.RestartRecord`: uptime, drained or timed out, seconds
-unavailable = SIGTERM → READY, tokens/s and VRAM before) is reported as ``planned_restart_done``
+unavailable = what clients saw: SIGTERM → READY, or with the front door on the drain's start → READY,
+since it holds their requests from then; tokens/s and VRAM before) is reported as ``planned_restart_done``
 when the new server is ready; its "after" figures (the new server's baselines) are filled in
 later and shown by ``llama-guard status``.
 """
@@ -107,6 +108,7 @@ class _Pending:
     pid: int | None
     drained: bool | None = None
     stop_mono: float | None = None
+    held_from: float | None = None  # with the front door on: its requests are held from the drain's start
 
 
 class ScheduleSource(Source):
@@ -234,14 +236,16 @@ class ScheduleSource(Source):
         self.history.begin(RestartRecord(
             kind=kind, reason=action.reason, requested_at=self._wall(), uptime_s=action.uptime_s,
             tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
-        self._pending = _Pending(pid=action.pid)
+        self._pending = _Pending(pid=action.pid,
+                                 held_from=ctx.clock() if ctx.config.front.address is not None else None)
         self._after_pid = None
 
     def _on_ready(self, ctx: Context, pid: int | None) -> None:
         pending = self._pending
         if pending is not None and pending.stop_mono is not None and pid != pending.pid:
             self._pending = None
-            record = self.history.update_last(unavailable_s=round(ctx.clock() - pending.stop_mono, 3))
+            since = pending.held_from if pending.held_from is not None else pending.stop_mono
+            record = self.history.update_last(unavailable_s=round(ctx.clock() - since, 3))
             if record is not None:
                 ctx.emit("planned_restart_done", server_pid=pid, **record.fields())
             self._after_pid = pid
