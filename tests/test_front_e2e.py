@@ -273,8 +273,8 @@ def _at(event: dict[str, Any]) -> float:
 def _tokens_for(run: FrontRun, seconds: float, cap: int) -> int:
     """How many tokens the real server generates in about ``seconds`` on this host (measured now,
     at most ``cap``): the test's long request lasts that long whatever the host's speed."""
-    timings = completion(run.front, 48).json()["timings"]
-    return max(48, min(cap, int(timings["predicted_per_second"] * seconds)))
+    timings = completion(run.front, 16).json()["timings"]
+    return max(16, min(cap, int(timings["predicted_per_second"] * seconds)))
 
 
 def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(front: Any) -> None:
@@ -311,7 +311,7 @@ def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(fron
 def test_sigterm_during_a_generation_lets_it_finish_refuses_new_requests_and_exits_0(front: Any) -> None:
     run = front().start()
     run.wait_event("server_ready", 60)
-    n_long = _tokens_for(run, 5.0, 900)
+    n_long = _tokens_for(run, 4.0, 900)
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
