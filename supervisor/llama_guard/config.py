@@ -509,7 +509,8 @@ class FrontConfig(_Listener):
     request may wait for a ready server (seconds) before it gets 503 with ``Retry-After``.
     ``max_held``: requests held at once (more get 503 at once). ``max_body_bytes``: the largest request
     body (413 above it). ``max_buffered_bytes``: request bodies kept in memory at once, held and in
-    flight together (each is kept until its answer began, for a replay); past it, 503.
+    flight together (each is kept until its answer began, for a replay; it counts the bytes received,
+    never a declared ``Content-Length``); past it, 503.
     ``header_timeout_s``: a connection must deliver a request's head within this many seconds of
     connecting or of its previous answer (else closed); ``body_timeout_s``: the whole body within
     this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
