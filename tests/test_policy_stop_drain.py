@@ -15,6 +15,7 @@ from llama_guard.core.actions import ExitDaemon, Kill, PlannedStop, Spawn, Start
 from llama_guard.core.inputs import Drained, Exited, RestartRequest, StopRequest, Tick
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
+from llama_guard.core.service import STOP_MARGIN_S, NullNotifier, StopTimeout
 from llama_guard.core.types import AfterStop, Params, Phase, RestartCause, State
 from llama_guard.exitcodes import EXIT_OK
 from llama_guard.front.admission import Gate, gate_of
@@ -97,3 +98,19 @@ def test_only_the_front_door_drains_on_stop() -> None:
     on = Config.model_validate({"front": {"listen": "127.0.0.1:18080"}})
     assert params_from(off).stop_drain_s == 0.0
     assert params_from(on).stop_drain_s == on.front.stop_drain_s > 0
+
+
+class _Notifier(NullNotifier):
+    def __init__(self) -> None:
+        self.extended: list[int] = []
+
+    def extend_timeout(self, usec: int) -> None:
+        self.extended.append(usec)
+
+
+def test_systemd_is_told_the_drain_and_the_stop_after_it() -> None:
+    notifier = _Notifier()
+    now = 50.0
+    StopTimeout(notifier, lambda: now).extend(draining(now=40.0))  # deadline 70: 20 s of drain left
+    left = 20.0 + P.stop_grace_s + P.kill_wait_s + STOP_MARGIN_S
+    assert notifier.extended == [int(left * 1_000_000)]
