@@ -92,7 +92,14 @@ class Episode:
 
     def count(self, outcome: Outcome, held_s: float) -> None:
         """One held request ended with ``outcome`` after ``held_s`` seconds since its arrival."""
-        setattr(self, outcome.value, getattr(self, outcome.value) + 1)
+        if outcome is Outcome.FORWARDED:
+            self.forwarded += 1
+        elif outcome is Outcome.REPLAYED:
+            self.replayed += 1
+        elif outcome is Outcome.FAILED:
+            self.failed += 1
+        else:
+            self.gone += 1
         self.longest_s = max(self.longest_s, held_s)
 
     def fields(self) -> dict[str, object]:
@@ -104,9 +111,11 @@ class Episode:
 
 @dataclass(eq=False)
 class _Waiter:
-    """A held request: its future (the pid it may go to), when it arrived, when its hold timeout
-    began counting (``since``), the timeout (``hold_s``), whether it is a replay, its expiry timer."""
+    """A held request: its arrival number, its future (the pid it may go to), when it arrived, when
+    its hold timeout began counting (``since``), the timeout (``hold_s``), whether it is a replay,
+    its expiry timer."""
 
+    seq: int
     fut: asyncio.Future[int]
     arrived: float
     since: float
@@ -177,12 +186,9 @@ class Admission:
 
     def _resolve(self, waiter: _Waiter, pid: int | None, reason: FailReason) -> None:
         """End ``waiter``'s hold: released to ``pid``, else refused with ``reason``; counted once."""
-        for seq, held in self._waiters.items():
-            if held is waiter:
-                del self._waiters[seq]
-                break
-        else:
-            return
+        if self._waiters.get(waiter.seq) is not waiter:
+            return  # already ended
+        del self._waiters[waiter.seq]
         if waiter.timer is not None:
             waiter.timer.cancel()
         if waiter.fut.done():
@@ -226,7 +232,7 @@ class Admission:
         if len(self._waiters) >= max_held:
             self.episode.refused += 1
             raise Refused(FailReason.QUEUE_FULL)
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), arrived, since, hold_s, replay)
+        waiter = _Waiter(seq, asyncio.get_running_loop().create_future(), arrived, since, hold_s, replay)
         self._waiters[seq] = waiter
         self.episode.held += 1
         self._arm(waiter)
