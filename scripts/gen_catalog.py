@@ -315,6 +315,12 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "llama-server still busy when draining ended",
         "llama-server was still busy after @DRAIN_TIMEOUT_S@ s of draining and was restarted\n"
         "anyway. Raise [schedule].drain_timeout_s to let long requests finish."),
+    "stop_drain_timeout": (
+        "requests still in flight when the stop's drain ended",
+        "llama-guard was asked to stop (SIGTERM/SIGINT) and gave the requests in flight to llama-server\n"
+        "pid @SERVER_PID@ @STOP_DRAIN_S@ s to finish; some had not, and were cut when the server was\n"
+        "stopped. Raise [front].stop_drain_s to let long requests finish (llama-guard extends\n"
+        "systemd's TimeoutStopSec with EXTEND_TIMEOUT_USEC while it drains)."),
     "front_listening": (
         "front door listening",
         "The front door accepts client requests on @LISTEN@ and forwards them to llama-server at\n"
@@ -327,10 +333,12 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "port) or choose another [front].listen."),
     "front_held": (
         "requests held while llama-server was not ready",
-        "While llama-server was @PHASE@ the front door held @HELD@ requests (the longest @LONGEST_S@ s);\n"
-        "@FAILED@ of them failed (held past [front].hold_timeout_s, more than [front].max_held, or\n"
-        "the daemon ended). A failed count above zero means clients saw the restart: raise\n"
-        "hold_timeout_s to cover the server's load time, or max_held."),
+        "While llama-server was @PHASE@ the front door held @HELD@ requests (the longest @LONGEST_S@ s,\n"
+        "from the request's arrival). Each hold ended one way: @FORWARDED@ forwarded, @REPLAYED@ sent\n"
+        "once more, @FAILED@ failed (held past [front].hold_timeout_s, or the daemon ended), @GONE@\n"
+        "gone (the client left); @REFUSED@ more were refused, never held, past [front].max_held. A\n"
+        "failed or refused count above zero means clients saw the restart: raise hold_timeout_s to\n"
+        "cover the server's load time, or max_held."),
     "server_stream_stalled": (
         "a streaming response stalled",
         "A response of llama-server @SERVER_PID@ had begun and then got no byte for @STALLED_S@ s.\n"

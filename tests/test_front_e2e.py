@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,69 @@ def test_three_kills_under_64_streams_every_client_gets_an_end_and_nothing_stays
     assert _sse_stream(run.front, 4) == (200, "done")
     assert metric(run, 'llama_guard_front_requests_failed_total{reason="upstream_failed"}') == \
         sum(status == 502 for status, _ in results)
+
+
+def _at(event: dict[str, Any]) -> float:
+    """An event's wall-clock time, seconds since the epoch."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def _tokens_for(run: FrontRun, seconds: float, cap: int) -> int:
+    """How many tokens the real server generates in about ``seconds`` on this host (measured now,
+    at most ``cap``): the test's long request lasts that long whatever the host's speed."""
+    timings = completion(run.front, 16).json()["timings"]
+    return max(16, min(cap, int(timings["predicted_per_second"] * seconds)))
+
+
+def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(front: Any) -> None:
+    """The shipped promise at a small scale: a drain longer than ``hold_timeout_s`` (a long generation),
+    new requests arriving during it: every one is 200, held until the next server is ready, and the
+    events say what the clients saw."""
+    hold_s = 6.0
+    run = front({"front": {"hold_timeout_s": hold_s}, "server": {"parallel": 2, "ctx_size": 4096},
+                 "schedule": {"drain_timeout_s": 240.0}}).start()
+    first = run.wait_event("server_ready", 60)["server_pid"]
+    n_long = _tokens_for(run, 2.5 * hold_s, 1900)
+    with ThreadPoolExecutor(4) as pool:
+        long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
+        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
+        run.signal(signal.SIGUSR1)  # llama-guard restart: drained
+        run.wait_event("restart_requested", 10)
+        new = [pool.submit(completion, run.front, 2) for _ in range(3)]
+        wait_for(lambda: metric(run, "llama_guard_front_requests_waiting") >= 3, 30, "3 new requests held")
+        results = [f.result() for f in [long, *new]]
+    assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+    assert results[0].json()["tokens_predicted"] == n_long
+    requested, stopped = run.wait_event("restart_requested"), run.wait_event("server_stopped")
+    drain_s = _at(stopped) - _at(requested)
+    assert stopped["server_pid"] == first and drain_s > hold_s, drain_s  # the drain did outlast hold_timeout_s
+    assert "drain_timeout" not in run.names()
+    held = run.wait_event("front_held", 10)
+    assert (held["held"], held["forwarded"], held["failed"], held["gone"], held["refused"]) == (3, 3, 0, 0, 0)
+    assert held["longest_s"] > hold_s and "draining" in held["phase"]
+    done = run.wait_event("planned_restart_done", 10)
+    assert done["unavailable_s"] >= drain_s - 0.5  # what the clients saw: held from the drain's start
+    assert metric(run, "llama_guard_front_requests_failed_total") == 0
+
+
+def test_sigterm_during_a_generation_lets_it_finish_refuses_new_requests_and_exits_0(front: Any) -> None:
+    run = front().start()
+    run.wait_event("server_ready", 60)
+    n_long = _tokens_for(run, 4.0, 900)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
+        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
+        run.signal(signal.SIGTERM)
+        run.wait_event("daemon_stopping", 10)
+        sent = time.monotonic()
+        refused = completion(run.front, 2, timeout=30.0)
+        refused_s = time.monotonic() - sent
+        in_flight_then = not long.done()
+        answer = long.result()
+    assert in_flight_then, "the generation ended before the stop: lengthen it"
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "5" and refused_s < 5.0
+    assert answer.status_code == 200 and answer.json()["tokens_predicted"] == n_long
+    assert run.wait_exit(60) == 0
+    names = run.names()
+    assert "stop_drain_timeout" not in names and "server_stop_timeout" not in names
+    assert names.index("daemon_stopping") < names.index("server_stopped")

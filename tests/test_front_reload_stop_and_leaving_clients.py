@@ -51,8 +51,9 @@ def test_reload_that_moves_llama_server_onto_the_front_port_is_refused(door: Any
 
 def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_at_once(door: Any) -> None:
     """SIGTERM during a drain, 20 requests held and 5 keep-alive connections idle: every held
-    request gets its 503 at once, and once the server is gone the daemon exits well within the
-    front door's close timeout — an idle connection must not hold up the exit."""
+    request gets its 503 at once; the stop drains the stream in flight until its client leaves, and
+    once the server is gone the daemon exits well within the front door's close timeout — an idle
+    connection must not hold up the exit."""
     run = door(extra={"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192}})
     client, resp, _chunks = long_stream(run.front, 8000)  # keeps the drain going
     run.signal(signal.SIGUSR1)
@@ -65,10 +66,10 @@ def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_a
     heads = [sock.recv(12) for sock in held]
     answered_s = time.monotonic() - begin
     assert heads == [b"HTTP/1.1 503"] * 20, heads
+    resp.close()  # the stream's client leaves: nothing is in flight, the stop's drain ends
+    client.close()
     assert run.wait_exit(30) == 0
     exited = time.time()
-    resp.close()
-    client.close()
     for sock in held + idle:
         with contextlib.suppress(OSError):
             while sock.recv(65536):

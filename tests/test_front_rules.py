@@ -27,13 +27,21 @@ from multidict import CIMultiDict, CIMultiDictProxy
 READY = State(params=Params(hang_strikes=3), phase=Phase.READY, pid=42, ready_at=0.0)
 
 
+async def hold(admission: Admission, seq: int, hold_s: float, max_held: int = 10,
+               clock: Callable[[], float] = time.monotonic) -> tuple[int, float]:
+    """``admission.admit`` for a request that arrives now (by ``clock``)."""
+    now = clock()
+    return await admission.admit(seq, arrived=now, since=now, hold_s=hold_s, max_held=max_held)
+
+
 def test_gate_follows_the_policy_phase() -> None:
     assert gate_of(READY) is Gate.OPEN
     for phase in (Phase.STARTING, Phase.STOPPING, Phase.BACKOFF, Phase.DRAINING, Phase.RESETTING,
                   Phase.WAITING_VRAM, Phase.STOPPED):
         assert gate_of(replace(READY, phase=phase)) is Gate.HOLD, phase
     assert gate_of(replace(READY, phase=Phase.EXITED)) is Gate.CLOSED
-    assert gate_of(replace(READY, phase=Phase.STOPPING, after_stop=AfterStop.EXIT)) is Gate.CLOSED
+    for phase in (Phase.STOPPING, Phase.DRAINING, Phase.RESETTING):  # a pending exit: 503 at once
+        assert gate_of(replace(READY, phase=phase, after_stop=AfterStop.EXIT)) is Gate.CLOSED, phase
 
 
 class Clock:
@@ -62,7 +70,7 @@ async def test_held_requests_are_released_in_arrival_order() -> None:
     order: list[int] = []
 
     async def one(seq: int) -> None:
-        pid, held_s = await admission.admit(seq, clock() + 10, max_held=10)
+        pid, held_s = await hold(admission, seq, 10, clock=clock)
         assert (pid, held_s) == (7, 2.5)
         order.append(seq)
 
@@ -77,15 +85,15 @@ async def test_held_requests_are_released_in_arrival_order() -> None:
     [episode] = episodes
     assert episode.fields()["phase"] == "backoff, starting"
     assert (episode.held, episode.forwarded, episode.failed, episode.longest_s) == (4, 4, 0, 2.5)
-    assert await admission.admit(10, clock(), max_held=1) == (7, 0.0)  # open: no wait at all
+    assert await hold(admission, 10, 0, max_held=1, clock=clock) == (7, 0.0)  # open: no wait at all
 
 
 async def test_holding_is_bounded_by_max_held_and_the_deadline() -> None:
     admission = Admission(time.monotonic, lambda e: None)
-    waiter = asyncio.create_task(admission.admit(1, time.monotonic() + 0.2, max_held=1))
+    waiter = asyncio.create_task(hold(admission, 1, 0.2, max_held=1))
     await until(lambda: admission.waiting == 1)
     with pytest.raises(Refused) as full:
-        await admission.admit(2, time.monotonic() + 10, max_held=1)
+        await hold(admission, 2, 10, max_held=1)
     assert full.value.reason is FailReason.QUEUE_FULL
     start = time.monotonic()
     with pytest.raises(Refused) as late:
@@ -97,13 +105,13 @@ async def test_holding_is_bounded_by_max_held_and_the_deadline() -> None:
 async def test_a_verdict_ending_the_daemon_refuses_held_and_new_requests_at_once() -> None:
     episodes: list[Episode] = []
     admission = Admission(time.monotonic, episodes.append)
-    waiters = [asyncio.create_task(admission.admit(i, time.monotonic() + 60, max_held=10)) for i in range(3)]
+    waiters = [asyncio.create_task(hold(admission, i, 60)) for i in range(3)]
     await until(lambda: admission.waiting == 3)
     admission.update(replace(READY, phase=Phase.EXITED))
     results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, Refused) and r.reason is FailReason.DAEMON_EXITING for r in results)
     with pytest.raises(Refused):
-        await admission.admit(9, time.monotonic() + 60, max_held=10)
+        await hold(admission, 9, 60)
     assert episodes[0].failed == 3
 
 

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from llama_guard.config import Config, ScheduleConfig, ServerConfig
+from llama_guard.config import Config, ScheduleConfig
 from llama_guard.core.actions import NotifyReady
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
@@ -31,10 +31,11 @@ def metrics(tokens: float, seconds: float) -> str:
 class Rig:
     """A ScheduleSource with a fake daemon around it: clocks, policy state, emitted and posted."""
 
-    def __init__(self, server: dict[str, Any] | None = None, **schedule: Any) -> None:
+    def __init__(self, server: dict[str, Any] | None = None, front: dict[str, Any] | None = None,
+                 **schedule: Any) -> None:
         keys: dict[str, Any] = {"restart_cron": "30 4 * * *", "timezone": "UTC", "min_uptime_s": 0.0}
         keys.update(schedule)
-        self.config = Config(schedule=ScheduleConfig(**keys), server=ServerConfig(**(server or {})))
+        self.config = Config.model_validate({"schedule": keys, "server": server or {}, "front": front or {}})
         self.wall = T0
         self.mono = 1000.0
         self.state = State(phase=Phase.STOPPED)
@@ -90,10 +91,12 @@ class Rig:
         await asyncio.gather(*self.source._tasks)
 
     async def policy_restarts(self, old: int, new: int, *, cause: RestartCause = RestartCause.SCHEDULE,
-                              drain_timeout: bool = False, unavailable_s: float = 4.0) -> None:
-        """One drained restart of ``old`` into ``new`` through the real policy."""
+                              drain_timeout: bool = False, unavailable_s: float = 4.0, drain_s: float = 0.0) -> None:
+        """One drained restart of ``old`` into ``new`` through the real policy (the drain lasts
+        ``drain_s``, then ``unavailable_s`` from the stop to READY)."""
         self.play(RestartRequest("why", cause=cause))
         await self.settle()
+        self.advance(drain_s)
         if drain_timeout:
             self.advance(self.state.params.drain_timeout_s)
             self.play(Tick())
@@ -159,6 +162,15 @@ async def test_disabled_schedule_never_posts() -> None:
     rig.source.tick(rig.ctx)
     assert rig.posted == [] and rig.emitted == []
     assert rig.source.snapshot()["next_fire"] is None  # type: ignore[index]
+
+
+async def test_unavailable_is_what_clients_saw_drain_included_with_the_front_door() -> None:
+    for front, expected in (({}, 4.2), ({"listen": "127.0.0.1:18080"}, 30.0 + 4.2)):
+        rig = await Rig(front=front).start()
+        rig.serve(100)
+        await rig.policy_restarts(100, 101, unavailable_s=4.2, drain_s=30.0)
+        # Without the front door clients reach the server while it drains; with it they are held from its start.
+        assert rig.event("planned_restart_done")["unavailable_s"] == pytest.approx(expected)
 
 
 async def test_a_drained_restart_is_recorded_with_its_figures() -> None:

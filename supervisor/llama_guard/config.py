@@ -436,12 +436,15 @@ class FrontConfig(_Listener):
     request may wait for a ready server (seconds) before it gets 503 with ``Retry-After``.
     ``max_held``: requests held at once (more get 503 at once). ``max_body_bytes``: the largest request
     body (413 above it). ``max_buffered_bytes``: request bodies kept in memory at once, held and in
-    flight together (each is kept until its answer began, for a replay); past it, 503.
+    flight together (each is kept until its answer began, for a replay; it counts the bytes received,
+    never a declared ``Content-Length``); past it, 503.
     ``header_timeout_s``: a connection must deliver a request's head within this many seconds of
     connecting or of its previous answer (else closed); ``body_timeout_s``: the whole body within
     this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
     byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
+    ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
+    is stopped, while new ones get 503 at once (0 = stop at once).
     """
 
     hold_timeout_s: PositiveFloat = 120.0
@@ -452,6 +455,7 @@ class FrontConfig(_Listener):
     body_timeout_s: PositiveFloat = 60.0
     stall_timeout_s: float = Field(120.0, ge=0.0)
     max_connections: int = Field(16384, ge=1)
+    stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
 
 
 class SlotsConfig(_Section):

@@ -47,7 +47,8 @@ class NotifyReady(Action):
 
 @dataclass(frozen=True)
 class StartDrain(Action):
-    """Watch ``/slots`` of ``pid`` and answer Drained once no slot is processing."""
+    """Answer Drained once no client request to ``pid`` is in flight (the front door's count when it
+    is on, else ``/slots``: no slot processing)."""
 
     pid: int
 

@@ -87,7 +87,9 @@ class ServerWatch:
                        self._taskset.start(self._watch_exit(), "exit watch")]
 
     def drain(self) -> None:
-        """Wait (bounded by ``[schedule].drain_timeout_s``) for the server to go idle; posts Drained."""
+        """Wait until no client request is in flight; posts Drained. The policy bounds the drain (its
+        deadline: ``[schedule].drain_timeout_s``, or ``[recovery].stop_drain_s`` before an exit); the
+        wait ends with this server's tasks."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
 
     def signal(self, sig: signal.Signals) -> None:
@@ -238,10 +240,18 @@ class ServerWatch:
     async def _drain(self) -> None:
         timeout = self._ctx.get_config().schedule.drain_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.probe.wait_idle(), timeout)
+            await asyncio.wait_for(self._requests_done(), timeout)
             for source in self._sources:
                 await source.after_drain(self._ctx, self.pid)
             self._ctx.post(Drained(self.pid))
+
+    async def _requests_done(self) -> None:
+        """No client request left in flight: the front door's count when it is on (it sees every
+        request), else no slot of ``/slots`` processing."""
+        for source in self._sources:
+            if await source.wait_requests_done():
+                return
+        await self.probe.wait_idle()
 
     async def end(self) -> None:
         """Cancel this server's tasks and close its probe client, log file and pidfd (bounded)."""

@@ -71,14 +71,17 @@ class StopTimeout:
         self._last = float("-inf")
 
     def extend(self, state: State) -> None:
-        """Call on every loop step after ``STOPPING=1``; sends only while STOPPING or RESETTING."""
-        if state.phase not in (Phase.STOPPING, Phase.RESETTING) or state.deadline is None:
+        """Call on every loop step after ``STOPPING=1``; sends only while STOPPING, RESETTING or
+        DRAINING before the exit (then the server's stop follows the drain)."""
+        if state.phase not in (Phase.STOPPING, Phase.RESETTING, Phase.DRAINING) or state.deadline is None:
             return
         now = self._clock()
         if now - self._last < STOP_EXTEND_EVERY_S:
             return
         self._last = now
         left = max(0.0, state.deadline - now)
-        if state.phase is Phase.STOPPING and not state.killed:
+        if state.phase is Phase.DRAINING:
+            left += state.params.stop_grace_s  # then SIGTERM, and SIGKILL at the grace deadline
+        if state.phase in (Phase.STOPPING, Phase.DRAINING) and not state.killed:
             left += state.params.kill_wait_s  # SIGKILL at the deadline, then its wait
         self._notifier.extend_timeout(int((left + STOP_MARGIN_S) * 1_000_000))

@@ -115,6 +115,12 @@ class Source:
         server's HTTP loop); None when this source cannot tell. Called from a worker thread."""
         return None
 
+    async def wait_requests_done(self) -> bool:
+        """When this source sees every client request to the server (the front door): wait until none
+        is in flight, then return True. Else return False at once (the drain asks the server's
+        ``/slots`` instead)."""
+        return False
+
     def status_fragment(self) -> str:
         """A short text for sd_notify STATUS= (``GPU 0 61°C 212 W``); empty for nothing."""
         return ""

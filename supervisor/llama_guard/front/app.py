@@ -8,7 +8,8 @@ What a bad client gets, and why no other client notices (each bound is a ``[fron
 - a body over ``max_body_bytes`` gets 413 (before it is read, when ``Content-Length`` says so);
 - a body not complete within ``body_timeout_s`` (a client trickling it) gets 408;
 - bodies in memory — being read, held, or in flight until their answer begins — never pass
-  ``max_buffered_bytes`` together: past it, 503 with ``Retry-After``;
+  ``max_buffered_bytes`` together: past it, 503 with ``Retry-After``; a body holds of it only the
+  bytes that came, never what its ``Content-Length`` declares (:mod:`llama_guard.front.body`);
 - past ``max_connections`` open connections, a new one is closed at once.
 Nothing here logs a header or a body: aiohttp's access log is off and its logger is silenced.
 """
@@ -28,6 +29,7 @@ from aiohttp import hdrs, web
 from llama_guard.config import FrontConfig
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
+from llama_guard.front.body import Budget, HeldBody, pin_mmap_threshold
 from llama_guard.front.forward import Forwarder, origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import FRONT_DOOR
@@ -80,23 +82,6 @@ class BodyError(Exception):
         self.status = status
 
 
-class Budget:
-    """Request-body bytes in memory, bounded by ``limit()`` bytes (read at each take)."""
-
-    def __init__(self, limit: Callable[[], int]) -> None:
-        self._limit = limit
-        self.used = 0
-
-    def take(self, n: int) -> bool:
-        if self.used + n > self._limit():
-            return False
-        self.used += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.used -= n
-
-
 def effective_max_connections(configured: int) -> int:
     """``[front].max_connections``, lowered so that client connections never take the last
     :data:`FD_RESERVE` file descriptors of the daemon's soft RLIMIT_NOFILE (its probes, its pidfd, its
@@ -126,6 +111,7 @@ class FrontApp:
         self._state = get_state
         self._seq = itertools.count()
         self.budget = Budget(lambda: self._config().max_buffered_bytes)
+        pin_mmap_threshold()
         self._server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
         self.max_connections = 0  # in force once listening
@@ -184,67 +170,43 @@ class FrontApp:
             return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))
         seq = next(self._seq)
         front = self._config()
+        body = HeldBody(self.budget)
         try:
-            body, taken = await self._read_body(request, front)
+            await self._read_body(request, front, body)
+            return await self.forwarder.forward(request, body, seq)
         except BodyError as exc:
             return self._answer(error_response(exc.status, str(exc)))
         except Refused as refused:
             return self._refused(refused)
-        given = False
-
-        def release() -> None:  # once the answer began, or at the end
-            nonlocal given
-            if not given:
-                given = True
-                self.budget.give(taken)
-
-        try:
-            return await self.forwarder.forward(request, body, seq, release)
-        except Refused as refused:
-            return self._refused(refused)
         finally:
-            release()
+            body.release()
 
-    async def _read_body(self, request: web.BaseRequest, front: FrontConfig) -> tuple[bytes, int]:
-        """The whole body and the bytes it holds of the budget. Raises :class:`BodyError` (413 over
-        ``max_body_bytes``, 408 past ``body_timeout_s``) or :class:`Refused` (BUFFER_FULL: no room in
-        the budget); then it holds nothing of the budget."""
-        length = request.content_length or 0
-        if length > front.max_body_bytes:
+    async def _read_body(self, request: web.BaseRequest, front: FrontConfig, body: HeldBody) -> None:
+        """Read the whole body into ``body``, which holds of the budget only the bytes that came.
+        Raises :class:`BodyError` (413 over ``max_body_bytes``, 408 when the body is not complete
+        within ``body_timeout_s`` of the request head, whatever size it declares) or :class:`Refused`
+        (BUFFER_FULL: no room in the budget for the bytes that came)."""
+        if (request.content_length or 0) > front.max_body_bytes:
             raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes ([front].max_body_bytes)")
-        if not self.budget.take(length):
-            raise Refused(FailReason.BUFFER_FULL)
-        taken = length
-        chunks: list[bytes] = []
 
         async def read_all() -> None:
-            nonlocal taken
             if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
                 # The client waits for this before it sends the body (curl does so for large bodies);
                 # aiohttp's router sends the same in its default expect handler.
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            size = 0
             while chunk := await request.content.read(READ_CHUNK):
-                size += len(chunk)
-                if size > front.max_body_bytes:
+                if body.taken + len(chunk) > front.max_body_bytes:
                     raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes "
                                          "([front].max_body_bytes)")
-                if size > taken:
-                    if not self.budget.take(size - taken):
-                        raise Refused(FailReason.BUFFER_FULL)
-                    taken = size
-                chunks.append(chunk)
+                if not body.add(chunk):
+                    raise Refused(FailReason.BUFFER_FULL)
 
         try:
             await asyncio.wait_for(read_all(), front.body_timeout_s)
         except asyncio.TimeoutError:
-            self.budget.give(taken)
             raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
                                  "([front].body_timeout_s)") from None
-        except BaseException:
-            self.budget.give(taken)
-            raise
-        return b"".join(chunks), taken
+        body.complete()
 
     def _refused(self, refused: Refused) -> web.Response:
         status = _STATUS.get(refused.reason, 503)

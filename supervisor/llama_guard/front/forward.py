@@ -33,6 +33,7 @@ from yarl import URL
 
 from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
+from llama_guard.front.body import HeldBody
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
 
@@ -101,7 +102,9 @@ class Forwarder:
         self._clock = clock
         self._limits = limits
         self.flights: set[Flight] = set()
-        self.in_flight = 0
+        self.in_flight = 0  # requests sent to llama-server whose answer is not yet relayed in full
+        self._idle = asyncio.Event()  # set while in_flight is 0
+        self._idle.set()
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -118,14 +121,13 @@ class Forwarder:
             await self._session.close()
             self._session = None
 
-    async def forward(self, request: web.BaseRequest, body: bytes, seq: int,
-                      on_answer: Callable[[], None]) -> web.StreamResponse:
+    async def forward(self, request: web.BaseRequest, body: HeldBody, seq: int) -> web.StreamResponse:
         """Answer ``request`` (its ``body`` already read; ``seq`` its arrival number) from llama-server.
-        ``on_answer`` is called once the answer has begun (the body is no longer needed). Raises
+        The body is released once the answer has begun (it is no longer needed for a replay). Raises
         :class:`Refused` when the front door must answer itself."""
         assert self._session is not None
         hold_timeout_s, max_held = self._limits()
-        deadline = self._clock() + hold_timeout_s
+        arrived = since = self._clock()
         url = URL(self.base_url + (origin_form(request) or "/"), encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
         sent = 0
@@ -135,12 +137,13 @@ class Forwarder:
             if self.admission.gate is not Gate.OPEN and not held:
                 held = True
                 self.metrics.held.inc()
-            pid, held_s = await self.admission.admit(seq, deadline, max_held)
+            pid, held_s = await self.admission.admit(seq, arrived=arrived, since=since, hold_s=hold_timeout_s,
+                                                     max_held=max_held, replay=sent > 0)
             if held_s > 0:
                 self.metrics.held_seconds.observe(held_s)
-            self.in_flight += 1
+            self._enter()
             try:
-                upstream = await self._session.request(request.method, url, headers=headers, data=body,
+                upstream = await self._session.request(request.method, url, headers=headers, data=body.data,
                                                        allow_redirects=False, compress=None)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
                 pass
@@ -149,17 +152,30 @@ class Forwarder:
                 if sent >= 2:
                     raise Refused(FailReason.UPSTREAM_FAILED) from None
                 self.metrics.replayed.inc()
-                self.admission.episode.replayed += 1
-                deadline = self._clock() + hold_timeout_s  # held again, for as long as a new arrival
+                since = self._clock()  # held again, for as long as a new arrival
             else:
-                on_answer()
+                body.release()
                 return await self._relay(request, upstream, pid)
             finally:
-                self.in_flight -= 1
-            if self._clock() >= deadline:
+                self._leave()
+            deadline = self.admission.deadline(since, hold_timeout_s)
+            if deadline is not None and self._clock() >= deadline:
                 raise Refused(FailReason.HOLD_TIMEOUT)
             await asyncio.sleep(RETRY_PAUSE_S[min(tries, len(RETRY_PAUSE_S) - 1)])
             tries += 1
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight to llama-server (sent, or its answer being relayed)."""
+        await self._idle.wait()
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
                      pid: int) -> web.StreamResponse:

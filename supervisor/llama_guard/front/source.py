@@ -1,5 +1,6 @@
 """The front door as a watcher of the daemon (:class:`~llama_guard.core.watcher.Source`).
 
+A drain waits on its exact count of requests in flight (:meth:`FrontSource.wait_requests_done`).
 It learns readiness from the policy's state only — from the record of every step of the loop
 (``on_transition``: the state after it), never from probing the server itself nor by polling; it
 reports request outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through
@@ -134,6 +135,12 @@ class FrontSource(Source):
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.forwarder is not None:
             self.forwarder.base_url = new.server.base_url  # a new [server].port restarts the server too
+
+    async def wait_requests_done(self) -> bool:
+        if self.forwarder is None:
+            return False
+        await self.forwarder.wait_idle()  # the gate holds new requests while the server drains
+        return True
 
     def _episode(self, ctx: Context, episode: Episode) -> None:
         ctx.emit("front_held", **episode.fields())

@@ -19,7 +19,8 @@ class RestartRecord:
     ``requested_at``: aware wall-clock time of the request; ``uptime_s``: the old server's age;
     ``drained``: True if it drained, False if ``drain_timeout_s`` ran out, None while pending;
     ``server_exited``: the old server died while it drained (a crash, a kill -9), before its stop;
-    ``unavailable_s``: from the stop of the old server to READY of the new one (None while pending);
+    ``unavailable_s``: what clients saw, from the stop of the old server (with the front door on: from
+    the drain's start, when it began to hold their requests) to READY of the new one (None while pending);
     ``tokens_per_s_*``: generation speed (tokens/s) just before (the old process's last window)
     and after (the new process's baseline window); ``vram_mib_*``: the server's VRAM just before
     (last sample) and after (the new baseline).

@@ -19,7 +19,8 @@ followed through the records the loop publishes (:meth:`on_transition`,
 server is stopped (drained or not), the new server is ready; a crash while draining is seen by
 :meth:`on_exit`. The record
 (:class:`~llama_guard.restarts.history.RestartRecord`: uptime, drained or timed out, seconds
-unavailable = SIGTERM → READY, tokens/s and VRAM before) is reported as ``planned_restart_done``
+unavailable = what clients saw: SIGTERM → READY, or with the front door on the drain's start → READY,
+since it holds their requests from then; tokens/s and VRAM before) is reported as ``planned_restart_done``
 when the new server is ready; its "after" figures (the new server's baselines) are filled in
 later and shown by ``llama-guard status``.
 """
@@ -108,6 +109,7 @@ class _Pending:
 
     pid: int | None
     stop_mono: float | None = None
+    held_from: float | None = None  # with the front door on: its requests are held from the drain's start
 
 
 class ScheduleSource(Source):
@@ -214,7 +216,7 @@ class ScheduleSource(Source):
         """Follow a planned restart through the loop's records (never event names)."""
         pending = self._pending
         if step.restart_begins:
-            pending = self._begin(step)
+            pending = self._begin(ctx, step)
         if step.entered(Phase.DRAINING) and pending is not None and pending.pid == step.before.pid:
             self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
         if step.planned_stop and pending is not None and pending.pid == step.before.pid and pending.stop_mono is None:
@@ -223,7 +225,7 @@ class ScheduleSource(Source):
         if step.entered(Phase.READY):
             self._on_ready(ctx, step.after.pid)
 
-    def _begin(self, step: Transition) -> _Pending:
+    def _begin(self, ctx: Context, step: Transition) -> _Pending:
         """A planned restart of ``step.before``'s server begins: its record is opened."""
         cause = step.after.failure.cause
         kind = _KIND.get(cause, cause.value)
@@ -235,7 +237,8 @@ class ScheduleSource(Source):
             kind=kind, reason=step.after.fault, requested_at=self._wall(),
             uptime_s=step.at - ready_at if ready_at is not None else 0.0,
             tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
-        self._pending = _Pending(pid=step.before.pid)
+        self._pending = _Pending(pid=step.before.pid,
+                                 held_from=step.at if ctx.config.front.address is not None else None)
         self._after_pid = None
         return self._pending
 
@@ -243,7 +246,8 @@ class ScheduleSource(Source):
         pending = self._pending
         if pending is not None and pending.stop_mono is not None and pid != pending.pid:
             self._pending = None
-            record = self.history.update_last(unavailable_s=round(ctx.clock() - pending.stop_mono, 3))
+            since = pending.held_from if pending.held_from is not None else pending.stop_mono
+            record = self.history.update_last(unavailable_s=round(ctx.clock() - since, 3))
             if record is not None:
                 ctx.emit("planned_restart_done", server_pid=pid, **record.fields())
             self._after_pid = pid

@@ -108,6 +108,7 @@ EventName = Literal[
     "decay_detected",
     "planned_restart_done",
     "drain_timeout",
+    "stop_drain_timeout",
     "config_reloaded",
     "config_error",
     "reload_ignored",
@@ -249,6 +250,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "unavailable {unavailable_s:.1f} s; {summary}"),
         EventSpec("drain_timeout", _S.WARNING,
                   "llama-server still busy after {drain_timeout_s:.0f} s of draining; restarting anyway"),
+        EventSpec("stop_drain_timeout", _S.WARNING,
+                  "requests still in flight to llama-server pid {server_pid} after {stop_drain_s:.0f} s "
+                  "([front].stop_drain_s); stopping it anyway"),
         EventSpec("config_reloaded", _S.NOTICE, "configuration reloaded from {config_path}{changed_text}"),
         EventSpec("config_error", _S.ERROR, "configuration error: {reason}"),
         EventSpec("reload_ignored", _S.NOTICE, "reload (SIGHUP) ignored: {reason}"),
@@ -278,8 +282,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "the front door's address {listen} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
                   "(taken for {waited_s:.0f} s so far)"),
         EventSpec("front_held", _S.NOTICE,
-                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
-                  "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
+                  "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s "
+                  "from arrival): {forwarded} forwarded, {replayed} replayed, {failed} failed, {gone} gone "
+                  "(the client left); {refused} refused (max_held)"),
         EventSpec("server_stream_stalled", _S.WARNING,
                   "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
                   "(stall {stalls} of {hang_strikes})"),

@@ -45,7 +45,7 @@ from llama_guard.core.policy.steps import (
     start,
     stop,
 )
-from llama_guard.core.policy.stop import alloc_fatal
+from llama_guard.core.policy.stop import alloc_fatal, end_exit_drain
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
@@ -170,6 +170,12 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         if event.verdict.family is Family.ALLOC_RECOVERED:
             return replace(state, alloc_failure=""), alloc_recovered(state, event.text.strip())
         return state, []
+    if (isinstance(event, Exited) and event.pid == pid and state.phase is Phase.DRAINING
+            and state.after_stop is AfterStop.EXIT):
+        # It died while it drained before the daemon's exit: nothing to restart.
+        new, actions = exit_daemon(state, state.exit_code, state.exit_reason)
+        fields = exit_fields(pid, event.returncode, state.last_error)
+        return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
     if isinstance(event, Exited) and event.pid == pid and state.alloc_failure:
         return alloc_fatal(state, event, now, state.phase.value)
     if isinstance(event, Exited) and event.pid == pid:
@@ -193,6 +199,8 @@ def on_serving(state: State, event: Input, now: float) -> Result:
                 and now - state.ready_at >= p.stable_after_s):
             return replace(state, stable=True, next_backoff_s=p.backoff_initial_s), []
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
+            if state.after_stop is AfterStop.EXIT:
+                return end_exit_drain(state, now, drained=False)
             new, actions = stop(state, now, AfterStop.RESTART, state.fault)
             return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
                                                 "reason": state.fault}), *actions]
@@ -207,9 +215,12 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         if not event.drain:
             new, actions = stop(state, now, AfterStop.RESTART, event.reason)
             return new, [emit, *actions]
-        new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason)
+        new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason,
+                      after_stop=AfterStop.RESTART)
         return new, [emit, StartDrain(pid)]
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
+        if state.after_stop is AfterStop.EXIT:
+            return end_exit_drain(state, now, drained=True)
         return stop(state, now, AfterStop.RESTART, state.fault)
     return state, []
 

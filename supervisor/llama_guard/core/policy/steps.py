@@ -96,7 +96,10 @@ HUNG_GRACE_S = 1.0
 def stop(state: State, now: float, after: AfterStop, fault: str, *,
           code: int = EXIT_OK, reason: str = "", grace_s: float | None = None) -> Result:
     """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
-    seconds, else ``stop_grace_s``)."""
+    seconds, else ``stop_grace_s``). During the drain before the daemon's exit a fault changes how,
+    not what: the stop still ends in that exit (no restart, no reset)."""
+    if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
+        after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
     new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
                   deadline=now + grace, killed=False,

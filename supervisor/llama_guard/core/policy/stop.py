@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, Emit, Kill, Terminate
+from llama_guard.core.actions import Action, Emit, Kill, StartDrain, Terminate
 from llama_guard.core.inputs import Exited, Input, Line, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import FATAL_FAMILIES, fault_event, incompatible
@@ -112,6 +112,37 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
     return new, [oom, Emit("server_exited", {**fields, "phase": phase}), *actions]
 
 
+def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
+    """SIGTERM/SIGINT while the server serves behind the front door: let the requests in flight finish
+    (DRAINING, at most ``stop_drain_s``; a planned drain under way goes on, its deadline cut to that), then stop the
+    server and exit 0. New requests are refused at once meanwhile (the front door's gate closes on
+    the pending exit); a second signal kills the server at once."""
+    assert state.pid is not None
+    p = state.params
+    deadline = now + p.stop_drain_s
+    drain: list[Action] = [StartDrain(state.pid)]
+    if state.phase is Phase.DRAINING:
+        deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
+        drain = []  # its drain watch is running already
+    new = replace(state, phase=Phase.DRAINING, deadline=deadline, after_stop=AfterStop.EXIT, exit_code=EXIT_OK,
+                  exit_reason=event.reason, fault=event.reason)
+    emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
+                                              f"{deadline - now:.0f} s, [front].stop_drain_s)",
+                                    "server_pid": state.pid})
+    return new, [emit, *drain]
+
+
+def end_exit_drain(state: State, now: float, drained: bool) -> Result:
+    """The drain before the exit ended: every request in flight finished (``drained``), else
+    ``stop_drain_s`` ran out (``stop_drain_timeout``). Either way the server is stopped, then the exit."""
+    assert state.pid is not None
+    new, actions = stop(state, now, AfterStop.EXIT, state.fault, code=state.exit_code, reason=state.exit_reason)
+    if drained:
+        return new, actions
+    return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.stop_drain_s}),
+                 *actions]
+
+
 def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.RESETTING:
         return stop_during_reset(state, event, now)
@@ -119,6 +150,8 @@ def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
+    if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.stop_drain_s > 0:
+        return drain_before_exit(state, event, now)
     if state.phase is Phase.STOPPING:
         new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
         if event.immediate and state.pid is not None and not state.killed:
