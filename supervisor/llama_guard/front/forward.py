@@ -15,8 +15,10 @@ The rules (ours; the HTTP work is aiohttp's):
 - Headers and bodies pass through untouched but for the hop-by-hop headers (RFC 9110, section 7.6.1),
   which belong to each connection; the API key (``Authorization``) goes to llama-server, which checks
   it. Nothing here logs a header or a body.
-- Outcomes are typed inputs to the policy: a 2xx answered in full is :class:`RequestCompleted`, a 5xx
-  is :class:`UpstreamError`; :meth:`Forwarder.stalled` finds streams that stopped (StreamStalled).
+- Outcomes are typed inputs to the policy: a generation or embedding answered in full whose answer
+  proves the server decoded (:mod:`llama_guard.front.decoded`; any other 2xx proves nothing) is
+  :class:`RequestCompleted`, a 5xx is :class:`UpstreamError`; :meth:`Forwarder.stalled` finds
+  streams that stopped (StreamStalled).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from yarl import URL
 
 from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
+from llama_guard.front.decoded import Witness
+from llama_guard.front.endpoints import Work, work_of
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import error_event, is_sse
 
@@ -126,7 +130,8 @@ class Forwarder:
         assert self._session is not None
         hold_timeout_s, max_held = self._limits()
         deadline = self._clock() + hold_timeout_s
-        url = URL(self.base_url + (origin_form(request) or "/"), encoded=True)
+        target = origin_form(request) or "/"
+        url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
         sent = 0
         tries = 0
@@ -153,7 +158,7 @@ class Forwarder:
                 deadline = self._clock() + hold_timeout_s  # held again, for as long as a new arrival
             else:
                 on_answer()
-                return await self._relay(request, upstream, pid)
+                return await self._relay(request, upstream, pid, work_of(request.method, target))
             finally:
                 self.in_flight -= 1
             if self._clock() >= deadline:
@@ -162,9 +167,12 @@ class Forwarder:
             tries += 1
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
-                     pid: int) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes."""
+                     pid: int, work: Work | None) -> web.StreamResponse:
+        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes; a
+        2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding."""
         flight = Flight(pid)
+        plain = upstream.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() == "identity"
+        witness = Witness(work) if work is not None and plain and 200 <= upstream.status < 300 else None
         self.flights.add(flight)
         complete = False
         try:
@@ -188,6 +196,8 @@ class Forwarder:
                 if not chunk:
                     break
                 flight.began = True
+                if witness is not None:
+                    witness.feed(chunk)
                 try:
                     await out.write(chunk)
                 except ConnectionError:  # the client left: llama-server sees its connection close
@@ -197,7 +207,7 @@ class Forwarder:
             with contextlib.suppress(ConnectionError):
                 await out.write_eof()
             self.metrics.requests.labels(str(upstream.status)).inc()
-            if 200 <= upstream.status < 300:
+            if witness is not None and witness.decoded():
                 self._post(RequestCompleted(pid))
             elif upstream.status >= 500:
                 self._post(UpstreamError(pid, upstream.status))
