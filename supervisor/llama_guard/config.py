@@ -515,6 +515,8 @@ class FrontConfig(_Listener):
     this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
     byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
+    ``crash_refuse_s``: a request (method, target, body) in flight at two llama-server crashes is
+    answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
     """
 
     hold_timeout_s: PositiveFloat = 120.0
@@ -525,6 +527,7 @@ class FrontConfig(_Listener):
     body_timeout_s: PositiveFloat = 60.0
     stall_timeout_s: float = Field(120.0, ge=0.0)
     max_connections: int = Field(16384, ge=1)
+    crash_refuse_s: PositiveFloat = 600.0
 
 
 def parse_listen(value: str) -> tuple[str, int]:

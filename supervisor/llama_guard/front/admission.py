@@ -36,16 +36,20 @@ class FailReason(enum.Enum):
     QUEUE_FULL = "queue_full"            # more than [front].max_held held at once
     BUFFER_FULL = "buffer_full"          # request bodies in memory would pass [front].max_buffered_bytes
     DAEMON_EXITING = "daemon_exiting"    # a verdict ends the daemon (exit 78/75, a stop)
-    UPSTREAM_FAILED = "upstream_failed"  # no byte came back, also from the replay
+    UPSTREAM_FAILED = "upstream_failed"  # the same server closed the connection twice before an answer
     STREAM_CUT = "stream_cut"            # a response that had begun was cut by a server failure
+    NOT_REPLAYABLE = "not_replayable"    # the server failed before answering; not safe to send again
+    CRASHED_TWICE = "crashed_twice"      # in flight at two llama-server crashes: refused for a while
 
 
 class Refused(Exception):
-    """A request the front door answers itself (503 with ``Retry-After``, or 502)."""
+    """A request the front door answers itself (503 with ``Retry-After``, 502, 422); ``detail``: the
+    message for this request, when the reason's own one is not enough."""
 
-    def __init__(self, reason: FailReason) -> None:
+    def __init__(self, reason: FailReason, detail: str = "") -> None:
         super().__init__(reason.value)
         self.reason = reason
+        self.detail = detail
 
 
 def gate_of(state: State) -> Gate:

@@ -2,7 +2,8 @@
 
 It learns readiness from the policy's state only — after every action of the policy (``on_action``:
 the state has changed) and once a second — never from probing the server itself; it reports request
-outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through ``ctx.post``.
+outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through ``ctx.post``, and
+announces a request refused after two crashes (``front_request_refused``).
 Off (a no-op source) when ``[front].listen`` is empty.
 """
 
@@ -17,10 +18,12 @@ from prometheus_client import CollectorRegistry
 from llama_guard.config import Config, host_port
 from llama_guard.core.actions import Action
 from llama_guard.core.inputs import StreamStalled
+from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.watcher import Context, Source
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp
-from llama_guard.front.forward import Forwarder
+from llama_guard.front.endpoints import path_of
+from llama_guard.front.forward import Forwarder, wall_time
 from llama_guard.front.metrics import FrontMetrics
 
 CHECK_S = 1.0  # how often stalled streams are looked for (and the gate re-read from the state)
@@ -49,7 +52,10 @@ class FrontSource(Source):
         metrics = FrontMetrics(self._registry, waiting=lambda: admission.waiting,
                                in_flight=lambda: forwarder.in_flight, connections=lambda: app.connections)
         forwarder = Forwarder(ctx.config.server.base_url, admission, metrics, post=ctx.post, clock=ctx.clock,
-                              limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held))
+                              limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held),
+                              refuse_s=lambda: ctx.config.front.crash_refuse_s,
+                              announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
+        forwarder.observe(ctx.state)
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
         await forwarder.open()
         try:
@@ -68,6 +74,7 @@ class FrontSource(Source):
         while True:
             await asyncio.sleep(CHECK_S)
             self.admission.update(ctx.state)
+            self.forwarder.observe(ctx.state)
             stall_s = ctx.config.front.stall_timeout_s
             if stall_s <= 0:
                 continue
@@ -76,12 +83,18 @@ class FrontSource(Source):
                     ctx.post(StreamStalled(pid, waited))
 
     def on_action(self, ctx: Context, action: Action) -> None:
+        if self.forwarder is not None:
+            self.forwarder.observe(ctx.state)  # before the gate opens to the next server
         if self.admission is not None:
             self.admission.update(ctx.state)
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.forwarder is not None:
             self.forwarder.base_url = new.server.base_url  # a new [server].port restarts the server too
+
+    def _crash_refused(self, ctx: Context, fp: Fingerprint, pids: tuple[int, ...], refuse_s: float) -> None:
+        ctx.emit("front_request_refused", method=fp.method, path=path_of(fp.target), body_sha256=fp.body_sha256,
+                 server_pids=list(pids), refuse_s=round(refuse_s), until=wall_time(refuse_s))
 
     def _episode(self, ctx: Context, episode: Episode) -> None:
         ctx.emit("front_held", **episode.fields())

@@ -125,6 +125,7 @@ EventName = Literal[
     "gpu_watchdog_repeated",
     "front_listening",
     "front_held",
+    "front_request_refused",
     "server_stream_stalled",
     "server_http_errors",
     "gpu_reset_started",
@@ -269,6 +270,9 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("front_held", _S.NOTICE,
                   "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s): "
                   "{forwarded} forwarded, {replayed} replayed, {failed} failed"),
+        EventSpec("front_request_refused", _S.WARNING,
+                  "a request ({method} {path}, body sha256 {body_sha256}) was in flight at two llama-server "
+                  "crashes (pids {server_pids}): refused with 422 until {until} ({refuse_s} s)"),
         EventSpec("server_stream_stalled", _S.WARNING,
                   "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
                   "(stall {stalls} of {hang_strikes})"),
