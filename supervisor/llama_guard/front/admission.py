@@ -36,7 +36,7 @@ class FailReason(enum.Enum):
     QUEUE_FULL = "queue_full"            # more than [front].max_held held at once
     BUFFER_FULL = "buffer_full"          # request bodies in memory would pass [front].max_buffered_bytes
     DAEMON_EXITING = "daemon_exiting"    # a verdict ends the daemon (exit 78/75, a stop)
-    UPSTREAM_FAILED = "upstream_failed"  # the same server closed the connection twice before an answer
+    UPSTREAM_FAILED = "upstream_failed"  # no byte came back, also from the replay
     STREAM_CUT = "stream_cut"            # a response that had begun was cut by a server failure
     NOT_REPLAYABLE = "not_replayable"    # the server failed before answering; not safe to send again
     CRASHED_TWICE = "crashed_twice"      # in flight at two llama-server crashes: refused for a while

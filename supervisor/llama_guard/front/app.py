@@ -50,7 +50,7 @@ _MESSAGE = {
     FailReason.QUEUE_FULL: "too many requests are waiting for llama-server ([front].max_held)",
     FailReason.BUFFER_FULL: "too many request bytes are waiting for llama-server ([front].max_buffered_bytes)",
     FailReason.DAEMON_EXITING: "llama-guard is stopping llama-server",
-    FailReason.UPSTREAM_FAILED: "llama-server closed the connection twice before answering this request",
+    FailReason.UPSTREAM_FAILED: "llama-server failed twice before answering this request",
     FailReason.NOT_REPLAYABLE: "llama-server failed before answering this request, which is not sent again",
     FailReason.CRASHED_TWICE: "this request was in flight at two llama-server crashes and is refused for now",
 }

@@ -6,8 +6,11 @@ The rules (ours; the HTTP work is aiohttp's):
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
 - A request that was sent and got no byte of an answer back before the connection failed (the server
-  died under it) is sent once more, to the next ready server: a completion changes no server state.
-  A second such failure is answered 502.
+  died under it) is sent once more, to the next ready server, if that is safe (a GET/HEAD or an
+  inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is
+  answered 502 — 422 when the request was in flight at both as crashes: requests in flight at a crash
+  are suspects, sent alone (:mod:`llama_guard.core.suspects`, :attr:`Forwarder.lane`), and one in
+  flight at two crashes is refused for ``[front].crash_refuse_s``, its retries included.
 - Once the answer has begun (status line and headers came back) nothing is replayed. A body cut by a
   server failure ends, for ``text/event-stream``, with one SSE error event and a closed body
   (:mod:`llama_guard.front.sse`); any other body is cut short (the connection is closed before its
@@ -54,6 +57,7 @@ CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_KEEPALIVE_S = 2.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
 HASH_OFF_LOOP_BYTES = 1 << 20  # a body larger than this is fingerprinted in a thread
+JUDGE_WAIT_S = 5.0  # after a replay failed: how long to wait for the policy to judge that server's end
 
 
 def end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -135,6 +139,7 @@ class Forwarder:
         self.book = Book()  # requests in flight at server ends (core/suspects.py)
         self.lane = asyncio.Lock()  # suspects go to the server one at a time (FIFO)
         self._serving: int | None = None  # the server pid the policy's state names
+        self._judgement = asyncio.Event()  # set when a server's end is judged
         self.flights: set[Flight] = set()
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
@@ -165,7 +170,7 @@ class Forwarder:
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
         fp = await fingerprint(request.method, target, body)
-        failed_at: set[int] = set()  # servers that failed under this request
+        replayed = False
         in_lane = False
         tries = 0
         held = False
@@ -189,11 +194,13 @@ class Forwarder:
                     pass
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
                     self._failed_under(fp, pid)
-                    if pid in failed_at:
-                        raise Refused(FailReason.UPSTREAM_FAILED) from None
-                    failed_at.add(pid)
                     if not replayable(request.method, target):
                         raise Refused(FailReason.NOT_REPLAYABLE, _not_replayed(request.method, target, pid)) from None
+                    if replayed:  # sent once more already: no third time
+                        await self._judged(pid)
+                        self._check(fp)  # 422 when both ends were crashes
+                        raise Refused(FailReason.UPSTREAM_FAILED) from None
+                    replayed = True
                     self.metrics.replayed.inc()
                     self.admission.episode.replayed += 1
                     deadline = self._clock() + hold_timeout_s  # held again, for as long as a new arrival
@@ -222,6 +229,14 @@ class Forwarder:
                 f"at two llama-server crashes (pids {crashes}) and is refused until "
                 f"{wall_time(until - self._clock())} ([front].crash_refuse_s)"))
         return verdict is Admit.SERIAL
+
+    async def _judged(self, pid: int) -> None:
+        """Wait until the end of server ``pid`` is judged (the policy's state no longer names it), at
+        most :data:`JUDGE_WAIT_S`."""
+        until = self._clock() + JUDGE_WAIT_S
+        while pid not in self.book.endings and self._clock() < until:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._judgement.wait(), until - self._clock())
 
     async def _enter_lane(self, deadline: float) -> bool:
         """Wait for the suspects' lane (one suspect at a time), at most until ``deadline``."""
@@ -253,6 +268,8 @@ class Forwarder:
             self.book, refused = ended(self.book, self._serving, crash, self._clock(), self._refuse_s())
             for fp in refused:
                 self._refused(fp)
+            self._judgement.set()  # wake the requests waiting for it, with a fresh event for the next end
+            self._judgement = asyncio.Event()
         self._serving = state.pid
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
