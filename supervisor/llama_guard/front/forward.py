@@ -192,6 +192,9 @@ class Forwarder:
                                                            allow_redirects=False, compress=None)
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
                     pass
+                except asyncio.CancelledError:  # the client left; llama-server may still be working on it
+                    self._failed_under(fp, pid)
+                    raise
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
                     self._failed_under(fp, pid)
                     if not replayable(request.method, target):
@@ -247,7 +250,9 @@ class Forwarder:
         return True
 
     def _failed_under(self, fp: Fingerprint, pid: int) -> None:
-        """``fp`` was in flight when server ``pid`` failed under it."""
+        """``fp`` was in flight at server ``pid`` when its connection failed — or when its client left
+        before the answer began (the server may go on with its prefill): if ``pid`` ends by a crash, it
+        counts (:mod:`llama_guard.core.suspects`)."""
         self.book, refused = in_flight(self.book, fp, pid, self._clock(), self._refuse_s())
         if refused:
             self._refused(fp)
