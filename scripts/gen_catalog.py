@@ -339,6 +339,15 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "gone (the client left); @REFUSED@ more were refused, never held, past [front].max_held. A\n"
         "failed or refused count above zero means clients saw the restart: raise hold_timeout_s to\n"
         "cover the server's load time, or max_held."),
+    "front_request_refused": (
+        "a request that crashed llama-server twice is refused",
+        "A request (@METHOD@ @PATH@, body SHA-256 @BODY_SHA256@) was in flight when llama-server crashed,\n"
+        "was replayed alone to the next server, and was in flight at its crash too (pids @SERVER_PIDS@).\n"
+        "The front door answers it, and every retry of it (same method, target and body), with 422\n"
+        "until @UNTIL@ ([front].crash_refuse_s); every other request is served. Find the client that\n"
+        "sends it (the path and the body's hash name it) and the server's last lines in the journal\n"
+        "(grammar, JSON schema, chat template, image input are the usual causes); report the crash to\n"
+        "llama.cpp with them, or upgrade llama-server."),
     "server_stream_stalled": (
         "a streaming response stalled",
         "A response of llama-server @SERVER_PID@ had begun and then got no byte for @STALLED_S@ s.\n"

@@ -33,6 +33,12 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
   ``$FAKE_LLAMA_REPLAY`` (a report's log excerpt, tests/fixtures/public_reports/) and aborts (SIGABRT).
 - ``replay_load_abort``: prints those lines while loading, then aborts.
 
+``$FAKE_LLAMA_ABORT_PROMPT``: whatever the mode, a POST whose body holds this text (a prompt that
+trips a crash, as reported for grammars, JSON schemas, chat templates and images) makes the server print
+an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`` (default 0): how long a
+completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
+``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
+
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
@@ -63,6 +69,9 @@ T0 = time.monotonic()
 READY = threading.Event()
 WEDGED = threading.Event()
 BUSY_S = float(os.environ.get("FAKE_LLAMA_BUSY_S", "40"))
+ABORT_PROMPT = os.environ.get("FAKE_LLAMA_ABORT_PROMPT", "").encode()
+DECODE_S = float(os.environ.get("FAKE_LLAMA_DECODE_S", "0"))
+REQUESTS = os.environ.get("FAKE_LLAMA_REQUESTS", "")
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -166,11 +175,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
+        data = self.rfile.read(length)
+        if REQUESTS:
+            with LOCK, open(REQUESTS, "a", encoding="utf-8") as f:
+                f.write(f"{os.getpid()} POST {self.path} {data[:60].decode(errors='replace')}\n")
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = json.loads(data or b"{}")
         except ValueError:
             body = {}
         wait_busy()
+        time.sleep(DECODE_S)
+        if ABORT_PROMPT and ABORT_PROMPT in data:
+            log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
+            raw("/src/common/json-schema-to-grammar.cpp:42: GGML_ASSERT(!rule.empty()) failed")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
         if FAULT == "replay_request_abort":
             replay_and_abort()
             return

@@ -445,6 +445,8 @@ class FrontConfig(_Listener):
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
     ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
     is stopped, while new ones get 503 at once (0 = stop at once).
+    ``crash_refuse_s``: a request (method, target, body) in flight at two llama-server crashes is
+    answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
     """
 
     hold_timeout_s: PositiveFloat = 120.0
@@ -456,6 +458,7 @@ class FrontConfig(_Listener):
     stall_timeout_s: float = Field(120.0, ge=0.0)
     max_connections: int = Field(16384, ge=1)
     stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
+    crash_refuse_s: PositiveFloat = 600.0
 
 
 class SlotsConfig(_Section):

@@ -268,8 +268,10 @@ class ParamsChanged(Input):
 
 @dataclass(frozen=True)
 class RequestCompleted(Input):
-    """The front door saw a client request to server ``pid`` answered in full with a 2xx status: real
-    traffic, the first liveness signal (progress)."""
+    """The front door saw a client's generation or embedding answered in full by server ``pid``, and
+    the answer's own token counts (or vectors) prove the server decoded: real traffic, the first
+    liveness signal (progress). Other answers (``/health``, ``/props``, any 2xx without tokens) are
+    never this (``llama_guard.front.decoded``)."""
 
     pid: int
 

@@ -42,14 +42,18 @@ class FailReason(enum.Enum):
     DAEMON_EXITING = "daemon_exiting"    # a verdict ends the daemon (exit 78/75, a stop)
     UPSTREAM_FAILED = "upstream_failed"  # no byte came back, also from the replay
     STREAM_CUT = "stream_cut"            # a response that had begun was cut by a server failure
+    NOT_REPLAYABLE = "not_replayable"    # the server failed before answering; not safe to send again
+    CRASHED_TWICE = "crashed_twice"      # in flight at two llama-server crashes: refused for a while
 
 
 class Refused(Exception):
-    """A request the front door answers itself (503 with ``Retry-After``, or 502)."""
+    """A request the front door answers itself (503 with ``Retry-After``, 502, 422); ``detail``: the
+    message for this request, when the reason's own one is not enough."""
 
-    def __init__(self, reason: FailReason) -> None:
+    def __init__(self, reason: FailReason, detail: str = "") -> None:
         super().__init__(reason.value)
         self.reason = reason
+        self.detail = detail
 
 
 #: The phases in which a pending exit (``after_stop`` EXIT) closes the gate: a stop, a drain before

@@ -6,8 +6,11 @@ The rules (ours; the HTTP work is aiohttp's):
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
 - A request that was sent and got no byte of an answer back before the connection failed (the server
-  died under it) is sent once more, to the next ready server: a completion changes no server state.
-  A second such failure is answered 502.
+  died under it) is sent once more, to the next ready server, if that is safe (a GET/HEAD or an
+  inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is
+  answered 502 — 422 when the request was in flight at both as crashes: requests in flight at a crash
+  are suspects, sent alone (:mod:`llama_guard.core.suspects`, :attr:`Forwarder.lane`), and one in
+  flight at two crashes is refused for ``[front].crash_refuse_s``, its retries included.
 - Once the answer has begun (status line and headers came back) nothing is replayed. A body cut by a
   server failure ends, for ``text/event-stream``, with one SSE error event and a closed body
   (:mod:`llama_guard.front.sse`); any other body is cut short (the connection is closed before its
@@ -15,14 +18,17 @@ The rules (ours; the HTTP work is aiohttp's):
 - Headers and bodies pass through untouched but for the hop-by-hop headers (RFC 9110, section 7.6.1),
   which belong to each connection; the API key (``Authorization``) goes to llama-server, which checks
   it. Nothing here logs a header or a body.
-- Outcomes are typed inputs to the policy: a 2xx answered in full is :class:`RequestCompleted`, a 5xx
-  is :class:`UpstreamError`; :meth:`Forwarder.stalled` finds streams that stopped (StreamStalled).
+- Outcomes are typed inputs to the policy: a generation or embedding answered in full whose answer
+  proves the server decoded (:mod:`llama_guard.front.decoded`; any other 2xx proves nothing) is
+  :class:`RequestCompleted`, a 5xx is :class:`UpstreamError`; :meth:`Forwarder.stalled` finds
+  streams that stopped (StreamStalled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +38,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
+from llama_guard.core.suspects import Admit, Book, Fingerprint, admit, answered, ended, in_flight, is_crash
+from llama_guard.core.types import State
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
 from llama_guard.front.body import HeldBody
+from llama_guard.front.decoded import Witness
+from llama_guard.front.endpoints import Work, path_of, replayable, work_of
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
 
@@ -47,6 +57,8 @@ CONNECT_TIMEOUT_S = 5.0
 # that a request is never written into a connection the server is closing at that moment.
 UPSTREAM_KEEPALIVE_S = 2.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
+HASH_OFF_LOOP_BYTES = 1 << 20  # a body larger than this is fingerprinted in a thread
+JUDGE_WAIT_S = 5.0  # after a replay failed: how long to wait for the policy to judge that server's end
 
 
 def end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -74,6 +86,26 @@ def origin_form(request: web.BaseRequest) -> str | None:
     return path if path.startswith("/") else "/" + path
 
 
+async def fingerprint(method: str, target: str, body: bytes) -> Fingerprint:
+    """The request's :class:`Fingerprint` (a body over :data:`HASH_OFF_LOOP_BYTES` is hashed in a
+    thread: the loop never waits on it)."""
+    if len(body) > HASH_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(Fingerprint.of, method, target, body)
+    return Fingerprint.of(method, target, body)
+
+
+def wall_time(after_s: float) -> str:
+    """The UTC wall-clock time ``after_s`` seconds from now, ISO 8601 to the second."""
+    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=after_s)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _not_replayed(method: str, target: str, pid: int) -> str:
+    return (f"llama-server (pid {pid}) failed before answering {method} {path_of(target)}; it is not sent again: "
+            "only GET/HEAD and inference requests (completions, chat, embeddings, tokenize, ...) are replayed, "
+            "a request that may change the server's state (slots, LoRA adapters, props) or an unknown one is not")
+
+
 @dataclass(eq=False)
 class Flight:
     """One answer being relayed from server ``pid``: ``began`` once its first body byte came;
@@ -90,17 +122,25 @@ class Forwarder:
     """Sends requests to llama-server at ``base_url`` and relays the answers to the clients.
 
     ``post``: queues a policy input; ``clock``: monotonic seconds; ``hold_timeout_s`` and ``max_held``
-    are read at each request (they are reloadable)."""
+    (``limits``) and ``[front].crash_refuse_s`` (``refuse_s``) are read when used (they are
+    reloadable); ``announce(fingerprint, crash pids, refused for s)``: a request is refused from now on."""
 
     def __init__(self, base_url: str, admission: Admission, metrics: FrontMetrics, *,
                  post: Callable[[Input], None], clock: Callable[[], float],
-                 limits: Callable[[], tuple[float, int]]) -> None:
+                 limits: Callable[[], tuple[float, int]], refuse_s: Callable[[], float],
+                 announce: Callable[[Fingerprint, tuple[int, ...], float], None]) -> None:
         self.base_url = base_url
         self.admission = admission
         self.metrics = metrics
         self._post = post
         self._clock = clock
         self._limits = limits
+        self._refuse_s = refuse_s
+        self._announce = announce
+        self.book = Book()  # requests in flight at server ends (core/suspects.py)
+        self.lane = asyncio.Lock()  # suspects go to the server one at a time (FIFO)
+        self._serving: int | None = None  # the server pid the policy's state names
+        self._judgement = asyncio.Event()  # set when a server's end is judged
         self.flights: set[Flight] = set()
         self.in_flight = 0  # requests sent to llama-server whose answer is not yet relayed in full
         self._idle = asyncio.Event()  # set while in_flight is 0
@@ -128,41 +168,120 @@ class Forwarder:
         assert self._session is not None
         hold_timeout_s, max_held = self._limits()
         arrived = since = self._clock()
-        url = URL(self.base_url + (origin_form(request) or "/"), encoded=True)
+        target = origin_form(request) or "/"
+        url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
-        sent = 0
+        fp = await fingerprint(request.method, target, body.data)
+        replayed = False
+        in_lane = False
         tries = 0
         held = False
-        while True:
-            if self.admission.gate is not Gate.OPEN and not held:
-                held = True
-                self.metrics.held.inc()
-            pid, held_s = await self.admission.admit(seq, arrived=arrived, since=since, hold_s=hold_timeout_s,
-                                                     max_held=max_held, replay=sent > 0)
-            if held_s > 0:
-                self.metrics.held_seconds.observe(held_s)
-            self._enter()
-            try:
-                upstream = await self._session.request(request.method, url, headers=headers, data=body.data,
-                                                       allow_redirects=False, compress=None)
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
-                pass
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
-                sent += 1
-                if sent >= 2:
-                    raise Refused(FailReason.UPSTREAM_FAILED) from None
-                self.metrics.replayed.inc()
-                since = self._clock()  # held again, for as long as a new arrival
-            else:
-                body.release()
-                return await self._relay(request, upstream, pid)
-            finally:
-                self._leave()
-            deadline = self.admission.deadline(since, hold_timeout_s)
-            if deadline is not None and self._clock() >= deadline:
-                raise Refused(FailReason.HOLD_TIMEOUT)
-            await asyncio.sleep(RETRY_PAUSE_S[min(tries, len(RETRY_PAUSE_S) - 1)])
-            tries += 1
+        try:
+            while True:
+                self._check(fp)
+                if self.admission.gate is not Gate.OPEN and not held:
+                    held = True
+                    self.metrics.held.inc()
+                pid, held_s = await self.admission.admit(seq, arrived=arrived, since=since, hold_s=hold_timeout_s,
+                                                         max_held=max_held, replay=replayed)
+                if held_s > 0:
+                    self.metrics.held_seconds.observe(held_s)
+                if self._check(fp) and not in_lane:
+                    in_lane = await self._enter_lane(since, hold_timeout_s)
+                    continue  # the server may have changed while it waited in the lane
+                self._enter()
+                try:
+                    upstream = await self._session.request(request.method, url, headers=headers, data=body.data,
+                                                           allow_redirects=False, compress=None)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
+                    pass
+                except asyncio.CancelledError:  # the client left; llama-server may still be working on it
+                    self._failed_under(fp, pid)
+                    raise
+                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
+                    self._failed_under(fp, pid)
+                    if not replayable(request.method, target):
+                        raise Refused(FailReason.NOT_REPLAYABLE, _not_replayed(request.method, target, pid)) from None
+                    if replayed:  # sent once more already: no third time
+                        await self._judged(pid)
+                        self._check(fp)  # 422 when both ends were crashes
+                        raise Refused(FailReason.UPSTREAM_FAILED) from None
+                    replayed = True
+                    self.metrics.replayed.inc()
+                    since = self._clock()  # held again, for as long as a new arrival
+                else:
+                    body.release()
+                    return await self._relay(request, upstream, pid, work_of(request.method, target), fp)
+                finally:
+                    self._leave()
+                deadline = self.admission.deadline(since, hold_timeout_s)
+                if deadline is not None and self._clock() >= deadline:
+                    raise Refused(FailReason.HOLD_TIMEOUT)
+                await asyncio.sleep(RETRY_PAUSE_S[min(tries, len(RETRY_PAUSE_S) - 1)])
+                tries += 1
+        finally:
+            if in_lane:
+                self.lane.release()
+
+    def _check(self, fp: Fingerprint) -> bool:
+        """Whether ``fp`` is a suspect (it goes alone, through :attr:`lane`). Raises :class:`Refused`
+        (CRASHED_TWICE, naming until when) for a request in flight at two crashes."""
+        verdict, until = admit(self.book, fp, self._clock())
+        if verdict is Admit.REFUSE:
+            assert until is not None
+            crashes = ", ".join(str(p) for p in self.book.crashes(fp))
+            raise Refused(FailReason.CRASHED_TWICE, (
+                f"this request ({fp.method} {path_of(fp.target)}, body sha256 {fp.body_sha256[:16]}) was in flight "
+                f"at two llama-server crashes (pids {crashes}) and is refused until "
+                f"{wall_time(until - self._clock())} ([front].crash_refuse_s)"))
+        return verdict is Admit.SERIAL
+
+    async def _judged(self, pid: int) -> None:
+        """Wait until the end of server ``pid`` is judged (the policy's state no longer names it), at
+        most :data:`JUDGE_WAIT_S`."""
+        until = self._clock() + JUDGE_WAIT_S
+        while pid not in self.book.endings and self._clock() < until:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._judgement.wait(), until - self._clock())
+
+    async def _enter_lane(self, since: float, hold_s: float) -> bool:
+        """Wait for the suspects' lane (one suspect at a time), at most until the hold deadline
+        (:meth:`Admission.deadline`; while a drain holds deadlines off, ``hold_s`` from now)."""
+        deadline = self.admission.deadline(since, hold_s)
+        wait_s = hold_s if deadline is None else max(0.0, deadline - self._clock())
+        try:
+            await asyncio.wait_for(self.lane.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            raise Refused(FailReason.HOLD_TIMEOUT) from None
+        return True
+
+    def _failed_under(self, fp: Fingerprint, pid: int) -> None:
+        """``fp`` was in flight at server ``pid`` when its connection failed — or when its client left
+        before the answer began (the server may go on with its prefill): if ``pid`` ends by a crash, it
+        counts (:mod:`llama_guard.core.suspects`)."""
+        self.book, refused = in_flight(self.book, fp, pid, self._clock(), self._refuse_s())
+        if refused:
+            self._refused(fp)
+
+    def _refused(self, fp: Fingerprint) -> None:
+        mark = self.book.marks[fp]
+        assert mark.refused_until is not None
+        self.metrics.crash_refusals.inc()
+        self._announce(fp, self.book.crashes(fp), mark.refused_until - self._clock())
+
+    def observe(self, state: State) -> None:
+        """Follow the policy's ``state``: when the server it had ends, judge that end (a crash a
+        request can cause, or not) for the requests that were in flight at it."""
+        if state.pid == self._serving:
+            return
+        if self._serving is not None:
+            crash = is_crash(state.failure.cause, state.exit_signal)
+            self.book, refused = ended(self.book, self._serving, crash, self._clock(), self._refuse_s())
+            for fp in refused:
+                self._refused(fp)
+            self._judgement.set()  # wake the requests waiting for it, with a fresh event for the next end
+            self._judgement = asyncio.Event()
+        self._serving = state.pid
 
     def _enter(self) -> None:
         self.in_flight += 1
@@ -178,9 +297,13 @@ class Forwarder:
         await self._idle.wait()
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
-                     pid: int) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes."""
+                     pid: int, work: Work | None, fp: Fingerprint) -> web.StreamResponse:
+        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes; a
+        2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
+        Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it."""
         flight = Flight(pid)
+        plain = upstream.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() == "identity"
+        witness = Witness(work) if work is not None and plain and 200 <= upstream.status < 300 else None
         self.flights.add(flight)
         complete = False
         try:
@@ -200,22 +323,26 @@ class Forwarder:
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, OSError):
+                    self._failed_under(fp, pid)
                     return await self._cut(request, out, sse, pid)
                 finally:
                     flight.waiting_since = None
                 if not chunk:
                     break
                 flight.began = True
+                if witness is not None:
+                    witness.feed(chunk)
                 try:
                     await out.write(chunk)
                 except ConnectionError:  # the client left: llama-server sees its connection close
                     self.metrics.requests.labels(str(upstream.status)).inc()
                     return out
             complete = True
+            self.book = answered(self.book, fp)
             with contextlib.suppress(ConnectionError):
                 await out.write_eof()
             self.metrics.requests.labels(str(upstream.status)).inc()
-            if 200 <= upstream.status < 300:
+            if witness is not None and witness.decoded():
                 self._post(RequestCompleted(pid))
             elif upstream.status >= 500:
                 self._post(UpstreamError(pid, upstream.status))

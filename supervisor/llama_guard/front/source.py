@@ -4,7 +4,8 @@ A drain waits on its exact count of requests in flight (:meth:`FrontSource.wait_
 It learns readiness from the policy's state only — from the record of every step of the loop
 (``on_transition``: the state after it), never from probing the server itself nor by polling; it
 reports request outcomes as typed inputs (RequestCompleted, UpstreamError, StreamStalled) through
-``ctx.post``.
+``ctx.post``, and
+announces a request refused after two crashes (``front_request_refused``).
 Off (a no-op source) when ``[front].listen`` is empty.
 """
 
@@ -24,12 +25,14 @@ from llama_guard.core.offload import PROC_TIMEOUT_S
 from llama_guard.core.params import params_from
 from llama_guard.core.policy.port import holder_text
 from llama_guard.core.procs import port_holder
+from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Source
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.app import FrontApp
-from llama_guard.front.forward import Forwarder
+from llama_guard.front.endpoints import path_of
+from llama_guard.front.forward import Forwarder, wall_time
 from llama_guard.front.metrics import FrontMetrics
 
 CHECK_S = 1.0  # how often stalled streams are looked for
@@ -74,7 +77,10 @@ class FrontSource(Source):
         metrics = FrontMetrics(self._registry, waiting=lambda: admission.waiting,
                                in_flight=lambda: forwarder.in_flight, connections=lambda: app.connections)
         forwarder = Forwarder(ctx.config.server.base_url, admission, metrics, post=ctx.post, clock=ctx.clock,
-                              limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held))
+                              limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held),
+                              refuse_s=lambda: ctx.config.front.crash_refuse_s,
+                              announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
+        forwarder.observe(ctx.state)
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
         await forwarder.open()
         try:
@@ -129,6 +135,8 @@ class FrontSource(Source):
                     ctx.post(StreamStalled(pid, waited))
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        if self.forwarder is not None:
+            self.forwarder.observe(step.after)  # before the gate opens to the next server
         if self.admission is not None:
             self.admission.update(step.after)
 
@@ -141,6 +149,10 @@ class FrontSource(Source):
             return False
         await self.forwarder.wait_idle()  # the gate holds new requests while the server drains
         return True
+
+    def _crash_refused(self, ctx: Context, fp: Fingerprint, pids: tuple[int, ...], refuse_s: float) -> None:
+        ctx.emit("front_request_refused", method=fp.method, path=path_of(fp.target), body_sha256=fp.body_sha256,
+                 server_pids=list(pids), refuse_s=round(refuse_s), until=wall_time(refuse_s))
 
     def _episode(self, ctx: Context, episode: Episode) -> None:
         ctx.emit("front_held", **episode.fields())

@@ -127,6 +127,7 @@ EventName = Literal[
     "front_listening",
     "front_port_taken",
     "front_held",
+    "front_request_refused",
     "server_stream_stalled",
     "server_http_errors",
     "gpu_reset_started",
@@ -285,6 +286,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s "
                   "from arrival): {forwarded} forwarded, {replayed} replayed, {failed} failed, {gone} gone "
                   "(the client left); {refused} refused (max_held)"),
+        EventSpec("front_request_refused", _S.WARNING,
+                  "a request ({method} {path}, body sha256 {body_sha256}) was in flight at two llama-server "
+                  "crashes (pids {server_pids}): refused with 422 until {until} ({refuse_s} s)"),
         EventSpec("server_stream_stalled", _S.WARNING,
                   "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
                   "(stall {stalls} of {hang_strikes})"),

@@ -1,7 +1,8 @@
 """Policy rules on real client traffic, as the front door reports it (pure; no I/O, no clock reads).
 
-Real traffic is the first liveness signal: a request answered in full is progress (it clears the
-hang strikes, and the liveness round after it sends no canary); a response that had begun and then
+Real traffic is the first liveness signal: a generation or embedding answered in full whose answer
+proves the server decoded (never a mere 2xx: a ``/health`` poller proves nothing) is progress (it
+clears the hang strikes, and the liveness round after it sends no canary); a response that had begun and then
 got no byte for ``[front].stall_timeout_s`` is a stall — ``hang_strikes`` stalls with no progress in
 between (no completed request, no movement of the token counters) are a hang, found by the traffic
 itself. 5xx answers are counted and reported, never a reason to restart on their own: a client can

@@ -1,0 +1,121 @@
+"""End to end: a request that crashes llama-server is not replayed into crash after crash.
+
+The test double stands for the crash on demand (``$FAKE_LLAMA_ABORT_PROMPT``: a POST whose body holds
+the text aborts the server, as grammar, JSON-schema, template and image crashes do on real builds);
+``$FAKE_LLAMA_REQUESTS`` records every POST each server received, so the tests count what was sent
+where. Each test: at most two crashes for the poisoned request, then 422; every other request 200.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import RunPool, free_port
+
+pytestmark = [pytest.mark.timeout(120)]
+
+POISON = "BOOM-crashes-the-server"
+
+
+@pytest.fixture
+def crashy(tmp_path: Path, fake_server: Path, real_model: Path) -> Iterator[Any]:
+    """A started daemon before the test double that aborts on POISON; ``front``/``metrics`` its ports,
+    ``requests`` the file of POSTs the servers received."""
+    pool = RunPool()
+    front, metrics = free_port(), free_port()
+    requests = tmp_path / "requests.log"
+    run: Any = pool.new(tmp_path, str(fake_server), str(real_model), {
+        "server": {"env": {"FAKE_LLAMA_ABORT_PROMPT": POISON, "FAKE_LLAMA_DECODE_S": "0.5",
+                           "FAKE_LLAMA_REQUESTS": str(requests)}},
+        "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 60.0},
+        "metrics": {"listen": f"127.0.0.1:{metrics}"},
+        "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
+        "recovery": {"max_restarts": 10, "stable_after_s": 1.0}})
+    run.front, run.metrics_port, run.requests = front, metrics, requests
+    run.start()
+    run.wait_event("server_ready", 30)
+    yield run
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"server pids {leftovers} outlived their daemon")
+
+
+def post(run: Any, path: str, prompt: str, timeout: float = 90.0) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{run.front}{path}", json={"prompt": prompt, "n_predict": 1}, timeout=timeout)
+
+
+def sent(run: Any, text: str) -> list[str]:
+    """The pids of the servers that received a POST whose body holds ``text``, in order."""
+    lines = run.requests.read_text().splitlines() if run.requests.exists() else []
+    return [line.split(" ", 1)[0] for line in lines if text in line]
+
+
+def metric(run: Any, series: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+
+
+def test_a_crashing_request_costs_two_crashes_then_422_and_innocents_all_get_200(crashy: Any) -> None:
+    run = crashy
+    with ThreadPoolExecutor(12) as pool:
+        innocents = [pool.submit(post, run, "/completion", f"hello {i}") for i in range(4)]
+        poisoned = pool.submit(post, run, "/completion", POISON)
+        deadline = time.monotonic() + 60
+        later = []
+        while not poisoned.done() and time.monotonic() < deadline:  # new traffic flows across both crashes
+            later.append(pool.submit(post, run, "/completion", f"later {len(later)}"))
+            time.sleep(0.3)
+        answer = poisoned.result()
+        results = [f.result() for f in innocents + later]
+    assert answer.status_code == 422, answer.text
+    message = answer.json()["error"]["message"]
+    assert "in flight at two llama-server crashes" in message and "refused until" in message
+    assert [r.status_code for r in results] == [200] * len(results), [r.text for r in results if r.status_code != 200]
+    servers = sent(run, POISON)
+    assert len(servers) == 2 and servers[0] != servers[1], servers  # the replay went to the next server, once
+    assert len([e for e in run.events() if e["event"] == "server_exited"]) == 2
+    refused = run.wait_event("front_request_refused", 10)
+    assert refused["path"] == "/completion" and len(refused["server_pids"]) == 2
+    # A retry of it, now: refused at once, not sent; an innocent request is served.
+    again = post(run, "/completion", POISON)
+    assert again.status_code == 422 and len(sent(run, POISON)) == 2
+    assert post(run, "/completion", "after").status_code == 200
+    assert metric(run, 'llama_guard_front_requests_failed_total{reason="crashed_twice"}') == 2
+    assert metric(run, "llama_guard_front_crash_refusals_total") == 1
+    assert "daemon_exit" not in run.names()
+
+
+def test_sdk_style_retries_of_a_crashing_request_do_not_end_the_daemon(crashy: Any) -> None:
+    run = crashy
+    # An SDK client whose timeout (0.3 s) is shorter than the crashing request takes (0.5 s): it leaves
+    # before each crash and sends the request again, as a new one, until it gets an answer.
+    statuses: list[int | str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and 422 not in statuses:
+        try:
+            statuses.append(post(run, "/v1/chat/completions", POISON, timeout=0.3).status_code)
+        except httpx.TimeoutException:
+            statuses.append("timeout")
+        time.sleep(0.3)
+    assert statuses[-1] == 422, statuses
+    assert len(sent(run, POISON)) <= 2 and len([e for e in run.events() if e["event"] == "server_exited"]) <= 2
+    assert post(run, "/completion", "still served").status_code == 200
+    assert "daemon_exit" not in run.names()
+
+
+def test_a_cut_slots_erase_or_props_post_is_not_replayed(crashy: Any) -> None:
+    run = crashy
+    for path in ("/slots?action=erase", "/props"):
+        answer = post(run, path, f"{POISON} {path}")
+        assert answer.status_code == 502, answer.text
+        assert "it is not sent again" in answer.json()["error"]["message"]
+        assert len(sent(run, f"{POISON} {path}")) == 1  # one server got it, the next one never
+        run.wait_event("server_ready", 30, skip=len(sent(run, POISON)))
+    assert metric(run, 'llama_guard_front_requests_failed_total{reason="not_replayable"}') == 2
+    assert post(run, "/completion", "served").status_code == 200
