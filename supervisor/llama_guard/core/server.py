@@ -37,6 +37,10 @@ LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled loa
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
 # llama-server's line when a slot finishes a request ("slot release: id 0 | task 5 | stop processing: ...").
 REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
+# llama-server's lines as its HTTP server begins answering ("llama_server: model loaded", "listening on
+# http://H:P"; older builds "main: server is listening on ..."): the readiness poll probes at once
+# instead of at its next startup_poll_s tick.
+SERVING_LINE = re.compile(r"\bmodel loaded\b|\blistening on https?://")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
@@ -80,6 +84,7 @@ class ServerWatch:
         self.last_eval_tps: float | None = None  # the speed of the last request of >= MIN_SPEED_TOKENS
         self.completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
         self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
+        self._serving_line = asyncio.Event()  # set by a SERVING_LINE: the readiness poll probes at once
 
     def start(self) -> None:
         """Begin the line reader, the health watch and the exit watch."""
@@ -111,6 +116,8 @@ class ServerWatch:
                 self.last_eval_tps = float(speed.group(2))
             if REQUEST_DONE.search(text):
                 self.completed_at = self._ctx.clock()
+            if SERVING_LINE.search(text):
+                self._serving_line.set()
             self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
             if self._ctx.get_state().phase is Phase.STARTING:
                 self._start_timeout.extend()
@@ -150,7 +157,7 @@ class ServerWatch:
                 sampled_at = ctx.clock()
                 await self._load_progress(sampler, answered)
                 answered = False
-            await asyncio.sleep(health.startup_poll_s)
+            await self._next_poll(health.startup_poll_s)
         while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
@@ -179,6 +186,13 @@ class ServerWatch:
                            result.progressed, result.detail, cpu_s=moved.cpu_s,
                            lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
                            canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok))
+
+    async def _next_poll(self, poll_s: float) -> None:
+        """Wait ``poll_s`` seconds for the next readiness poll, or less: until the server prints that
+        it serves (SERVING_LINE), so ready is seen within a probe's round trip of the line."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._serving_line.wait(), poll_s)
+        self._serving_line.clear()
 
     async def _load_progress(self, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from

@@ -31,7 +31,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
+from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, UpstreamError
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import error_event, is_sse
@@ -153,7 +153,7 @@ class Forwarder:
                 deadline = self._clock() + hold_timeout_s  # held again, for as long as a new arrival
             else:
                 on_answer()
-                return await self._relay(request, upstream, pid)
+                return await self._relay(request, upstream, pid, held=held)
             finally:
                 self.in_flight -= 1
             if self._clock() >= deadline:
@@ -162,8 +162,9 @@ class Forwarder:
             tries += 1
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
-                     pid: int) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes."""
+                     pid: int, *, held: bool) -> web.StreamResponse:
+        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes.
+        ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
         flight = Flight(pid)
         self.flights.add(flight)
         complete = False
@@ -187,6 +188,8 @@ class Forwarder:
                     flight.waiting_since = None
                 if not chunk:
                     break
+                if held and not flight.began and 200 <= upstream.status < 300:
+                    self._post(FirstToken(pid))
                 flight.began = True
                 try:
                     await out.write(chunk)

@@ -131,6 +131,8 @@ EventName = Literal[
     "server_failure_repeated",
     "server_on_cpu",
     "server_port_taken",
+    "restart_first_token",
+    "model_page_cache_short",
 ]
 
 
@@ -275,6 +277,12 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("server_http_errors", _S.WARNING,
                   "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
                   "(last {status})"),
+        EventSpec("restart_first_token", _S.INFO,
+                  "first token of llama-server pid {server_pid} to a held request "
+                  "{restart_to_first_token_s:.2f} s after the restart began"),
+        EventSpec("model_page_cache_short", _S.WARNING,
+                  "the host's RAM cannot keep the model file {model} ({model_mib:.0f} MiB) in the page cache "
+                  "({available_mib:.0f} MiB available): the next start reads it from disk"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,

@@ -47,6 +47,7 @@ from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
+from llama_guard.restarts.page_cache import warm
 from llama_guard.units import MIB
 
 TICK_S = 1.0              # how often the schedule is asked
@@ -235,6 +236,18 @@ class ScheduleSource(Source):
             kind=kind, reason=action.reason, requested_at=self._wall(), uptime_s=action.uptime_s,
             tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
         self._pending = _Pending(pid=action.pid)
+        self._spawn_task(self._warm_model(ctx))
+
+    async def _warm_model(self, ctx: Context) -> None:
+        """While the old server drains: the model file into the page cache for the new one
+        (:mod:`.page_cache`), or ``model_page_cache_short`` when the host's RAM cannot hold it."""
+        model = Path(ctx.config.server.model)
+        try:
+            warmth = await asyncio.to_thread(warm, model)
+        except OSError:
+            return  # the spawn's own model check names a file that cannot be opened
+        if not warmth.fits:
+            ctx.emit("model_page_cache_short", **warmth.fields(model))
         self._after_pid = None
 
     def _on_ready(self, ctx: Context, pid: int | None) -> None:
