@@ -72,7 +72,7 @@ class Histogram:
         cumulative, running = [], 0
         for bound, n in zip(RESTART_BUCKETS_S, self.counts, strict=True):
             running += n
-            cumulative.append((f"{bound:g}", float(running)))
+            cumulative.append((repr(bound), float(running)))  # "0.25", "10.0": as prometheus-client writes ``le``
         cumulative.append(("+Inf", float(self.count)))
         return HistogramMetricFamily(name, text, buckets=cumulative, sum_value=self.total_s)
 
