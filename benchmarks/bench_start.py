@@ -140,6 +140,13 @@ def unavailable(port: int, t0: float, timeout_s: float = 600.0) -> tuple[float, 
     raise TimeoutError("/health did not go down and come back")
 
 
+def own(out: dict[str, list[float]], key: str, ready: Event) -> None:
+    """The daemon's own figure of a restart (``server_ready``'s ``restart_to_ready_s``; a tree from
+    before it existed has none)."""
+    if isinstance(ready.get("restart_to_ready_s"), (int, float)):
+        out[key].append(float(ready["restart_to_ready_s"]))
+
+
 def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, out: dict[str, list[float]],
               argv: list[str]) -> None:
     out["bare"].append(bare_load(argv, port))
@@ -159,12 +166,14 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
         os.kill(pid, signal.SIGKILL)
         out["kill -9→/health 200"].append(poll_health_200(port, t0, timeout_s=600))
         pid = run.wait_event("server_starting", 60.0, skip=1)["server_pid"]
-        run.wait_event("server_ready", 60.0, where=lambda e: e.get("server_pid") == pid)
+        ready = run.wait_event("server_ready", 60.0, where=lambda e: e.get("server_pid") == pid)
+        own(out, "kill -9: restart_to_ready_s (event)", ready)
         time.sleep(1.0)
         t0 = time.monotonic()
         os.kill(run.pid, signal.SIGUSR1)  # what `llama-guard restart` sends (the fake-NVML runner has another argv)
         _, away = unavailable(port, t0)
         out["restart: API away"].append(away)
+        own(out, "restart: restart_to_ready_s (event)", run.wait_event("server_ready", 60.0, skip=2))
     finally:
         quiet_stop(run)
         wait_port_free(port)
@@ -259,7 +268,8 @@ def main() -> int:
         print(f"llama-server argv: {' '.join(argv)}", flush=True)
         bare_load(argv, port)  # warm-up: the page cache holds the model, not counted
         keys = ["bare", "start→spawn", "daemon_started→spawn", "start→/health 200", "kill -9→/health 200",
-                "restart: API away", "overhead: first start", "overhead: kill -9", "overhead: restart"]
+                "restart: API away", "kill -9: restart_to_ready_s (event)", "restart: restart_to_ready_s (event)",
+                "overhead: first start", "overhead: kill -9", "overhead: restart"]
         for tree in trees:
             results[tree.name] = {k: [] for k in keys}
         for r in range(args.rounds):
