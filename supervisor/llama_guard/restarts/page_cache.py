@@ -15,7 +15,7 @@ Blocking (file I/O): run it off the event loop.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import mmap
 import os
 from dataclasses import dataclass
@@ -61,11 +61,10 @@ def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
     return None
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library's mmap, mincore and munmap, typed (the process's own symbols: no library search)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -73,30 +72,28 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-_LIBC = _libc()
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def cached_bytes(fd: int, size: int) -> int | None:
     """How many bytes of the open file ``fd`` (``size`` bytes) are in the page cache: ``mincore(2)``
     over a read-only shared mapping (it maps nothing in and reads no page; one byte per 4 KiB page
-    of the file, 3.6 MB for a 14 GiB file). None when it cannot tell."""
-    if _LIBC is None:
-        return None
+    of the file, 3.6 MB for a 14 GiB file). None when it cannot tell (the mapping failed)."""
     if size == 0:
         return 0
     page = mmap.PAGESIZE
     pages = (size + page - 1) // page
-    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    libc = _libc()
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == MAP_FAILED:
         return None
     try:
         vec = (ctypes.c_ubyte * pages)()
-        if _LIBC.mincore(addr, size, vec) != 0:
+        if libc.mincore(addr, size, vec) != 0:
             return None
         resident = sum(b & 1 for b in bytes(vec))
     finally:
-        _LIBC.munmap(addr, size)
+        libc.munmap(addr, size)
     return min(size, resident * page)
 
 

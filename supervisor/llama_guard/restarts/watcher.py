@@ -47,7 +47,6 @@ from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.cron import Decision, Outcome, PlannedRestarts, ScheduleError
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
-from llama_guard.restarts.page_cache import warm
 from llama_guard.units import MIB
 
 TICK_S = 1.0              # how often the schedule is asked
@@ -241,6 +240,8 @@ class ScheduleSource(Source):
     async def _warm_model(self, ctx: Context) -> None:
         """While the old server drains: the model file into the page cache for the new one
         (:mod:`.page_cache`), or ``model_page_cache_short`` when the host's RAM cannot hold it."""
+        from llama_guard.restarts.page_cache import warm  # ctypes: imported at the first planned restart, not at start
+
         model = Path(ctx.config.server.model)
         try:
             warmth = await asyncio.to_thread(warm, model)
