@@ -22,7 +22,10 @@ would be a configuration error, exit 78),
 
 Each tree's ``supervisor/`` is byte-compiled first (as an install does): with ``PYTHONDONTWRITEBYTECODE=1``
 in the environment a source tree would otherwise be compiled again at every start. The ``(event)`` rows
-are the daemon's own ``restart_to_ready_s`` (trees that report it).
+are the daemon's own ``restart_to_ready_s`` (trees that report it). The daemon's share, whatever the
+server's load takes (a loaded host's load times vary by seconds from round to round): ``kill -9→spawn``,
+``old server gone→spawn``, ``start→spawn`` and ``listening line→server_ready`` (the server's
+``listening on`` line as the daemon read it, to ``server_ready``; events at debug level).
 
 ``overhead`` rows subtract the same round's bare load. Goal: each overhead ≤ 100 ms, the first start
 included, whatever the model's size.
@@ -60,6 +63,7 @@ from benchlib import epoch, health_status, poll_health_200, print_table  # noqa:
 from harness import DaemonRun, free_port  # noqa: E402
 
 Event = dict[str, Any]
+LISTENING = "listening on http"  # llama-server's line as its HTTP server begins answering
 
 
 def ts(event: Event) -> float:
@@ -97,7 +101,7 @@ def sections(args: argparse.Namespace, tmp: Path, model: str, port: int) -> dict
                                      str(tmp / "reset-argv.txt"), "{index}"]
     return {"server": server, "gpu": gpu, "recovery": recovery,
             "health": {"load_timeout_s": 600.0}, "schedule": {"restart_cron": ""},
-            "log": {"level": "info", "format": "json"}, "runtime": {"dir": str(tmp / "run")}}
+            "log": {"level": "debug", "format": "json"}, "runtime": {"dir": str(tmp / "run")}}
 
 
 def daemon(tree: Tree, tmp: Path, secs: dict[str, dict[str, object]], script: Path) -> DaemonRun:
@@ -151,6 +155,19 @@ def own(out: dict[str, list[float]], key: str, ready: Event) -> None:
         out[key].append(float(ready["restart_to_ready_s"]))
 
 
+def ready_lags(events: list[Event]) -> list[float]:
+    """Per server: its ``listening on`` line (as the daemon read it) → its ``server_ready``: how long
+    the daemon took to see a server that could answer (independent of how long the load took)."""
+    lags = []
+    for ready in (e for e in events if e["event"] == "server_ready"):
+        pid = ready["server_pid"]
+        line = next((e for e in events if e["event"] == "server_line" and e.get("server_pid") == pid
+                     and LISTENING in str(e.get("line", ""))), None)
+        if line is not None:
+            lags.append(ts(ready) - ts(line))
+    return lags
+
+
 def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, out: dict[str, list[float]],
               argv: list[str]) -> None:
     out["bare"].append(bare_load(argv, port))
@@ -166,18 +183,25 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
         out["start→spawn"].append(ts(starting) - t_wall)
         out["daemon_started→spawn"].append(ts(starting) - ts(started))
         time.sleep(1.0)
-        t0 = time.monotonic()
+        t_kill, t0 = time.time(), time.monotonic()
         os.kill(pid, signal.SIGKILL)
         out["kill -9→/health 200"].append(poll_health_200(port, t0, timeout_s=600))
-        pid = run.wait_event("server_starting", 60.0, skip=1)["server_pid"]
+        respawn = run.wait_event("server_starting", 60.0, skip=1)
+        out["kill -9→spawn"].append(ts(respawn) - t_kill)
+        pid = respawn["server_pid"]
         ready = run.wait_event("server_ready", 60.0, where=lambda e: e.get("server_pid") == pid)
         own(out, "kill -9: restart_to_ready_s (event)", ready)
         time.sleep(1.0)
-        t0 = time.monotonic()
+        t_usr1, t0 = time.time(), time.monotonic()
         os.kill(run.pid, signal.SIGUSR1)  # what `llama-guard restart` sends (the fake-NVML runner has another argv)
         _, away = unavailable(port, t0)
         out["restart: API away"].append(away)
         own(out, "restart: restart_to_ready_s (event)", run.wait_event("server_ready", 60.0, skip=2))
+        stopped = run.wait_event("server_stopped", 10.0)
+        out["restart: SIGUSR1→old server gone"].append(ts(stopped) - t_usr1)
+        out["restart: old server gone→spawn"].append(ts(run.wait_event("server_starting", 10.0, skip=2))
+                                                     - ts(stopped))
+        out["listening line→server_ready"] += ready_lags(run.events())
     finally:
         quiet_stop(run)
         wait_port_free(port)
@@ -276,6 +300,8 @@ def main() -> int:
         bare_load(argv, port)  # warm-up: the page cache holds the model, not counted
         keys = ["bare", "start→spawn", "daemon_started→spawn", "start→/health 200", "kill -9→/health 200",
                 "restart: API away", "kill -9: restart_to_ready_s (event)", "restart: restart_to_ready_s (event)",
+                "kill -9→spawn", "restart: SIGUSR1→old server gone", "restart: old server gone→spawn",
+                "listening line→server_ready",
                 "overhead: first start", "overhead: kill -9", "overhead: restart"]
         for tree in trees:
             results[tree.name] = {k: [] for k in keys}
