@@ -16,6 +16,7 @@ from llama_guard.config import Config
 from llama_guard.core.actions import Emit
 from llama_guard.core.inputs import Drained, Exited, FirstToken, HealthOk, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
+from llama_guard.core.probes import sleep_or_wake
 from llama_guard.core.server import SERVING_LINE
 from llama_guard.core.types import Params, Phase, State
 from llama_guard.core.watcher import Context
@@ -179,3 +180,13 @@ def test_warm_reads_nothing_when_the_host_ram_cannot_hold_the_model(tmp_path: Pa
     assert fields["model"] == str(path) and fields["model_mib"] == pytest.approx(8.0)
     assert fields["available_mib"] == pytest.approx(1.0)
     assert mem_available_bytes(tmp_path / "absent") is None
+
+
+async def test_sleep_or_wake_returns_when_woken_and_clears_the_wake() -> None:
+    wake = asyncio.Event()
+    waiting = asyncio.ensure_future(sleep_or_wake(600.0, wake))  # the readiness poll / drain pause
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    wake.set()  # the server's "listening on" / "stop processing" line
+    await asyncio.wait_for(waiting, 30.0)
+    assert not wake.is_set()  # the next wait waits again

@@ -22,7 +22,7 @@ from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
 from llama_guard.core.policy.steps import SERVING
-from llama_guard.core.probes import ServerProbe
+from llama_guard.core.probes import ServerProbe, sleep_or_wake
 from llama_guard.core.procs import port_owner
 from llama_guard.core.progress import ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
@@ -85,6 +85,7 @@ class ServerWatch:
         self.completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
         self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
         self._serving_line = asyncio.Event()  # set by a SERVING_LINE: the readiness poll probes at once
+        self._slot_released = asyncio.Event()  # set by a REQUEST_DONE line: a drain asks /slots at once
 
     def start(self) -> None:
         """Begin the line reader, the health watch and the exit watch."""
@@ -116,6 +117,7 @@ class ServerWatch:
                 self.last_eval_tps = float(speed.group(2))
             if REQUEST_DONE.search(text):
                 self.completed_at = self._ctx.clock()
+                self._slot_released.set()
             if SERVING_LINE.search(text):
                 self._serving_line.set()
             self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
@@ -157,7 +159,7 @@ class ServerWatch:
                 sampled_at = ctx.clock()
                 await self._load_progress(sampler, answered)
                 answered = False
-            await self._next_poll(health.startup_poll_s)
+            await sleep_or_wake(health.startup_poll_s, self._serving_line)  # at once on a SERVING_LINE
         while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
         await asyncio.to_thread(sampler.sample)  # the liveness window starts at ready
@@ -186,13 +188,6 @@ class ServerWatch:
                            result.progressed, result.detail, cpu_s=moved.cpu_s,
                            lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
                            canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok))
-
-    async def _next_poll(self, poll_s: float) -> None:
-        """Wait ``poll_s`` seconds for the next readiness poll, or less: until the server prints that
-        it serves (SERVING_LINE), so ready is seen within a probe's round trip of the line."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._serving_line.wait(), poll_s)
-        self._serving_line.clear()
 
     async def _load_progress(self, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from
@@ -244,7 +239,7 @@ class ServerWatch:
     async def _drain(self) -> None:
         timeout = self._ctx.get_config().schedule.drain_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.probe.wait_idle(), timeout)
+            await asyncio.wait_for(self.probe.wait_idle(wake=self._slot_released), timeout)
             self._ctx.post(Drained(self.pid))
 
     async def end(self) -> None:
