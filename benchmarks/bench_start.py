@@ -20,6 +20,9 @@ would be a configuration error, exit 78),
 ``[recovery].backoff_factor = 1`` so every wait is ``backoff_initial_s``; per start, the daemon's cost is
 ``server_starting`` − the previous ``server_exited`` − that backoff.
 
+Before the rounds, llama-server's own exit (signal → reaped, ``--rounds`` times each): SIGTERM with an idle
+keep-alive HTTP connection open to it, SIGTERM with none, SIGKILL.
+
 Each tree's ``supervisor/`` is byte-compiled first (as an install does): with ``PYTHONDONTWRITEBYTECODE=1``
 in the environment a source tree would otherwise be compiled again at every start. The ``(event)`` rows
 are the daemon's own ``restart_to_ready_s`` (trees that report it). The daemon's share, whatever the
@@ -55,6 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "supervisor")]
@@ -125,6 +130,32 @@ def bare_load(argv: list[str], port: int) -> float:
         proc.kill()
         proc.wait()
         wait_port_free(port)
+
+
+def exit_times(argv: list[str], port: int, rounds: int) -> dict[str, list[float]]:
+    """A bare llama-server's exit, signal → reaped: SIGTERM with an idle keep-alive HTTP connection
+    open to it (what a probe client with a connection pool leaves), SIGTERM with none, SIGKILL."""
+    out: dict[str, list[float]] = {"bare exit: SIGTERM, idle keep-alive open": [],
+                                   "bare exit: SIGTERM, no idle connection": [], "bare exit: SIGKILL": []}
+    for _ in range(rounds):
+        for key, sig, keep in (("bare exit: SIGTERM, idle keep-alive open", signal.SIGTERM, 1),
+                               ("bare exit: SIGTERM, no idle connection", signal.SIGTERM, 0),
+                               ("bare exit: SIGKILL", signal.SIGKILL, 0)):
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                poll_health_200(port, time.monotonic(), timeout_s=600)
+                with httpx.Client(limits=httpx.Limits(max_keepalive_connections=keep)) as client:
+                    client.get(f"http://127.0.0.1:{port}/health", timeout=10)
+                    t0 = time.monotonic()
+                    proc.send_signal(sig)
+                    proc.wait(60)
+                    out[key].append(time.monotonic() - t0)
+            finally:
+                proc.kill()
+                proc.wait()
+                wait_port_free(port)
+    return out
 
 
 def wait_port_free(port: int, timeout_s: float = 30.0) -> None:
@@ -298,6 +329,7 @@ def main() -> int:
         argv_bad = build_argv(cfg.server, bad)
         print(f"llama-server argv: {' '.join(argv)}", flush=True)
         bare_load(argv, port)  # warm-up: the page cache holds the model, not counted
+        exits = exit_times(argv, port, args.rounds)
         keys = ["bare", "start→spawn", "daemon_started→spawn", "start→/health 200", "kill -9→/health 200",
                 "restart: API away", "kill -9: restart_to_ready_s (event)", "restart: restart_to_ready_s (event)",
                 "kill -9→spawn", "restart: SIGUSR1→old server gone", "restart: old server gone→spawn",
@@ -317,13 +349,14 @@ def main() -> int:
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores), load {load0[0]:.2f} → {load1[0]:.2f}; "
           f"GPU watch: {args.nvml} NVML; model {Path(args.model).name} "
           f"({Path(args.model).stat().st_size / 2**20:,.0f} MiB)")
+    print_table(list(exits.items()), title="\nllama-server's own exit")
     for tree in trees:
         rows = [(k, v) for k, v in results[tree.name].items() if not k.startswith("_")]
         print_table(rows, title=f"\n[{tree.name}] {tree.root}")
     if args.json:
         args.json.write_text(json.dumps({"host": platform.node(), "cores": os.cpu_count(), "nvml": args.nvml,
                                          "model": Path(args.model).name, "argv": argv, "load": [load0, load1],
-                                         "rounds": args.rounds, "results": results}, indent=1))
+                                         "rounds": args.rounds, "results": results, "exits": exits}, indent=1))
     return 0
 
 
