@@ -20,6 +20,16 @@ would be a configuration error, exit 78),
 ``[recovery].backoff_factor = 1`` so every wait is ``backoff_initial_s``; per start, the daemon's cost is
 ``server_starting`` − the previous ``server_exited`` − that backoff.
 
+Before the rounds, llama-server's own exit (signal → reaped, ``--rounds`` times each): SIGTERM with an idle
+keep-alive HTTP connection open to it, SIGTERM with none, SIGKILL.
+
+Each tree's ``supervisor/`` is byte-compiled first (as an install does): with ``PYTHONDONTWRITEBYTECODE=1``
+in the environment a source tree would otherwise be compiled again at every start. The ``(event)`` rows
+are the daemon's own ``restart_to_ready_s`` (trees that report it). The daemon's share, whatever the
+server's load takes (a loaded host's load times vary by seconds from round to round): ``kill -9→spawn``,
+``old server gone→spawn``, ``start→spawn`` and ``listening line→server_ready`` (the server's
+``listening on`` line as the daemon read it, to ``server_ready``; events at debug level).
+
 ``overhead`` rows subtract the same round's bare load. Goal: each overhead ≤ 100 ms, the first start
 included, whatever the model's size.
 
@@ -49,6 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "supervisor")]
 
@@ -56,6 +68,7 @@ from benchlib import epoch, health_status, poll_health_200, print_table  # noqa:
 from harness import DaemonRun, free_port  # noqa: E402
 
 Event = dict[str, Any]
+LISTENING = "listening on http"  # llama-server's line as its HTTP server begins answering
 
 
 def ts(event: Event) -> float:
@@ -93,7 +106,7 @@ def sections(args: argparse.Namespace, tmp: Path, model: str, port: int) -> dict
                                      str(tmp / "reset-argv.txt"), "{index}"]
     return {"server": server, "gpu": gpu, "recovery": recovery,
             "health": {"load_timeout_s": 600.0}, "schedule": {"restart_cron": ""},
-            "log": {"level": "info", "format": "json"}, "runtime": {"dir": str(tmp / "run")}}
+            "log": {"level": "debug", "format": "json"}, "runtime": {"dir": str(tmp / "run")}}
 
 
 def daemon(tree: Tree, tmp: Path, secs: dict[str, dict[str, object]], script: Path) -> DaemonRun:
@@ -119,6 +132,32 @@ def bare_load(argv: list[str], port: int) -> float:
         wait_port_free(port)
 
 
+def exit_times(argv: list[str], port: int, rounds: int) -> dict[str, list[float]]:
+    """A bare llama-server's exit, signal → reaped: SIGTERM with an idle keep-alive HTTP connection
+    open to it (what a probe client with a connection pool leaves), SIGTERM with none, SIGKILL."""
+    out: dict[str, list[float]] = {"bare exit: SIGTERM, idle keep-alive open": [],
+                                   "bare exit: SIGTERM, no idle connection": [], "bare exit: SIGKILL": []}
+    for _ in range(rounds):
+        for key, sig, keep in (("bare exit: SIGTERM, idle keep-alive open", signal.SIGTERM, 1),
+                               ("bare exit: SIGTERM, no idle connection", signal.SIGTERM, 0),
+                               ("bare exit: SIGKILL", signal.SIGKILL, 0)):
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                poll_health_200(port, time.monotonic(), timeout_s=600)
+                with httpx.Client(limits=httpx.Limits(max_keepalive_connections=keep)) as client:
+                    client.get(f"http://127.0.0.1:{port}/health", timeout=10)
+                    t0 = time.monotonic()
+                    proc.send_signal(sig)
+                    proc.wait(60)
+                    out[key].append(time.monotonic() - t0)
+            finally:
+                proc.kill()
+                proc.wait()
+                wait_port_free(port)
+    return out
+
+
 def wait_port_free(port: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while health_status(port) is not None and time.monotonic() < deadline:
@@ -140,6 +179,26 @@ def unavailable(port: int, t0: float, timeout_s: float = 600.0) -> tuple[float, 
     raise TimeoutError("/health did not go down and come back")
 
 
+def own(out: dict[str, list[float]], key: str, ready: Event) -> None:
+    """The daemon's own figure of a restart (``server_ready``'s ``restart_to_ready_s``; a tree from
+    before it existed has none)."""
+    if isinstance(ready.get("restart_to_ready_s"), (int, float)):
+        out[key].append(float(ready["restart_to_ready_s"]))
+
+
+def ready_lags(events: list[Event]) -> list[float]:
+    """Per server: its ``listening on`` line (as the daemon read it) → its ``server_ready``: how long
+    the daemon took to see a server that could answer (independent of how long the load took)."""
+    lags = []
+    for ready in (e for e in events if e["event"] == "server_ready"):
+        pid = ready["server_pid"]
+        line = next((e for e in events if e["event"] == "server_line" and e.get("server_pid") == pid
+                     and LISTENING in str(e.get("line", ""))), None)
+        if line is not None:
+            lags.append(ts(ready) - ts(line))
+    return lags
+
+
 def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, out: dict[str, list[float]],
               argv: list[str]) -> None:
     out["bare"].append(bare_load(argv, port))
@@ -155,16 +214,25 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
         out["start→spawn"].append(ts(starting) - t_wall)
         out["daemon_started→spawn"].append(ts(starting) - ts(started))
         time.sleep(1.0)
-        t0 = time.monotonic()
+        t_kill, t0 = time.time(), time.monotonic()
         os.kill(pid, signal.SIGKILL)
         out["kill -9→/health 200"].append(poll_health_200(port, t0, timeout_s=600))
-        pid = run.wait_event("server_starting", 60.0, skip=1)["server_pid"]
-        run.wait_event("server_ready", 60.0, where=lambda e: e.get("server_pid") == pid)
+        respawn = run.wait_event("server_starting", 60.0, skip=1)
+        out["kill -9→spawn"].append(ts(respawn) - t_kill)
+        pid = respawn["server_pid"]
+        ready = run.wait_event("server_ready", 60.0, where=lambda e: e.get("server_pid") == pid)
+        own(out, "kill -9: restart_to_ready_s (event)", ready)
         time.sleep(1.0)
-        t0 = time.monotonic()
+        t_usr1, t0 = time.time(), time.monotonic()
         os.kill(run.pid, signal.SIGUSR1)  # what `llama-guard restart` sends (the fake-NVML runner has another argv)
         _, away = unavailable(port, t0)
         out["restart: API away"].append(away)
+        own(out, "restart: restart_to_ready_s (event)", run.wait_event("server_ready", 60.0, skip=2))
+        stopped = run.wait_event("server_stopped", 10.0)
+        out["restart: SIGUSR1→old server gone"].append(ts(stopped) - t_usr1)
+        out["restart: old server gone→spawn"].append(ts(run.wait_event("server_starting", 10.0, skip=2))
+                                                     - ts(stopped))
+        out["listening line→server_ready"] += ready_lags(run.events())
     finally:
         quiet_stop(run)
         wait_port_free(port)
@@ -240,6 +308,9 @@ def main() -> int:
     pairs = [c.split("=", 1) if "=" in c else (Path(c).name, c) for c in args.code] or [("this", str(ROOT))]
     trees = [Tree(name, Path(root), args.nvml) for name, root in pairs]
     port = free_port()
+    for tree in trees:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree.root / "supervisor")],
+                       check=True, stdout=subprocess.DEVNULL)
     results: dict[str, dict[str, list[float]]] = {}
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-start-") as tmpdir:
@@ -258,8 +329,12 @@ def main() -> int:
         argv_bad = build_argv(cfg.server, bad)
         print(f"llama-server argv: {' '.join(argv)}", flush=True)
         bare_load(argv, port)  # warm-up: the page cache holds the model, not counted
+        exits = exit_times(argv, port, args.rounds)
         keys = ["bare", "start→spawn", "daemon_started→spawn", "start→/health 200", "kill -9→/health 200",
-                "restart: API away", "overhead: first start", "overhead: kill -9", "overhead: restart"]
+                "restart: API away", "kill -9: restart_to_ready_s (event)", "restart: restart_to_ready_s (event)",
+                "kill -9→spawn", "restart: SIGUSR1→old server gone", "restart: old server gone→spawn",
+                "listening line→server_ready",
+                "overhead: first start", "overhead: kill -9", "overhead: restart"]
         for tree in trees:
             results[tree.name] = {k: [] for k in keys}
         for r in range(args.rounds):
@@ -274,13 +349,14 @@ def main() -> int:
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores), load {load0[0]:.2f} → {load1[0]:.2f}; "
           f"GPU watch: {args.nvml} NVML; model {Path(args.model).name} "
           f"({Path(args.model).stat().st_size / 2**20:,.0f} MiB)")
+    print_table(list(exits.items()), title="\nllama-server's own exit")
     for tree in trees:
         rows = [(k, v) for k, v in results[tree.name].items() if not k.startswith("_")]
         print_table(rows, title=f"\n[{tree.name}] {tree.root}")
     if args.json:
         args.json.write_text(json.dumps({"host": platform.node(), "cores": os.cpu_count(), "nvml": args.nvml,
                                          "model": Path(args.model).name, "argv": argv, "load": [load0, load1],
-                                         "rounds": args.rounds, "results": results}, indent=1))
+                                         "rounds": args.rounds, "results": results, "exits": exits}, indent=1))
     return 0
 
 

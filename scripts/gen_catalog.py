@@ -45,7 +45,9 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "answers 200; loading a large model can take minutes."),
     "server_ready": (
         "llama-server is ready",
-        "llama-server pid @SERVER_PID@ answers /health after @LOAD_S@ s and serves requests."),
+        "llama-server pid @SERVER_PID@ answers /health after @LOAD_S@ s and serves requests. After a\n"
+        "restart, @RESTART_TO_READY_S@ s have passed since the restart began (the old server's stop or\n"
+        "exit): llama_guard_restart_to_ready_seconds."),
     "server_exited": (
         "llama-server exited unexpectedly",
         "llama-server pid @SERVER_PID@ exited: @EXIT_TEXT@. llama-guard restarts it with backoff.\n"
@@ -358,6 +360,17 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "llama-server @SERVER_PID@ answered @ERRORS@ client requests in a row with a 5xx status (the\n"
         "last @STATUS@). llama-guard does not restart for this (a client can cause 500s); read the\n"
         "server's lines around it (server_log_file, journalctl) for the cause."),
+    "restart_first_token": (
+        "first answer after a restart",
+        "A client request the front door held while llama-server restarted got the first byte of its\n"
+        "answer from the new server @SERVER_PID@ @RESTART_TO_FIRST_TOKEN_S@ s after the restart began (the\n"
+        "old server's stop or exit). Its histogram is llama_guard_restart_to_first_token_seconds."),
+    "model_page_cache_short": (
+        "the model file does not fit in the page cache",
+        "Before a planned restart llama-guard asks the kernel to keep the model file @MODEL@\n"
+        "(@MODEL_MIB@ MiB) in the page cache, so the new server reads it from RAM. The host has only\n"
+        "@AVAILABLE_MIB@ MiB available: the new server reads (part of) the file from disk, and the\n"
+        "restart takes longer. Free RAM on the host, or accept the slower restart."),
     "config_reloaded": (
         "configuration reloaded",
         "llama-guard reloaded @CONFIG_PATH@ (SIGHUP, `systemctl reload llama-guard`)."),

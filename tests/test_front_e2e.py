@@ -114,7 +114,14 @@ def test_drained_restart_3_long_and_5_new_all_get_200(front: Any) -> None:
     assert "drain_timeout" not in names
     stopped = run.wait_event("server_stopped")
     assert stopped["server_pid"] == first
-    assert run.wait_event("server_ready", 10, skip=1)["server_pid"] != first
+    ready = run.wait_event("server_ready", 10, skip=1)
+    assert ready["server_pid"] != first
+    # Timed from the old server's stop (after the drain): the held requests' first token comes after ready.
+    token = run.wait_event("restart_first_token", 10)
+    assert token["server_pid"] == ready["server_pid"]
+    assert 0 < ready["restart_to_ready_s"] <= token["restart_to_first_token_s"]
+    assert metric(run, "llama_guard_restart_to_first_token_seconds_count") == 1
+    assert [e["event"] for e in run.events()].count("restart_first_token") == 1  # once per restart
     held = run.wait_event("front_held", 10)
     assert held["held"] >= 5 and held["failed"] == 0 and "draining" in held["phase"]
     assert metric(run, "llama_guard_front_requests_failed_total") == 0

@@ -86,6 +86,7 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                                               and (s.get("gpu") or {}).get("sample"))
         made["plain_snapshot"] = _snapshot_when(plain, lambda s: s.get("phase") == "ready")
         made["second_pid"] = int(second["server_pid"])
+        made["second_ready"] = second
         yield made
     finally:
         leftovers = stop_all(runs, ports)
@@ -117,6 +118,8 @@ def test_human_layout_of_the_daemons_snapshot_has_no_raw_json(daemons: dict[str,
     assert not re.search(r"[{\[]\s*['\"]|['\"]\s*[}\]]", text), text  # no dict or list printed raw
     assert f"pid {daemons['second_pid']}, up " in text and ", ready for " in text
     assert "restarts" in text and "(crash 1)" in text and "last failure: " in text  # kill -9: a crash
+    restart_s = daemons["second_ready"]["restart_to_ready_s"]  # from the exit the daemon saw to /health 200
+    assert restart_s > 0 and f"ready {restart_s:.2f} s after it began" in text
     assert 'next planned restart  ' in text and '(cron "30 4 * * *" UTC)' in text
     sample = snap["gpu"]["sample"]
     assert f"0 {sample['identity']['name']}, {sample['temperature_c']} °C" in text

@@ -277,6 +277,14 @@ class RequestCompleted(Input):
 
 
 @dataclass(frozen=True)
+class FirstToken(Input):
+    """A client request the front door held while no server served got the first byte of a 2xx answer
+    from server ``pid`` (for a stream: its first token)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class StreamStalled(Input):
     """A response from server ``pid`` had begun and then got no byte for ``stalled_s`` seconds
     (``[front].stall_timeout_s``): a decode that stopped under a client."""

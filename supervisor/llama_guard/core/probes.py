@@ -15,6 +15,7 @@ Every request has a timeout; no probe raises on a network error, it reports a fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import Callable
@@ -44,6 +45,13 @@ def make_client(get_key: Callable[[], str] = lambda: "", base_url: str = "") -> 
     """The one way llama-guard builds an HTTP client for its llama-server (:mod:`llama_guard.core.client`):
     no proxy from the environment, and the API key (``get_key``) on every request."""
     return ServerClient(base_url, get_key)
+
+
+async def sleep_or_wake(seconds: float, wake: asyncio.Event) -> None:
+    """Wait ``seconds``, or less: until ``wake`` is set (then cleared for the next wait)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), seconds)
+    wake.clear()
 
 
 class CanaryOutcome(enum.Enum):
@@ -305,10 +313,15 @@ class ServerProbe:
         return LivenessRound(True, True, outcome, busy, progressed, traffic, detail, self._clock() - start,
                              silent_s=self.silent_s(), status=code, error=error, loop_ok=view is not None)
 
-    async def wait_idle(self, poll_s: float = 0.5) -> None:
-        """Return once no slot is processing (callers bound it with a deadline)."""
+    async def wait_idle(self, poll_s: float = 0.5, wake: asyncio.Event | None = None) -> None:
+        """Return once no slot is processing (callers bound it with a deadline). ``/slots`` is asked
+        every ``poll_s`` seconds, and at once when ``wake`` is set (then cleared): the server said a
+        slot finished its request."""
         while True:
             view = await self.slots()
             if view is not None and not view.busy:
                 return
-            await asyncio.sleep(poll_s)
+            if wake is None:
+                await asyncio.sleep(poll_s)
+            else:
+                await sleep_or_wake(poll_s, wake)

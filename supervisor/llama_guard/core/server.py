@@ -22,7 +22,7 @@ from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.policy.steps import SERVING
-from llama_guard.core.probes import ServerProbe
+from llama_guard.core.probes import ServerProbe, sleep_or_wake
 from llama_guard.core.procs import port_owner
 from llama_guard.core.progress import ProgressSample, ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
@@ -36,6 +36,10 @@ LAST_LINE_MAX = 300  # characters of the last output line kept for a stalled loa
 EVAL_SPEED = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) tokens.*?([\d.]+) tokens per second")
 # llama-server's line when a slot finishes a request ("slot release: id 0 | task 5 | stop processing: ...").
 REQUEST_DONE = re.compile(r"\bstop processing: n_tokens = \d+")
+# llama-server's lines as its HTTP server begins answering ("llama_server: model loaded", "listening on
+# http://H:P"; older builds "main: server is listening on ..."): the readiness poll probes at once
+# instead of at its next startup_poll_s tick.
+SERVING_LINE = re.compile(r"\bmodel loaded\b|\blistening on https?://")
 MIN_SPEED_TOKENS = 16  # the 1-token canary's own timing says nothing about speed
 EXIT_PIPE_GRACE_S = 0.3  # after the exit: how long the rest of the output may take to arrive
 LOAD_SAMPLE_S = 2.0  # while the model loads, progress signals are sampled this often
@@ -79,6 +83,8 @@ class ServerWatch:
         self.last_eval_tps: float | None = None  # the speed of the last request of >= MIN_SPEED_TOKENS
         self.completed_at: float | None = None  # when the server last logged a finished request (monotonic s)
         self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
+        self._serving_line = asyncio.Event()  # set by a SERVING_LINE: the readiness poll probes at once
+        self._slot_released = asyncio.Event()  # set by a REQUEST_DONE line: a drain asks /slots at once
 
     def start(self) -> None:
         """Begin the line reader, the health watch and the exit watch."""
@@ -112,6 +118,9 @@ class ServerWatch:
                 self.last_eval_tps = float(speed.group(2))
             if REQUEST_DONE.search(text):
                 self.completed_at = self._ctx.clock()
+                self._slot_released.set()
+            if SERVING_LINE.search(text):
+                self._serving_line.set()
             self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
             if self._ctx.get_state().phase is Phase.STARTING:
                 self._start_timeout.extend()
@@ -151,7 +160,7 @@ class ServerWatch:
                 sampled_at = ctx.clock()
                 await self._load_progress(sampler, answered)
                 answered = False
-            await asyncio.sleep(health.startup_poll_s)
+            await sleep_or_wake(health.startup_poll_s, self._serving_line)  # at once on a SERVING_LINE
         while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
             await asyncio.sleep(0.01)
         await self._sample(sampler)  # the liveness window starts at ready

@@ -37,7 +37,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from llama_guard.core.inputs import Input, RequestCompleted, UpstreamError
+from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, UpstreamError
 from llama_guard.core.suspects import Admit, Book, Fingerprint, admit, answered, ended, in_flight, is_crash
 from llama_guard.core.types import State
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
@@ -211,7 +211,7 @@ class Forwarder:
                     since = self._clock()  # held again, for as long as a new arrival
                 else:
                     body.release()
-                    return await self._relay(request, upstream, pid, work_of(request.method, target), fp)
+                    return await self._relay(request, upstream, pid, work_of(request.method, target), fp, held=held)
                 finally:
                     self._leave()
                 deadline = self.admission.deadline(since, hold_timeout_s)
@@ -297,10 +297,11 @@ class Forwarder:
         await self._idle.wait()
 
     async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
-                     pid: int, work: Work | None, fp: Fingerprint) -> web.StreamResponse:
+                     pid: int, work: Work | None, fp: Fingerprint, *, held: bool) -> web.StreamResponse:
         """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes; a
         2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
-        Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it."""
+        Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it.
+        ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
         flight = Flight(pid)
         plain = upstream.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() == "identity"
         witness = Witness(work) if work is not None and plain and 200 <= upstream.status < 300 else None
@@ -329,6 +330,8 @@ class Forwarder:
                     flight.waiting_since = None
                 if not chunk:
                     break
+                if held and not flight.began and 200 <= upstream.status < 300:
+                    self._post(FirstToken(pid))
                 flight.began = True
                 if witness is not None:
                     witness.feed(chunk)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import errno
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -30,10 +30,12 @@ from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Source
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
-from llama_guard.front.app import FrontApp
 from llama_guard.front.endpoints import path_of
-from llama_guard.front.forward import Forwarder, wall_time
 from llama_guard.front.metrics import FrontMetrics
+
+if TYPE_CHECKING:  # aiohttp (~0.2 s of imports) only when the front door is on: see start()
+    from llama_guard.front.app import FrontApp
+    from llama_guard.front.forward import Forwarder
 
 CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
@@ -72,6 +74,9 @@ class FrontSource(Source):
             return activated
         if address is None:
             return None
+        from llama_guard.front.app import FrontApp
+        from llama_guard.front.forward import Forwarder
+
         admission = Admission(ctx.clock, lambda episode: self._episode(ctx, episode))
         admission.update(ctx.state)
         metrics = FrontMetrics(self._registry, waiting=lambda: admission.waiting,
@@ -151,6 +156,8 @@ class FrontSource(Source):
         return True
 
     def _crash_refused(self, ctx: Context, fp: Fingerprint, pids: tuple[int, ...], refuse_s: float) -> None:
+        from llama_guard.front.forward import wall_time  # loaded already: the front door is on
+
         ctx.emit("front_request_refused", method=fp.method, path=path_of(fp.target), body_sha256=fp.body_sha256,
                  server_pids=list(pids), refuse_s=round(refuse_s), until=wall_time(refuse_s))
 

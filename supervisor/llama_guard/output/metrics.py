@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from llama_guard.core.transition import Transition
@@ -37,6 +42,43 @@ if TYPE_CHECKING:
 
 WAIT_FIELDS = ("waited_s", "vram_wait_s")  # Emit fields that carry a VRAM wait in seconds
 NOT_COUNTED = frozenset({"server_line", "server_probe"})  # debug chatter, one per line/probe
+# Upper bounds (seconds) of the restart-time histograms: a small model restarts in well under a
+# second, a 27B-class one in tens of seconds, a cold read of a large file in minutes.
+RESTART_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# The restart times, each: the event and field that carry it, the histogram's name and help.
+RESTART_TIMES = (
+    ("server_ready", "restart_to_ready_s", "llama_guard_restart_to_ready_seconds",
+     "from a restart's beginning (the old server's stop or exit) to the new server's /health 200"),
+    ("restart_first_token", "restart_to_first_token_s", "llama_guard_restart_to_first_token_seconds",
+     "from a restart's beginning to the first byte of a 2xx answer to a request held across it"),
+)
+
+
+class Histogram:
+    """Observations (seconds) counted into RESTART_BUCKETS_S, as Prometheus histograms count them."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(RESTART_BUCKETS_S)  # per bucket, not cumulative
+        self.count = 0
+        self.total_s = 0.0
+        self.last_s: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.last_s = seconds
+        for i, bound in enumerate(RESTART_BUCKETS_S):
+            if seconds <= bound:
+                self.counts[i] += 1
+                break
+
+    def family(self, name: str, text: str) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, n in zip(RESTART_BUCKETS_S, self.counts, strict=True):
+            running += n
+            cumulative.append((repr(bound), float(running)))  # "0.25", "10.0": as prometheus-client writes ``le``
+        cumulative.append(("+Inf", float(self.count)))
+        return HistogramMetricFamily(name, text, buckets=cumulative, sum_value=self.total_s)
 
 
 class MetricsSource(Source, Collector):
@@ -59,6 +101,7 @@ class MetricsSource(Source, Collector):
         self.resets: Counter[tuple[str, str]] = Counter()
         self.phase_time: dict[str, tuple[int, float]] = {}  # phase -> (count, sum seconds) of finished stays
         self.vram_wait: tuple[int, float] = (0, 0.0)
+        self.restart_times = {field: Histogram() for _, field, _, _ in RESTART_TIMES}
         self._phase: Phase | None = None
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
@@ -103,6 +146,11 @@ class MetricsSource(Source, Collector):
             self.resets[(str(fields.get("outcome", "?")), str(fields.get("trigger", "")))] += 1
         elif name == "server_ready":
             self.ready_since_wall = time.time()
+            self.restart_times["restart_to_first_token_s"].last_s = None  # the new restart's is not known yet
+        for event, field, _, _ in RESTART_TIMES:
+            value = fields.get(field)
+            if name == event and isinstance(value, (int, float)):
+                self.restart_times[field].observe(float(value))
         for key in WAIT_FIELDS:
             value = fields.get(key)
             if isinstance(value, (int, float)):
@@ -122,7 +170,8 @@ class MetricsSource(Source, Collector):
         return {"listen": None if self.listening is None else f"{self.listening[0]}:{self.listening[1]}",
                 "ready_since": self.ready_since_wall, "restarts_by_cause": dict(self.restarts),
                 "resets": [{"outcome": o, "trigger": t, "count": n} for (o, t), n in self.resets.items()],
-                "events": dict(self.events)}
+                "events": dict(self.events),
+                "last_restart": {field: hist.last_s for field, hist in self.restart_times.items()}}
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -176,6 +225,8 @@ class MetricsSource(Source, Collector):
         for name, (count, total) in sorted(self.phase_time.items()):
             phases.add_metric([name], count_value=count, sum_value=total)
         yield phases
+        for _, field, metric, text in RESTART_TIMES:
+            yield self.restart_times[field].family(metric, text)
         yield SummaryMetricFamily("llama_guard_vram_wait_seconds", "waits for the previous server's VRAM",
                                   count_value=self.vram_wait[0], sum_value=self.vram_wait[1])
         yield from self._peer_metrics()

@@ -107,6 +107,13 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
     if doc.get("last_failure"):
         restarts += f"; last failure: {doc['last_failure']}"
     rows.append(("restarts", restarts))
+    last = metrics.get("last_restart") or {}
+    ready_s, token_s = last.get("restart_to_ready_s"), last.get("restart_to_first_token_s")
+    if isinstance(ready_s, (int, float)):
+        text = f"ready {ready_s:.2f} s after it began"
+        if isinstance(token_s, (int, float)):
+            text += f", first token to a held request {token_s:.2f} s"
+        rows.append(("last restart", text))
     resets = metrics.get("resets") or []
     if resets:
         rows.append(("GPU resets", ", ".join(f"{r['outcome']} {r['count']}" for r in resets)))

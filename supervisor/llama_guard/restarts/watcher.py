@@ -239,8 +239,22 @@ class ScheduleSource(Source):
             tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
         self._pending = _Pending(pid=step.before.pid,
                                  held_from=step.at if ctx.config.front.address is not None else None)
+        self._spawn_task(self._warm_model(ctx))
         self._after_pid = None
         return self._pending
+
+    async def _warm_model(self, ctx: Context) -> None:
+        """While the old server drains: the model file into the page cache for the new one
+        (:mod:`.page_cache`), or ``model_page_cache_short`` when the host's RAM cannot hold it."""
+        from llama_guard.restarts.page_cache import warm  # ctypes: imported at the first planned restart, not at start
+
+        model = Path(ctx.config.server.model)
+        try:
+            warmth = await asyncio.to_thread(warm, model)
+        except OSError:
+            return  # the spawn's own model check names a file that cannot be opened
+        if not warmth.fits:
+            ctx.emit("model_page_cache_short", **warmth.fields(model))
 
     def _on_ready(self, ctx: Context, pid: int | None) -> None:
         pending = self._pending

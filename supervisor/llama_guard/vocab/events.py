@@ -141,6 +141,8 @@ EventName = Literal[
     "slot_restore_refused",
     "slot_restore_unused",
     "slot_dropped",
+    "restart_first_token",
+    "model_page_cache_short",
 ]
 
 
@@ -311,6 +313,12 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("slot_dropped", _S.INFO,
                   "dropped slot file {file} ({bytes} bytes): the slot files exceed [slots].budget_mib "
                   "{budget_mib:.0f} MiB"),
+        EventSpec("restart_first_token", _S.INFO,
+                  "first token of llama-server pid {server_pid} to a held request "
+                  "{restart_to_first_token_s:.2f} s after the restart began"),
+        EventSpec("model_page_cache_short", _S.WARNING,
+                  "the host's RAM cannot keep the model file {model} ({model_mib:.0f} MiB) in the page cache "
+                  "({available_mib:.0f} MiB available): the next start reads it from disk"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,

@@ -51,6 +51,13 @@ __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 
 def decide(state: State, event: Input, now: float) -> Result:
     """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
+    new, actions = _decide(state, event, now)
+    if state.phase in SERVING and new.phase not in (*SERVING, Phase.EXITED):
+        new = replace(new, restart_at=now)  # the serving server stopped serving: a restart begins
+    return new, actions
+
+
+def _decide(state: State, event: Input, now: float) -> Result:
     if state.phase is Phase.EXITED:
         return state, []
     if isinstance(event, Line) and event.pid == state.pid and event.verdict.family in ERROR_FAMILIES:

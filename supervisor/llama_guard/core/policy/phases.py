@@ -95,6 +95,8 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
                       alloc_failure="", port_taken_since=None, port_holder=None)
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+        if state.restart_at is not None:
+            fields["restart_to_ready_s"] = round(now - state.restart_at, 3)
         if event.port_pid is not None and event.port_pid != state.pid:
             # A wrapper script: the port belongs to a process it forked.
             fields["port_pid"] = event.port_pid

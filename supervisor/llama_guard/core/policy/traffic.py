@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.core.actions import Emit
-from llama_guard.core.inputs import Input, RequestCompleted, StreamStalled, UpstreamError
+from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy.steps import Result, fail, stop
 from llama_guard.core.types import AfterStop, RestartCause, State
 
@@ -27,6 +27,11 @@ def on_traffic(state: State, event: Input, now: float) -> Result | None:
     ``event`` is no traffic input of this server."""
     if isinstance(event, RequestCompleted) and event.pid == state.pid:
         return replace(state, last_request_at=now, strikes=0, stalls=0, http_errors=0), []
+    if isinstance(event, FirstToken) and event.pid == state.pid:
+        if state.restart_at is None:  # not the first answer after a restart: nothing to time
+            return state, []
+        return replace(state, restart_at=None), [Emit("restart_first_token", {
+            "server_pid": state.pid, "restart_to_first_token_s": round(now - state.restart_at, 3)})]
     if isinstance(event, StreamStalled) and event.pid == state.pid:
         return _stalled(state, event, now)
     if isinstance(event, UpstreamError) and event.pid == state.pid:
