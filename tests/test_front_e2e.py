@@ -290,11 +290,11 @@ def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(fron
     """The shipped promise at a small scale: a drain longer than ``hold_timeout_s`` (a long generation),
     new requests arriving during it: every one is 200, held until the next server is ready, and the
     events say what the clients saw."""
-    hold_s = 6.0
-    run = front({"front": {"hold_timeout_s": hold_s}, "server": {"parallel": 2, "ctx_size": 4096},
+    hold_s = 12.0  # covers the next server's stop and load (up to 5 s seen on a loaded 2-core host)
+    run = front({"front": {"hold_timeout_s": hold_s}, "server": {"parallel": 1, "ctx_size": 8192},
                  "schedule": {"drain_timeout_s": 240.0}}).start()
     first = run.wait_event("server_ready", 60)["server_pid"]
-    n_long = _tokens_for(run, 2.5 * hold_s, 1900)
+    n_long = _tokens_for(run, 2.2 * hold_s, 8000)
     with ThreadPoolExecutor(4) as pool:
         long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
