@@ -460,7 +460,7 @@ class Daemon:
     def _write_status(self) -> None:
         self._status_at = self.clock()
         self.runtime.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
-                                                list(self.emitter.recent), self.sources, self._liveness()))
+                                    list(self.emitter.recent), self.sources, self._liveness()))
 
     # ------------------------------------------------------------ shutdown
 
