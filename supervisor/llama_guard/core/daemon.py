@@ -60,7 +60,7 @@ from llama_guard.core.inputs import (
     StopRequest,
     Tick,
 )
-from llama_guard.core.offload import CallTimeout, LaneBusy, LaneKind, daemon_lanes
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
@@ -155,9 +155,11 @@ class Daemon:
         started as ``[server].user``.
         """
         try:
-            await asyncio.to_thread(self.runtime.acquire, self._ports())
-        except (AlreadyRunning, OSError) as exc:
-            reason = str(exc) if isinstance(exc, AlreadyRunning) else (
+            ports = self._ports()
+            await self.lanes[LaneKind.PROC].run(lambda: self.runtime.acquire(ports), PROC_TIMEOUT_S,
+                                                "the runtime directory's lock")
+        except (AlreadyRunning, OSError, CallTimeout, LaneBusy) as exc:
+            reason = str(exc) if not isinstance(exc, OSError) else (
                 f"cannot lock the runtime directory {self.config.runtime.dir}: {exc.strerror or exc}")
             self.emitter.emit("config_error", reason=reason)
             self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)

@@ -57,7 +57,6 @@ CONNECT_TIMEOUT_S = 5.0
 # that a request is never written into a connection the server is closing at that moment.
 UPSTREAM_KEEPALIVE_S = 2.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
-HASH_OFF_LOOP_BYTES = 1 << 20  # a body larger than this is fingerprinted in a thread
 JUDGE_WAIT_S = 5.0  # after a replay failed: how long to wait for the policy to judge that server's end
 
 
@@ -84,14 +83,6 @@ def origin_form(request: web.BaseRequest) -> str | None:
         return None
     path = request.rel_url.raw_path_qs
     return path if path.startswith("/") else "/" + path
-
-
-async def fingerprint(method: str, target: str, body: bytes) -> Fingerprint:
-    """The request's :class:`Fingerprint` (a body over :data:`HASH_OFF_LOOP_BYTES` is hashed in a
-    thread: the loop never waits on it)."""
-    if len(body) > HASH_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(Fingerprint.of, method, target, body)
-    return Fingerprint.of(method, target, body)
 
 
 def wall_time(after_s: float) -> str:
@@ -171,7 +162,7 @@ class Forwarder:
         target = origin_form(request) or "/"
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
-        fp = await fingerprint(request.method, target, body.data)
+        fp = Fingerprint(request.method, target, body.sha256)
         replayed = False
         in_lane = False
         tries = 0

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from llama_guard.config import Config, host_port
 from llama_guard.core.inputs import StreamStalled
-from llama_guard.core.offload import PROC_TIMEOUT_S
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.params import params_from
 from llama_guard.core.policy.port import holder_text
 from llama_guard.core.procs import port_holder
@@ -41,12 +41,12 @@ CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
 
 
-async def _holder(port: int) -> tuple[int, str] | None:
-    """Who listens on TCP ``port`` (a /proc scan in a thread, bounded by PROC_TIMEOUT_S); None when
+async def _holder(lane: Lane, port: int) -> tuple[int, str] | None:
+    """Who listens on TCP ``port`` (a /proc scan on ``lane``, bounded by PROC_TIMEOUT_S); None when
     it cannot be told."""
     try:
-        pid, name = await asyncio.wait_for(asyncio.to_thread(port_holder, port), PROC_TIMEOUT_S)
-    except TimeoutError:
+        pid, name = await lane.run(lambda: port_holder(port), PROC_TIMEOUT_S, f"who holds port {port}")
+    except (CallTimeout, LaneBusy):
         return None
     return (pid, name) if pid is not None else None
 
@@ -65,6 +65,7 @@ class FrontSource(Source):
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
         self.listening: tuple[str, int] | None = None
+        self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
 
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
@@ -116,7 +117,7 @@ class FrontSource(Source):
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
-            holder = holder_text(await _holder(address[1]))
+            holder = holder_text(await _holder(self._proc, address[1]))
             waited = ctx.clock() - since
             if waited >= params.port_wait_s:
                 return (f"[front].listen = {front.listen!r}: port {address[1]} is held by {holder}, still after "

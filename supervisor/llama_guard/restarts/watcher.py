@@ -102,8 +102,10 @@ async def _fetch_metrics(client: ServerClient, base_url: str, timeout_s: float) 
     return resp.text if resp.status == 200 else None
 
 
-@dataclass
+WARM_TIMEOUT_S = 10.0  # counting the model file's cached pages and asking for the rest (seconds)
 
+
+@dataclass
 class _Pending:
     """A planned restart between its drain and the new server's READY."""
 
@@ -134,6 +136,7 @@ class ScheduleSource(Source):
         self._rss_reader = rss_reader
         self._metrics_reader = metrics_reader
         self._lane = Lane(LaneKind.PROC)
+        self._file_lane = Lane(LaneKind.CONFIG)  # the model file's page cache (a hung mount stays here)
         self._client: ServerClient | None = None
         self.schedule: PlannedRestarts | None = None
         self.monitor: DecayMonitor = DecayMonitor()
@@ -250,9 +253,9 @@ class ScheduleSource(Source):
 
         model = Path(ctx.config.server.model)
         try:
-            warmth = await asyncio.to_thread(warm, model)
-        except OSError:
-            return  # the spawn's own model check names a file that cannot be opened
+            warmth = await self._file_lane.run(lambda: warm(model), WARM_TIMEOUT_S, f"the page cache of {model}")
+        except (OSError, LaneBusy):  # CallTimeout is an OSError
+            return  # the spawn's own model check names a file that cannot be opened or does not answer
         if not warmth.fits:
             ctx.emit("model_page_cache_short", **warmth.fields(model))
 
