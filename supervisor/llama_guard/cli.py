@@ -62,12 +62,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
     from llama_guard.core.daemon import Daemon
-    from llama_guard.wiring import make_emitter, make_notifier, make_sources
+    from llama_guard.wiring import make_emitter, make_notifier, make_watchers
 
     path, config = _load(args)
     emitter = make_emitter(config)
-    sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
-    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
+    watchers = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
+    daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=watchers.sources, gpu=watchers.gpu)
     return asyncio.run(daemon.run())
 
 
