@@ -198,11 +198,11 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
 
 async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Path) -> None:
     from llama_guard.output.eventlog import Emitter
-    from llama_guard.wiring import make_sources
+    from llama_guard.wiring import make_watchers
 
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
     emitter = Emitter(min_level="error", fmt="json")
-    metrics = make_sources(cfg, emitter=emitter)[-1]
+    metrics = make_watchers(cfg, emitter=emitter).sources[-1]
     assert isinstance(metrics, MetricsSource) and metrics in emitter.sinks
     _, ctx, _, _ = make(tmp_path)
     metrics.ctx = ctx

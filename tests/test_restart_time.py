@@ -13,7 +13,6 @@ import pytest
 from harness import emitted, names
 from harness import ready as policy_ready
 from llama_guard.config import Config
-from llama_guard.core.actions import Emit
 from llama_guard.core.inputs import Drained, Exited, FirstToken, HealthOk, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.probes import sleep_or_wake
@@ -108,11 +107,11 @@ def test_histograms_and_status_row_follow_the_events() -> None:
     src, ctx = _metrics()
     try:
         assert ctx.loop.run_until_complete(src.start(ctx)) is None
-        src.on_action(ctx, Emit("server_ready", {"server_pid": 1, "load_s": 3.0}))  # the first start: no figure
+        src.write({"event": "server_ready", "server_pid": 1, "load_s": 3.0})  # the first start: no figure
         for ready_s, token_s in ((0.4, 0.6), (7.0, None)):
-            src.on_action(ctx, Emit("server_ready", {"server_pid": 2, "load_s": 0.3, "restart_to_ready_s": ready_s}))
+            src.write({"event": "server_ready", "server_pid": 2, "load_s": 0.3, "restart_to_ready_s": ready_s})
             if token_s is not None:
-                src.on_action(ctx, Emit("restart_first_token", {"server_pid": 2, "restart_to_first_token_s": token_s}))
+                src.write({"event": "restart_first_token", "server_pid": 2, "restart_to_first_token_s": token_s})
         samples = {(s.name, s.labels.get("le")): s.value for fam in text_string_to_metric_families(
             generate_latest(src.registry).decode()) for s in fam.samples}
         assert samples[("llama_guard_restart_to_ready_seconds_count", None)] == 2

@@ -63,14 +63,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from llama_guard.core.daemon import Daemon
     from llama_guard.output import stderr
-    from llama_guard.wiring import make_emitter, make_notifier, make_sources
+    from llama_guard.wiring import make_emitter, make_notifier, make_watchers
 
     path, config = _load(args)
     output = stderr.install()  # the loop never waits on its own output
     try:
         emitter = make_emitter(config)
-        sources = make_sources(config, nvml_module=args.nvml_module, emitter=emitter)
-        daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=sources)
+        watchers = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
+        daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=watchers.sources,
+                        gpu=watchers.gpu)
         return asyncio.run(daemon.run())
     finally:
         output.drain()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
+from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.service import ServiceNotifier
 from llama_guard.core.watcher import Source
 from llama_guard.output.eventlog import Emitter
@@ -31,11 +33,21 @@ def make_notifier() -> ServiceNotifier:
     return SdNotifier(unset_environment=True)
 
 
-def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -> list[Source]:
+@dataclass(frozen=True)
+class Watchers:
+    """What the daemon is handed: its watchers (``sources``) and, among them, its GPU port."""
+
+    sources: list[Source]
+    gpu: GpuPort | None
+
+
+def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) -> Watchers:
     """The optional watchers: limits, GPU, planned restarts, slots (the KV cache carried across restarts),
     metrics (served when [metrics].listen is set; it counts every event of ``emitter``), the front door
-    (when [front].listen is set). ``nvml_module``: the pynvml module the GPU watcher uses (None: the
-    real ``pynvml``; tests inject a fake)."""
+    (when [front].listen is set, on the socket systemd passed if any); the GPU watcher is the daemon's
+    GPU port too.
+    ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
+    fake)."""
     from llama_guard.front import activation
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
@@ -54,4 +66,4 @@ def make_sources(config: Config, *, emitter: Emitter, nvml_module: Any = None) -
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
     # metrics go to the exporter's registry.
-    return [*sources, FrontSource(registry=metrics.registry, passed=activation.take()), metrics]
+    return Watchers([*sources, FrontSource(registry=metrics.registry, passed=activation.take()), metrics], gpu)

@@ -48,6 +48,7 @@ from llama_guard.core.actions import (
 )
 from llama_guard.core.child import kill_and_reap
 from llama_guard.core.facts import find_port_holder, read_build
+from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.gpu_requests import GpuRequests
 from llama_guard.core.inputs import (
     Boot,
@@ -95,12 +96,15 @@ class Daemon:
 
     def __init__(self, config: Config, config_path: Path, emitter: Emitter, *,
                  notifier: ServiceNotifier | None = None, sources: list[Source] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 gpu: GpuPort | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``sources``: the watchers (each started, supervised and told of every step); ``gpu``: the
+        GPU port (a watcher among ``sources`` too), None when no GPU is watched."""
         self.config = config
         self.config_path = config_path
         self.emitter = emitter
         self.notifier: ServiceNotifier = notifier or NullNotifier()
         self.sources: list[Source] = list(sources or [])
+        self.gpu = gpu
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
@@ -195,7 +199,7 @@ class Daemon:
                            emit=self.emitter.emit, post=self.queue.put_nowait,
                            post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
                            get_api_key=lambda: self.spawner.live_key)
-        self._gpu = GpuRequests(self.ctx, self.sources)
+        self._gpu = GpuRequests(self.ctx, self.gpu)
         self._write_status()
         try:
             try:
@@ -220,7 +224,7 @@ class Daemon:
                     self.emitter.emit("server_boot_failure", cause=refusal)
                     return self._refuse(refusal)
                 self.tasks.start(self.tasks.supervise(source, self.ctx), f"watcher {source.name}")
-            self._reset_possible = any(src.can_reset for src in self.sources)
+            self._reset_possible = self.gpu is not None and self.gpu.can_reset
             self.state = replace(self.state, params=params_from(self.config, reset_possible=self._reset_possible))
             self.queue.put_nowait(Boot())
             await self._loop()
@@ -391,7 +395,7 @@ class Daemon:
             return
         spawner = self.spawner
         gen = ServerWatch(outcome.server, self.ctx, self.sources, self.lanes, self.tasks, self.start_timeout,
-                          get_key=lambda: spawner.live_key)
+                          get_key=lambda: spawner.live_key, gpu=self.gpu)
         self._gen = gen
         gen.start()
         self.queue.put_nowait(Spawned(gen.pid, outcome.argv))

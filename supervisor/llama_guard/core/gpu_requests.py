@@ -1,4 +1,4 @@
-"""The policy's GPU requests carried out through the watchers: the VRAM check before a start
+"""The policy's GPU requests carried out through the GPU port: the VRAM check before a start
 (:class:`~llama_guard.core.actions.CheckVram`) and the reset steps (:class:`InspectGpu`,
 :class:`RunReset`). Each always answers an input (facts, possibly empty or with an ``error``);
 the daemon runs them as tasks and queues the answer.
@@ -7,40 +7,38 @@ the daemon runs them as tasks and queues the answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 from llama_guard.core.actions import InspectGpu, RunReset
+from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
 from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
 
 
 class GpuRequests:
-    """Asks ``sources`` (in order) for VRAM facts and hands reset steps to the one that can reset."""
+    """Asks the ``gpu`` port (None: no GPU watched) for VRAM facts and hands it the reset steps."""
 
-    def __init__(self, ctx: Context, sources: Sequence[Source]) -> None:
+    def __init__(self, ctx: Context, gpu: GpuPort | None) -> None:
         self._ctx = ctx
-        self._sources = sources
+        self._gpu = gpu
         self._check_failing = False  # the last VRAM check failed (reported once per run of failures)
 
     async def check_vram(self) -> VramFacts:
-        """The GPU's VRAM facts from the first source that has them (empty: unknown).
+        """The GPU's VRAM facts (empty: unknown, or no GPU watched).
 
-        Bounded: a source that fails or does not answer within :data:`VRAM_CHECK_TIMEOUT_S` seconds
+        Bounded: a port that fails or does not answer within :data:`VRAM_CHECK_TIMEOUT_S` seconds
         answers facts with an ``error``; the first of a run of failed checks is reported
         (``gpu_vram_check_failed``), not each poll's."""
         facts: VramFacts | None = None
-        for source in self._sources:
+        if self._gpu is not None:
             try:  # bounded: the estimate reads the model file (a FIFO, a hung mount never answer)
-                facts = await asyncio.wait_for(source.vram_facts(self._ctx), VRAM_CHECK_TIMEOUT_S)
+                facts = await asyncio.wait_for(self._gpu.vram_facts(self._ctx), VRAM_CHECK_TIMEOUT_S)
             except Exception as exc:
                 if isinstance(exc, asyncio.TimeoutError):
-                    reason = f"{source.name} gave no VRAM facts within {VRAM_CHECK_TIMEOUT_S:.0f} s"
+                    reason = f"gpu gave no VRAM facts within {VRAM_CHECK_TIMEOUT_S:.0f} s"
                 else:
-                    reason = f"{source.name}.vram_facts failed: {exc!r}"
+                    reason = f"gpu.vram_facts failed: {exc!r}"
                 facts = VramFacts(None, None, None, error=reason)
-            if facts is not None:
-                break
         if facts is not None and facts.error:
             if not self._check_failing:
                 index = facts.gpu_index if facts.gpu_index is not None else self._ctx.get_config().gpu.index
@@ -51,8 +49,8 @@ class GpuRequests:
         return facts or VramFacts(None, None, None)
 
     async def reset_step(self, action: InspectGpu | RunReset) -> ResetFacts | ResetDone:
-        """Hand a reset step to the source that can reset; failures become facts, never raise."""
-        source = next((src for src in self._sources if src.can_reset), None)
+        """Hand a reset step to the GPU port when it can reset; failures become facts, never raise."""
+        source = self._gpu if self._gpu is not None and self._gpu.can_reset else None
         if isinstance(action, InspectGpu):
             try:
                 if source is None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
+from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.policy.steps import SERVING
@@ -63,12 +64,14 @@ class ServerWatch:
     """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them."""
 
     def __init__(self, server: ServerProcess, ctx: Context, sources: Sequence[Source], lanes: dict[LaneKind, Lane],
-                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str]) -> None:
+                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str],
+                 gpu: GpuPort | None = None) -> None:
         config = ctx.get_config()
         self.server = server
         self.pid = server.pid
         self._ctx = ctx
         self._sources = sources
+        self._gpu = gpu
         self._lanes = lanes
         self._taskset = tasks
         self._start_timeout = start_timeout
@@ -127,21 +130,13 @@ class ServerWatch:
             if verdict.family is not Family.HARMLESS:
                 self._ctx.post(Line(self.pid, verdict, text))
 
-    def _gpu_busy(self, pid: int) -> bool | None:
-        """Our pid's GPU use as the sources see it (the first that can tell); None: unknown."""
-        for source in self._sources:
-            busy = source.gpu_busy(pid)
-            if busy is not None:
-                return busy
-        return None
-
     async def _watch_health(self) -> None:
         """Readiness polling and load-progress sampling while STARTING, then liveness rounds
         (probes plus progress signals) while the server serves."""
         pid = self.pid
         ctx = self._ctx
         health = ctx.get_config().health
-        sampler = ProgressSampler(pid, lambda: self.lines, gpu_busy=self._gpu_busy)
+        sampler = ProgressSampler(pid, lambda: self.lines, gpu_busy=None if self._gpu is None else self._gpu.gpu_busy)
         sampled_at = ctx.clock()
         answered = False
         while ctx.get_state().pid in (None, pid) and ctx.get_state().phase is Phase.STARTING:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.inputs import Input, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.inputs import Input
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
 from llama_guard.vocab.events import EmitFn
@@ -89,31 +89,6 @@ class Source:
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         """A validated configuration replaced ``old``."""
-
-    @property
-    def can_reset(self) -> bool:
-        """Whether this source can reset the GPU and verify it afterwards (the policy is told)."""
-        return False
-
-    async def vram_facts(self, ctx: Context) -> VramFacts | None:
-        """The GPU's free VRAM, what the server needs and who else holds VRAM, for the check before
-        each start (bounded: one reading); None when this source does not watch a GPU."""
-        return None
-
-    async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
-        """What stands in the way of a GPU reset now (only called when :attr:`can_reset`): wait,
-        bounded, for ``previous_pid`` and other processes to leave the GPU; report, decide nothing."""
-        return ResetFacts(None, True, 0.0, (), False, f"{self.name} cannot reset the GPU")
-
-    async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
-        """Run the reset command on GPU ``gpu_index`` and verify it (only called when
-        :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
-        return ResetDone(gpu_index, "", None, "", False, f"{self.name} cannot reset the GPU")
-
-    def gpu_busy(self, pid: int) -> bool | None:
-        """Whether server ``pid`` uses the GPU now (a liveness progress signal, read outside the
-        server's HTTP loop); None when this source cannot tell. Called from a worker thread."""
-        return None
 
     async def wait_requests_done(self) -> bool:
         """When this source sees every client request to the server (the front door): wait until none

@@ -63,8 +63,8 @@ def incompatible(state: State, now: float, verdict: LineClass, text: str) -> Res
     emit = Emit("server_gpu_incompatible", {"server_pid": state.pid, "line": text.strip(),
                                             "cause": verdict.cause, "fix": verdict.limit})
     if state.phase is Phase.STOPPING:
-        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_CONFIG, exit_reason=reason,
-                      pending_event=None, failure=replace(state.failure, text=reason))
+        new = replace(fail(state, state.failure.cause, reason, state.failure.line), after_stop=AfterStop.EXIT,
+                      exit_code=EXIT_CONFIG, exit_reason=reason, pending_event=None)
         return new, [emit]
     new, actions = stop(fail(state, state.failure.cause, reason), now, AfterStop.EXIT, reason,
                          code=EXIT_CONFIG, reason=reason)

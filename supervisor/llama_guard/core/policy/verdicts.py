@@ -66,8 +66,8 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
         return replace(state, gpu_lost=True), []
     emit = Emit("gpu_lost", {**fields, "reason": why, "reset": "not attempted (a reset cannot help)"})
     if state.phase is Phase.STOPPING:
-        return replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why,
-                       failure=replace(state.failure, text=why), pending_event=None), [emit]
+        return replace(fail(state, state.failure.cause, why, state.failure.line), after_stop=AfterStop.EXIT,
+                       exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why, pending_event=None), [emit]
     if state.pid is not None:
         new, actions = stop(fail(state, state.failure.cause, why), now, AfterStop.EXIT, why,
                              code=EXIT_GPU_UNRECOVERABLE, reason=why)

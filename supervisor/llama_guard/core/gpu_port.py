@@ -1,0 +1,34 @@
+"""The daemon's port to the GPU: what it asks of the GPU watcher, when there is one (the VRAM check
+before a start, the reset steps, the server's GPU use as a progress signal). The daemon is handed
+this port (or none) explicitly; it never searches its watchers for one that answers."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
+from llama_guard.core.watcher import Context
+
+
+class GpuPort(Protocol):
+    """The GPU watcher as the daemon uses it (:class:`llama_guard.gpu.watcher.GpuSource`)."""
+
+    @property
+    def can_reset(self) -> bool:
+        """Whether it can reset the GPU and verify it afterwards (the policy is told)."""
+
+    async def vram_facts(self, ctx: Context) -> VramFacts | None:
+        """The GPU's free VRAM, what the server needs and who else holds VRAM, for the check before
+        each start (bounded: one reading); None when it watches no GPU."""
+
+    async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
+        """What stands in the way of a GPU reset now (only called when :attr:`can_reset`): wait,
+        bounded, for ``previous_pid`` and other processes to leave the GPU; report, decide nothing."""
+
+    async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
+        """Run the reset command on GPU ``gpu_index`` and verify it (only called when
+        :attr:`can_reset`, after :meth:`inspect_reset`); reports what happened."""
+
+    def gpu_busy(self, pid: int) -> bool | None:
+        """Whether server ``pid`` uses the GPU now (a liveness progress signal, read outside the
+        server's HTTP loop); None when it cannot tell. Called from a worker thread."""
