@@ -87,14 +87,19 @@ def returning(run: DaemonRun, front: int, args: argparse.Namespace, tag: int, ca
     """One conversation, a restart of kind ``how`` ("planned" or "kill"), then its next turn:
     (prompt tokens evaluated again, the turn's wall time in s)."""
     messages = history(args, tag)
+    pid = [e for e in run.events() if e["event"] == "server_ready"][-1]["server_pid"]
+
+    def rolling(e: dict[str, Any]) -> bool:
+        return bool(e["server_pid"] == pid and e["reason"] == "rolling")
+
+    saves = sum(1 for e in run.events() if e["event"] == "slot_saved" and rolling(e))
     turn(front, messages, "Which item weighs the most?", 8)
     ready = ready_count(run)
-    pid = [e for e in run.events() if e["event"] == "server_ready"][-1]["server_pid"]
     if how == "planned":
         run.signal(signal.SIGUSR1)
     else:
-        if carry:
-            run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == pid and e["reason"] == "rolling")
+        if carry:  # this turn's rolling save, not an earlier one of this server
+            run.wait_event("slot_saved", 60, skip=saves, where=rolling)
         os.kill(pid, signal.SIGKILL)
     new = run.wait_event("server_ready", READY_TIMEOUT_S, skip=ready)["server_pid"]
     if carry:
