@@ -137,7 +137,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--decode-rounds", type=int, default=6)
+    parser.add_argument("--parts", default="carry,decode", help="which parts to run: carry, decode or both")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     if not args.model:
         parser.error("--model (or $LLAMA_GUARD_TEST_MODEL) is needed")
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; model {args.model}; "
@@ -148,19 +151,22 @@ def main() -> int:
         try:
             carried: dict[tuple[str, bool], list[tuple[int, float]]] = {}
             tag = 0
-            for _ in range(args.rounds):
+            for _ in range(args.rounds if "carry" in parts else 0):
                 for how in ("planned", "kill"):
                     for carry in (False, True):
                         tag += 1
                         run, front = runs[carry]
                         carried.setdefault((how, carry), []).append(returning(run, front, args, tag, carry, how))
-            print("\nA returning conversation after a restart (medians)")
-            print(f"{'restart':<10} {'carry-over':<11} {'n':>2} {'prompt tokens re-evaluated':>27} "
-                  f"{'first token s':>14}")
+            if carried:
+                print("\nA returning conversation after a restart (medians)")
+                print(f"{'restart':<10} {'carry-over':<11} {'n':>2} {'prompt tokens re-evaluated':>27} "
+                      f"{'first token s':>14}")
             for (how, carry), values in sorted(carried.items()):
                 tokens = statistics.median(v[0] for v in values)
                 first = statistics.median(v[1] for v in values)
                 print(f"{how:<10} {'on' if carry else 'off':<11} {len(values):>2} {tokens:>27.0f} {first:>14.2f}")
+            if "decode" not in parts:
+                return 0
             speeds: dict[bool, list[float]] = {False: [], True: []}
             for i in range(args.decode_rounds):
                 for carry in (False, True):
