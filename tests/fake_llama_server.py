@@ -171,6 +171,10 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = {}
         wait_busy()
+        if self.path.startswith("/slots/"):  # as llama-server started without --slot-save-path answers
+            self.reply(501, {"error": {"code": 501, "message": "This server does not support slots action.",
+                                       "type": "not_supported_error"}})
+            return
         if FAULT == "replay_request_abort":
             replay_and_abort()
             return

@@ -197,12 +197,12 @@ class SlotsSource(Source):
             seen = (slot.id_task, slot.n_tokens)
             if slot.id_task is None or slot.n_tokens == 0 or slot.canary or self._saved.get(slot.id) == seen:
                 continue
+            self._saved[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
             try:
                 moved = await client.save(slot.id, store.incoming(slot.id))
                 manifest = await asyncio.to_thread(store.commit, slot.id, fingerprint)
             except (SlotCallError, StoreError, OSError) as exc:
                 ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=str(exc))
                 continue
-            self._saved[slot.id] = seen
             ctx.emit("slot_saved", slot_id=slot.id, n_tokens=manifest.n_tokens, bytes=manifest.bytes,
                      save_ms=moved.ms, reason=reason, server_pid=pid, file=str(Path(store.root) / manifest.file))
