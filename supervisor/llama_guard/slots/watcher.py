@@ -120,6 +120,8 @@ class SlotsSource(Source):
         good, refused = await asyncio.to_thread(store.check, fingerprint)
         for item in refused:
             ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
+        if not good:
+            return  # nothing to restore: the server is not asked anything (no delay to its readiness)
         client = self._client(ctx)
         try:
             for manifest in good:
