@@ -87,14 +87,19 @@ def returning(run: DaemonRun, front: int, args: argparse.Namespace, tag: int, ca
     """One conversation, a restart of kind ``how`` ("planned" or "kill"), then its next turn:
     (prompt tokens evaluated again, the turn's wall time in s)."""
     messages = history(args, tag)
+    pid = [e for e in run.events() if e["event"] == "server_ready"][-1]["server_pid"]
+
+    def rolling(e: dict[str, Any]) -> bool:
+        return bool(e["server_pid"] == pid and e["reason"] == "rolling")
+
+    saves = sum(1 for e in run.events() if e["event"] == "slot_saved" and rolling(e))
     turn(front, messages, "Which item weighs the most?", 8)
     ready = ready_count(run)
-    pid = [e for e in run.events() if e["event"] == "server_ready"][-1]["server_pid"]
     if how == "planned":
         run.signal(signal.SIGUSR1)
     else:
-        if carry:
-            run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == pid and e["reason"] == "rolling")
+        if carry:  # this turn's rolling save, not an earlier one of this server
+            run.wait_event("slot_saved", 60, skip=saves, where=rolling)
         os.kill(pid, signal.SIGKILL)
     new = run.wait_event("server_ready", READY_TIMEOUT_S, skip=ready)["server_pid"]
     if carry:
@@ -132,7 +137,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--decode-rounds", type=int, default=6)
+    parser.add_argument("--parts", default="carry,decode", help="which parts to run: carry, decode or both")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     if not args.model:
         parser.error("--model (or $LLAMA_GUARD_TEST_MODEL) is needed")
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; model {args.model}; "
@@ -143,19 +151,22 @@ def main() -> int:
         try:
             carried: dict[tuple[str, bool], list[tuple[int, float]]] = {}
             tag = 0
-            for _ in range(args.rounds):
+            for _ in range(args.rounds if "carry" in parts else 0):
                 for how in ("planned", "kill"):
                     for carry in (False, True):
                         tag += 1
                         run, front = runs[carry]
                         carried.setdefault((how, carry), []).append(returning(run, front, args, tag, carry, how))
-            print("\nA returning conversation after a restart (medians)")
-            print(f"{'restart':<10} {'carry-over':<11} {'n':>2} {'prompt tokens re-evaluated':>27} "
-                  f"{'first token s':>14}")
+            if carried:
+                print("\nA returning conversation after a restart (medians)")
+                print(f"{'restart':<10} {'carry-over':<11} {'n':>2} {'prompt tokens re-evaluated':>27} "
+                      f"{'first token s':>14}")
             for (how, carry), values in sorted(carried.items()):
                 tokens = statistics.median(v[0] for v in values)
                 first = statistics.median(v[1] for v in values)
                 print(f"{how:<10} {'on' if carry else 'off':<11} {len(values):>2} {tokens:>27.0f} {first:>14.2f}")
+            if "decode" not in parts:
+                return 0
             speeds: dict[bool, list[float]] = {False: [], True: []}
             for i in range(args.decode_rounds):
                 for carry in (False, True):

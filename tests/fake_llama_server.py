@@ -184,6 +184,10 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = {}
         wait_busy()
+        if self.path.startswith("/slots/"):  # as llama-server started without --slot-save-path answers
+            self.reply(501, {"error": {"code": 501, "message": "This server does not support slots action.",
+                                       "type": "not_supported_error"}})
+            return
         time.sleep(DECODE_S)
         if ABORT_PROMPT and ABORT_PROMPT in data:
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")

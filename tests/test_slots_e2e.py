@@ -5,13 +5,14 @@ A conversation of three turns (over 500 tokens of history after the first): ``ll
 (SIGUSR1, drained) between turns 1 and 2, a kill -9 of llama-server between turns 2 and 3 once the
 rolling save of turn 2 was reported. Every turn must answer 200, and after each restart the server's
 own ``timings.cache_n`` must cover the whole previous prompt: only the new turn's tokens were
-evaluated. The same with two slots and two conversations. A slot file that does not check out is
-refused before the server sees it.
+evaluated (llama-server with an API key: every slot call sends it). The same with two slots and two
+conversations. A slot file that does not check out is refused before the server sees it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,14 +27,21 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
 @pytest.fixture
 def carry(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
-    """``make(parallel)``: a started daemon (front door on, rolling save every second) whose
-    ``front`` is the clients' port, ``first`` the first server's pid."""
+    """``make(parallel, key)``: a started daemon (front door on, rolling save every second; llama-server
+    with an API key when ``key`` is set) whose ``front`` is the clients' port, ``first`` the first
+    server's pid."""
     pool = RunPool()
 
-    def make(parallel: int) -> Any:
+    def make(parallel: int, key: str = "") -> Any:
         port = free_port()
+        server: dict[str, object] = {"parallel": parallel, "ctx_size": 2048 * parallel}
+        if key:
+            path = tmp_path / "api-key"
+            path.write_text(key + "\n")
+            path.chmod(0o600)
+            server["api_key_file"] = str(path)
         run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), {
-            "server": {"parallel": parallel, "ctx_size": 2048 * parallel},
+            "server": server,
             "front": {"listen": f"127.0.0.1:{port}", "hold_timeout_s": 120.0},
             "health": {"interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0, "canary_timeout_s": 10.0},
             "recovery": {"stable_after_s": 1.0, "max_restarts": 5},
@@ -53,17 +61,18 @@ def carry(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[
 class Conversation:
     """A chat whose history grows by each turn's question and answer."""
 
-    def __init__(self, topic: str, facts: int = 25) -> None:
+    def __init__(self, topic: str, facts: int = 25, key: str = "") -> None:
         """``facts``: the history's size (25: over 500 tokens with SmolLM2's tokenizer; checked by the tests)."""
         known = " ".join(f"Fact {i} about {topic}: item {i} weighs {i * 7 % 113} grams and costs {i * 13 % 97} coins."
                          for i in range(facts))
         self.messages: list[dict[str, str]] = [{"role": "system", "content": f"You know these facts. {known}"}]
         self.prompt_tokens = 0  # the previous turn's whole prompt, in tokens
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def turn(self, port: int, question: str) -> dict[str, Any]:
         """One turn through the front door; the server's ``timings``."""
         self.messages.append({"role": "user", "content": question})
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=180.0,
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=180.0, headers=self.headers,
                           json={"messages": self.messages, "max_tokens": 8, "temperature": 0})
         assert resp.status_code == 200, resp.text
         body = resp.json()
@@ -108,7 +117,8 @@ def restarts_keep_conversations(run: Any, chats: list[Conversation]) -> None:
 
 
 def test_one_slot_keeps_its_conversation_across_a_planned_restart_and_a_kill_9(carry: Any) -> None:
-    restarts_keep_conversations(carry(1), [Conversation("tools")])
+    key = "lg-" + secrets.token_hex(20)  # every slot call (list, save, restore, verify) must send it
+    restarts_keep_conversations(carry(1, key), [Conversation("tools", key=key)])
 
 
 def test_two_slots_keep_two_conversations(carry: Any) -> None:

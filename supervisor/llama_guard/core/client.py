@@ -61,12 +61,7 @@ class ServerClient:
         """``method path`` (with a JSON body when ``json`` is not None) answered in full within
         ``timeout_s`` seconds. Raises :class:`RequestFailed`."""
         if self._session is None:
-            # No idle connection is kept (force_close): each idle keep-alive connection holds one of
-            # llama-server's HTTP worker threads, and its graceful exit (SIGTERM) waits for them: 105-144 ms
-            # without one, 224-304 ms with one (SmolLM2, 2-core host) — every planned restart paid it. A
-            # loopback connect costs ~0.1 ms.
-            self._session = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-                                                  connector=aiohttp.TCPConnector(force_close=True))
+            self._session = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
         key = self._get_key()
         headers = {"Authorization": f"Bearer {key}"} if key else None
         try:

@@ -44,11 +44,12 @@ class LaneKind(enum.Enum):
     VRAM_NEED_KEY = "vram-need-key"  # the model file's identity for the need cache (stat, metadata)
     SCRAPE = "scrape"  # rendering /metrics for one scrape
     CHECK = "check"  # ``llama-guard check``'s own calls (:func:`run_with_deadline`)
+    SLOT_FILES = "slot-files"  # the slot store's files: hashing, checking, committing, pruning (slots/)
 
 
 MAX_CALLS = {LaneKind.CONFIG: 2, LaneKind.PROBE: 1, LaneKind.PROC: 2, LaneKind.NVML_CALL: 1,
              LaneKind.NVML_EVENT_WAIT: 1, LaneKind.GPU: 8, LaneKind.VRAM_NEED: 2, LaneKind.VRAM_NEED_KEY: 4,
-             LaneKind.SCRAPE: 2, LaneKind.CHECK: 1}
+             LaneKind.SCRAPE: 2, LaneKind.CHECK: 1, LaneKind.SLOT_FILES: 1}
 """Each kind's slots: calls of that kind that may be unfinished at once (stuck ones included)."""
 PROC_TIMEOUT_S = 5.0  # the deadline of one /proc walk on a PROC lane (seconds)
 

@@ -20,18 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from llama_guard.argv import build_of, resolve_binary, slot_save_dir
 from llama_guard.config import Config, ServerConfig
+from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.watcher import Context, Source
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.store import SlotStore, StoreError, read_tokens
+from llama_guard.units import MIB
 from llama_guard.vocab.phases import Phase
 
-MIB = 1 << 20
+SLOT_FILES_TIMEOUT_S = 60.0  # one slot-file step: hashing and checking a file of up to a few GiB (seconds)
+T = TypeVar("T")
 
 
 class SlotsSource(Source):
@@ -47,6 +54,16 @@ class SlotsSource(Source):
         self._pid: int | None = None  # the server _saved and _fp belong to
         self._fp: Fingerprint | None = None  # that server's fingerprint (None: no saves for it)
         self._lock = asyncio.Lock()  # one save or restore pass at a time
+        self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
+
+    async def _on_files(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` (the store's blocking file work) on the slot-files lane, within
+        :data:`SLOT_FILES_TIMEOUT_S`. Raises OSError: the call's own, a timeout (CallTimeout is one)
+        or a lane whose every slot is held by calls that did not return."""
+        try:
+            return await self._files.run(fn, SLOT_FILES_TIMEOUT_S, what)
+        except LaneBusy as exc:
+            raise OSError(errno.EBUSY, str(exc)) from None
 
     # ------------------------------------------------------------ set-up
 
@@ -66,7 +83,7 @@ class SlotsSource(Source):
         store = SlotStore(root, int(config.slots.budget_mib * MIB))
         try:
             uid = resolve_identity(config.server.user, "", ()).uid if config.server.user else None
-            await asyncio.to_thread(store.prepare, uid)
+            await self._on_files(lambda: store.prepare(uid), f"preparing {root}")
         except (OSError, ValueError) as exc:
             return f"[slots] cannot prepare the slot directory {root}: {getattr(exc, 'strerror', None) or exc}"
         self.store = store
@@ -86,7 +103,7 @@ class SlotsSource(Source):
             return fingerprint_of(server, self._builds[stamp])
 
         try:
-            return await asyncio.to_thread(compute)
+            return await self._on_files(compute, "the fingerprint of llama-server and its model")
         except OSError as exc:
             ctx.emit("slot_save_failed", slot_id=None, error=f"no fingerprint: {exc.strerror or exc}")
             return None
@@ -107,6 +124,8 @@ class SlotsSource(Source):
             bound = ctx.config.slots.restore_timeout_s
             try:
                 await asyncio.wait_for(self._restore_all(ctx, self.store), bound)
+            except OSError as exc:  # the slot store on a disk that fails or does not answer
+                ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid, error=f"the slot store: {exc}")
             except asyncio.TimeoutError:
                 ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid,
                          error=f"the restores took longer than [slots].restore_timeout_s ({bound:g} s); "
@@ -115,17 +134,19 @@ class SlotsSource(Source):
 
     async def _restore_all(self, ctx: Context, store: SlotStore) -> None:
         fingerprint = self._fp
-        if fingerprint is None or await asyncio.to_thread(store.unrestorable, fingerprint):
+        if fingerprint is None or await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?"):
             return
-        good, refused = await asyncio.to_thread(store.check, fingerprint)
+        good, refused = await self._on_files(lambda: store.check(fingerprint), f"checking {store.root}")
         for item in refused:
             ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
+        if not good:
+            return  # nothing to restore: the server is not asked anything (no delay to its readiness)
         client = self._client(ctx)
         try:
             for manifest in good:
                 try:
                     moved = await client.restore(manifest.slot_id, manifest.file)
-                    tokens = await asyncio.to_thread(read_tokens, store.root / manifest.file)
+                    tokens = await self._on_files(partial(read_tokens, store.root / manifest.file), manifest.file)
                     cache_n = await client.reuse(manifest.slot_id, tokens)
                 except (SlotCallError, StoreError, OSError) as exc:
                     ctx.emit("slot_restore_failed", slot_id=manifest.slot_id, server_pid=self._pid, error=str(exc))
@@ -133,7 +154,7 @@ class SlotsSource(Source):
                 if cache_n < len(tokens) - 1:
                     ctx.emit("slot_restore_unused", slot_id=manifest.slot_id, n_tokens=len(tokens), cache_n=cache_n,
                              model=fingerprint.model.path, build=fingerprint.build)
-                    await asyncio.to_thread(store.mark_unrestorable, fingerprint)
+                    await self._on_files(lambda: store.mark_unrestorable(fingerprint), "marking unrestorable")
                     return
                 ctx.emit("slot_restored", slot_id=manifest.slot_id, n_tokens=moved.n_tokens, bytes=moved.n_bytes,
                          restore_ms=moved.ms, cache_n=cache_n, server_pid=self._pid)
@@ -170,7 +191,11 @@ class SlotsSource(Source):
             fingerprint = self._fp
             if store is None or self._pid != pid or fingerprint is None:
                 return  # a server whose restore pass did not run (slots were off): nothing to label its files with
-            if await asyncio.to_thread(store.unrestorable, fingerprint):
+            try:
+                if await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?"):
+                    return
+            except OSError as exc:
+                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"the slot store: {exc}")
                 return
             client = self._client(ctx)
             try:
@@ -178,7 +203,7 @@ class SlotsSource(Source):
             finally:
                 await client.aclose()
             try:
-                dropped = await asyncio.to_thread(store.prune)
+                dropped = await self._on_files(store.prune, "pruning the slot files")
             except OSError as exc:
                 ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"pruning the slot files: {exc}")
                 return
@@ -197,12 +222,12 @@ class SlotsSource(Source):
             seen = (slot.id_task, slot.n_tokens)
             if slot.id_task is None or slot.n_tokens == 0 or slot.canary or self._saved.get(slot.id) == seen:
                 continue
+            self._saved[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
             try:
                 moved = await client.save(slot.id, store.incoming(slot.id))
-                manifest = await asyncio.to_thread(store.commit, slot.id, fingerprint)
+                manifest = await self._on_files(partial(store.commit, slot.id, fingerprint), f"slot {slot.id}")
             except (SlotCallError, StoreError, OSError) as exc:
                 ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=str(exc))
                 continue
-            self._saved[slot.id] = seen
             ctx.emit("slot_saved", slot_id=slot.id, n_tokens=manifest.n_tokens, bytes=manifest.bytes,
                      save_ms=moved.ms, reason=reason, server_pid=pid, file=str(Path(store.root) / manifest.file))
