@@ -64,18 +64,10 @@ async def sleep_or_wake(seconds: float, wake: asyncio.Event) -> None:
     wake.clear()
 
 
-#: No idle connection is kept to llama-server: each idle keep-alive connection holds one of its HTTP
-#: worker threads, and its graceful exit (SIGTERM) waits for them: 105-144 ms without one, 224-304 ms
-#: with one (SmolLM2, 2-core host) — every planned restart paid it. A loopback connect costs ~0.1 ms.
-PROBE_LIMITS = httpx.Limits(max_keepalive_connections=0)
-
-
 def make_client(get_key: Callable[[], str] = lambda: "", base_url: str = "") -> httpx.AsyncClient:
     """The one way llama-guard builds an HTTP client for its llama-server: no proxy from the
-    environment, no idle connection kept (PROBE_LIMITS), and the API key (``get_key``) on every
-    request."""
-    return httpx.AsyncClient(base_url=base_url, trust_env=False, auth=BearerKey(get_key), verify=_plain_http_tls(),
-                             limits=PROBE_LIMITS)
+    environment, and the API key (``get_key``) on every request."""
+    return httpx.AsyncClient(base_url=base_url, trust_env=False, auth=BearerKey(get_key), verify=_plain_http_tls())
 
 
 def _plain_http_tls() -> ssl.SSLContext:
