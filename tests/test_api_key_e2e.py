@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-import psutil
 import pytest
 from harness import ROOT, DaemonRun, base_sections, free_port, merge
 from llama_guard.config import Config, HealthConfig
@@ -80,12 +79,6 @@ def test_probes_authenticate_and_fail_without_the_key(keyed_server: str, key_fil
             assert live.health_ok and live.canary_ok is True, live
             assert await probe.slots() is not None  # /slots needs the key: the drain's view
             await asyncio.wait_for(probe.wait_idle(poll_s=0.1), 10)
-            # No idle keep-alive connection stays open to the server: one would hold an HTTP thread
-            # of llama-server and delay its graceful exit at every planned restart.
-            port = int(keyed_server.rsplit(":", 1)[1])
-            held = [c for c in psutil.Process().net_connections(kind="tcp")
-                    if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
-            assert held == [], held
             # The same server without the key: what every probe saw before (the test can fail).
             assert await bare.slots() is None
             outcome, status, _message = await bare.canary_completion()
