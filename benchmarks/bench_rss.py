@@ -18,7 +18,7 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   other shared objects, and anonymous memory (the Python heap: modules, objects).
 
 The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass, so the heavy modules it imported
-(numpy, gguf, pydantic, apscheduler, prometheus_client, httpx, structlog) are listed from its own import log.
+(numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog) are listed from its own import log.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_rss.py                      # fake NVML
     python3 benchmarks/bench_rss.py --nvml real --ngl 99 --binary B --model M --json out.json   # a GPU host
@@ -47,8 +47,8 @@ from bench_start import Tree, sections, wait_port_free  # noqa: E402
 from harness import DaemonRun, free_port  # noqa: E402
 
 KIB = 1024
-HEAVY = ("numpy", "gguf", "pydantic", "pydantic_core", "pydantic_settings", "apscheduler", "prometheus_client",
-         "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio")
+HEAVY = ("numpy", "gguf", "aiohttp", "pydantic", "pydantic_core", "pydantic_settings", "apscheduler",
+         "prometheus_client", "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio")
 NVIDIA = re.compile(r"lib(nvidia-ml|cuda)\b|/dev/nvidia")
 
 

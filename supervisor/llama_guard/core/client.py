@@ -22,6 +22,10 @@ from typing import Any
 
 import aiohttp
 
+# llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s: ours are dropped sooner, so
+# that a request is never written into a connection the server is closing at that moment.
+UPSTREAM_KEEPALIVE_S = 2.0
+
 
 class RequestFailed(Exception):
     """No complete answer: the connection failed, or the deadline passed (``timed_out``)."""
@@ -50,18 +54,25 @@ class Answer:
 
 class ServerClient:
     """Requests to ``base_url`` (``http://host:port``; "": each path is a whole URL) on the running
-    event loop; the connection pool is made at the first request and closed by :meth:`aclose`."""
+    event loop; the connection pool is made at the first request and closed by :meth:`aclose`.
+    Idle connections are kept :data:`UPSTREAM_KEEPALIVE_S`; ``keep_alive`` False: none is kept (a
+    loop that does not run between requests never sees the server close one)."""
 
-    def __init__(self, base_url: str = "", get_key: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, base_url: str = "", get_key: Callable[[], str] = lambda: "", *,
+                 keep_alive: bool = True) -> None:
         self.base_url = base_url
         self._get_key = get_key
+        self._keep_alive = keep_alive
         self._session: aiohttp.ClientSession | None = None
 
     async def request(self, method: str, path: str, *, timeout_s: float, json: Any = None) -> Answer:
         """``method path`` (with a JSON body when ``json`` is not None) answered in full within
         ``timeout_s`` seconds. Raises :class:`RequestFailed`."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+            connector = aiohttp.TCPConnector(force_close=not self._keep_alive,
+                                             keepalive_timeout=UPSTREAM_KEEPALIVE_S if self._keep_alive else None)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
         key = self._get_key()
         headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
@@ -98,7 +109,7 @@ class BlockingClient:
 
     def __init__(self, base_url: str, api_key: str = "") -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = ServerClient(base_url, lambda: api_key)
+        self._client = ServerClient(base_url, lambda: api_key, keep_alive=False)
 
     def get(self, path: str, *, timeout_s: float) -> Answer:
         return self._loop.run_until_complete(self._client.get(path, timeout_s=timeout_s))

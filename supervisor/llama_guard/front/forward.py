@@ -37,6 +37,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from llama_guard.core.client import UPSTREAM_KEEPALIVE_S
 from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, UpstreamError
 from llama_guard.core.suspects import Admit, Book, Fingerprint, admit, answered, ended, in_flight, is_crash
 from llama_guard.core.types import State
@@ -53,9 +54,6 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 REQUEST_DROP = HOP_BY_HOP | {"content-length", "expect"}
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 CONNECT_TIMEOUT_S = 5.0
-# llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s: ours are dropped sooner, so
-# that a request is never written into a connection the server is closing at that moment.
-UPSTREAM_KEEPALIVE_S = 2.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
 JUDGE_WAIT_S = 5.0  # after a replay failed: how long to wait for the policy to judge that server's end
 
