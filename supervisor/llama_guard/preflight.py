@@ -17,7 +17,7 @@ from llama_guard.api_key import read_api_key
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, list_devices, resolve_binary
 from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode
 from llama_guard.core.child import child_environ
-from llama_guard.core.model_file import model_problem
+from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import (
@@ -42,9 +42,6 @@ from llama_guard.gpu.nvml import (
     WatchOff,
 )
 from llama_guard.vocab.verdicts import CheckResult, NodeAction, Verdict
-
-MODEL_CHECK_TIMEOUT_S = 10.0
-
 
 # What an NVML error at check time asks of the operator. A GPU off the bus (NVIDIA's Xid 79 family,
 # NVML_ERROR_GPU_IS_LOST), a driver not loaded or not matching its library (an upgrade without a

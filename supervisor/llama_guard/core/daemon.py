@@ -61,13 +61,14 @@ from llama_guard.core.inputs import (
     StopRequest,
     Tick,
 )
+from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
-from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, Spawner, prepare
+from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, State, initial_state

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
-from llama_guard.core.model_file import model_problem
+from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity
-from llama_guard.core.spawner import MODEL_CHECK_TIMEOUT_S, prepare
+from llama_guard.core.spawner import prepare
 from llama_guard.server_flags import SECRET_FLAGS, is_secret_env
 
 # Keys read live (from the current config, by the policy's parameters or a watcher's on_reload):

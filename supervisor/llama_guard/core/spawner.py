@@ -23,12 +23,11 @@ from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError
 from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.inputs import SpawnFailed
-from llama_guard.core.model_file import model_problem
+from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
 from llama_guard.core.watcher import Context, Source
 
-MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
 
 
