@@ -117,6 +117,9 @@ def test_unrestorable_is_remembered_on_disk(tmp_path: Path, store: SlotStore, fp
 
 def test_slot_save_path_is_added_unless_the_user_gave_one(tmp_path: Path) -> None:
     runtime = RuntimeConfig(dir=tmp_path / "run")
+    # Not yet made (no slots watcher ran): llama-server would refuse a path that is not a directory.
+    assert "--slot-save-path" not in build_argv(ServerConfig(), None, SlotsConfig(), runtime)
+    (tmp_path / "run" / "slots").mkdir(parents=True)
     argv = build_argv(ServerConfig(), None, SlotsConfig(), runtime)
     assert argv[argv.index("--slot-save-path") + 1] == str(tmp_path / "run" / "slots")
     own = ServerConfig(extra_args=["--slot-save-path", str(tmp_path / "mine")])

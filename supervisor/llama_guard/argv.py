@@ -43,8 +43,10 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
                runtime: RuntimeConfig | None = None) -> list[str]:
     """The full argv of llama-server for ``server``.
 
-    ``--slot-save-path`` (:func:`slot_save_dir`) when ``slots`` is given and enabled, unless
-    ``extra_args`` has the user's own.
+    ``--slot-save-path`` (:func:`slot_save_dir`) when ``slots`` is given and enabled and that directory
+    exists (the slots watcher makes it at the daemon's start and before each spawn; llama-server refuses
+    to start on a path that is not a directory), unless ``extra_args`` has the user's own. Blocking
+    (a stat), like the ``--help`` probe beside it.
 
     ``--metrics`` is always on: the liveness probe reads the decode counters from ``/metrics``.
     ``--api-key-file`` comes from ``[server].api_key_file``.
@@ -75,7 +77,9 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
     if server.api_key_file:  # the file's path, never the key (argv shows in events and ps)
         argv += ["--api-key-file", server.api_key_file]
     if slots is not None and runtime is not None and slots.enabled and own_slot_save_path(server) is None:
-        argv += [SLOT_SAVE_FLAG, str(slot_save_dir(server, slots, runtime))]
+        save_dir = slot_save_dir(server, slots, runtime)
+        if save_dir.is_dir():
+            argv += [SLOT_SAVE_FLAG, str(save_dir)]
     argv += server.extra_args
     return argv
 
