@@ -93,9 +93,11 @@ def test_long_generation_on_the_only_slot_is_not_a_hang(real: Any) -> None:
     # Six strikes (~6 s without progress) keep a CPU-starved host from looking stuck.
     run = real({"health": {"interval_s": 0.5, "canary_timeout_s": 0.5, "hang_strikes": 6}}).start()
     run.wait_event("server_ready", 60)
-    answer = chat(run.port, "Write a long story about a lighthouse.", max_tokens=600, timeout=120,
+    # The client waits as long as the host needs (a busy 2-core host decodes a few tokens/s); the
+    # daemon's verdict is what is tested, not the host's speed.
+    answer = chat(run.port, "Write a long story about a lighthouse.", max_tokens=300, timeout=600,
                   ignore_eos=True)
-    assert answer["timings"]["predicted_n"] == 600
+    assert answer["timings"]["predicted_n"] == 300
     assert "server_hang" not in run.names()
     # Rounds ran during the answer: busy, advancing, and no canary among them.
     rounds = [e for e in run.events() if e["event"] == "server_probe"]
