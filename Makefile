@@ -26,7 +26,8 @@ demo: venv real
 # (no process, no clock): below 100 % the run fails.
 POLICY_TESTS := tests/test_policy*.py tests/test_repeat.py tests/test_judgement.py tests/test_restart_cause.py \
 	tests/test_recovery_defaults.py tests/test_front_rules.py tests/test_metrics.py tests/test_public_reports.py \
-	tests/test_schedule_source.py tests/test_vram_wait_h200_fixture.py tests/test_h200_daemon_fixture.py
+	tests/test_schedule_source.py tests/test_vram_wait_h200_fixture.py tests/test_h200_daemon_fixture.py \
+	tests/test_restart_time.py
 policy-coverage: venv
 	$(BIN)/pytest -q --cov=llama_guard.core.policy --cov-report=term-missing:skip-covered --cov-fail-under=100 \
 		$(POLICY_TESTS)

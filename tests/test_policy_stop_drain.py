@@ -21,14 +21,14 @@ from llama_guard.front.admission import Gate, gate_of
 from llama_guard.front.source import CLOSE_TIMEOUT_S
 from llama_guard.vocab.exitcodes import EXIT_OK
 
-P = Params(stop_grace_s=4, kill_wait_s=2, drain_timeout_s=300, stop_drain_s=30, hang_strikes=2)
+P = Params(stop_grace_s=4, kill_wait_s=2, drain_timeout_s=300, exit_drain_s=30, hang_strikes=2)
 TERM = StopRequest("SIGTERM received")
 UNIT = Path(__file__).resolve().parents[1] / "deploy" / "systemd" / "llama-guard.service"
 
 
 def draining(now: float = 5.0, params: Params = P) -> State:
     s, acts = decide(policy_ready(params), TERM, now)
-    assert s.phase is Phase.DRAINING and s.after_stop is AfterStop.EXIT and s.deadline == now + params.stop_drain_s
+    assert s.phase is Phase.DRAINING and s.after_stop is AfterStop.EXIT and s.deadline == now + params.exit_drain_s
     assert acts[-1] == StartDrain(100) and not any(isinstance(a, (Terminate, Kill)) for a in acts)
     assert "stop_drain_s" in str(acts[0]) and gate_of(s) is Gate.CLOSED  # new requests: 503 at once
     return s
@@ -44,8 +44,8 @@ def test_requests_in_flight_finish_then_the_server_stops_and_the_daemon_exits_0(
 
 def test_a_drain_that_outlasts_stop_drain_s_is_cut_and_said() -> None:
     s = draining()
-    assert decide(s, Tick(), 5.0 + P.stop_drain_s - 0.1) == (s, [])
-    s, acts = decide(s, Tick(), 5.0 + P.stop_drain_s)
+    assert decide(s, Tick(), 5.0 + P.exit_drain_s - 0.1) == (s, [])
+    s, acts = decide(s, Tick(), 5.0 + P.exit_drain_s)
     assert names(acts) == ["stop_drain_timeout"] and Terminate(100) in acts and s.after_stop is AfterStop.EXIT
     s, acts = decide(s, Exited(100, -15), 36.0)
     assert acts[-1] == ExitDaemon(EXIT_OK, "SIGTERM received")
@@ -73,13 +73,13 @@ def test_sigterm_during_a_planned_drain_keeps_that_drain_and_ends_in_the_exit() 
     s, acts = decide(policy_ready(P), RestartRequest("SIGUSR1", cause=RestartCause.OPERATOR), 2.0)
     assert s.phase is Phase.DRAINING and s.after_stop is AfterStop.RESTART and gate_of(s) is Gate.HOLD
     s, acts = decide(s, TERM, 3.0)
-    assert s.after_stop is AfterStop.EXIT and s.deadline == 3.0 + P.stop_drain_s and StartDrain(100) not in acts
+    assert s.after_stop is AfterStop.EXIT and s.deadline == 3.0 + P.exit_drain_s and StartDrain(100) not in acts
     s, acts = decide(s, Drained(100), 4.0)
     assert acts == [Terminate(100)]  # no planned restart: the daemon exits after this stop
 
 
 def test_stop_drain_s_0_stops_at_once() -> None:
-    s, acts = decide(policy_ready(replace(P, stop_drain_s=0)), TERM, 5.0)
+    s, acts = decide(policy_ready(replace(P, exit_drain_s=0)), TERM, 5.0)
     assert s.phase is Phase.STOPPING and Terminate(100) in acts
 
 
@@ -96,8 +96,8 @@ def test_the_shipped_stop_fits_in_the_units_timeout_stop_sec() -> None:
 def test_only_the_front_door_drains_on_stop() -> None:
     off = Config()
     on = Config.model_validate({"front": {"listen": "127.0.0.1:18080"}})
-    assert params_from(off).stop_drain_s == 0.0
-    assert params_from(on).stop_drain_s == on.front.stop_drain_s > 0
+    assert params_from(off).exit_drain_s == 0.0
+    assert params_from(on).exit_drain_s == on.front.stop_drain_s > 0
 
 
 class _Notifier(NullNotifier):

@@ -22,7 +22,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         stable_after_s=config.recovery.stable_after_s,
         stop_grace_s=config.recovery.stop_grace_s,
         # Only the front door knows every request in flight and can refuse new ones meanwhile.
-        stop_drain_s=config.front.stop_drain_s if config.front.address is not None else 0.0,
+        exit_drain_s=config.front.stop_drain_s if config.front.address is not None else 0.0,
         drain_timeout_s=config.schedule.drain_timeout_s,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,

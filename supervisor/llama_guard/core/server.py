@@ -97,7 +97,7 @@ class ServerWatch:
 
     def drain(self) -> None:
         """Wait until no client request is in flight; posts Drained. The policy bounds the drain (its
-        deadline: ``[schedule].drain_timeout_s``, or ``[recovery].stop_drain_s`` before an exit); the
+        deadline: ``[schedule].drain_timeout_s``, or ``[front].stop_drain_s`` before an exit); the
         wait ends with this server's tasks."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
 

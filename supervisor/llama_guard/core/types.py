@@ -160,7 +160,7 @@ class Params:
     stable_after_s: float = _RECOVERY.stable_after_s
     stop_grace_s: float = _RECOVERY.stop_grace_s
     kill_wait_s: float = 10.0  # after SIGKILL, how long to wait for the exit (not configurable)
-    stop_drain_s: float = 0.0  # [front].stop_drain_s with the front door on, else 0 (see params_from)
+    exit_drain_s: float = 0.0  # s a stop drains first: [front].stop_drain_s with the front door on, else 0
     drain_timeout_s: float = _SCHEDULE.drain_timeout_s
     require_gpu: bool = False
     reset_possible: bool = False

@@ -119,7 +119,7 @@ def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
     the pending exit); a second signal kills the server at once."""
     assert state.pid is not None
     p = state.params
-    deadline = now + p.stop_drain_s
+    deadline = now + p.exit_drain_s
     drain: list[Action] = [StartDrain(state.pid)]
     if state.phase is Phase.DRAINING:
         deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
@@ -139,7 +139,7 @@ def end_exit_drain(state: State, now: float, drained: bool) -> Result:
     new, actions = stop(state, now, AfterStop.EXIT, state.fault, code=state.exit_code, reason=state.exit_reason)
     if drained:
         return new, actions
-    return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.stop_drain_s}),
+    return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.exit_drain_s}),
                  *actions]
 
 
@@ -150,7 +150,7 @@ def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
-    if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.stop_drain_s > 0:
+    if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.exit_drain_s > 0:
         return drain_before_exit(state, event, now)
     if state.phase is Phase.STOPPING:
         new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
