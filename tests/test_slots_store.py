@@ -132,3 +132,16 @@ def test_slot_save_path_is_added_unless_the_user_gave_one(tmp_path: Path) -> Non
 def test_only_kv_layout_flags_enter_the_fingerprint() -> None:
     assert kv_args(["--swa-full", "--threads-http", "4", "--rope-freq-base", "10000", "--lora=a.gguf"]) == (
         "--swa-full", "--rope-freq-base", "10000", "--lora=a.gguf")
+
+
+def test_a_slot_directory_llama_servers_user_cannot_reach_is_refused(tmp_path: Path) -> None:
+    """llama-server refuses to start on a --slot-save-path it cannot enter: the store says so first
+    (the slots watcher then turns the carry-over off and gives llama-server no such path)."""
+    import errno
+
+    tmp_path.chmod(0o700)  # root's: uid 65534 may not search it
+    store = SlotStore(tmp_path / "slots", 1 << 20)
+    with pytest.raises(OSError) as refused:
+        store.prepare(65534, (65534,))
+    assert refused.value.errno == errno.EACCES and "uid 65534 cannot enter" in str(refused.value)
+    assert (tmp_path / "slots").stat().st_uid == 0  # not handed over

@@ -29,6 +29,7 @@ from pathlib import Path
 
 # Capability numbers (linux/capability.h) of the capabilities named here.
 CAP_NUMBERS = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1,
     "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_SYS_PTRACE": 19,
     "CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_SYSLOG": 34,
 }
@@ -43,6 +44,8 @@ DAEMON_CAPABILITIES: dict[str, str] = {
     "CAP_SYS_RESOURCE": "raise llama-server's rlimits past llama-guard's own and read them back (prlimit)",
     "CAP_SYS_PTRACE": "count llama-server's open fds and its listening socket (/proc/PID/fd)",
     "CAP_SYSLOG": "read Xid lines from /dev/kmsg (kernel.dmesg_restrict=1)",
+    "CAP_CHOWN": "hand the slot directory ([slots]) to [server].user, which writes the KV cache files",
+    "CAP_DAC_OVERRIDE": "check, hash, rename and prune the KV cache files llama-server wrote in that directory",
 }
 # What the GPU reset itself needs, on top of euid 0.
 RESET_CAPABILITIES: tuple[str, ...] = ("CAP_SYS_ADMIN",)

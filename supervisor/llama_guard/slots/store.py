@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import hashlib
 import json
 import os
+import stat
 import struct
 import time
 from dataclasses import asdict, dataclass
@@ -130,12 +132,18 @@ class SlotStore:
         self.root = root
         self.budget_bytes = budget_bytes
 
-    def prepare(self, owner_uid: int | None = None) -> None:
+    def prepare(self, owner_uid: int | None = None, owner_gids: tuple[int, ...] = ()) -> None:
         """Create the directory (0700; owned by ``owner_uid`` when given: llama-server writes the files)
-        and remove files a crash left half-done. Raises OSError."""
+        and remove files a crash left half-done. Raises OSError, also when llama-server's user
+        (``owner_uid`` with the groups ``owner_gids``) could not reach it through its parents."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if owner_uid is not None and self.root.stat().st_uid != owner_uid:
-            os.chown(self.root, owner_uid, -1)
+        if owner_uid is not None:
+            blocked = unsearchable_parent(self.root, owner_uid, owner_gids)
+            if blocked is not None:
+                mode = blocked.stat().st_mode & 0o777
+                raise OSError(errno.EACCES, f"uid {owner_uid} cannot enter {blocked} (mode {mode:o})")
+            if self.root.stat().st_uid != owner_uid:
+                os.chown(self.root, owner_uid, -1)
         for path in self.root.glob(f"{PREFIX}*"):
             if path.name.endswith((".incoming", ".tmp")):
                 path.unlink(missing_ok=True)
@@ -250,3 +258,14 @@ class SlotStore:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+
+def unsearchable_parent(path: Path, uid: int, gids: tuple[int, ...]) -> Path | None:
+    """The first parent of ``path`` that ``uid`` (with the groups ``gids``) may not search (no x bit
+    for it by owner, group or other; ACLs not read), or None when every parent lets it through."""
+    for parent in reversed(path.parents):
+        st = parent.stat()
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid in gids else stat.S_IXOTH
+        if uid != 0 and not st.st_mode & bit:
+            return parent
+    return None

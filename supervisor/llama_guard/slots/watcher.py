@@ -26,8 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from llama_guard.argv import build_of, resolve_binary, slot_save_dir
-from llama_guard.config import Config, ServerConfig
+from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_save_dir
+from llama_guard.config import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.watcher import Context, Source
@@ -54,6 +54,7 @@ class SlotsSource(Source):
         self._pid: int | None = None  # the server _saved and _fp belong to
         self._fp: Fingerprint | None = None  # that server's fingerprint (None: no saves for it)
         self._lock = asyncio.Lock()  # one save or restore pass at a time
+        self._off_reason: str | None = None  # why the carry-over is off now (said once)
         self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
 
     async def _on_files(self, fn: Callable[[], T], what: str) -> T:
@@ -68,26 +69,43 @@ class SlotsSource(Source):
     # ------------------------------------------------------------ set-up
 
     async def start(self, ctx: Context) -> str | None:
-        return await self._prepare(ctx.config)
+        await self._prepare(ctx)
+        return None
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
         self._spawned = ctx.config.server  # a reload may change the config while this server runs
-        return await self._prepare(ctx.config)
+        await self._prepare(ctx)
+        return None
 
-    async def _prepare(self, config: Config) -> str | None:
-        """The store for ``config`` (its directory created, owned by ``[server].user``); a reason when it cannot be."""
+    async def _prepare(self, ctx: Context) -> None:
+        """The store for the current config (its directory created, owned by ``[server].user``). A
+        directory that cannot be prepared turns the carry-over off for this server — said once per
+        reason (``slot_save_failed``), never a reason to refuse a start: llama-server serves without."""
+        config = ctx.config
+        self.store = None
         if not config.slots.enabled:
-            self.store = None
-            return None
+            return
         root = slot_save_dir(config.server, config.slots, config.runtime)
         store = SlotStore(root, int(config.slots.budget_mib * MIB))
         try:
-            uid = resolve_identity(config.server.user, "", ()).uid if config.server.user else None
-            await self._on_files(lambda: store.prepare(uid), f"preparing {root}")
+            who = resolve_identity(config.server.user, config.server.group, config.server.supplementary_groups) \
+                if config.server.user else None
+            uid = who.uid if who is not None else None
+            gids = tuple(g for g in (who.gid, *(who.groups or ())) if g is not None) if who is not None else ()
+            await self._on_files(lambda: store.prepare(uid, gids), f"preparing {root}")
         except (OSError, ValueError) as exc:
-            return f"[slots] cannot prepare the slot directory {root}: {getattr(exc, 'strerror', None) or exc}"
+            reason = (f"the KV cache is not carried across restarts: cannot prepare the slot directory {root} "
+                      f"for llama-server's user: {getattr(exc, 'strerror', None) or exc} (llama-guard needs "
+                      "CAP_CHOWN and CAP_DAC_OVERRIDE to share it with [server].user; or set [slots].enabled = false)")
+            if own_slot_save_path(config.server) is None:  # ours, and empty: no --slot-save-path on it
+                with contextlib.suppress(OSError):
+                    await self._on_files(root.rmdir, f"removing {root}")
+            if reason != self._off_reason:
+                ctx.emit("slot_save_failed", slot_id=None, error=reason)
+            self._off_reason = reason
+            return
+        self._off_reason = None
         self.store = store
-        return None
 
     async def _fingerprint(self, ctx: Context, server: ServerConfig) -> Fingerprint | None:
         """The fingerprint of a server started from ``server`` (the build read once per binary file);
