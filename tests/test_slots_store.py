@@ -141,7 +141,7 @@ def test_a_slot_directory_llama_servers_user_cannot_reach_is_refused(tmp_path: P
 
     tmp_path.chmod(0o700)  # root's: uid 65534 may not search it
     store = SlotStore(tmp_path / "slots", 1 << 20)
-    with pytest.raises(OSError) as refused:
+    with pytest.raises(PermissionError, match="uid 65534 cannot enter") as refused:
         store.prepare(65534, (65534,))
     assert refused.value.errno == errno.EACCES and "uid 65534 cannot enter" in str(refused.value)
     assert (tmp_path / "slots").stat().st_uid == 0  # not handed over
