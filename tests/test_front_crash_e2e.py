@@ -104,7 +104,9 @@ def test_sdk_style_retries_of_a_crashing_request_do_not_end_the_daemon(crashy: A
             statuses.append("timeout")
         time.sleep(0.3)
     assert statuses[-1] == 422, statuses
-    assert len(sent(run, POISON)) <= 2 and len([e for e in run.events() if e["event"] == "server_exited"]) <= 2
+    # Under load a copy the client sent again can reach the same server before that server's crash; what
+    # the goal bounds is the servers it crashed: at most two.
+    assert len(set(sent(run, POISON))) <= 2 and len([e for e in run.events() if e["event"] == "server_exited"]) <= 2
     assert post(run, "/completion", "still served").status_code == 200
     assert "daemon_exit" not in run.names()
 
