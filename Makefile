@@ -34,7 +34,7 @@ policy-coverage: venv
 
 # The whole test suite, against the real llama-server, journald and systemd user manager.
 test: venv real policy-coverage
-	. ./$(REAL_ENV) && $(BIN)/pytest -ra
+	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25
 
 lint: venv
 	$(BIN)/ruff check .
