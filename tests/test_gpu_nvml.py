@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml, Seq, sample_from_dict
-from llama_guard.config import GpuWatchMode
+from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.core.types import XidScope
 from llama_guard.gpu import nvml as nv
 from llama_guard.gpu.nvml import (

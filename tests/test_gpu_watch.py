@@ -241,7 +241,7 @@ def test_every_event_is_in_the_catalogue_and_renders() -> None:
 
 
 def test_settings_from_config() -> None:
-    from llama_guard.config import GpuConfig
+    from llama_guard.config.gpu import GpuConfig
 
     gpu = GpuConfig(temperature_warn_c=80, driver_version="535", reminder_interval_s=120)
     st = WatchSettings.from_config(gpu)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from llama_guard.api_key import read_api_key
-from llama_guard.config import ConfigError, ServerConfig
+from llama_guard.config import ConfigError
+from llama_guard.config.server import ServerConfig
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
-from llama_guard.config import ConfigError, ScheduleConfig, load_config
+from llama_guard.config import ConfigError, load_config
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.cron import (
     Outcome,
     PlannedRestarts,

@@ -15,7 +15,8 @@ from typing import Any
 
 from llama_guard.api_key import read_api_key
 from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, list_devices, resolve_binary
-from llama_guard.config import Config, ConfigError, ForeignProcesses, GpuWatchMode
+from llama_guard.config import Config, ConfigError
+from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llama_guard.config import Config, GpuWatchMode
+from llama_guard.config import Config
+from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.gpu.nvml import NvmlError, WatchOff
 from llama_guard.units import MIB
 

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from llama_guard.config import GpuWatchMode
+from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.pci import normalise_pci

@@ -27,7 +27,7 @@ from llama_guard.units import MIB
 from llama_guard.vocab.events import EventName
 
 if TYPE_CHECKING:
-    from llama_guard.config import GpuConfig
+    from llama_guard.config.gpu import GpuConfig
 
 Event = tuple[EventName, dict[str, Any]]
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import psutil
 
-from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.config import Config
+from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import host_cache_cap_mib
-from llama_guard.config import Config, ScheduleConfig
+from llama_guard.config import Config
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.core.client import RequestFailed, ServerClient
 from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
