@@ -6,7 +6,8 @@ from dataclasses import replace
 from typing import Any
 
 from fake_nvml import GIB, FakeNvml
-from llama_guard.gpu.nvml import DriverNotLoaded, GpuLost, NotSupported, Nvml
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import DriverNotLoaded, GpuLost, NotSupported
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.gpu.rules import (
     Condition,

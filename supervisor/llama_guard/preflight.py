@@ -30,7 +30,8 @@ from llama_guard.core.privileges import (
     resolve_identity,
 )
 from llama_guard.core.types import RecoveryAction
-from llama_guard.gpu.nvml import (
+from llama_guard.gpu.nvml import WatchOff
+from llama_guard.gpu.nvml_errors import (
     DeviceNotFound,
     DriverMismatch,
     DriverNotLoaded,
@@ -40,7 +41,6 @@ from llama_guard.gpu.nvml import (
     NvmlHung,
     ResetRequired,
     UnknownError,
-    WatchOff,
 )
 from llama_guard.vocab.verdicts import CheckResult, NodeAction, Verdict
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from llama_guard.config import Config
 from llama_guard.config.gpu import GpuWatchMode
-from llama_guard.gpu.nvml import NvmlError, WatchOff
+from llama_guard.gpu.nvml import WatchOff
+from llama_guard.gpu.nvml_errors import NvmlError
 from llama_guard.units import MIB
 
 
