@@ -107,7 +107,8 @@ class LimitsConfig(Section):
 
 
 class ScheduleConfig(Section):
-    """``[schedule]``: planned restarts (see ``llama_guard.cron`` and ``llama_guard.restarts.decay``).
+    """``[schedule]``: planned restarts (see ``llama_guard.cron``, ``llama_guard.restarts.schedule`` and
+    ``llama_guard.restarts.decay``).
 
     ``restart_cron``: standard 5-field cron ("" disables); ``timezone``: IANA name ("" = the
     host's). Durations in seconds. The decay thresholds are opt-in: 0 disables each.
