@@ -354,9 +354,7 @@ async def nvml_step(lane: Lane, fn: Callable[[], T], what: str) -> T:
     except CallTimeout:
         raise NvmlHung(what, STEP_TIMEOUT_S) from None
     except LaneBusy:
-        stuck = lane.stuck
-        raise NvmlHung(stuck[0] if stuck else what, STEP_TIMEOUT_S,
-                       time.monotonic() - stuck[1] if stuck else 0.0, first=False) from None
+        raise NvmlHung.behind(lane.stuck, what, STEP_TIMEOUT_S) from None
 
 
 def open_gpu(selector: DeviceSelector, *, enabled: GpuWatchMode = GpuWatchMode.AUTO, module: Any = None,

@@ -5,6 +5,8 @@ from a ``pynvml`` error, and a one-line human reason for events."""
 
 from __future__ import annotations
 
+import time
+
 
 class NvmlError(Exception):
     """An NVML call failed. ``code`` is NVML's return code (``-1`` for errors raised here);
@@ -61,6 +63,14 @@ class NvmlHung(NvmlError):
         self.timeout_s = timeout_s
         self.stuck_s = stuck_s
         self.first = first
+
+    @classmethod
+    def behind(cls, stuck: tuple[str, float] | None, call: str, timeout_s: float) -> NvmlHung:
+        """``call`` refused at once because its lane is full of calls past their deadline: named
+        after ``stuck`` (a lane's oldest stuck call, ``(what, monotonic start)``), else ``call``."""
+        if stuck is None:
+            return cls(call, timeout_s, first=False)
+        return cls(stuck[0], timeout_s, time.monotonic() - stuck[1], first=False)
 
 
 class UnknownError(NvmlError):

@@ -134,9 +134,7 @@ class NvmlSession:
         except CallTimeout:
             raise NvmlHung(call, timeout_s) from None
         except LaneBusy:
-            stuck = lane.stuck
-            raise NvmlHung(stuck[0] if stuck else call, timeout_s,
-                           time.monotonic() - stuck[1] if stuck else 0.0, first=False) from None
+            raise NvmlHung.behind(lane.stuck, call, timeout_s) from None
         except module.NVMLError as exc:
             raise translate(exc, call) from exc
 
