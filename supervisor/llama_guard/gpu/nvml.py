@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -204,16 +204,23 @@ class Nvml(NvmlSession):
         return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
 
     # -- narrow extras ---------------------------------------------------------------------------
-    def processes(self) -> tuple[GpuProcess, ...]:
-        """Only the compute process list (cheaper than :meth:`sample`); raises like :meth:`sample`,
-        and :class:`NotSupported` when this GPU cannot list processes."""
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        """The lock held and the session open for one narrow reading; an error that ends the session
+        (:data:`_SESSION_ERRORS`) releases it, then propagates."""
         with self._lock:
             self.open()
             try:
-                return self._processes()
+                yield
             except _SESSION_ERRORS:
                 self._release()
                 raise
+
+    def processes(self) -> tuple[GpuProcess, ...]:
+        """Only the compute process list (cheaper than :meth:`sample`); raises like :meth:`sample`,
+        and :class:`NotSupported` when this GPU cannot list processes."""
+        with self._session():
+            return self._processes()
 
     def process_busy(self, pids: frozenset[int], since_us: int) -> tuple[bool, int]:
         """Whether any of ``pids`` used the GPU (SM or memory utilisation above 0 %) in a sample
@@ -248,15 +255,10 @@ class Nvml(NvmlSession):
         """``(bus width in bits, max memory clock in MHz)`` (``nvmlDeviceGetMemoryBusWidth``,
         ``nvmlDeviceGetMaxClockInfo(NVML_CLOCK_MEM)``), for the bandwidth ceiling. Raises like
         :meth:`sample`, and :class:`NotSupported` when the GPU does not report them."""
-        with self._lock:
-            self.open()
-            try:
-                m = self._load_module()
-                return (int(self._dev("nvmlDeviceGetMemoryBusWidth")),
-                        int(self._dev("nvmlDeviceGetMaxClockInfo", m.NVML_CLOCK_MEM)))
-            except _SESSION_ERRORS:
-                self._release()
-                raise
+        with self._session():
+            m = self._load_module()
+            return (int(self._dev("nvmlDeviceGetMemoryBusWidth")),
+                    int(self._dev("nvmlDeviceGetMaxClockInfo", m.NVML_CLOCK_MEM)))
 
     def recovery_action(self) -> RecoveryAction:
         """What the driver says the GPU needs: the ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` field
@@ -265,18 +267,13 @@ class Nvml(NvmlSession):
         return code then says so (INVALID_ARGUMENT or NOT_SUPPORTED: :class:`NotSupported`, as is a
         ``pynvml`` without the constant). Raises like :meth:`sample` otherwise."""
         call = "nvmlDeviceGetFieldValues(GPU_RECOVERY_ACTION)"
-        with self._lock:
-            self.open()
+        with self._session():
             m = self._load_module()
             try:
                 field_id = m.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
             except AttributeError:
                 raise NotSupported(call, 13, "this pynvml has no NVML_FI_DEV_GET_GPU_RECOVERY_ACTION") from None
-            try:
-                (value,) = self._dev("nvmlDeviceGetFieldValues", [field_id])
-            except _SESSION_ERRORS:
-                self._release()
-                raise
+            (value,) = self._dev("nvmlDeviceGetFieldValues", [field_id])
         code = int(value.nvmlReturn)
         if code in (2, 3):  # INVALID_ARGUMENT (a field this driver does not know), NOT_SUPPORTED
             raise NotSupported(call, code, "the driver does not report the GPU recovery action")
