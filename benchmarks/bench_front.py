@@ -52,7 +52,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import epoch  # noqa: E402
+from benchlib import add_server_args, epoch  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
 
 WATCHDOG_USEC = 2_000_000
@@ -225,12 +225,8 @@ def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server-bin", default=os.environ.get("LLAMA_SERVER_BIN", ""))
-    ap.add_argument("--model", default=os.environ.get("LLAMA_GUARD_TEST_MODEL", ""))
-    ap.add_argument("--gpu-layers", type=int, default=0)
-    ap.add_argument("--ctx", type=int, default=4096)
+    add_server_args(ap, ctx=4096, threads=os.cpu_count() or 2)
     ap.add_argument("--parallel", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     # Defaults fit a 2-core CPU host (`make bench`); on a GPU host: --tokens 256 --rounds 20.
     ap.add_argument("--tokens", type=int, default=16, help="tokens per stream of part 1 (the issue's figure: 256)")
     ap.add_argument("--rounds", type=int, default=6, help="streams per path in part 1")

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests")]
 
-from llama_guard.gpu.nvml import DeviceSelector, Nvml  # noqa: E402
+from llama_guard.gpu.nvml import Nvml  # noqa: E402
+from llama_guard.gpu.nvml_session import DeviceSelector  # noqa: E402
 from llama_guard.gpu.rules import GpuWatch  # noqa: E402
 
 

@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "bench
 
 from benchlib import epoch, print_table  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
-from llama_guard.config import HealthConfig  # noqa: E402
+from llama_guard.config.sections import HealthConfig  # noqa: E402
 
 SHIPPED = {name: getattr(HealthConfig(), name) for name in ("interval_s", "timeout_s", "canary_timeout_s",
                                                             "hang_strikes", "load_stall_s", "progress_cpu_s")}

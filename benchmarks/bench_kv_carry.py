@@ -25,7 +25,6 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
+from benchlib import add_server_args  # noqa: E402
+from harness import DaemonRun, base_sections, free_port, merge, terminate  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
 
@@ -117,22 +117,13 @@ def decode(front: int, args: argparse.Namespace, i: int) -> float:
 
 def end(run: DaemonRun) -> None:
     """Stop a daemon (SIGTERM: it stops its server; SIGKILL after 30 s), without printing its events."""
-    if run.proc is not None and run.proc.poll() is None:
-        run.proc.send_signal(signal.SIGTERM)
-        try:
-            run.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            run.proc.kill()
-            run.proc.wait(timeout=10)
+    if run.proc is not None:
+        terminate(run.proc, 30.0)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--server-bin", default=os.environ.get("LLAMA_SERVER_BIN", "llama-server"))
-    parser.add_argument("--model", default=os.environ.get("LLAMA_GUARD_TEST_MODEL", ""))
-    parser.add_argument("--gpu-layers", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--ctx", type=int, default=2048)
+    add_server_args(parser, ctx=2048, threads=2)
     parser.add_argument("--facts", type=int, default=40, help="history size: 40 facts ~ 600 tokens")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)

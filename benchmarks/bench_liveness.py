@@ -69,7 +69,9 @@ sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "bench
 from benchlib import poll_health_200  # noqa: E402
 from harness import DaemonRun, config_text, free_port  # noqa: E402
 from llama_guard.argv import build_argv  # noqa: E402
-from llama_guard.config import GpuConfig, HealthConfig, load_config  # noqa: E402
+from llama_guard.config import load_config  # noqa: E402
+from llama_guard.config.gpu import GpuConfig  # noqa: E402
+from llama_guard.config.sections import HealthConfig  # noqa: E402
 from llama_guard.core.progress import tree_cpu_seconds  # noqa: E402
 
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "

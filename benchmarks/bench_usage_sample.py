@@ -27,7 +27,7 @@ import textwrap
 import time
 from collections.abc import Callable
 
-from llama_guard.config import LimitsConfig
+from llama_guard.config.sections import LimitsConfig
 from llama_guard.limits.own import cgroup_pids
 from llama_guard.limits.readback import read_limits
 from llama_guard.limits.usage import UsageSampler, sample_cost_per_hour

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import http.client
+import os
 import statistics
 import time
 from datetime import datetime
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, ctx: int, threads: int) -> None:
+    """The options of a benchmark that starts the real llama-server: ``--server-bin`` and ``--model``
+    (defaults: ``$LLAMA_SERVER_BIN``, else ``llama-server`` on PATH, and ``$LLAMA_GUARD_TEST_MODEL``, as
+    the tests take them), ``--gpu-layers`` (default 0), ``--ctx`` (tokens) and ``--threads``."""
+    parser.add_argument("--server-bin", default=os.environ.get("LLAMA_SERVER_BIN", "llama-server"))
+    parser.add_argument("--model", default=os.environ.get("LLAMA_GUARD_TEST_MODEL", ""))
+    parser.add_argument("--gpu-layers", type=int, default=0)
+    parser.add_argument("--ctx", type=int, default=ctx)
+    parser.add_argument("--threads", type=int, default=threads)
 
 
 def epoch(iso: str) -> float:

@@ -33,7 +33,9 @@ import time
 from typing import Any
 
 from llama_guard.gpu.kmsg import KmsgOff, KmsgParser, open_kmsg, strip_prefix
-from llama_guard.gpu.nvml import DeviceSelector, Nvml, NvmlError
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import NvmlError
+from llama_guard.gpu.nvml_session import DeviceSelector
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
 

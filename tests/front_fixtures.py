@@ -1,8 +1,11 @@
-"""The front-door bad-client tests' shared pieces: a daemon with the front door on (before the real
+"""The front-door tests' shared pieces: a started daemon with the front door on, from a pool that
+fails the test when a llama-server outlives its daemon; the bad-client tests' daemon (before the real
 llama-server, canary off, slow liveness), its bounds, and "a normal client is served"."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,29 +18,53 @@ FRONT = {"header_timeout_s": 2.0, "body_timeout_s": 2.0, "max_body_bytes": 65536
          "max_buffered_bytes": 100_000, "hold_timeout_s": 60.0}
 
 
+@contextlib.contextmanager
+def daemon_pool() -> Iterator[RunPool]:
+    """A :class:`RunPool` whose daemons must leave no llama-server behind (else the test fails)."""
+    pool = RunPool()
+    yield pool
+    leftovers = pool.finish()
+    if leftovers:
+        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+
+
+def start_with_front(pool: RunPool, tmp_path: Path, llama_server_bin: Path, real_model: Path,
+                     sections: dict[str, dict[str, object]]) -> Any:
+    """A started daemon of ``pool`` with the front door on a free port (``sections``' ``[front]`` keys
+    added to ``listen``) whose ``front`` is the clients' port and ``first`` the first server's pid."""
+    port = free_port()
+    run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model),
+                        merge({"front": {"listen": f"127.0.0.1:{port}"}}, sections))
+    run.front = port
+    run.start()
+    run.first = run.wait_event("server_ready", 60)["server_pid"]
+    return run
+
+
 @pytest.fixture
 def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[Any]:
     """``make(front=None, extra=None)``: a started daemon whose ``front`` is the clients' port and
     ``first`` the first server's pid; ``extra`` sections are merged over the defaults."""
-    pool = RunPool()
+    with daemon_pool() as pool:
+        def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
+            return start_with_front(pool, tmp_path, llama_server_bin, real_model, merge({
+                "front": {**FRONT, **(front or {})},
+                "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}}, extra or {}))
 
-    def make(front: dict[str, object] | None = None, extra: dict[str, dict[str, object]] | None = None) -> Any:
-        port = free_port()
-        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), merge({
-            "front": {"listen": f"127.0.0.1:{port}", **FRONT, **(front or {})},
-            "health": {"canary": False, "interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0}}, extra or {}))
-        run.front = port
-        run.start()
-        run.first = run.wait_event("server_ready", 60)["server_pid"]
-        return run
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+        yield make
 
 
 def served(port: int) -> bool:
     """A normal client is answered in full."""
     resp = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=120)
     return resp.status_code == 200 and resp.json()["tokens_predicted"] == 1
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the front door sends until it closes the connection (``sock`` is closed then)."""
+    out = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            out += chunk
+    sock.close()
+    return out

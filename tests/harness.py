@@ -161,13 +161,18 @@ class DaemonRun:
         for event in self.events():
             if event["event"] not in ("server_line", "server_probe"):
                 print(event.get("timestamp", "")[11:23], event["event"], event.get("message", ""))
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc, 20.0)
+
+
+def terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL after ``timeout_s`` seconds; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 PORT_HOLDER = ("import socket, sys, time\n"

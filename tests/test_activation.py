@@ -17,7 +17,7 @@ from llama_guard.front.activation import front_socket
 CHILD = """
 import fcntl, json, os, sys
 from llama_guard.front.activation import front_socket, take
-from llama_guard.config import parse_listen
+from llama_guard.config.listen import parse_listen
 listen = sys.argv[1]
 passed = take()
 chosen = front_socket(passed, listen, parse_listen(listen) if listen else None)

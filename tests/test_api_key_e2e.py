@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 from harness import ROOT, DaemonRun, base_sections, free_port, merge
-from llama_guard.config import Config, HealthConfig
+from llama_guard.config import Config
+from llama_guard.config.sections import HealthConfig
 from llama_guard.core.probes import CanaryOutcome, ServerProbe, make_client
 from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context

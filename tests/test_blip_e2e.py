@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import DaemonRun, RunPool
-from llama_guard.config import RecoveryConfig
+from llama_guard.config.sections import RecoveryConfig
 from llama_guard.vocab.exitcodes import EXIT_CRASH_LOOP
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(240)]

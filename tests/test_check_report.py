@@ -18,7 +18,7 @@ from fake_nvml import FakeNvml
 from harness import FAKE_NVML_RUN, ROOT, config_text, free_port
 from llama_guard.check_report import overall, unknown
 from llama_guard.config import Config
-from llama_guard.preflight import check_gpu
+from llama_guard.preflight.gpu import check_gpu
 from llama_guard.vocab.exitcodes import EXIT_GATE_FAIL, EXIT_GATE_PASS, EXIT_GATE_UNKNOWN
 from llama_guard.vocab.verdicts import CheckResult, NodeAction, NodeVerdict, Verdict
 

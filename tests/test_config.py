@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 from llama_guard.argv import build_argv
-from llama_guard.config import (
-    DEFAULT_CONFIG_PATH,
-    Config,
-    ConfigError,
-    load_config,
-    resolve_config_path,
-)
+from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.paths import DEFAULT_CONFIG_PATH, resolve_config_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "etc" / "llama-guard.toml"
@@ -175,7 +170,7 @@ def test_api_key_file_is_a_typed_key(tmp_path: Path) -> None:
 
 def test_read_api_key(tmp_path: Path) -> None:
     from llama_guard.api_key import read_api_key
-    from llama_guard.config import ServerConfig
+    from llama_guard.config.server import ServerConfig
 
     assert read_api_key(ServerConfig()) == ""
     key = tmp_path / "k"
@@ -208,6 +203,6 @@ def test_bad_accounts(tmp_path: Path, server: dict[str, object], words: str) -> 
                                                 ("127.0.0.2", True), ("0.0.0.0", False), ("::", False),
                                                 ("10.0.0.5", False), ("gpu-box.example", False)])
 def test_loopback(host: str, loopback: bool) -> None:
-    from llama_guard.config import ServerConfig
+    from llama_guard.config.server import ServerConfig
 
     assert ServerConfig(host=host).loopback is loopback

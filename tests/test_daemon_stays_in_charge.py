@@ -35,7 +35,8 @@ from llama_guard.core.daemon import Daemon
 from llama_guard.core.inputs import GpuFault, Input, StopRequest
 from llama_guard.core.types import GpuFaultKind
 from llama_guard.core.watcher import Context, Source
-from llama_guard.gpu.nvml import Nvml, NvmlHung
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import NvmlHung
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink
 from llama_guard.output.notify import SdNotifier

@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timezone
 
 import pytest
-from llama_guard.config import ScheduleConfig
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.core.prometheus import MetricsError, parse_metrics
 from llama_guard.restarts.decay import (
     TOKENS_PREDICTED,

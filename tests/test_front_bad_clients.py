@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from front_fixtures import served
+from front_fixtures import read_all, served
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -29,16 +29,6 @@ def raw(port: int, data: bytes, *, timeout: float = 10.0) -> socket.socket:
     if data:
         sock.sendall(data)
     return sock
-
-
-def read_all(sock: socket.socket) -> bytes:
-    """Everything until the front door closes the connection."""
-    out = b""
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            out += chunk
-    sock.close()
-    return out
 
 
 def test_garbage_gets_400_and_a_close(door: Any) -> None:

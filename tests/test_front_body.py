@@ -5,7 +5,6 @@ and give it back once released."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from front_fixtures import served
+from front_fixtures import read_all, served
 from harness import free_port
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -34,16 +33,6 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def answer_of(sock: socket.socket) -> bytes:
-    """What the front door answers before it closes the connection."""
-    out = b""
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            out += chunk
-    sock.close()
-    return out
-
-
 def declared(port: int, length: int, sent: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -58,7 +47,7 @@ def test_16_connections_declaring_32_mib_and_sending_1_byte_do_not_stop_an_hones
     wait_for(lambda: metric(metrics, "llama_guard_front_connections") >= 16, 30, "16 connections open")
     start = time.monotonic()
     assert served(run.front)  # 16 x 32 MiB declared = the whole budget: none of it is reserved
-    answers = [answer_of(sock) for sock in squatters]
+    answers = [read_all(sock) for sock in squatters]
     assert all(a.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in a for a in answers), answers[0][:120]
     assert time.monotonic() - start < 8.0 + 30.0  # cut by body_timeout_s, not by a deadline grown with 32 MiB
 
@@ -72,7 +61,7 @@ def test_held_bodies_cost_their_size_in_rss_and_give_it_back(door: Any) -> None:
     held = [declared(run.front, 32 * MIB, b" " * each) for _ in range(count)]
     wait_for(lambda: daemon.memory_info().rss - baseline >= 0.95 * count * each, 60, "the bodies held")
     with_bodies = daemon.memory_info().rss - baseline
-    answers = [answer_of(sock) for sock in held]  # 408 at body_timeout_s: the bodies are released
+    answers = [read_all(sock) for sock in held]  # 408 at body_timeout_s: the bodies are released
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers)
     assert served(run.front)
     deadline = time.monotonic() + 30

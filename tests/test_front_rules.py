@@ -274,7 +274,7 @@ def test_status_shows_the_front_door() -> None:
 
 
 def test_an_ipv6_front_address_is_written_bracketed_and_a_bare_host_is_named(tmp_path: Path) -> None:
-    from llama_guard.config import parse_listen
+    from llama_guard.config.listen import parse_listen
     from llama_guard.front.check import check_front
 
     path = tmp_path / "c.toml"

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from fake_nvml import FakeGpu, FakeNvml, sample_from_dict
 from llama_guard.gpu.kmsg import KmsgParser, strip_prefix
-from llama_guard.gpu.nvml import DeviceSelector, Nvml, open_gpu
+from llama_guard.gpu.nvml import Nvml, open_gpu
+from llama_guard.gpu.nvml_session import DeviceSelector
 from llama_guard.gpu.readings import THROTTLE_MASK, GpuSample
 from llama_guard.gpu.rules import GpuWatch, WatchSettings, server_on_gpu, vram_released
 

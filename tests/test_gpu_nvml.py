@@ -7,21 +7,20 @@ import threading
 
 import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml, Seq, sample_from_dict
-from llama_guard.config import GpuWatchMode
+from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.core.types import XidScope
-from llama_guard.gpu import nvml as nv
-from llama_guard.gpu.nvml import (
+from llama_guard.gpu import nvml_errors as nv
+from llama_guard.gpu import nvml_session
+from llama_guard.gpu.nvml import Nvml, WatchOff, open_gpu
+from llama_guard.gpu.nvml_errors import (
     DeviceNotFound,
-    DeviceSelector,
     DriverNotLoaded,
     GpuLost,
     LibraryNotFound,
     NoPermission,
-    Nvml,
     Suspended,
-    WatchOff,
-    open_gpu,
 )
+from llama_guard.gpu.nvml_session import DeviceSelector
 from llama_guard.gpu.pci import normalise_pci
 from llama_guard.gpu.readings import decode_clock_events, sample_to_dict
 from llama_guard.gpu.xid import XidAction, run_xid_waiter, xid_info
@@ -127,7 +126,7 @@ def test_missing_pynvml_module_is_library_not_found(monkeypatch: pytest.MonkeyPa
     def no_module(name: str) -> object:
         raise ImportError(name)
 
-    monkeypatch.setattr(nv.importlib, "import_module", no_module)
+    monkeypatch.setattr(nvml_session.importlib, "import_module", no_module)
     result = open_gpu(DeviceSelector())
     assert isinstance(result, WatchOff)
     assert isinstance(result.error, LibraryNotFound)

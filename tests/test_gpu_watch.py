@@ -6,7 +6,8 @@ from dataclasses import replace
 from typing import Any
 
 from fake_nvml import GIB, FakeNvml
-from llama_guard.gpu.nvml import DriverNotLoaded, GpuLost, NotSupported, Nvml
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import DriverNotLoaded, GpuLost, NotSupported
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.gpu.rules import (
     Condition,
@@ -241,7 +242,7 @@ def test_every_event_is_in_the_catalogue_and_renders() -> None:
 
 
 def test_settings_from_config() -> None:
-    from llama_guard.config import GpuConfig
+    from llama_guard.config.gpu import GpuConfig
 
     gpu = GpuConfig(temperature_warn_c=80, driver_version="535", reminder_interval_s=120)
     st = WatchSettings.from_config(gpu)

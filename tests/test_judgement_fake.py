@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from harness import DaemonRun, RunPool
-from llama_guard.config import HealthConfig
+from llama_guard.config.sections import HealthConfig
 
 # The shipped [health] defaults (config.HealthConfig).
 SHIPPED: dict[str, object] = {name: getattr(HealthConfig(), name) for name in (

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import DaemonRun, RunPool
-from llama_guard.config import HealthConfig
+from llama_guard.config.sections import HealthConfig
 
 pytestmark = pytest.mark.real
 

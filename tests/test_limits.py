@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 from llama_guard import limit_values as LC
-from llama_guard.config import Config, ConfigError, LimitsConfig, ServerConfig, load_config
+from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config.sections import LimitsConfig
+from llama_guard.config.server import ServerConfig
 from llama_guard.core.child import ChildSetup, popen
 from llama_guard.limits import own as LO
 from llama_guard.limits import plan as LP
@@ -370,7 +372,8 @@ def test_apply_in_real_child_above_hard(sleeper: list[subprocess.Popen[bytes]]) 
 
 REFUSAL_SCRIPT = textwrap.dedent("""
     import json, os, subprocess
-    from llama_guard.config import Config, LimitsConfig
+    from llama_guard.config import Config
+    from llama_guard.config.sections import LimitsConfig
     from llama_guard.core.child import ChildSetup, popen
     from llama_guard.limits import own as LO, plan as LP, readback as LR
     own = LO.read_own_limits()
@@ -416,7 +419,8 @@ NON_ROOT_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, resource
     from llama_guard.core.child import ChildSetup, popen
     from llama_guard.limits import own as LO, plan as LP, readback as LR
-    from llama_guard.config import Config, LimitsConfig
+    from llama_guard.config import Config
+    from llama_guard.config.sections import LimitsConfig
     own = LO.read_own_limits()
     hard = own.rlimits["RLIMIT_NOFILE"][1]
     want = min(hard * 2, own.nr_open)

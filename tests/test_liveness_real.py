@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 from harness import ROOT, DaemonRun, RunPool
-from llama_guard.config import HealthConfig
+from llama_guard.config.sections import HealthConfig
 
 pytestmark = pytest.mark.real
 

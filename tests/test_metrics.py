@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from llama_guard.config import Config, ConfigError, MetricsConfig, parse_listen
+from llama_guard.config import Config, ConfigError
+from llama_guard.config.listen import MetricsConfig, parse_listen
 from llama_guard.core.actions import Action, Emit, Spawn
 from llama_guard.core.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.core.policy import decide

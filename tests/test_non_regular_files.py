@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from llama_guard.api_key import read_api_key
-from llama_guard.config import ConfigError, ServerConfig
+from llama_guard.config import ConfigError
+from llama_guard.config.server import ServerConfig
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -76,7 +77,7 @@ def test_world_readable_api_key_file_is_a_check_warning(tmp_path: Path) -> None:
     """Regression: api_key_file mode 0644 (any local user can read the server's API key): `check`
     said OK without a word."""
     from llama_guard.config import Config
-    from llama_guard.preflight import check_api_key
+    from llama_guard.preflight.process import check_api_key
 
     key = tmp_path / "key"
     key.write_text("s3cret-key\n")

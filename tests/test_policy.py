@@ -363,7 +363,7 @@ def test_our_own_sigkill_is_not_blamed_on_the_oom_killer() -> None:
     assert "sent by llama-guard" in str(emitted(acts, "server_stopped").fields["exit_text"])
 
 
-# What a default configuration sets is what Params() holds (one truth: config.py's defaults); the
+# What a default configuration sets is what Params() holds (one truth: the config package's defaults); the
 # rest depends on the host (a watched GPU and its index) and defaults to "none" in Params.
 # What depends on the host or names the deployment ([server] settings the policy quotes), not a policy knob.
 _HOST_DEPENDENT = {"require_gpu", "reset_possible", "vram_admission", "gpu_index", "model_path", "offload_layers"}

@@ -7,7 +7,7 @@ from pathlib import Path
 from fake_nvml import GIB, FakeNvml
 from gguf_synth import write_gguf
 from llama_guard.config import Config
-from llama_guard.preflight import check_gpu, check_vram
+from llama_guard.preflight.gpu import check_gpu, check_vram
 from llama_guard.vocab.verdicts import NodeAction
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from llama_guard.config import Config
-from llama_guard.preflight import check_port
+from llama_guard.preflight.server import check_port
 
 
 def test_port_free_then_taken() -> None:

@@ -12,7 +12,8 @@ from fake_nvml import FakeNvml
 from harness import FAKE_NVML_RUN, ROOT, config_text
 from llama_guard.config import Config
 from llama_guard.core.privileges import CAP_NUMBERS, RESET_CAPABILITIES, Credentials, reset_precondition
-from llama_guard.preflight import check_reset, run_checks
+from llama_guard.preflight import run_checks
+from llama_guard.preflight.gpu import check_reset
 
 TESTS = Path(__file__).resolve().parent
 

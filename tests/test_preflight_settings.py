@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT, base_sections, config_text, free_port, merge
 from llama_guard.config import Config
-from llama_guard.preflight import MIN_SLOT_TOKENS, check_settings
+from llama_guard.preflight.server import MIN_SLOT_TOKENS, check_settings
 
 
 def sizes(**server: int) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ from llama_guard.core.privileges import (
     read_credentials,
     resolve_identity,
 )
-from llama_guard.preflight import check_credentials
+from llama_guard.preflight.process import check_credentials
 
 ALL = (1 << 41) - 1
 ROOT_CREDS = Credentials(0, 0, (), ALL, ALL, 0, 0, ALL, False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from harness import FAKE_NVML_RUN, ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
 from llama_guard.core.privileges import CAP_NUMBERS, read_credentials
-from llama_guard.preflight import _unreachable
+from llama_guard.preflight.process import _unreachable
 from needs import unavailable
 from systemd_fixtures import unit_capabilities
 

@@ -32,7 +32,9 @@ from llama_guard.core.types import (
     initial_state,
 )
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgParser, UnparsedXid, XidRecord
-from llama_guard.gpu.nvml import DeviceSelector, NotSupported, Nvml
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import NotSupported
+from llama_guard.gpu.nvml_session import DeviceSelector
 from llama_guard.gpu.xid import XidMatcher, recovery_action_of, xid_info
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.vocab.phases import Phase

@@ -8,7 +8,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from llama_guard.config import Config, ScheduleConfig
+from llama_guard.config import Config
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.core.actions import NotifyReady
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
 from llama_guard.core.policy import decide

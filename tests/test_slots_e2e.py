@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import RunPool, free_port
+from front_fixtures import daemon_pool, start_with_front
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -30,32 +30,23 @@ def carry(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[
     """``make(parallel, key)``: a started daemon (front door on, rolling save every second; llama-server
     with an API key when ``key`` is set) whose ``front`` is the clients' port, ``first`` the first
     server's pid."""
-    pool = RunPool()
+    with daemon_pool() as pool:
+        def make(parallel: int, key: str = "") -> Any:
+            server: dict[str, object] = {"parallel": parallel, "ctx_size": 2048 * parallel}
+            if key:
+                path = tmp_path / "api-key"
+                path.write_text(key + "\n")
+                path.chmod(0o600)
+                server["api_key_file"] = str(path)
+            return start_with_front(pool, tmp_path, llama_server_bin, real_model, {
+                "server": server,
+                "front": {"hold_timeout_s": 120.0},
+                "health": {"interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0, "canary_timeout_s": 10.0},
+                "recovery": {"stable_after_s": 1.0, "max_restarts": 5},
+                "schedule": {"drain_timeout_s": 60.0},
+                "slots": {"rolling_save_interval_s": 1.0}})
 
-    def make(parallel: int, key: str = "") -> Any:
-        port = free_port()
-        server: dict[str, object] = {"parallel": parallel, "ctx_size": 2048 * parallel}
-        if key:
-            path = tmp_path / "api-key"
-            path.write_text(key + "\n")
-            path.chmod(0o600)
-            server["api_key_file"] = str(path)
-        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), {
-            "server": server,
-            "front": {"listen": f"127.0.0.1:{port}", "hold_timeout_s": 120.0},
-            "health": {"interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0, "canary_timeout_s": 10.0},
-            "recovery": {"stable_after_s": 1.0, "max_restarts": 5},
-            "schedule": {"drain_timeout_s": 60.0},
-            "slots": {"rolling_save_interval_s": 1.0}})
-        run.front = port
-        run.start()
-        run.first = run.wait_event("server_ready", 60)["server_pid"]
-        return run
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
+        yield make
 
 
 class Conversation:

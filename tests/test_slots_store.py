@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from llama_guard.argv import build_argv, slot_save_dir
-from llama_guard.config import RuntimeConfig, ServerConfig, SlotsConfig
+from llama_guard.config.sections import RuntimeConfig, SlotsConfig
+from llama_guard.config.server import ServerConfig
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of, kv_args
 from llama_guard.slots.store import Manifest, Refusal, SlotStore, StoreError, read_tokens
 

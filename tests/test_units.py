@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from llama_guard.config import RecoveryConfig, load_config
+from llama_guard.config import load_config
+from llama_guard.config.sections import RecoveryConfig
 from llama_guard.core.privileges import (
     CAP_NUMBERS,
     DAEMON_CAPABILITIES,

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_guard.config import Config, LimitsConfig
+from llama_guard.config import Config
+from llama_guard.config.sections import LimitsConfig
 from llama_guard.limits import own as LO
 from llama_guard.limits import plan as LP
 from llama_guard.limits import readback as LR

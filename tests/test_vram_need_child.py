@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llama_guard.config import Config, ServerConfig
+from llama_guard.config import Config
+from llama_guard.config.server import ServerConfig
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.vram_check import estimated_need_mib, need_mib_in_child
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llama_guard.config import ConfigError, ServerConfig
+from llama_guard.config import ConfigError
+from llama_guard.config.server import ServerConfig
 from llama_guard.paths import read_regular
 
 

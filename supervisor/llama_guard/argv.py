@@ -7,7 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from llama_guard.config import RuntimeConfig, ServerConfig, SlotsConfig
+from llama_guard.config.sections import RuntimeConfig, SlotsConfig
+from llama_guard.config.server import ServerConfig
 
 SLOT_SAVE_FLAG = "--slot-save-path"
 

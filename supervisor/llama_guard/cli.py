@@ -42,7 +42,8 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
     fast = runtime_dir_of(resolve_config_path(args.config))
     if fast is not None:
         return fast
-    from llama_guard.config import ConfigError, RuntimeConfig, load_config
+    from llama_guard.config import ConfigError, load_config
+    from llama_guard.config.sections import RuntimeConfig
 
     path = resolve_config_path(args.config)
     try:

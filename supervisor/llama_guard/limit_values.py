@@ -1,5 +1,5 @@
 """The syntax of an rlimit value in ``[limits]``: a count, a byte size with a unit (memlock), or
-``"unlimited"``. Pure; validated by :class:`llama_guard.config.LimitsConfig`, applied by
+``"unlimited"``. Pure; validated by :class:`llama_guard.config.sections.LimitsConfig`, applied by
 :mod:`llama_guard.limits`."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def parse_limit_value(value: int | str, *, sizes: bool = False) -> int:
 def normalize_config_value(value: int | str | None, *, sizes: bool = False) -> int | Literal["unlimited"] | None:
     """The ``[limits]`` config form of ``value``: ``None``, a non-negative int, or ``"unlimited"``.
 
-    Used by :class:`llama_guard.config.LimitsConfig`'s validator so that ``memlock = "64M"``
+    Used by :class:`llama_guard.config.sections.LimitsConfig`'s validator so that ``memlock = "64M"``
     reaches the rest of the daemon as ``67108864``. Raises :class:`ValueError`.
     """
     if value is None:

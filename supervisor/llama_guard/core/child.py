@@ -25,7 +25,7 @@ import os
 import resource
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -164,20 +164,29 @@ class ServerProcess:
             yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
 
 
-def popen(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
-          stdout: IO[bytes] | int) -> subprocess.Popen[bytes]:
-    """:func:`spawn` for a caller without an event loop (``llama-guard bench --spawn``): the same
-    session and process group and ``setup``, llama-server's stdin from /dev/null; stdout and stderr go to
-    ``stdout``. Raises OSError if the wrapper cannot be exec'd."""
+@contextlib.contextmanager
+def _gate_pipe() -> Iterator[tuple[int, int]]:
+    """The gate pipe of one child start, ``(read end, write end)``: the read end (the child's stdin)
+    is closed here once the block that starts the child is done; the write end too when that block
+    raises, else it is the caller's to hand to :meth:`ChildSetup.release`."""
     gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
     try:
-        proc = subprocess.Popen(setup.argv(argv), stdin=gate_r, stdout=stdout, stderr=subprocess.STDOUT,
-                                env=dict(env), start_new_session=True)
+        yield gate_r, gate_w
     except BaseException:
         os.close(gate_w)
         raise
     finally:
         os.close(gate_r)
+
+
+def popen(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
+          stdout: IO[bytes] | int) -> subprocess.Popen[bytes]:
+    """:func:`spawn` for a caller without an event loop (``llama-guard bench --spawn``): the same
+    session and process group and ``setup``, llama-server's stdin from /dev/null; stdout and stderr go to
+    ``stdout``. Raises OSError if the wrapper cannot be exec'd."""
+    with _gate_pipe() as (gate_r, gate_w):
+        proc = subprocess.Popen(setup.argv(argv), stdin=gate_r, stdout=stdout, stderr=subprocess.STDOUT,
+                                env=dict(env), start_new_session=True)
     setup.release(proc.pid, gate_w)
     return proc
 
@@ -187,8 +196,7 @@ async def spawn(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
     """Start llama-server through ``setup``. Raises OSError (FileNotFoundError, PermissionError …)
     if the wrapper cannot be exec'd; a failing drop or a missing llama-server is an early exit
     (its reason on the output pipe)."""
-    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-    try:
+    with _gate_pipe() as (gate_r, gate_w):
         proc = await asyncio.create_subprocess_exec(
             *setup.argv(argv),
             stdin=gate_r,
@@ -199,11 +207,6 @@ async def spawn(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
             start_new_session=True,
             limit=_LINE_LIMIT,
         )
-    except BaseException:
-        os.close(gate_w)
-        raise
-    finally:
-        os.close(gate_r)
     setup.release(proc.pid, gate_w)
     pidfd: int | None
     try:

@@ -37,7 +37,7 @@ class LaneKind(enum.Enum):
     CONFIG = "config"  # the config file, the model file's head, the API key file: a hung mount, a FIFO
     PROBE = "probe"  # running the llama-server binary (--help, --version)
     PROC = "proc"  # /proc walks (psutil): CPU time, RSS, port and pipe holders, our own limits
-    NVML_CALL = "nvml-call"  # one NVML call (gpu/nvml.py)
+    NVML_CALL = "nvml-call"  # one NVML call (gpu/nvml_session.py)
     NVML_EVENT_WAIT = "nvml-event-wait"  # NVML's blocking Xid event wait
     GPU = "gpu"  # the GPU watcher's steps made of NVML calls (each NVML call bounded on its own lane)
     VRAM_NEED = "vram-need"  # measuring the model's VRAM need (a child process)

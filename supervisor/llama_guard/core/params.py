@@ -3,7 +3,8 @@ read at daemon start and again at each reload."""
 
 from __future__ import annotations
 
-from llama_guard.config import Config, GpuWatchMode
+from llama_guard.config import Config
+from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.core.types import Params, reset_deadline_s
 
 

@@ -15,7 +15,8 @@ import enum
 import signal
 from dataclasses import dataclass, field
 
-from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig
+from llama_guard.config.gpu import GpuConfig
+from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
@@ -126,7 +127,7 @@ class Failure:
     line: str = ""  # the server's own line that decided it (a fatal GPU line, no GPU); "" when none did
 
 
-# The policy's defaults are a default configuration's (config.py's models are the one truth);
+# The policy's defaults are a default configuration's (the config package's section models are the one truth);
 # what depends on the host (a watched GPU, its index, a possible reset) defaults to "none".
 _HEALTH, _GPU, _RECOVERY, _SCHEDULE = HealthConfig(), GpuConfig(), RecoveryConfig(), ScheduleConfig()
 

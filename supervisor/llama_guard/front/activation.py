@@ -22,7 +22,7 @@ import os
 import socket
 from collections.abc import MutableMapping
 
-from llama_guard.config import host_port
+from llama_guard.config.listen import host_port
 
 SD_LISTEN_FDS_START = 3
 FRONT_NAME = "front"  # FileDescriptorName= of the front door's socket in llama-guard.socket

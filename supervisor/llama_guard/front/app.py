@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from aiohttp import hdrs, web
 
-from llama_guard.config import FrontConfig
+from llama_guard.config.listen import FrontConfig
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.body import Budget, HeldBody, pin_mmap_threshold

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import socket
 
-from llama_guard.config import Config, host_port
+from llama_guard.config import Config
+from llama_guard.config.listen import host_port
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 

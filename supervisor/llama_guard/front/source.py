@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from llama_guard.config import Config, host_port
+from llama_guard.config import Config
+from llama_guard.config.listen import host_port
 from llama_guard.core.inputs import StreamStalled
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.params import params_from

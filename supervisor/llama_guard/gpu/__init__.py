@@ -1,27 +1,26 @@
 """GPU watch: NVML sampling (:mod:`.nvml`), event rules (:mod:`.watch`), Xids from NVML
 (:mod:`.xid`) and from the kernel log (:mod:`.kmsg`).
 
-Only :mod:`.nvml` touches the ``pynvml`` module; nothing here imports it at import time, so a host
-without the NVIDIA driver imports this package fine and gets a :class:`~.nvml.WatchOff`.
+Only the NVML chokepoint (:mod:`.nvml_session`, the binding wrapper, and :mod:`.nvml`, the readings;
+their typed errors in :mod:`.nvml_errors`) touches the ``pynvml`` module; nothing here imports it at
+import time, so a host without the NVIDIA driver imports this package fine and gets a :class:`~.nvml.WatchOff`.
 """
 
 from __future__ import annotations
 
-from llama_guard.gpu.nvml import (
+from llama_guard.gpu.nvml import Nvml, WatchOff, open_gpu
+from llama_guard.gpu.nvml_errors import (
     LOST_ERRORS,
     DeviceNotFound,
-    DeviceSelector,
     DriverMismatch,
     DriverNotLoaded,
     GpuLost,
     LibraryNotFound,
     NoPermission,
     NotSupported,
-    Nvml,
     NvmlError,
-    WatchOff,
-    open_gpu,
 )
+from llama_guard.gpu.nvml_session import DeviceSelector
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.gpu.rules import GpuWatch, SampleVerdict, WatchSettings, sample_once, server_on_gpu, vram_released
 

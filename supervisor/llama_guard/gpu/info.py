@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llama_guard.config import Config, GpuWatchMode
-from llama_guard.gpu.nvml import NvmlError, WatchOff
+from llama_guard.config import Config
+from llama_guard.config.gpu import GpuWatchMode
+from llama_guard.gpu.nvml import WatchOff
+from llama_guard.gpu.nvml_errors import NvmlError
 from llama_guard.units import MIB
 
 

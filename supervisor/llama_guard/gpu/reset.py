@@ -27,7 +27,8 @@ from llama_guard.config import Config
 from llama_guard.core.inputs import GpuHolder, ResetDone, ResetFacts
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
-from llama_guard.gpu.nvml import Nvml, NvmlError, nvml_step
+from llama_guard.gpu.nvml import Nvml, nvml_step
+from llama_guard.gpu.nvml_errors import NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
 from llama_guard.units import MIB

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from llama_guard.gpu.nvml import LOST_ERRORS, Nvml, NvmlError, Suspended, describe
+from llama_guard.gpu.nvml import Nvml
+from llama_guard.gpu.nvml_errors import LOST_ERRORS, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 from llama_guard.units import MIB
 from llama_guard.vocab.events import EventName
 
 if TYPE_CHECKING:
-    from llama_guard.config import GpuConfig
+    from llama_guard.config.gpu import GpuConfig
 
 Event = tuple[EventName, dict[str, Any]]
 

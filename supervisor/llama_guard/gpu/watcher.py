@@ -24,7 +24,8 @@ from typing import Any
 
 import psutil
 
-from llama_guard.config import Config, ForeignProcesses, GpuWatchMode
+from llama_guard.config import Config
+from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition
@@ -32,7 +33,9 @@ from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
 from llama_guard.core.watcher import Context, Source
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
-from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe, nvml_step
+from llama_guard.gpu.nvml import nvml_step
+from llama_guard.gpu.nvml_errors import NotSupported, NvmlHung, describe
+from llama_guard.gpu.nvml_session import DEFAULT_CALL_TIMEOUT_S
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import ResetExecutor, holders_of
 from llama_guard.gpu.rules import (

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from llama_guard.core.types import RecoveryAction, XidAction, XidOrigin, XidScope
 from llama_guard.gpu.kmsg import XidRecord
-from llama_guard.gpu.nvml import NotSupported, Nvml, NvmlError, XidEventSet
+from llama_guard.gpu.nvml import Nvml, XidEventSet
+from llama_guard.gpu.nvml_errors import NotSupported, NvmlError
 
 __all__ = ["XID_TABLE", "XidAction", "XidInfo", "XidMatcher", "XidReport", "recovery_action_of", "run_xid_waiter",
            "xid_info"]

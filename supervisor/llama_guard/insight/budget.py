@@ -93,7 +93,7 @@ class Settings:
 
     @classmethod
     def from_server(cls, server: Any) -> Settings:
-        """From a :class:`llama_guard.config.ServerConfig` (``--kv-unified`` read from ``extra_args``)."""
+        """From a :class:`llama_guard.config.server.ServerConfig` (``--kv-unified`` read from ``extra_args``)."""
         return cls(n_gpu_layers=server.n_gpu_layers, ctx_size=server.ctx_size, parallel=server.parallel,
                    batch_size=server.batch_size, ubatch_size=server.ubatch_size,
                    cache_type_k=server.cache_type_k, cache_type_v=server.cache_type_v,

@@ -179,7 +179,7 @@ class UsageTracker:
 
     @classmethod
     def from_config(cls, limits: Any) -> UsageTracker:
-        """A tracker from ``[limits]`` (:class:`~llama_guard.config.LimitsConfig`)."""
+        """A tracker from ``[limits]`` (:class:`~llama_guard.config.sections.LimitsConfig`)."""
         return cls(warn_fraction=limits.warn_fraction, rearm_fraction=limits.rearm_at,
                    reminder_s=limits.reminder_interval_s)
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from llama_guard.core.prometheus import MetricsError, parse_metrics
 
 if TYPE_CHECKING:
-    from llama_guard.config import ScheduleConfig
+    from llama_guard.config.sections import ScheduleConfig
 
 __all__ = [
     "TOKENS_PREDICTED",

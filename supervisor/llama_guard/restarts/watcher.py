@@ -1,6 +1,6 @@
 """The daemon's planned-restart watcher: the cron schedule, decay triggers, and the restart record.
 
-Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.cron.PlannedRestarts`
+Once a second :meth:`ScheduleSource.run` asks :class:`~llama_guard.restarts.schedule.PlannedRestarts`
 whether a fire is due (wall clock, the server's wall-clock start from :meth:`on_spawn`, and
 whether the policy is READY). A due fire becomes ``RestartRequest(cause=RestartCause.SCHEDULE,
 drain=True)``: the policy drains (``/slots`` idle, bounded by ``[schedule].drain_timeout_s``,
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.argv import host_cache_cap_mib
-from llama_guard.config import Config, ScheduleConfig
+from llama_guard.config import Config
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.core.client import RequestFailed, ServerClient
 from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
@@ -45,10 +46,11 @@ from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import RestartCause
 from llama_guard.core.watcher import Context, Source
-from llama_guard.cron import Decision, Outcome, PlannedRestarts, ScheduleError
+from llama_guard.cron import ScheduleError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
+from llama_guard.restarts.schedule import Decision, Outcome, PlannedRestarts
 from llama_guard.units import MIB
 from llama_guard.vocab.phases import Phase
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llama_guard.config import ServerConfig
+from llama_guard.config.server import ServerConfig
 
 HEAD_BYTES = 1 << 20  # the model file's first MiB (GGUF header and metadata) is hashed
 # extra_args flags that change the KV cache's layout or content for the same tokens (llama.cpp common/arg.cpp).

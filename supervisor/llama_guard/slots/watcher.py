@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_save_dir
-from llama_guard.config import ServerConfig
+from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.watcher import Context, Source

@@ -1,0 +1,96 @@
+"""The sections with a ``listen`` address — ``[metrics]`` (the Prometheus endpoint) and ``[front]``
+(the front door) — and the address syntax: ``"PORT"``, ``"HOST:PORT"`` or ``"[IPv6]:PORT"``."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, field_validator
+
+from llama_guard.config.base import HOSTNAME, PositiveFloat, Section
+
+
+class Listener(Section):
+    """A section with a ``listen`` address: ``"PORT"`` (bound to 127.0.0.1), ``"HOST:PORT"`` or
+    ``"[IPv6]:PORT"``; "" = off."""
+
+    listen: str = ""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)  # ValueError names the problem
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` to bind, or None when off."""
+        return parse_listen(self.listen) if self.listen else None
+
+
+class MetricsConfig(Listener):
+    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set)."""
+
+
+class FrontConfig(Listener):
+    """``[front]``: the front door, a reverse proxy that holds requests while llama-server is not
+    ready (off unless ``listen`` is set; see docs/front.md).
+
+    ``listen``: ``"HOST:PORT"`` (or ``"PORT"``, bound to 127.0.0.1) where clients connect; then
+    ``[server].host``/``port`` are llama-server's private address. ``hold_timeout_s``: how long a
+    request may wait for a ready server (seconds) before it gets 503 with ``Retry-After``.
+    ``max_held``: requests held at once (more get 503 at once). ``max_body_bytes``: the largest request
+    body (413 above it). ``max_buffered_bytes``: request bodies kept in memory at once, held and in
+    flight together (each is kept until its answer began, for a replay; it counts the bytes received,
+    never a declared ``Content-Length``); past it, 503.
+    ``header_timeout_s``: a connection must deliver a request's head within this many seconds of
+    connecting or of its previous answer (else closed); ``body_timeout_s``: the whole body within
+    this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
+    byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
+    connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
+    ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
+    is stopped, while new ones get 503 at once (0 = stop at once).
+    ``crash_refuse_s``: a request (method, target, body) in flight at two llama-server crashes is
+    answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
+    """
+
+    hold_timeout_s: PositiveFloat = 120.0
+    max_held: int = Field(256, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_buffered_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    header_timeout_s: PositiveFloat = 15.0
+    body_timeout_s: PositiveFloat = 60.0
+    stall_timeout_s: float = Field(120.0, ge=0.0)
+    max_connections: int = Field(16384, ge=1)
+    stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
+    crash_refuse_s: PositiveFloat = 600.0
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""
+    text = value.strip()
+    host = "127.0.0.1"
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1:end + 2] != ":":
+            raise ValueError(f"{value!r}: expected [IPv6]:PORT")
+        host, port_text = text[1:end], text[end + 2:]
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    else:
+        port_text = text
+        if not text.isdigit():
+            raise ValueError(f"{value!r}: expected PORT, HOST:PORT or [IPv6]:PORT")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not HOSTNAME.fullmatch(host):
+            raise ValueError(f"{value!r}: {host!r} is not an IP address or host name") from None
+    return host, int(port_text)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as :func:`parse_listen` reads it back: an IPv6 host bracketed (``[::1]:8080``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
