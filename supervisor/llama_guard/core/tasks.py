@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 
 WATCHER_MAX_FAILURES = 5  # a watcher failing more often than this within WATCHER_WINDOW_S ends the daemon
 WATCHER_WINDOW_S = 300.0
@@ -59,25 +59,25 @@ class TaskSet:
         task.add_done_callback(done)
         return task
 
-    async def supervise(self, source: Source, ctx: Context) -> None:
-        """Run ``source.run`` and restart it with backoff when it raises (``watcher_failed``); more
+    async def supervise(self, watcher: Watcher, ctx: Context) -> None:
+        """Run ``watcher.run`` and restart it with backoff when it raises (``watcher_failed``); more
         than WATCHER_MAX_FAILURES failures within WATCHER_WINDOW_S end the daemon."""
         failures: list[float] = []
         while True:
             try:
-                await source.run(ctx)
+                await watcher.run(ctx)
                 return
             except Exception as exc:
                 now = self._clock()
                 failures = [t for t in failures if now - t < WATCHER_WINDOW_S] + [now]
                 final = len(failures) > WATCHER_MAX_FAILURES
                 delay = min(WATCHER_BACKOFF_S * 2.0 ** (len(failures) - 1), WATCHER_BACKOFF_MAX_S)
-                self._emit("watcher_failed", watcher=source.name, error=summary(exc), failures=len(failures),
+                self._emit("watcher_failed", watcher=watcher.name, error=summary(exc), failures=len(failures),
                            window_s=WATCHER_WINDOW_S,
                            action=("it keeps failing: exiting with status 70" if final
                                    else f"restarting it in {delay:.0f} s"))
                 if final:
-                    self._on_fatal(f"watcher {source.name} keeps failing: {summary(exc)}")
+                    self._on_fatal(f"watcher {watcher.name} keeps failing: {summary(exc)}")
                     return
                 await asyncio.sleep(delay)
 

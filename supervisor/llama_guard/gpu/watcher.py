@@ -29,7 +29,7 @@ from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.nvml import DEFAULT_CALL_TIMEOUT_S, NotSupported, NvmlHung, describe, nvml_step
@@ -55,8 +55,9 @@ NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 
 NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
-class GpuSource(Source):
-    """Watches the configured GPU; can reset it (``[recovery].reset_command``)."""
+class GpuSource(Watcher):
+    """Watches the configured GPU; can reset it (``[recovery].reset_command``); the daemon's GPU port
+    (:class:`llama_guard.core.gpu_port.GpuPort`)."""
 
     name = "gpu"
 
