@@ -649,7 +649,8 @@ def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watc
     the kernel log silently. Now each failure is watcher_failed, the reader is restarted with
     backoff, and one that keeps failing makes the GPU watcher task raise (supervised: exit 70)."""
     from llama_guard.gpu import kmsg
-    from llama_guard.gpu.watcher import KMSG_MAX_FAILURES, GpuSource
+    from llama_guard.gpu.watcher import GpuSource
+    from llama_guard.gpu.xid_intake import KMSG_MAX_FAILURES
 
     def broken_poll(self: Any, timeout_s: float) -> list[str]:
         raise OSError(5, "Input/output error")

@@ -20,6 +20,13 @@ WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per fa
 WATCHER_BACKOFF_MAX_S = 30.0
 
 
+def backoff_s(failures: int, first_s: float) -> float:
+    """The delay (seconds) before restarting something that has now failed ``failures`` times (1:
+    the first failure): ``first_s`` doubled per failure, at most WATCHER_BACKOFF_MAX_S. The one
+    backoff of the daemon's watchers and their threads."""
+    return min(first_s * 2.0 ** (failures - 1), WATCHER_BACKOFF_MAX_S)
+
+
 def summary(exc: BaseException | None) -> str:
     """``ValueError: bad thing`` (one line) for events."""
     if exc is None:
@@ -71,7 +78,7 @@ class TaskSet:
                 now = self._clock()
                 failures = [t for t in failures if now - t < WATCHER_WINDOW_S] + [now]
                 final = len(failures) > WATCHER_MAX_FAILURES
-                delay = min(WATCHER_BACKOFF_S * 2.0 ** (len(failures) - 1), WATCHER_BACKOFF_MAX_S)
+                delay = backoff_s(len(failures), WATCHER_BACKOFF_S)
                 self._emit("watcher_failed", watcher=watcher.name, error=summary(exc), failures=len(failures),
                            window_s=WATCHER_WINDOW_S,
                            action=("it keeps failing: exiting with status 70" if final
