@@ -102,3 +102,30 @@ def test_the_wiring_hands_each_port_by_name_and_each_is_a_watcher(tmp_path: Path
     kinds = (GpuSource, LimitsSource, SlotsSource, FrontSource, MetricsSource)
     assert [type(p) for p in ports] == list(kinds)
     assert all(any(p is w for w in made.watchers) for p in ports)
+
+
+class Fragment:
+    """A GPU port that only shows its status fragment (or fails to)."""
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+
+    def status_fragment(self) -> str:
+        if self.text is None:
+            raise RuntimeError("no reading")
+        return self.text
+
+
+def test_the_status_line_shows_the_gpu_ports_fragment_and_survives_a_failing_port(tmp_path: Path) -> None:
+    from llama_guard.core.daemon import Daemon
+
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
+
+    def line(gpu: Fragment | None) -> str:
+        daemon = Daemon(cfg, tmp_path / "lg.toml", Emitter(min_level="critical", fmt="json"),
+                        gpu=gpu)  # type: ignore[arg-type]
+        return daemon._status_line()
+
+    without = line(None)
+    assert line(Fragment("GPU 0 61°C 212 W")) == f"{without}, GPU 0 61°C 212 W"
+    assert line(Fragment("")) == without and line(Fragment(None)) == without
