@@ -143,7 +143,7 @@ def test_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: Path) ->
     path.write_bytes(b"\xff\xfe garbage \x00")
 
     async def go() -> None:
-        daemon.ctx = object()  # _reload only needs it for sources, there are none
+        daemon.ctx = object()  # _reload only needs it for watchers, there are none
         await daemon._reload()
 
     with contextlib.suppress(UnicodeDecodeError):  # today it escapes _reload
@@ -200,7 +200,7 @@ def test_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) ->
 
 def test_server_change_while_spawn_in_flight_is_not_lost() -> None:
     """Regression: a reload (SIGHUP) whose ParamsChanged(server_changed=True) is queued while the
-    spawn is in flight (STARTING, pid None — _spawn awaits before_spawn() and the exec, and the
+    spawn is in flight (STARTING, pid None — _spawn awaits the pre-spawn checks and the exec, and the
     reload task can finish in between) is dropped: the server then runs with the OLD argv
     although config_reloaded said "changed: server". (SIGUSR1 there is dropped the same way.)"""
     s, acts = decide(initial_state(Params()), Boot(), 0.0)

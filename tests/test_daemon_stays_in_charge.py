@@ -4,7 +4,7 @@ server's death is seen at waitpid, the order towards systemd holds, nothing leak
 Each test is one fault with its sample input (a blocked loop, a hung NVML call, a silent task
 death, an escaped or unkillable process, a wrapper binary, undecodable output, the order towards
 systemd, a leak or a lost report); every one failed on the code before its fix. In-process tests
-drive :class:`Daemon` with small honest sources (a slow pre-spawn check, a watcher that raises);
+drive :class:`Daemon` with small honest watchers and ports (a slow pre-spawn check, a watcher that raises);
 the rest run ``llama-guard`` against the real llama-server and model, with a real sd_notify
 socket where the order towards systemd matters.
 """
@@ -33,8 +33,9 @@ from llama_guard.config import load_config
 from llama_guard.core import tasks as tasks_mod
 from llama_guard.core.daemon import Daemon
 from llama_guard.core.inputs import GpuFault, Input, StopRequest
+from llama_guard.core.ports import RlimitSettings
 from llama_guard.core.types import GpuFaultKind
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu.nvml import Nvml
 from llama_guard.gpu.nvml_errors import NvmlHung
 from llama_guard.output.eventlog import Emitter
@@ -95,10 +96,9 @@ class _Recorder(Emitter):
 
 # ---------------------------------------------------------------- 1. nothing blocks the loop
 
-class SlowPreSpawn(Source):
-    """A pre-spawn check that takes ``wait_s`` (as the wait for the old server's VRAM can)."""
-
-    name = "slow"
+class SlowPreSpawn:
+    """A child set-up port whose pre-spawn check takes ``wait_s`` (as the wait for the old server's
+    VRAM can)."""
 
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
@@ -108,6 +108,9 @@ class SlowPreSpawn(Source):
         self.began.set()
         await asyncio.sleep(self.wait_s)
         return None
+
+    def child_rlimits(self) -> RlimitSettings:
+        return ()
 
 
 def test_decision_step_stays_short_and_pings_keep_their_period_during_a_10s_pre_spawn_wait(
@@ -120,7 +123,7 @@ def test_decision_step_stays_short_and_pings_keep_their_period_during_a_10s_pre_
     notifier = SdNotifier({"NOTIFY_SOCKET": str(manager.path), "WATCHDOG_USEC": "2000000"}, pid=os.getpid())
     slow = SlowPreSpawn(10.0)
     path = _config(tmp_path, str(llama_server_bin), real_model)
-    daemon = Daemon(load_config(path), path, _Recorder(), notifier=notifier, sources=[slow])
+    daemon = Daemon(load_config(path), path, _Recorder(), notifier=notifier, child=slow)
     steps: list[float] = []
     real_step = daemon._step
 
@@ -302,7 +305,7 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
 
 # ---------------------------------------------------------------- 3. every task supervised
 
-class Raising(Source):
+class Raising(Watcher):
     """A watcher whose run() raises every time (a bug in a watcher)."""
 
     name = "raising"
@@ -325,7 +328,7 @@ def test_watcher_that_raises_is_reported_restarted_and_then_ends_the_daemon_with
     path = _config(tmp_path, str(llama_server_bin), real_model)
     emitter = _Recorder()
     raising = Raising()
-    daemon = Daemon(load_config(path), path, emitter, sources=[raising])
+    daemon = Daemon(load_config(path), path, emitter, watchers=[raising])
     code = asyncio.run(asyncio.wait_for(daemon.run(), 60))
     failed = emitter.named("watcher_failed")
     assert code == EXIT_SOFTWARE
@@ -336,13 +339,18 @@ def test_watcher_that_raises_is_reported_restarted_and_then_ends_the_daemon_with
     assert emitter.named("daemon_exit")[-1]["exit_code"] == EXIT_SOFTWARE
 
 
-class BrokenReadyCheck(Source):
-    """A ready_check that raises: a failure inside the daemon's own health task."""
+class BrokenReadyCheck:
+    """A KV slot port whose restore (the check before ready) raises: a failure inside the daemon's
+    own health task."""
 
-    name = "broken"
+    async def before_spawn(self, ctx: Context) -> None:
+        return None
 
-    async def ready_check(self, ctx: Context, pid: int) -> str | None:
+    async def restore(self, ctx: Context, pid: int) -> None:
         raise RuntimeError("ready check bug")
+
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        return None
 
 
 def test_failure_in_a_core_task_ends_the_daemon_with_70_and_stops_the_server(
@@ -352,7 +360,7 @@ def test_failure_in_a_core_task_ends_the_daemon_with_70_and_stops_the_server(
     port = free_port()
     path = _config(tmp_path, str(llama_server_bin), real_model, port=port)
     emitter = _Recorder()
-    daemon = Daemon(load_config(path), path, emitter, sources=[BrokenReadyCheck()])
+    daemon = Daemon(load_config(path), path, emitter, slots=BrokenReadyCheck())
     code = asyncio.run(asyncio.wait_for(daemon.run(), 120))
     assert code == EXIT_SOFTWARE
     failed = emitter.named("watcher_failed")
@@ -368,7 +376,7 @@ def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin
     linearly). Now SIGHUP goes through the queue and finished tasks are dropped."""
     path = _config(tmp_path, str(llama_server_bin), real_model)
     emitter = _Recorder()
-    daemon = Daemon(load_config(path), path, emitter, sources=[SlowPreSpawn(60.0)])
+    daemon = Daemon(load_config(path), path, emitter, child=SlowPreSpawn(60.0))
 
     async def go() -> tuple[int, int]:
         task = asyncio.ensure_future(daemon.run())
@@ -642,7 +650,8 @@ def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watc
     the kernel log silently. Now each failure is watcher_failed, the reader is restarted with
     backoff, and one that keeps failing makes the GPU watcher task raise (supervised: exit 70)."""
     from llama_guard.gpu import kmsg
-    from llama_guard.gpu.watcher import KMSG_MAX_FAILURES, GpuSource
+    from llama_guard.gpu.watcher import GpuSource
+    from llama_guard.gpu.xid_intake import KMSG_MAX_FAILURES
 
     def broken_poll(self: Any, timeout_s: float) -> list[str]:
         raise OSError(5, "Input/output error")

@@ -203,7 +203,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "gpu": {"enabled": "off"}})
     emitter = Emitter(min_level="error", fmt="json")
-    metrics = make_watchers(cfg, emitter=emitter).sources[-1]
+    metrics = make_watchers(cfg, emitter=emitter).watchers[-1]
     assert isinstance(metrics, MetricsSource) and metrics in emitter.sinks
     _, ctx, _, _ = make(tmp_path)
     metrics.ctx = ctx

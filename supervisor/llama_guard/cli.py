@@ -70,9 +70,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     output = stderr.install()  # the loop never waits on its own output
     try:
         emitter = make_emitter(config)
-        watchers = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
-        daemon = Daemon(config, path, emitter, notifier=make_notifier(), sources=watchers.sources,
-                        gpu=watchers.gpu)
+        made = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
+        daemon = Daemon(config, path, emitter, notifier=make_notifier(), watchers=made.watchers, gpu=made.gpu,
+                        child=made.child, slots=made.slots, front=made.front, exporter=made.exporter)
         return asyncio.run(daemon.run())
     finally:
         output.drain()

@@ -1,4 +1,4 @@
-"""Builds the daemon's event outputs, service-manager notifier and watchers from the configuration."""
+"""Builds the daemon's event outputs, service-manager notifier, watchers and ports from the configuration."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 
 from llama_guard.config import Config
 from llama_guard.core.gpu_port import GpuPort
+from llama_guard.core.ports import ChildSetupPort, FrontPort, Listening, SlotPort
 from llama_guard.core.service import ServiceNotifier
-from llama_guard.core.watcher import Source
+from llama_guard.core.watcher import Watcher
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import JournalSink, journald_enabled
 from llama_guard.output.notify import SdNotifier
@@ -35,17 +36,23 @@ def make_notifier() -> ServiceNotifier:
 
 @dataclass(frozen=True)
 class Watchers:
-    """What the daemon is handed: its watchers (``sources``) and, among them, its GPU port."""
+    """What the daemon is handed (:class:`llama_guard.core.daemon.Daemon`'s arguments of the same
+    names): its watchers, in the order they start, and, among them, its ports."""
 
-    sources: list[Source]
-    gpu: GpuPort | None
+    watchers: list[Watcher]
+    gpu: GpuPort
+    child: ChildSetupPort
+    slots: SlotPort
+    front: FrontPort
+    exporter: Listening
 
 
 def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) -> Watchers:
     """The optional watchers: limits, GPU, planned restarts, slots (the KV cache carried across restarts),
     metrics (served when [metrics].listen is set; it counts every event of ``emitter``), the front door
-    (when [front].listen is set, on the socket systemd passed if any); the GPU watcher is the daemon's
-    GPU port too.
+    (when [front].listen is set, on the socket systemd passed if any). Among them the ports: the GPU
+    watcher is the GPU port, the limits watcher the child set-up, the slots watcher the KV slot port,
+    the front door the front door port, the metrics watcher the exporter.
     ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
     fake)."""
     from llama_guard.front import activation
@@ -60,10 +67,11 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
 
     gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
-    # The slots watcher after the GPU's: its restore (ready_check) runs once the server is on the GPU.
-    sources: list[Source] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), SlotsSource()]
+    slots = SlotsSource()
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
     # metrics go to the exporter's registry.
-    return Watchers([*sources, FrontSource(registry=metrics.registry, passed=activation.take()), metrics], gpu)
+    front = FrontSource(registry=metrics.registry, passed=activation.take())
+    watchers: list[Watcher] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), slots, front, metrics]
+    return Watchers(watchers, gpu=gpu, child=limits, slots=slots, front=front, exporter=metrics)

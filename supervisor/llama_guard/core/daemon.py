@@ -1,10 +1,12 @@
 """``llama-guard run``: the asyncio loop that feeds observations to the policy and executes actions.
 
-The loop owns the input queue, the policy state and the action executor. Sources (the server's
-tasks in :mod:`.server`, the watchers, signals, timers) put :mod:`.policy` inputs on the queue; the
-loop calls :func:`~llama_guard.core.policy.decide`, hands each step to the sources as one frozen
+The loop owns the input queue, the policy state and the action executor. The server's tasks in
+:mod:`.server`, the watchers, signals and timers put :mod:`.policy` inputs on the queue; the
+loop calls :func:`~llama_guard.core.policy.decide`, hands each step to the watchers as one frozen
 :class:`~llama_guard.core.transition.Transition` (state before and after, input, actions, time),
-then carries out the actions. Signal handlers only
+then carries out the actions. What the daemon asks of a watcher goes through the ports it is handed
+by name (:mod:`.gpu_port`, :mod:`.ports`: the GPU, the child set-up, the KV slots, the front door,
+the exporter), each one or none. Signal handlers only
 enqueue (SIGHUP too). Every wait has a deadline on ``time.monotonic()``.
 
 The decision step never awaits I/O: the spawn (:mod:`.spawner`), drains, reloads (:mod:`.reload`)
@@ -65,6 +67,7 @@ from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
+from llama_guard.core.ports import ChildSetupPort, FrontPort, Listening, SlotPort
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
@@ -72,7 +75,7 @@ from llama_guard.core.spawner import Spawner, prepare
 from llama_guard.core.tasks import TaskSet
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, State, initial_state
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 from llama_guard.output.status import AlreadyRunning
@@ -80,9 +83,9 @@ from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.vocab.phases import Phase
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
-STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (sources' current readings)
+STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (the watchers' current readings)
 TASK_CANCEL_TIMEOUT_S = 5.0  # at shutdown: how long the daemon's tasks may take to end
-SOURCE_CLOSE_TIMEOUT_S = 10.0  # at shutdown: how long each source's close() may take
+WATCHER_CLOSE_TIMEOUT_S = 10.0  # at shutdown: how long each watcher's close() may take
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 PREPARE_CALL = "reading the API key file and the [server].user account"  # the start's blocking call
 
@@ -96,16 +99,25 @@ class Daemon:
     """Owns one llama-server at a time for the lifetime of ``run()``."""
 
     def __init__(self, config: Config, config_path: Path, emitter: Emitter, *,
-                 notifier: ServiceNotifier | None = None, sources: list[Source] | None = None,
-                 gpu: GpuPort | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """``sources``: the watchers (each started, supervised and told of every step); ``gpu``: the
-        GPU port (a watcher among ``sources`` too), None when no GPU is watched."""
+                 notifier: ServiceNotifier | None = None, watchers: list[Watcher] | None = None,
+                 gpu: GpuPort | None = None, child: ChildSetupPort | None = None, slots: SlotPort | None = None,
+                 front: FrontPort | None = None, exporter: Listening | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``watchers``: each started in this order, supervised, told of every step. The ports, each
+        None when absent (a port that is a watcher is among ``watchers`` too): ``gpu``, the GPU port
+        (None: no GPU watched); ``child``, the child set-up (rlimits and its check before each
+        spawn); ``slots``, the KV slot carry-over; ``front``, the front door (the drain's count of
+        requests in flight); ``exporter``, the metrics listener. ``front`` and ``exporter`` name the
+        addresses a reload must not give llama-server."""
         self.config = config
         self.config_path = config_path
         self.emitter = emitter
         self.notifier: ServiceNotifier = notifier or NullNotifier()
-        self.sources: list[Source] = list(sources or [])
+        self.watchers: list[Watcher] = list(watchers or [])
         self.gpu = gpu
+        self.slots = slots
+        self.front = front
+        self.listeners: tuple[Listening, ...] = tuple(p for p in (front, exporter) if p is not None)
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
@@ -113,14 +125,14 @@ class Daemon:
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
         self.lanes = daemon_lanes()
-        self.spawner = Spawner(emitter.emit, self.sources, self.lanes, clock)
+        self.spawner = Spawner(emitter.emit, self.lanes, clock, child=child, gpu=gpu, slots=slots)
         self.start_timeout = StartTimeout(self.notifier, clock)
         self.stop_timeout = StopTimeout(self.notifier, clock)
         self.ctx: Context | None = None
         self._gpu: GpuRequests | None = None
         self._gen: ServerWatch | None = None
         self._stop_signals = 0
-        self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a source's start that waits
+        self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a watcher's start that waits
         self._spawn_task: asyncio.Task[None] | None = None
         self._reload_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -140,15 +152,15 @@ class Daemon:
         assert self.ctx is not None
         self.ctx.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    def _for_sources(self, hook: str, call: Callable[[Source, Context], None]) -> None:
-        """Call the synchronous ``hook`` (named for the report) of every source through ``call``;
-        a failing source is reported, not fatal."""
+    def _for_watchers(self, hook: str, call: Callable[[Watcher, Context], None]) -> None:
+        """Call the synchronous ``hook`` (named for the report) of every watcher through ``call``;
+        a failing watcher is reported, not fatal."""
         assert self.ctx is not None
-        for source in self.sources:
+        for watcher in self.watchers:
             try:
-                call(source, self.ctx)
+                call(watcher, self.ctx)
             except Exception as exc:
-                self.emitter.emit("config_error", reason=f"{source.name}.{hook} failed: {exc!r}")
+                self.emitter.emit("config_error", reason=f"{watcher.name}.{hook} failed: {exc!r}")
 
     # ------------------------------------------------------------ entry point
 
@@ -215,8 +227,8 @@ class Daemon:
                     self.emitter.emit("config_error", reason=line)
                 return self._refuse(exc.lines[0])
             self._warn_unauthenticated(self.config)
-            for source in self.sources:
-                refusal = await self._start_source(source)
+            for watcher in self.watchers:
+                refusal = await self._start_watcher(watcher)
                 if refusal is None:
                     self.emitter.emit("daemon_exit", exit_code=EXIT_OK, reason="stopped before llama-server started")
                     self._exit_code = EXIT_OK
@@ -224,7 +236,7 @@ class Daemon:
                 if refusal:
                     self.emitter.emit("server_boot_failure", cause=refusal)
                     return self._refuse(refusal)
-                self.tasks.start(self.tasks.supervise(source, self.ctx), f"watcher {source.name}")
+                self.tasks.start(self.tasks.supervise(watcher, self.ctx), f"watcher {watcher.name}")
             self._reset_possible = self.gpu is not None and self.gpu.can_reset
             self.state = replace(self.state, params=params_from(self.config, reset_possible=self._reset_possible))
             self.queue.put_nowait(Boot())
@@ -238,11 +250,11 @@ class Daemon:
                 loop.remove_signal_handler(sig)
         return self._exit_code if self._exit_code is not None else EXIT_SOFTWARE
 
-    async def _start_source(self, source: Source) -> str | None:
-        """``source.start`` (which may wait, e.g. for a taken port), given up when a stop is asked
+    async def _start_watcher(self, watcher: Watcher) -> str | None:
+        """``watcher.start`` (which may wait, e.g. for a taken port), given up when a stop is asked
         meanwhile: its refusal ("" for none), or None when the stop came first."""
         assert self.ctx is not None
-        start = asyncio.ensure_future(source.start(self.ctx))
+        start = asyncio.ensure_future(watcher.start(self.ctx))
         stop = asyncio.ensure_future(self._stop_asked.wait())
         await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -281,7 +293,7 @@ class Daemon:
         before, now = self.state, self.clock()
         self.state, actions = decide(before, event, now)
         step = Transition(before, self.state, event, tuple(actions), now)
-        self._for_sources("on_transition", lambda src, ctx: src.on_transition(ctx, step))
+        self._for_watchers("on_transition", lambda src, ctx: src.on_transition(ctx, step))
         if self.state.phase is Phase.EXITED or (self.state.phase is Phase.STOPPING
                                                 and self.state.after_stop is AfterStop.EXIT):
             self._send_stopping()
@@ -291,7 +303,7 @@ class Daemon:
         if isinstance(event, Exited) and gen is not None and gen.pid == event.pid:
             self._gen = None
             pid, code = event.pid, event.returncode
-            self._for_sources("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
+            self._for_watchers("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
             self.tasks.start(gen.end(), "end of a server")
         if self.state.phase is not before.phase:
             self._write_status()
@@ -395,12 +407,12 @@ class Daemon:
             self.queue.put_nowait(outcome)
             return
         spawner = self.spawner
-        gen = ServerWatch(outcome.server, self.ctx, self.sources, self.lanes, self.tasks, self.start_timeout,
-                          get_key=lambda: spawner.live_key, gpu=self.gpu)
+        gen = ServerWatch(outcome.server, self.ctx, self.lanes, self.tasks, self.start_timeout,
+                          get_key=lambda: spawner.live_key, gpu=self.gpu, slots=self.slots, front=self.front)
         self._gen = gen
         gen.start()
         self.queue.put_nowait(Spawned(gen.pid, outcome.argv))
-        self._for_sources("on_spawn", lambda src, ctx: src.on_spawn(ctx, gen.pid))
+        self._for_watchers("on_spawn", lambda src, ctx: src.on_spawn(ctx, gen.pid))
 
     # ------------------------------------------------------------ reload
 
@@ -425,7 +437,7 @@ class Daemon:
         if self._stopping_sent:
             self.emitter.emit("reload_ignored", reason="llama-guard began stopping during the reload")
             return
-        clash = port_clash(candidate.config, [src.listening for src in self.sources])
+        clash = port_clash(candidate.config, [listener.listening for listener in self.listeners])
         if clash:
             self.emitter.emit("config_error", reason=f"{self.config_path}: {clash} (keeping the running configuration)")
             self._ready()
@@ -446,7 +458,7 @@ class Daemon:
                 self._write_status()
         if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
             self._warn_unauthenticated(new)
-        self._for_sources("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
+        self._for_watchers("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
         emit_reloaded(self.emitter.emit, self.config_path, old, new, key_changed=candidate.key != self.spawner.live_key)
         self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
                                             server_changed))
@@ -462,17 +474,26 @@ class Daemon:
 
     def _status_line(self) -> str:
         tps = self._gen.last_eval_tps if self._gen is not None else None
-        return status_line(self.state, self.clock(), tps, self.sources, self._liveness())
+        return status_line(self.state, self.clock(), tps, self._gpu_fragment(), self._liveness())
+
+    def _gpu_fragment(self) -> str:
+        """The GPU port's part of the status line; empty without one or when it fails."""
+        if self.gpu is None:
+            return ""
+        try:
+            return self.gpu.status_fragment()
+        except Exception:
+            return ""
 
     def _write_status(self) -> None:
         self._status_at = self.clock()
         self.runtime.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
-                                    list(self.emitter.recent), self.sources, self._liveness()))
+                                    list(self.emitter.recent), self.watchers, self._liveness()))
 
     # ------------------------------------------------------------ shutdown
 
     async def _cleanup(self) -> None:
-        """Stop everything, each wait bounded: the server (SIGKILL, reaped), the tasks, the sources."""
+        """Stop everything, each wait bounded: the server (SIGKILL, reaped), the tasks, the watchers."""
         self._send_stopping()
         gen = self._gen
         if gen is not None:
@@ -480,7 +501,7 @@ class Daemon:
                 await kill_and_reap(gen.server)
             await gen.end()
         await self.tasks.cancel_all(TASK_CANCEL_TIMEOUT_S)
-        for source in self.sources:
+        for watcher in self.watchers:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(source.close(), SOURCE_CLOSE_TIMEOUT_S)
+                await asyncio.wait_for(watcher.close(), WATCHER_CLOSE_TIMEOUT_S)
         self.runtime.status_file.remove()

@@ -50,17 +50,17 @@ class GpuRequests:
 
     async def reset_step(self, action: InspectGpu | RunReset) -> ResetFacts | ResetDone:
         """Hand a reset step to the GPU port when it can reset; failures become facts, never raise."""
-        source = self._gpu if self._gpu is not None and self._gpu.can_reset else None
+        gpu = self._gpu if self._gpu is not None and self._gpu.can_reset else None
         if isinstance(action, InspectGpu):
             try:
-                if source is None:
+                if gpu is None:
                     raise RuntimeError("GPU watch is off: a reset cannot be verified")
-                return await source.inspect_reset(self._ctx, action.previous_pid)
+                return await gpu.inspect_reset(self._ctx, action.previous_pid)
             except Exception as exc:
                 return ResetFacts(None, True, 0.0, (), False, f"cannot inspect the GPU: {exc}")
         try:
-            if source is None:
+            if gpu is None:
                 raise RuntimeError("GPU watch is off")
-            return await source.reset(self._ctx, action.gpu_index)
+            return await gpu.reset(self._ctx, action.gpu_index)
         except Exception as exc:
             return ResetDone(action.gpu_index, "", None, "", False, f"internal error during the reset: {exc!r}")

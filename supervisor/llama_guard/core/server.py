@@ -15,7 +15,7 @@ import contextlib
 import os
 import re
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
@@ -23,13 +23,14 @@ from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.policy.steps import SERVING
+from llama_guard.core.ports import FrontPort, SlotPort
 from llama_guard.core.probes import ServerProbe, sleep_or_wake
 from llama_guard.core.procs import port_owner
 from llama_guard.core.progress import ProgressSample, ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
 from llama_guard.vocab.phases import Phase
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
@@ -61,17 +62,19 @@ def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
 
 
 class ServerWatch:
-    """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them."""
+    """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them.
+    ``gpu``, ``slots``, ``front``: the daemon's ports (None: absent)."""
 
-    def __init__(self, server: ServerProcess, ctx: Context, sources: Sequence[Source], lanes: dict[LaneKind, Lane],
-                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str],
-                 gpu: GpuPort | None = None) -> None:
+    def __init__(self, server: ServerProcess, ctx: Context, lanes: dict[LaneKind, Lane],
+                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str], *,
+                 gpu: GpuPort | None = None, slots: SlotPort | None = None, front: FrontPort | None = None) -> None:
         config = ctx.get_config()
         self.server = server
         self.pid = server.pid
         self._ctx = ctx
-        self._sources = sources
         self._gpu = gpu
+        self._slots = slots
+        self._front = front
         self._lanes = lanes
         self._taskset = tasks
         self._start_timeout = start_timeout
@@ -143,11 +146,12 @@ class ServerWatch:
             status = await self.probe.health_status()
             owner = await self._port_owner() if status == 200 else None
             if owner is not None:
-                for source in self._sources:
-                    refusal = await source.ready_check(ctx, pid)
-                    if refusal:
-                        ctx.post(NotOnGpu(pid, refusal))
-                        return
+                refusal = await self._gpu.ready_check(ctx, pid) if self._gpu is not None else None
+                if refusal:
+                    ctx.post(NotOnGpu(pid, refusal))
+                    return
+                if self._slots is not None:  # once the server is on the GPU, clients still held
+                    await self._slots.restore(ctx, pid)
                 ctx.post(HealthOk(pid, owner[0] if owner[0] != pid else None, owner[1]))
                 break
             answered = answered or status is not None
@@ -245,17 +249,15 @@ class ServerWatch:
         timeout = self._ctx.get_config().schedule.drain_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._requests_done(), timeout)
-            for source in self._sources:
-                await source.after_drain(self._ctx, self.pid)
+            if self._slots is not None:
+                await self._slots.after_drain(self._ctx, self.pid)
             self._ctx.post(Drained(self.pid))
 
     async def _requests_done(self) -> None:
         """No client request left in flight: the front door's count when it is on (it sees every
         request), else no slot of ``/slots`` processing."""
-        for source in self._sources:
-            if await source.wait_requests_done():
-                return
-        await self.probe.wait_idle()
+        if self._front is None or not await self._front.wait_requests_done():
+            await self.probe.wait_idle()
 
     async def end(self) -> None:
         """Cancel this server's tasks and close its probe client, log file and pidfd (bounded)."""

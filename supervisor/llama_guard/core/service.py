@@ -16,7 +16,7 @@ from llama_guard.vocab.phases import Phase
 EXTEND_TIMEOUT_USEC = 120_000_000
 EXTEND_EVERY_S = 10.0  # at most one EXTEND_TIMEOUT_USEC= message per this many seconds
 # While a stop waits (the server's exit, a GPU reset), systemd is told how long is left this often,
-# with this margin for the cleanup after it (the sources' close, bounded at 10 s each).
+# with this margin for the cleanup after it (the watchers' close, bounded at 10 s each).
 STOP_EXTEND_EVERY_S = 5.0
 STOP_MARGIN_S = 20.0
 

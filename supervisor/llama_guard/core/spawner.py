@@ -2,9 +2,10 @@
 
 In order: the binary and the model file (a configuration error is fatal, a hung filesystem is a
 failure retried after backoff), the argv (the binary's
-``--help`` tells whether ``--mlock`` is known), the watchers' ``before_spawn`` (such as the wait for
-the old server's VRAM), the child set-up run between fork and exec (the watchers' rlimits, then the
-drop to ``[server].user``), the API key read, and the spawn itself. Blocking calls run on the
+``--help`` tells whether ``--mlock`` is known), the ports' checks before the spawn (the child
+set-up's plan of limits, the GPU's wait for the old server's VRAM, the KV slot store), the child
+set-up run between fork and exec (the child set-up port's rlimits, then the drop to
+``[server].user``), the API key read, and the spawn itself. Blocking calls run on the
 daemon's lanes with deadlines. The answer is a :class:`Started` or a :class:`SpawnFailed` for the
 policy (a server that outlives SIGKILL never gets a successor: the policy's verdict, exit 69). Never
 touches the loop.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +23,13 @@ from llama_guard.api_key import read_api_key
 from llama_guard.argv import build_argv, resolve_binary
 from llama_guard.config import Config, ConfigError
 from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
+from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
+from llama_guard.core.ports import ChildSetupPort, SlotPort
 from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context
 
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
 
@@ -55,13 +58,17 @@ class Spawner:
 
     Holds what carries from one start to the next: the identity to drop to, the API key the running
     server was started with (``live_key``, which the probes send; never emitted), the last server's
-    pid (for ``before_spawn``).
+    pid (for the checks before the next spawn). ``child``, ``gpu``, ``slots``: the daemon's ports
+    (None: absent).
     """
 
-    def __init__(self, emit: Callable[..., None], sources: Sequence[Source], lanes: dict[LaneKind, Lane],
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, emit: Callable[..., None], lanes: dict[LaneKind, Lane], clock: Callable[[], float], *,
+                 child: ChildSetupPort | None = None, gpu: GpuPort | None = None,
+                 slots: SlotPort | None = None) -> None:
         self._emit = emit
-        self._sources = sources
+        self._child = child
+        self._gpu = gpu
+        self._slots = slots
         self._lanes = lanes
         self._clock = clock
         self.identity = ServerIdentity(None, None, None, "llama-guard's own user")
@@ -70,7 +77,7 @@ class Spawner:
         self.cancellable = False  # True while the start may still be abandoned (before the fork)
 
     async def start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
-        """Prepare and start one server for ``config`` (``ctx`` for the sources' hooks). Cancelling
+        """Prepare and start one server for ``config`` (``ctx`` for the ports). Cancelling
         it while :attr:`cancellable` abandons the start (nothing was forked)."""
         self.cancellable = True
         try:
@@ -103,14 +110,17 @@ class Spawner:
             # no binary: plain --mlock
             argv = [str(binary), *build_argv(server_cfg, None, config.slots, config.runtime)[1:]]
         env = child_environ(os.environ, server_cfg.env)
-        for source in self._sources:
-            refused = await source.before_spawn(ctx, self.last_pid)
-            if refused:
-                return SpawnFailed(refused, fatal=False)
-        # The sources' rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
+        refused = await self._child.before_spawn(ctx, self.last_pid) if self._child is not None else None
+        if not refused and self._gpu is not None:
+            refused = await self._gpu.before_spawn(ctx, self.last_pid)
+        if refused:
+            return SpawnFailed(refused, fatal=False)
+        if self._slots is not None:
+            await self._slots.before_spawn(ctx)
+        # The child set-up's rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
         try:
             setup = ChildSetup(tuple(drop_argv(self.identity)),
-                               tuple(pair for src in self._sources for pair in src.child_rlimits()))
+                               self._child.child_rlimits() if self._child is not None else ())
         except FileNotFoundError as exc:  # no setpriv: nothing can be started safely (exit 78)
             return SpawnFailed(str(exc))
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key

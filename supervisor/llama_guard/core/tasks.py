@@ -12,12 +12,19 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 
 WATCHER_MAX_FAILURES = 5  # a watcher failing more often than this within WATCHER_WINDOW_S ends the daemon
 WATCHER_WINDOW_S = 300.0
 WATCHER_BACKOFF_S = 1.0  # the first restart of a failed watcher; doubled per failure, at most 30 s
 WATCHER_BACKOFF_MAX_S = 30.0
+
+
+def backoff_s(failures: int, first_s: float) -> float:
+    """The delay (seconds) before restarting something that has now failed ``failures`` times (1:
+    the first failure): ``first_s`` doubled per failure, at most WATCHER_BACKOFF_MAX_S. The one
+    backoff of the daemon's watchers and their threads."""
+    return min(first_s * 2.0 ** (failures - 1), WATCHER_BACKOFF_MAX_S)
 
 
 def summary(exc: BaseException | None) -> str:
@@ -59,25 +66,25 @@ class TaskSet:
         task.add_done_callback(done)
         return task
 
-    async def supervise(self, source: Source, ctx: Context) -> None:
-        """Run ``source.run`` and restart it with backoff when it raises (``watcher_failed``); more
+    async def supervise(self, watcher: Watcher, ctx: Context) -> None:
+        """Run ``watcher.run`` and restart it with backoff when it raises (``watcher_failed``); more
         than WATCHER_MAX_FAILURES failures within WATCHER_WINDOW_S end the daemon."""
         failures: list[float] = []
         while True:
             try:
-                await source.run(ctx)
+                await watcher.run(ctx)
                 return
             except Exception as exc:
                 now = self._clock()
                 failures = [t for t in failures if now - t < WATCHER_WINDOW_S] + [now]
                 final = len(failures) > WATCHER_MAX_FAILURES
-                delay = min(WATCHER_BACKOFF_S * 2.0 ** (len(failures) - 1), WATCHER_BACKOFF_MAX_S)
-                self._emit("watcher_failed", watcher=source.name, error=summary(exc), failures=len(failures),
+                delay = backoff_s(len(failures), WATCHER_BACKOFF_S)
+                self._emit("watcher_failed", watcher=watcher.name, error=summary(exc), failures=len(failures),
                            window_s=WATCHER_WINDOW_S,
                            action=("it keeps failing: exiting with status 70" if final
                                    else f"restarting it in {delay:.0f} s"))
                 if final:
-                    self._on_fatal(f"watcher {source.name} keeps failing: {summary(exc)}")
+                    self._on_fatal(f"watcher {watcher.name} keeps failing: {summary(exc)}")
                     return
                 await asyncio.sleep(delay)
 

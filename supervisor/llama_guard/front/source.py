@@ -1,4 +1,5 @@
-"""The front door as a watcher of the daemon (:class:`~llama_guard.core.watcher.Source`).
+"""The front door as a watcher of the daemon (:class:`~llama_guard.core.watcher.Watcher`) and its
+front door port (:class:`~llama_guard.core.ports.FrontPort`).
 
 A drain waits on its exact count of requests in flight (:meth:`FrontSource.wait_requests_done`).
 It learns readiness from the policy's state only — from the record of every step of the loop
@@ -28,7 +29,7 @@ from llama_guard.core.policy.port import holder_text
 from llama_guard.core.procs import port_holder
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
 from llama_guard.front.endpoints import path_of
@@ -52,7 +53,7 @@ async def _holder(lane: Lane, port: int) -> tuple[int, str] | None:
     return (pid, name) if pid is not None else None
 
 
-class FrontSource(Source):
+class FrontSource(Watcher):
     """Serves ``[front].listen`` — on the socket systemd passed (``passed``: :func:`activation.take`),
     if any, else on one it binds; its metrics go into ``registry`` (the exporter's, when there is one)."""
 

@@ -1,24 +1,23 @@
-"""The daemon's GPU watcher: NVML samples, Xid events, the kernel log, and the GPU reset.
+"""The daemon's GPU watcher and GPU port: NVML samples, the checks before a start and before ready,
+the VRAM facts, and the GPU reset.
 
 Everything NVML-related goes through :class:`llama_guard.gpu.Nvml` (the one chokepoint). Blocking
-NVML calls run in threads; results come back to the loop as events and policy inputs
-(:class:`policy.GpuFault`, the answers of :meth:`ready_check`, :meth:`before_spawn`, :meth:`reset`).
+NVML calls run on the GPU lane, each with its deadline; results come back to the loop as events and
+policy inputs (:class:`policy.GpuFault`, the answers of :meth:`GpuSource.ready_check`,
+:meth:`GpuSource.before_spawn`, :meth:`GpuSource.reset`). The Xid events (NVML's and the kernel
+log's) come in through :mod:`.xid_intake`; the pure rules live in :mod:`.rules`, :mod:`.xid` and
+:mod:`.reset`. The sampler, the VRAM facts and the reset share one NVML handle and the one record
+of which pid is ours.
 
 ``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
 tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
-
-One module: the sampler, the Xid intake (NVML events matched with kernel-log records) and
-the reset share one NVML handle and the one record of which pid is ours; the pure rules they feed
-live in :mod:`.rules`, :mod:`.xid` and :mod:`.reset`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
-import threading
 import time
 from typing import Any
 
@@ -29,10 +28,9 @@ from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.types import GpuFaultKind, RecoveryAction
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
-from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.nvml import nvml_step
 from llama_guard.gpu.nvml_errors import NotSupported, NvmlHung, describe
 from llama_guard.gpu.nvml_session import DEFAULT_CALL_TIMEOUT_S
@@ -44,22 +42,21 @@ from llama_guard.gpu.rules import (
     sample_once,
     server_on_gpu,
 )
-from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
+from llama_guard.gpu.xid_intake import XidIntake
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import NeedCache, need_key
 from llama_guard.units import MIB
 from llama_guard.vocab.phases import Phase
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
-XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
-KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up
 NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
 NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
-class GpuSource(Source):
-    """Watches the configured GPU; can reset it (``[recovery].reset_command``)."""
+class GpuSource(Watcher):
+    """Watches the configured GPU; can reset it (``[recovery].reset_command``); the daemon's GPU port
+    (:class:`llama_guard.core.gpu_port.GpuPort`)."""
 
     name = "gpu"
 
@@ -76,16 +73,13 @@ class GpuSource(Source):
         """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
         self.kmsg_backoff_s = 1.0
         """The first restart delay of a failed kernel-log reader (s); doubled per failure, at most 30 s."""
-        self.thread_error: str = ""
-        """Set when a watch thread failed for good: the sampler task raises it (supervised)."""
         self.nvml: Nvml | None = None
         self._util_since_us = 0  # NVML timestamp of the newest per-process utilisation sample seen
         self._util_unsupported = False
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
-        self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=False)
-        self._nvml_recovery: RecoveryAction | None = None  # the field as read with NVML's latest Xid 154
+        self._xids: XidIntake | None = None  # its Xid threads, once the GPU is watched
         # The estimate of the configuration's need, learned in a thread when the watch starts and after
         # a reload (the GGUF read costs seconds of CPU): never on a start's path unless another process
         # holds VRAM; then the admission's polls share it.
@@ -99,16 +93,9 @@ class GpuSource(Source):
         self._measured_pid: int | None = None
         self.off_reason = ""
         self._can_reset = False
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self._server_pid: int | None = None
         self._baseline_used: int | None = None
         self._lost_reported = False
-        # While a reset runs our NVML session must stay released: :meth:`Nvml.suspend` keeps the
-        # sampler out, and the Xid waiter drops its event set (``_xid_halt``; ``_xid_idle`` once it has).
-        self._xid_halt = threading.Event()
-        self._xid_idle = threading.Event()
-        self._xid_idle.set()
 
     @property
     def can_reset(self) -> bool:
@@ -134,7 +121,8 @@ class GpuSource(Source):
         self.watch = GpuWatch(WatchSettings.from_config(cfg))
         self.executor = ResetExecutor(opened, halt_xid=self._halt_xid, resume_xid=self._resume_xid)
         self._can_reset = True
-        self._start_threads(ctx)
+        self._xids = XidIntake(opened, self.identity, self.kmsg_backoff_s)
+        self._xids.start(ctx)
         self._learn_need(ctx.config)
         return None
 
@@ -165,132 +153,23 @@ class GpuSource(Source):
         self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
         return self._learning
 
-    def _start_threads(self, ctx: Context) -> None:
-        assert self.nvml is not None
-        assert self.identity is not None
-        nvml, index = self.nvml, self.identity.index
-
-        def on_xid(xid: int) -> None:
-            # NVML's Xid 154 carries no text: what the driver asks for is read from its field here,
-            # in this thread (each NVML call has its deadline), not on the loop.
-            recovery = None
-            if xid_info(xid).action is XidAction.FOLLOW_RECOVERY_ACTION:
-                with contextlib.suppress(NvmlError):
-                    recovery = nvml.recovery_action()
-            ctx.loop.call_soon_threadsafe(self._on_nvml_xid, ctx, xid, recovery)
-
-        def on_error(exc: NvmlError) -> None:
-            return None  # the sampler reports a lost GPU; the waiter re-registers by itself
-
-        def xid_thread() -> None:
-            while not self._stop.is_set():
-                self._xid_idle.clear()
-                try:
-                    reason = run_xid_waiter(nvml, self._xid_halt, on_xid, on_error=on_error)
-                except Exception as exc:  # a thread that dies says so instead of going silent
-                    reason = f"the Xid waiter failed: {exc!r}"
-                finally:
-                    self._xid_idle.set()  # its event set is freed
-                if reason is not None:
-                    ctx.loop.call_soon_threadsafe(
-                        functools.partial(ctx.emit, "gpu_watch_off", reason=reason, gpu_index=index))
-                    return
-                while self._xid_halt.is_set() and not self._stop.is_set():  # a reset runs
-                    self._stop.wait(0.1)
-
-        reader = open_kmsg(ctx.config.gpu.kmsg_path)
-        self.xids = XidMatcher(window_s=XID_MATCH_S, kmsg_on=not isinstance(reader, KmsgOff))
-        if isinstance(reader, KmsgOff):
-            ctx.emit("gpu_kmsg_off", reason=reader.message)
-        else:
-            parser = KmsgParser(self.identity.pci_bus_id)
-
-            def kmsg_loop() -> None:
-                while not self._stop.is_set():
-                    for line in reader.poll(1.0):
-                        for rec in parser.feed(line):
-                            ctx.loop.call_soon_threadsafe(self._on_kmsg_record, ctx, rec)
-
-            def kmsg_thread() -> None:
-                """The kernel-log reader, supervised: an exception is reported (watcher_failed) and
-                the reader restarted with backoff; after KMSG_MAX_FAILURES the sampler task raises."""
-                failures = 0
-                while not self._stop.is_set():
-                    try:
-                        kmsg_loop()
-                        return
-                    except Exception as exc:
-                        failures += 1
-                        final = failures >= KMSG_MAX_FAILURES
-                        delay = min(self.kmsg_backoff_s * 2.0 ** (failures - 1), 30.0)
-                        action = "giving up on the kernel log" if final else f"restarting it in {delay:.1f} s"
-                        ctx.loop.call_soon_threadsafe(functools.partial(
-                            ctx.emit, "watcher_failed", watcher="gpu.kmsg", error=f"{type(exc).__name__}: {exc}",
-                            failures=failures, window_s=0.0, action=action))
-                        if final:
-                            self.thread_error = f"the kernel-log reader failed {failures} times: {exc!r}"
-                            return
-                        self._stop.wait(delay)
-
-            self._threads.append(threading.Thread(target=kmsg_thread, name="kmsg", daemon=True))
-        self._threads.append(threading.Thread(target=xid_thread, name="xid-waiter", daemon=True))
-        for thread in self._threads:
-            thread.start()
-
     async def close(self) -> None:
-        self._stop.set()
-        self._xid_halt.set()
-        for thread in self._threads:
+        threads = [] if self._xids is None else self._xids.threads
+        if self._xids is not None:
+            self._xids.stop()
+        for thread in threads:
             await nvml_step(self._gpu_lane, functools.partial(thread.join, 2.0), f"ending thread {thread.name}")
         if self.nvml is not None:
             await nvml_step(self._gpu_lane, self.nvml.close, "closing NVML")
 
-    # ------------------------------------------------------------ observations
-
-    def _on_nvml_xid(self, ctx: Context, xid: int, recovery: RecoveryAction | None = None) -> None:
-        if recovery is not None:
-            self._nvml_recovery = recovery
-        self._post_xids(ctx, self.xids.nvml(xid, ctx.clock()))
-        due = self.xids.next_due()
-        if due is not None:  # an application Xid waits (bounded) for its kernel line
-            ctx.loop.call_later(max(0.0, due - ctx.clock()) + 0.01, self._flush_xids, ctx)
-
-    def _on_kmsg_record(self, ctx: Context, record: XidRecord | AdapterInitFailed | UnparsedXid) -> None:
-        if isinstance(record, UnparsedXid):
-            ctx.emit("gpu_xid_unparsed", gpu_index=self._gpu_index(), line=record.text)
-            return
-        if isinstance(record, AdapterInitFailed):
-            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, f"the driver cannot initialise GPU {record.pci} (RmInitAdapter "
-                              "failed)", XidAction.REBOOT, gpu_index=self._gpu_index(), line=record.text))
-            return
-        self._post_xids(ctx, self.xids.kmsg(record, ctx.clock()))
-
-    def _flush_xids(self, ctx: Context) -> None:
-        self._post_xids(ctx, self.xids.due(ctx.clock()))
-
-    def _gpu_index(self) -> int | None:
-        return self.identity.index if self.identity is not None else None
-
-    def _post_xids(self, ctx: Context, reports: list[XidReport]) -> None:
-        """Hand each Xid to the policy with its table row; the policy judges whose it is."""
-        for rep in reports:
-            info = xid_info(rep.xid)
-            # Xid 154: the kernel line says which recovery action, else NVML's field as read with the
-            # event; neither (None): the policy resets, and the field is read again before the next start.
-            recovery = None
-            if info.action is XidAction.FOLLOW_RECOVERY_ACTION:
-                recovery = recovery_action_of(rep.text)
-                recovery = self._nvml_recovery if recovery is None else recovery
-            ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
-                              info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text,
-                              recovery=recovery, watchdog=info.watchdog))
+    # ------------------------------------------------------------ the sampler
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:
             return
         while True:
-            if self.thread_error:
-                raise RuntimeError(self.thread_error)
+            if self._xids is not None and self._xids.error:
+                raise RuntimeError(self._xids.error)
             tick = functools.partial(self._tick, self.nvml, self.watch, ctx.clock())
             result = await nvml_step(self._gpu_lane, tick, "a GPU sample")
             self._observe_hang(ctx, result.error if result is not None else None)
@@ -300,7 +179,7 @@ class GpuSource(Source):
 
     def _observe_hang(self, ctx: Context, error: BaseException | None) -> None:
         """A hung NVML call: ``gpu_nvml_timeout`` once, the watch degraded, a lost GPU if it stays."""
-        index = self.identity.index if self.identity is not None else ctx.config.gpu.index
+        index = self._index(ctx.config)
         if not isinstance(error, NvmlHung):
             if self.degraded and error is None:
                 self.degraded = ""
@@ -317,14 +196,14 @@ class GpuSource(Source):
             self._lost_reported = True
             reason = f"NVML call {call} has not returned for {stuck_s:.0f} s"
             ctx.emit("gpu_lost", gpu_index=index, reason=reason, error="NvmlHung", nvml_code=-2, reminder=False)
-            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, reason, gpu_index=self._gpu_index()))
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, reason, gpu_index=index))
 
     async def _on_tick(self, ctx: Context, result: SampleVerdict) -> None:
         for name, fields in result.events:
             ctx.emit(name, **fields)
         if result.lost and result.error is not None and not self._lost_reported:
             self._lost_reported = True
-            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, describe(result.error), gpu_index=self._gpu_index()))
+            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, describe(result.error), gpu_index=self._index(ctx.config)))
         elif result.sample is not None:
             self._lost_reported = False
             self._measure(ctx, result.sample)
@@ -377,7 +256,7 @@ class GpuSource(Source):
             return None
         need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
         sample = await self.executor.sample()
-        index = self._gpu_index()
+        index = self._index(ctx.config)
         if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
             why = "NVML gave no sample" if sample is None else "NVML gave no memory reading"
             return VramFacts(index, None, need, error=why)
@@ -444,7 +323,8 @@ class GpuSource(Source):
             released, waited = await self.executor.wait_released(previous_pid, cfg.vram_release_timeout_s,
                                                                  self._baseline_used)
             if not released:
-                ctx.emit("gpu_vram_not_released", gpu_index=cfg.index, waited_s=waited, server_pid=previous_pid)
+                ctx.emit("gpu_vram_not_released", gpu_index=self._index(ctx.config), waited_s=waited,
+                         server_pid=previous_pid)
         sample = await self.executor.sample()
         if sample is None:
             return "the GPU does not answer NVML; not starting the server onto it"
@@ -454,7 +334,8 @@ class GpuSource(Source):
         foreign = foreign_processes(sample, own)
         if foreign and cfg.foreign_processes is ForeignProcesses.REFUSE:
             culprits = ", ".join(f"pid {p.pid} ({(p.used_bytes or 0) >> 20} MiB)" for p in foreign)
-            return f"other processes hold VRAM on GPU {cfg.index}: {culprits} ([gpu].foreign_processes = refuse)"
+            return (f"other processes hold VRAM on GPU {self._index(ctx.config)}: {culprits} "
+                    "([gpu].foreign_processes = refuse)")
         return None
 
     async def ready_check(self, ctx: Context, pid: int) -> str | None:
@@ -469,7 +350,7 @@ class GpuSource(Source):
                 if on is None or on:
                     return None  # on the GPU, or NVML cannot list processes (nothing to check)
             if time.monotonic() >= deadline:
-                return (f"llama-server pid {pid} answers /health but never appeared on GPU {cfg.gpu.index} "
+                return (f"llama-server pid {pid} answers /health but never appeared on GPU {self._index(cfg)} "
                         f"within {cfg.gpu.server_on_gpu_timeout_s:.0f} s: it runs on the CPU")
             await asyncio.sleep(POLL_S)
 
@@ -477,7 +358,7 @@ class GpuSource(Source):
 
     async def inspect_reset(self, ctx: Context, previous_pid: int | None) -> ResetFacts:
         assert self.executor is not None
-        return await self.executor.inspect(ctx.config, self._index(ctx), previous_pid, self._baseline_used)
+        return await self.executor.inspect(ctx.config, self._index(ctx.config), previous_pid, self._baseline_used)
 
     async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
         assert self.executor is not None
@@ -486,20 +367,19 @@ class GpuSource(Source):
             self._lost_reported = False
         return done
 
-    def _index(self, ctx: Context) -> int:
-        return self.identity.index if self.identity is not None else ctx.config.gpu.index
+    def _index(self, config: Config) -> int:
+        """The watched GPU's NVML index: as selected, else (before the selection) ``[gpu].index``."""
+        return self.identity.index if self.identity is not None else config.gpu.index
 
     async def _halt_xid(self) -> None:
-        """Stop the Xid waiter (it drops its NVML event set) before our session is released."""
-        def halt() -> None:
-            self._xid_halt.set()
-            self._xid_idle.wait(5.0)  # the waiter blocks at most ~1 s in NVML
-
-        await nvml_step(self._gpu_lane, halt, "halting the Xid waiter")
+        """Stop the Xid waiter (it drops its NVML event set) before our session is released (while a
+        reset runs, :meth:`Nvml.suspend` keeps the sampler out)."""
+        if self._xids is not None:
+            await nvml_step(self._gpu_lane, self._xids.halt, "halting the Xid waiter")
 
     def _resume_xid(self) -> None:
-        if not self._stop.is_set():
-            self._xid_halt.clear()
+        if self._xids is not None:
+            self._xids.resume()
 
     def gpu_busy(self, pid: int) -> bool | None:
         """Whether server ``pid`` or a descendant (a wrapper's real llama-server) used the GPU since

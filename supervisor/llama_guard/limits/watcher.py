@@ -15,7 +15,8 @@ from dataclasses import asdict
 from typing import Any
 
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.ports import RlimitSettings
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
 from llama_guard.limits.plan import LimitPlan, plan_child_limits
 from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
@@ -24,8 +25,9 @@ from llama_guard.limits.usage import UsageSample, UsageSampler, UsageTracker
 from llama_guard.vocab.events import EventName
 
 
-class LimitsSource(Source):
-    """Applies and watches the server's resource limits."""
+class LimitsSource(Watcher):
+    """Applies and watches the server's resource limits; the daemon's child set-up port
+    (:class:`llama_guard.core.ports.ChildSetupPort`)."""
 
     name = "limits"
 
@@ -59,7 +61,7 @@ class LimitsSource(Source):
             self._say_once(ctx, "threads_warning", reason=note)
         return None
 
-    def child_rlimits(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+    def child_rlimits(self) -> RlimitSettings:
         return self.plan.settings if self.plan is not None else ()
 
     def on_spawn(self, ctx: Context, pid: int) -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics (``prometheus-client``), served on ``[metrics].listen`` (off when unset) by
 :class:`~llama_guard.output.listener.MetricsListener` on the daemon's loop.
 
-:class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Source`) and an event sink: it
+:class:`MetricsSource` is a watcher (:class:`llama_guard.core.watcher.Watcher`) and an event sink: it
 counts every emitted event (wiring makes it a sink of the emitter, which the policy's ``Emit``
 actions and the watchers' own events both go through), times the phases (from the records the loop
 publishes, ``on_transition``) and reads
@@ -32,7 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from llama_guard.core.transition import Transition
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
 from llama_guard.vocab.phases import Phase
@@ -81,7 +81,7 @@ class Histogram:
         return HistogramMetricFamily(name, text, buckets=cumulative, sum_value=self.total_s)
 
 
-class MetricsSource(Source, Collector):
+class MetricsSource(Watcher, Collector):
     """Counts events, times phases, and exports everything on scrape. ``gpu_sample``: the GPU
     watcher's latest NVML sample; ``usage``: the limits watcher's latest reading of the server (each
     None when unknown). ``llama-guard bench``'s last result is read from ``[runtime].dir``."""
@@ -108,7 +108,7 @@ class MetricsSource(Source, Collector):
         self.listening: tuple[str, int] | None = None
         self._listener: MetricsListener | None = None
 
-    # -- Source ----------------------------------------------------------------------------------
+    # -- Watcher ---------------------------------------------------------------------------------
     async def start(self, ctx: Context) -> str | None:
         self.ctx = ctx
         self._phase, self._phase_since = ctx.state.phase, ctx.clock()

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.core.types import State
-from llama_guard.core.watcher import Source
+from llama_guard.core.watcher import Watcher
 from llama_guard.output.instance import port_daemon
 from llama_guard.output.status import AlreadyRunning, RuntimeLock, StatusFile
 from llama_guard.vocab.phases import Phase
@@ -31,13 +30,14 @@ class Liveness:
     silent_s: float
 
 
-def status_line(state: State, now: float, last_eval_tps: float | None, sources: Iterable[Source],
+def status_line(state: State, now: float, last_eval_tps: float | None, gpu: str = "",
                 liveness: Liveness | None = None) -> str:
     """One human line: ``ready: pid 4242, 38.6 tok/s last request, GPU 0 61°C 212 W, 2 restarts``.
 
     ``now``: monotonic seconds (the backoff's remaining time); ``last_eval_tps``: the speed of the
-    running server's last request (tokens/s), shown while it serves; ``liveness``: said when the
-    server stopped answering."""
+    running server's last request (tokens/s), shown while it serves; ``gpu``: the GPU port's
+    fragment (``GPU 0 61°C 212 W``; empty for none); ``liveness``: said when the server stopped
+    answering."""
     pid = f" pid {state.pid}" if state.pid else ""
     extra = ""
     if state.phase is Phase.BACKOFF and state.deadline is not None:
@@ -46,28 +46,25 @@ def status_line(state: State, now: float, last_eval_tps: float | None, sources: 
         extra += f", not answering for {liveness.silent_s:.0f} s"
     if last_eval_tps is not None and state.phase in (Phase.READY, Phase.DRAINING):
         extra += f", {last_eval_tps:.1f} tok/s last request"
-    for source in sources:
-        with contextlib.suppress(Exception):
-            text = source.status_fragment()
-            if text:
-                extra += f", {text}"
+    if gpu:
+        extra += f", {gpu}"
     if state.restarts:
         extra += f", {state.restarts} restarts"
     return f"{state.phase.value}:{pid}{extra}".replace(":,", ",").rstrip(":")
 
 
-def _safe_snapshot(source: Source) -> dict[str, Any] | None:
+def _safe_snapshot(watcher: Watcher) -> dict[str, Any] | None:
     try:
-        return source.snapshot()
+        return watcher.snapshot()
     except Exception:
         return None
 
 
 def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, Any]],
-             sources: Iterable[Source], liveness: Liveness | None = None) -> dict[str, Any]:
+             watchers: Iterable[Watcher], liveness: Liveness | None = None) -> dict[str, Any]:
     """The ``status.json`` document: the policy state, the status ``line``, the latest events,
-    ``liveness`` (null before the first round of a serving server) and each source's own section
-    (under its name; a source whose snapshot raises is left out)."""
+    ``liveness`` (null before the first round of a serving server) and each watcher's own section
+    (under its name; a watcher whose snapshot raises is left out)."""
     serving = liveness is not None and state.phase in (Phase.READY, Phase.DRAINING)
     return {
         "daemon_pid": os.getpid(),
@@ -82,7 +79,7 @@ def snapshot(state: State, line: str, base_url: str, recent: Sequence[dict[str, 
         "events": list(recent)[-RECENT_EVENTS:],
         "liveness": ({"answering": liveness.answering, "silent_s": round(liveness.silent_s, 1)}
                      if serving and liveness is not None else None),
-        **{src.name: snap for src in sources if (snap := _safe_snapshot(src)) is not None},
+        **{w.name: snap for w in watchers if (snap := _safe_snapshot(w)) is not None},
     }
 
 

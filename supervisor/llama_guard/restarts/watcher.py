@@ -45,7 +45,7 @@ from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import RestartCause
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.cron import ScheduleError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
@@ -116,7 +116,7 @@ class _Pending:
     held_from: float | None = None  # with the front door on: its requests are held from the drain's start
 
 
-class ScheduleSource(Source):
+class ScheduleSource(Watcher):
     """Planned restarts: cron schedule, decay triggers, before/after record (``llama-guard status``).
 
     ``gpu_sample``: the GPU watcher's latest NVML sample (its process list gives the server's VRAM;

@@ -6,7 +6,7 @@
 - Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
   processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
   hang loses at most what changed since.
-- Every start: after ``/health`` 200 and before the server is called ready (:meth:`ready_check`:
+- Every start: after ``/health`` 200 and before the server is called ready (:meth:`restore`:
   clients are still held), each committed file of this server's fingerprint is restored into its
   slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
   the whole within ``[slots].restore_timeout_s``. A restore that reused nothing is reported with the
@@ -30,7 +30,7 @@ from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_
 from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
-from llama_guard.core.watcher import Context, Source
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.store import SlotStore, StoreError, read_tokens
@@ -41,8 +41,9 @@ SLOT_FILES_TIMEOUT_S = 60.0  # one slot-file step: hashing and checking a file o
 T = TypeVar("T")
 
 
-class SlotsSource(Source):
-    """Saves and restores llama-server's slots (off when ``[slots].enabled`` is false)."""
+class SlotsSource(Watcher):
+    """Saves and restores llama-server's slots (off when ``[slots].enabled`` is false); the daemon's
+    KV slot port (:class:`llama_guard.core.ports.SlotPort`)."""
 
     name = "slots"
 
@@ -72,10 +73,9 @@ class SlotsSource(Source):
         await self._prepare(ctx)
         return None
 
-    async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+    async def before_spawn(self, ctx: Context) -> None:
         self._spawned = ctx.config.server  # a reload may change the config while this server runs
         await self._prepare(ctx)
-        return None
 
     async def _prepare(self, ctx: Context) -> None:
         """The store for the current config (its directory created, owned by ``[server].user``). A
@@ -132,10 +132,10 @@ class SlotsSource(Source):
 
     # ------------------------------------------------------------ restore (every start)
 
-    async def ready_check(self, ctx: Context, pid: int) -> str | None:
+    async def restore(self, ctx: Context, pid: int) -> None:
         """Restore and verify the committed slots of this server's fingerprint (bounded); never refuses."""
         if self.store is None:
-            return None
+            return
         async with self._lock:
             self._pid, self._saved = pid, {}
             self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
@@ -148,7 +148,6 @@ class SlotsSource(Source):
                 ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid,
                          error=f"the restores took longer than [slots].restore_timeout_s ({bound:g} s); "
                                "the server is called ready without the rest")
-        return None
 
     async def _restore_all(self, ctx: Context, store: SlotStore) -> None:
         fingerprint = self._fp

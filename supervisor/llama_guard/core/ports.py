@@ -1,0 +1,68 @@
+"""The daemon's ports besides the GPU's (:mod:`.gpu_port`): what the daemon and one server's tasks
+ask of a watcher, each handed to the daemon by name (one or none), never searched for among the
+watchers.
+
+- :class:`ChildSetupPort`: the child set-up of each start (the limits watcher): a bounded check
+  before the spawn and the rlimits set between fork and exec.
+- :class:`SlotPort`: the KV cache carried across restarts (the slots watcher): the slot store made
+  ready before each spawn, the slots restored and verified once the server answers ``/health``,
+  saved after a planned restart's drain.
+- :class:`Listening` and :class:`FrontPort`: what this daemon itself serves on (the front door, the
+  metrics exporter: the reload's port-clash check); the front door's count of requests in flight
+  (the drain).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from llama_guard.core.watcher import Context
+
+RlimitSettings = tuple[tuple[int, tuple[int, int]], ...]
+"""``(resource, (soft, hard))`` pairs: ``resource`` a ``resource.RLIMIT_*`` number, limits in that
+resource's unit (bytes, count), ``resource.RLIM_INFINITY`` for unlimited."""
+
+
+class ChildSetupPort(Protocol):
+    """The child set-up as the spawner uses it (:class:`llama_guard.limits.watcher.LimitsSource`)."""
+
+    async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
+        """Bounded preparation before each spawn (the plan of the child's limits); a reason to
+        refuse this start (retried after backoff), else None."""
+
+    def child_rlimits(self) -> RlimitSettings:
+        """The rlimits to set on the next llama-server before its exec (by the parent, with
+        prlimit(2): :class:`llama_guard.core.child.ChildSetup`); empty for none."""
+
+
+class SlotPort(Protocol):
+    """The KV slot carry-over as the daemon uses it (:class:`llama_guard.slots.watcher.SlotsSource`).
+    None of its steps refuses a start: llama-server serves without the carry-over."""
+
+    async def before_spawn(self, ctx: Context) -> None:
+        """Before each spawn: the slot store for the configuration the server is started from."""
+
+    async def restore(self, ctx: Context, pid: int) -> None:
+        """After ``/health`` 200 of server ``pid`` (and the GPU's ready check), before it is called
+        ready while clients are held: restore and verify the saved slots, within
+        ``[slots].restore_timeout_s``."""
+
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        """A planned restart drained server ``pid`` (no slot processing, clients held): save its
+        changed slots, within ``[slots].save_timeout_s``; the server is stopped when this returns."""
+
+
+class Listening(Protocol):
+    """A listener of this daemon (the front door, the metrics exporter)."""
+
+    @property
+    def listening(self) -> tuple[str, int] | None:
+        """The ``(host, port)`` it serves on once started; None while it serves nothing."""
+
+
+class FrontPort(Listening, Protocol):
+    """The front door as the daemon uses it (:class:`llama_guard.front.source.FrontSource`)."""
+
+    async def wait_requests_done(self) -> bool:
+        """When the front door is on (it sees every client request): wait until none is in flight,
+        then return True. Off: return False at once (the drain asks llama-server's ``/slots``)."""
