@@ -5,9 +5,14 @@ of it is the NVIDIA library's own mapping.
 Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--code NAME=DIR``):
 
 - ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
+- ``python + asyncio``: the event loop's modules (with ``ssl``, which asyncio imports: libssl, libcrypto);
 - ``python + aiohttp`` / ``python + aiohttp + httpx``: the HTTP stack the daemon serves and speaks with
   (its server, and a client session made), alone and with httpx's client beside it (what a second client
   stack cost the daemon);
+- ``python + aiohttp + pydantic``: that, and the configuration's libraries (pydantic, pydantic-settings);
+- ``[tree] python + the daemon's imports``: a process that imports every module the tree's daemon (GPU
+  watch off) imported, taken from its ``-X importtime`` log, and nothing else: what the daemon's code costs
+  before it runs; the daemon's own row above it is that plus what running adds (threads, buffers, objects);
 - ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
   imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
   what the NVIDIA library maps and allocates by itself;
@@ -17,8 +22,9 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   ``libcuda``, ``/dev/nvidia*``),
   other shared objects, and anonymous memory (the Python heap: modules, objects).
 
-The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass, so the heavy modules it imported
-(numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog) are listed from its own import log.
+The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass per tree and GPU mode (first), so the
+heavy modules it imported (numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog)
+are listed from its own import log, and the import-only row above is built from it.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_rss.py                      # fake NVML
     python3 benchmarks/bench_rss.py --nvml real --ngl 99 --binary B --model M --json out.json   # a GPU host
@@ -86,7 +92,16 @@ def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
 NVML_ONLY = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlDeviceGetHandleByIndex(0)"
 AIOHTTP = ("import asyncio\nimport aiohttp\nfrom aiohttp import web\n"
            "async def session():\n    await aiohttp.ClientSession().close()\nasyncio.run(session())")
-HTTP_STACKS = {"python + aiohttp": AIOHTTP, "python + aiohttp + httpx": AIOHTTP + "\nimport httpx\nhttpx.AsyncClient()"}
+LAYERS = {"python + asyncio": "import asyncio", "python + aiohttp": AIOHTTP,
+          "python + aiohttp + httpx": AIOHTTP + "\nimport httpx\nhttpx.AsyncClient()",
+          "python + aiohttp + pydantic": AIOHTTP + "\nimport pydantic\nimport pydantic_settings"}
+
+
+def import_all(modules: list[str]) -> str:
+    """Code that imports ``modules`` (the names of one import log), skipping any that cannot be imported
+    on its own (a test double's module, a ``__main__``)."""
+    return (f"import importlib\nfor name in {modules!r}:\n    try:\n        importlib.import_module(name)\n"
+            "    except Exception:\n        pass")
 
 
 def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, gpu: str,
@@ -112,9 +127,9 @@ def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, scrip
     if importtime:
         for line in run.log_path.read_text(errors="replace").splitlines():
             m = re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", line)
-            if m and m.group(1).split(".")[0] in HEAVY and "." not in m.group(1):
+            if m:
                 modules.append(m.group(1))
-    return parts, sorted(set(modules))
+    return parts, modules
 
 
 def main() -> int:
@@ -141,14 +156,24 @@ def main() -> int:
     port = free_port()
     rows: dict[str, list[dict[str, float]]] = {}
     modules: dict[str, dict[str, list[str]]] = {}
+    imports: dict[str, list[str]] = {}  # per tree: every module its daemon (GPU watch off) imported, in order
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as tmpdir:
         tmp = Path(tmpdir)
         script = tmp / "nvml.json"
         script.write_text("{}")
+        for tree in trees:
+            for gpu in ("off", "on"):
+                _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
+                modules.setdefault(tree.name, {})[gpu] = sorted({m for m in mods if m in HEAVY})
+                if gpu == "off":
+                    imports[tree.name] = mods
         for r in range(args.rounds):
             rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
-            for name, code in HTTP_STACKS.items():
+            for name, code in LAYERS.items():
                 rows.setdefault(name, []).append(sleeper(code, {}))
+            for tree in trees:
+                rows.setdefault(f"[{tree.name}] python + the daemon's imports", []).append(
+                    sleeper(import_all(imports[tree.name]), tree.env({})))
             if args.nvml == "real":
                 rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
@@ -166,10 +191,6 @@ def main() -> int:
                     print(f"  {name}: {parts['rss']:.1f} MiB (NVIDIA libs {parts['nvidia']:.1f}, anon "
                           f"{parts['anon']:.1f})", flush=True)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-        for tree in trees:
-            for gpu in ("off", "on"):
-                _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
-                modules.setdefault(tree.name, {})[gpu] = mods
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores); GPU watch through {args.nvml} NVML; "
           f"RSS {args.after:.0f} s after server_ready; MiB, median of {args.rounds}")
     head = f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7}"
