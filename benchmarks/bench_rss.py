@@ -11,8 +11,9 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   stack cost the daemon);
 - ``python + aiohttp + pydantic``: that, and the configuration's libraries (pydantic, pydantic-settings);
 - ``[tree] python + the daemon's imports``: a process that imports every module the tree's daemon (GPU
-  watch off) imported, taken from its ``-X importtime`` log, and nothing else: what the daemon's code costs
-  before it runs; the daemon's own row above it is that plus what running adds (threads, buffers, objects);
+  watch off) imported, taken from its ``-X importtime`` log, and nothing else, imported plainly (a tree
+  whose ``run`` keeps aiohttp from reading the CA bundle at import is lower than this row by that bundle):
+  what the daemon's code costs before it runs; running adds threads, buffers and objects;
 - ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
   imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
   what the NVIDIA library maps and allocates by itself;
@@ -20,7 +21,9 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   (``--arena-max N``: also GPU watch on with ``MALLOC_ARENA_MAX=N``);
 - per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries and devices (``libnvidia-ml``,
   ``libcuda``, ``/dev/nvidia*``),
-  other shared objects, and anonymous memory (the Python heap: modules, objects).
+  other shared objects, and anonymous memory (the Python heap: modules, objects);
+- ``CPU ms`` (the ``python + …`` rows): the CPU time the process took to import what it imports (its
+  start-up included), what those imports add to the daemon's start before it can spawn the server.
 
 The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass per tree and GPU mode (first), so the
 heavy modules it imported (numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog)
@@ -76,14 +79,17 @@ def rss_parts(pid: int) -> dict[str, float]:
 
 
 def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
-    """RSS parts of ``python -c code`` once it printed ``ready``."""
-    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\nimport time\n"
-                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    """RSS parts of ``python -c code`` once it printed ``ready``, and ``cpu_ms``: the CPU time it took
+    to get there (``time.process_time()``: start-up and ``code``, user and system; unlike wall time, not
+    stretched by other processes on a loaded host)."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\nimport time\nprint('ready', time.process_time(), "
+                             "flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
     try:
         assert proc.stdout is not None
-        proc.stdout.readline()
+        cpu_s = float(proc.stdout.readline().split()[1])
         time.sleep(0.5)
-        return rss_parts(proc.pid)
+        return {**rss_parts(proc.pid), "cpu_ms": cpu_s * 1000}
     finally:
         proc.kill()
         proc.wait()
@@ -162,6 +168,7 @@ def main() -> int:
         script = tmp / "nvml.json"
         script.write_text("{}")
         for tree in trees:
+            tree.byte_compile()
             for gpu in ("off", "on"):
                 _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
                 modules.setdefault(tree.name, {})[gpu] = sorted({m for m in mods if m in HEAVY})
@@ -193,7 +200,8 @@ def main() -> int:
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores); GPU watch through {args.nvml} NVML; "
           f"RSS {args.after:.0f} s after server_ready; MiB, median of {args.rounds}")
-    head = f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7}"
+    head = (f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7} "
+            f"{'CPU ms':>7}")
     print(head)
     print("-" * len(head))
     med: dict[str, dict[str, float]] = {}
@@ -201,7 +209,7 @@ def main() -> int:
         med[name] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         m = med[name]
         print(f"{name:<40} {m['rss']:>7.1f} {m['nvidia']:>12.1f} {m['other .so']:>10.1f} {m['anon']:>7.1f} "
-              f"{m['other']:>7.1f}")
+              f"{m['other']:>7.1f} " + (f"{m['cpu_ms']:>7.0f}" if "cpu_ms" in m else f"{'':>7}"))
     for tree, by_gpu in modules.items():
         for gpu, mods in by_gpu.items():
             print(f"[{tree}] GPU watch {gpu}: heavy modules imported: {', '.join(mods) or 'none'}")

@@ -64,3 +64,24 @@ def test_a_schedule_loads_its_cron_library_with_the_configuration(tmp_path: Path
         assert out.returncode == 0, out.stderr
         seen[cron] = out.stdout.strip().splitlines()[-1]
     assert seen == {"": "[]", "30 4 * * *": "['apscheduler', 'tzlocal']"}
+
+
+def test_run_imports_aiohttp_without_reading_the_ca_bundle(tmp_path: Path) -> None:
+    """``llama-guard run`` imports its modules (aiohttp among them, which builds a verifying TLS context
+    at import) without reading the system's CA bundle file, and leaves ``SSL_CERT_FILE`` as it found it:
+    a TLS context made afterwards (a child's, a verb's) loads the bundle as usual. The run stops at its
+    configuration error (exit 78), after the imports."""
+    config = tmp_path / "bad.toml"
+    config.write_text("[server]\nport = -1\n")
+    # aiohttp's own verifying context (aiohttp/connector.py); a plain default context made after the run.
+    code = ("import ssl, sys\nfrom llama_guard.cli import main\ntry:\n    main(['run', '--config', sys.argv[1]])\n"
+            "except SystemExit as exc:\n    print('exit', exc.code)\nimport aiohttp.connector as c\n"
+            "print(c._SSL_CONTEXT_VERIFIED.cert_store_stats()['x509_ca'], "
+            "ssl.create_default_context().cert_store_stats()['x509_ca'])")
+    out = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=60,
+                         cwd=str(ROOT))
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "exit 78", (out.stdout, out.stderr)
+    aiohttp_cas, later_cas = map(int, lines[1].split())
+    assert aiohttp_cas == 0
+    assert later_cas > 0  # the host has a CA bundle, and it is read again once the run's imports are done
