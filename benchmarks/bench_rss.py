@@ -11,9 +11,9 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   stack cost the daemon);
 - ``python + aiohttp + pydantic``: that, and the configuration's libraries (pydantic, pydantic-settings);
 - ``[tree] python + the daemon's imports``: a process that imports every module the tree's daemon (GPU
-  watch off) imported, taken from its ``-X importtime`` log, and nothing else, imported plainly (a tree
-  whose ``run`` keeps aiohttp from reading the CA bundle at import is lower than this row by that bundle):
-  what the daemon's code costs before it runs; running adds threads, buffers and objects;
+  watch off) imported, taken from its ``-X importtime`` log, and nothing else: ``llama-guard run`` started on
+  a configuration with an error (its imports at start made its own way; then exit 78, caught), then the
+  rest of the list; what the daemon's code costs before it runs (running adds threads, buffers, objects);
 - ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
   imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
   what the NVIDIA library maps and allocates by itself;
@@ -103,10 +103,14 @@ LAYERS = {"python + asyncio": "import asyncio", "python + aiohttp": AIOHTTP,
           "python + aiohttp + pydantic": AIOHTTP + "\nimport pydantic\nimport pydantic_settings"}
 
 
-def import_all(modules: list[str]) -> str:
-    """Code that imports ``modules`` (the names of one import log), skipping any that cannot be imported
-    on its own (a test double's module, a ``__main__``)."""
-    return (f"import importlib\nfor name in {modules!r}:\n    try:\n        importlib.import_module(name)\n"
+def import_all(modules: list[str], bad_config: Path) -> str:
+    """Code that starts ``llama-guard run`` on ``bad_config`` (a configuration error: the verb imports what
+    it imports at its start, its own way, then exits 78), then imports the rest of ``modules`` (the names of
+    one import log), skipping any that cannot be imported on its own (a test double's module)."""
+    return ("import contextlib, importlib, io\nfrom llama_guard.cli import main\n"
+            "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            f"    main(['run', '--config', {str(bad_config)!r}])\n"
+            f"for name in {modules!r}:\n    try:\n        importlib.import_module(name)\n"
             "    except Exception:\n        pass")
 
 
@@ -167,6 +171,8 @@ def main() -> int:
         tmp = Path(tmpdir)
         script = tmp / "nvml.json"
         script.write_text("{}")
+        bad_config = tmp / "bad.toml"
+        bad_config.write_text("[server]\nport = -1\n")
         for tree in trees:
             tree.byte_compile()
             for gpu in ("off", "on"):
@@ -180,7 +186,7 @@ def main() -> int:
                 rows.setdefault(name, []).append(sleeper(code, {}))
             for tree in trees:
                 rows.setdefault(f"[{tree.name}] python + the daemon's imports", []).append(
-                    sleeper(import_all(imports[tree.name]), tree.env({})))
+                    sleeper(import_all(imports[tree.name], bad_config), tree.env({})))
             if args.nvml == "real":
                 rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
