@@ -69,7 +69,7 @@ def _ca_bundle_unread() -> Iterator[None]:
     the 2-core host) for a daemon that speaks only plain ``http://`` to its server. With the variable set
     the file is not read; the certificate directory (``SSL_CERT_DIR``, looked up by subject hash when a
     certificate is verified) still answers any TLS check. The variable is restored on leaving: no child
-    inherits it."""
+    inherits it (and no thread runs yet to read the environment meanwhile)."""
     saved = os.environ.get("SSL_CERT_FILE")
     os.environ["SSL_CERT_FILE"] = os.devnull
     try:
