@@ -5,9 +5,15 @@ of it is the NVIDIA library's own mapping.
 Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--code NAME=DIR``):
 
 - ``python (bare)``: a Python interpreter that only sleeps (the floor of any Python daemon);
+- ``python + asyncio``: the event loop's modules (with ``ssl``, which asyncio imports: libssl, libcrypto);
 - ``python + aiohttp`` / ``python + aiohttp + httpx``: the HTTP stack the daemon serves and speaks with
   (its server, and a client session made), alone and with httpx's client beside it (what a second client
   stack cost the daemon);
+- ``python + aiohttp + pydantic``: that, and the configuration's libraries (pydantic, pydantic-settings);
+- ``[tree] python + the daemon's imports``: a process that imports every module the tree's daemon (GPU
+  watch off) imported, taken from its ``-X importtime`` log, and nothing else: ``llama-guard run`` started on
+  a configuration with an error (its imports at start made its own way; then exit 78, caught), then the
+  rest of the list; what the daemon's code costs before it runs (running adds threads, buffers, objects);
 - ``python + pynvml imported`` and ``python + NVML opened`` (``--nvml real`` only): a bare process that
   imports pynvml (the Python bindings), then one that also calls ``nvmlInit`` and takes the GPU's handle:
   what the NVIDIA library maps and allocates by itself;
@@ -15,10 +21,13 @@ Rows, each ``--rounds`` times (interleaved, one port), for every code tree (``--
   (``--arena-max N``: also GPU watch on with ``MALLOC_ARENA_MAX=N``);
 - per process, ``/proc/<pid>/smaps`` split into the NVIDIA libraries and devices (``libnvidia-ml``,
   ``libcuda``, ``/dev/nvidia*``),
-  other shared objects, and anonymous memory (the Python heap: modules, objects).
+  other shared objects, and anonymous memory (the Python heap: modules, objects);
+- ``CPU ms`` (the ``python + …`` rows): the CPU time the process took to import what it imports (its
+  start-up included), what those imports add to the daemon's start before it can spawn the server.
 
-The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass, so the heavy modules it imported
-(numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog) are listed from its own import log.
+The daemon runs with ``PYTHONPROFILEIMPORTTIME=1`` in one extra pass per tree and GPU mode (first), so the
+heavy modules it imported (numpy, gguf, aiohttp, pydantic, apscheduler, prometheus_client, httpx, structlog)
+are listed from its own import log, and the import-only row above is built from it.
 
     . .work/real/env && .venv/bin/python benchmarks/bench_rss.py                      # fake NVML
     python3 benchmarks/bench_rss.py --nvml real --ngl 99 --binary B --model M --json out.json   # a GPU host
@@ -70,14 +79,17 @@ def rss_parts(pid: int) -> dict[str, float]:
 
 
 def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
-    """RSS parts of ``python -c code`` once it printed ``ready``."""
-    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\nimport time\n"
-                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    """RSS parts of ``python -c code`` once it printed ``ready``, and ``cpu_ms``: the CPU time it took
+    to get there (``time.process_time()``: start-up and ``code``, user and system; unlike wall time, not
+    stretched by other processes on a loaded host)."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\nimport time\nprint('ready', time.process_time(), "
+                             "flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
     try:
         assert proc.stdout is not None
-        proc.stdout.readline()
+        cpu_s = float(proc.stdout.readline().split()[1])
         time.sleep(0.5)
-        return rss_parts(proc.pid)
+        return {**rss_parts(proc.pid), "cpu_ms": cpu_s * 1000}
     finally:
         proc.kill()
         proc.wait()
@@ -86,7 +98,20 @@ def sleeper(code: str, env: dict[str, str]) -> dict[str, float]:
 NVML_ONLY = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlDeviceGetHandleByIndex(0)"
 AIOHTTP = ("import asyncio\nimport aiohttp\nfrom aiohttp import web\n"
            "async def session():\n    await aiohttp.ClientSession().close()\nasyncio.run(session())")
-HTTP_STACKS = {"python + aiohttp": AIOHTTP, "python + aiohttp + httpx": AIOHTTP + "\nimport httpx\nhttpx.AsyncClient()"}
+LAYERS = {"python + asyncio": "import asyncio", "python + aiohttp": AIOHTTP,
+          "python + aiohttp + httpx": AIOHTTP + "\nimport httpx\nhttpx.AsyncClient()",
+          "python + aiohttp + pydantic": AIOHTTP + "\nimport pydantic\nimport pydantic_settings"}
+
+
+def import_all(modules: list[str], bad_config: Path) -> str:
+    """Code that starts ``llama-guard run`` on ``bad_config`` (a configuration error: the verb imports what
+    it imports at its start, its own way, then exits 78), then imports the rest of ``modules`` (the names of
+    one import log), skipping any that cannot be imported on its own (a test double's module)."""
+    return ("import contextlib, importlib, io\nfrom llama_guard.cli import main\n"
+            "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            f"    main(['run', '--config', {str(bad_config)!r}])\n"
+            f"for name in {modules!r}:\n    try:\n        importlib.import_module(name)\n"
+            "    except Exception:\n        pass")
 
 
 def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path, gpu: str,
@@ -112,9 +137,9 @@ def daemon_rss(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, scrip
     if importtime:
         for line in run.log_path.read_text(errors="replace").splitlines():
             m = re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", line)
-            if m and m.group(1).split(".")[0] in HEAVY and "." not in m.group(1):
+            if m:
                 modules.append(m.group(1))
-    return parts, sorted(set(modules))
+    return parts, modules
 
 
 def main() -> int:
@@ -141,14 +166,27 @@ def main() -> int:
     port = free_port()
     rows: dict[str, list[dict[str, float]]] = {}
     modules: dict[str, dict[str, list[str]]] = {}
+    imports: dict[str, list[str]] = {}  # per tree: every module its daemon (GPU watch off) imported, in order
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as tmpdir:
         tmp = Path(tmpdir)
         script = tmp / "nvml.json"
         script.write_text("{}")
+        bad_config = tmp / "bad.toml"
+        bad_config.write_text("[server]\nport = -1\n")
+        for tree in trees:
+            tree.byte_compile()
+            for gpu in ("off", "on"):
+                _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
+                modules.setdefault(tree.name, {})[gpu] = sorted({m for m in mods if m in HEAVY})
+                if gpu == "off":
+                    imports[tree.name] = mods
         for r in range(args.rounds):
             rows.setdefault("python (bare)", []).append(sleeper("pass", {}))
-            for name, code in HTTP_STACKS.items():
+            for name, code in LAYERS.items():
                 rows.setdefault(name, []).append(sleeper(code, {}))
+            for tree in trees:
+                rows.setdefault(f"[{tree.name}] python + the daemon's imports", []).append(
+                    sleeper(import_all(imports[tree.name], bad_config), tree.env({})))
             if args.nvml == "real":
                 rows.setdefault("python + pynvml imported", []).append(sleeper("import pynvml", {}))
                 rows.setdefault("python + NVML opened", []).append(sleeper(NVML_ONLY, {}))
@@ -166,13 +204,10 @@ def main() -> int:
                     print(f"  {name}: {parts['rss']:.1f} MiB (NVIDIA libs {parts['nvidia']:.1f}, anon "
                           f"{parts['anon']:.1f})", flush=True)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-        for tree in trees:
-            for gpu in ("off", "on"):
-                _, mods = daemon_rss(tree, args, tmp / f"{tree.name}-{gpu}-it", port, script, gpu, importtime=True)
-                modules.setdefault(tree.name, {})[gpu] = mods
     print(f"\nhost {platform.node()} ({os.cpu_count()} cores); GPU watch through {args.nvml} NVML; "
           f"RSS {args.after:.0f} s after server_ready; MiB, median of {args.rounds}")
-    head = f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7}"
+    head = (f"{'process':<40} {'VmRSS':>7} {'NVIDIA libs':>12} {'other .so':>10} {'anon':>7} {'other':>7} "
+            f"{'CPU ms':>7}")
     print(head)
     print("-" * len(head))
     med: dict[str, dict[str, float]] = {}
@@ -180,7 +215,7 @@ def main() -> int:
         med[name] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         m = med[name]
         print(f"{name:<40} {m['rss']:>7.1f} {m['nvidia']:>12.1f} {m['other .so']:>10.1f} {m['anon']:>7.1f} "
-              f"{m['other']:>7.1f}")
+              f"{m['other']:>7.1f} " + (f"{m['cpu_ms']:>7.0f}" if "cpu_ms" in m else f"{'':>7}"))
     for tree, by_gpu in modules.items():
         for gpu, mods in by_gpu.items():
             print(f"[{tree}] GPU watch {gpu}: heavy modules imported: {', '.join(mods) or 'none'}")

@@ -85,6 +85,12 @@ class Tree:
         paths = [str(self.root / "supervisor"), str(self.root / "tests"), os.environ.get("PYTHONPATH", "")]
         return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
 
+    def byte_compile(self) -> None:
+        """Byte-compile the tree's ``supervisor/`` (as an install does): with ``PYTHONDONTWRITEBYTECODE=1``
+        in the environment a source tree would otherwise be compiled again at every start."""
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(self.root / "supervisor")],
+                       check=True, stdout=subprocess.DEVNULL)
+
     def command(self) -> list[str]:
         if self.nvml == "fake":
             return [sys.executable, str(self.root / "tests" / "run_with_fake_nvml.py")]
@@ -309,8 +315,7 @@ def main() -> int:
     trees = [Tree(name, Path(root), args.nvml) for name, root in pairs]
     port = free_port()
     for tree in trees:
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree.root / "supervisor")],
-                       check=True, stdout=subprocess.DEVNULL)
+        tree.byte_compile()
     results: dict[str, dict[str, list[float]]] = {}
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-start-") as tmpdir:

@@ -36,9 +36,6 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
-from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
-
 __all__ = [
     "ParsedCron",
     "ScheduleError",
@@ -93,8 +90,13 @@ def resolve_timezone(name: str) -> tzinfo:
 
 
 def validate_timezone(name: str) -> str:
-    """Return ``name`` stripped if :func:`resolve_timezone` accepts it; else raise :class:`ScheduleError`."""
-    resolve_timezone(name)
+    """Return ``name`` stripped if :func:`resolve_timezone` accepts it; else raise :class:`ScheduleError`.
+
+    ``""`` (the host's zone) is always accepted (:func:`resolve_timezone` falls back to UTC) and is not
+    read here: the host's zone is read only where a schedule uses it.
+    """
+    if name.strip():
+        resolve_timezone(name)
     return name.strip()
 
 
@@ -158,7 +160,13 @@ def parse_cron(expr: str, tz: tzinfo | None = None) -> ParsedCron:
 
     Raises :class:`ScheduleError` naming ``expr`` for a wrong number of fields, a value out of
     range, an unknown name, or an expression that can never fire (``0 0 30 2 *``).
+
+    APScheduler is imported here, not with the module: a daemon with no ``restart_cron`` never loads
+    it, and one with a schedule loads it when its configuration is validated, at start.
     """
+    from apscheduler.triggers.combining import OrTrigger  # type: ignore[import-untyped]
+    from apscheduler.triggers.cron import CronTrigger  # type: ignore[import-untyped]
+
     zone = timezone.utc if tz is None else tz
     fields = expr.split()
     if len(fields) != 5:

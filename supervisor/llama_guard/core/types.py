@@ -129,7 +129,10 @@ class Failure:
 
 # The policy's defaults are a default configuration's (the config package's section models are the one truth);
 # what depends on the host (a watched GPU, its index, a possible reset) defaults to "none".
-_HEALTH, _GPU, _RECOVERY, _SCHEDULE = HealthConfig(), GpuConfig(), RecoveryConfig(), ScheduleConfig()
+# [schedule]'s defaults unvalidated: its default cron is parsed (APScheduler loaded) only where a
+# configuration uses it.
+_HEALTH, _GPU, _RECOVERY = HealthConfig(), GpuConfig(), RecoveryConfig()
+_SCHEDULE = ScheduleConfig.model_construct()
 
 
 #: Seconds added to a reset's waits for the command's own checks (see :func:`reset_deadline_s`).

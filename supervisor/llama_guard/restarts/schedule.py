@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
 
-from llama_guard.cron import ParsedCron, fire_after, parse_cron, resolve_timezone
+from llama_guard.cron import ParsedCron, fire_after, parse_cron, resolve_timezone, validate_timezone
 from llama_guard.vocab.events import EventName
 
 __all__ = [
@@ -180,8 +180,8 @@ class PlannedRestarts:
         for name in ("jitter_s", "min_uptime_s", "misfire_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        tz = resolve_timezone(self.timezone)
-        self._parsed = parse_cron(self.cron, tz) if self.cron.strip() else None
+        validate_timezone(self.timezone)  # a bad zone is refused even while the schedule is off
+        self._parsed = parse_cron(self.cron, resolve_timezone(self.timezone)) if self.cron.strip() else None
         start = self.now_wall
         if self.last_handled_wall is not None:
             _require_aware(self.last_handled_wall, "last_handled_wall")
