@@ -42,6 +42,7 @@ from llama_guard.core.actions import (
     NotifyReady,
     ReadBuild,
     RunReset,
+    SaveSlots,
     Spawn,
     StartDrain,
     Terminate,
@@ -350,6 +351,9 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if gen is not None and gen.pid == action.pid:
                 gen.drain()
+        elif isinstance(action, SaveSlots):
+            if gen is not None and gen.pid == action.pid:
+                gen.save_slots()
         elif isinstance(action, (InspectGpu, RunReset)):
             self.tasks.start(self._reset_step(action), "GPU reset")
         elif isinstance(action, FindPortHolder):

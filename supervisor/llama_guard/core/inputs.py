@@ -67,6 +67,7 @@ class GpuFault(Input):
     # recovery-action field (None: neither said).
     recovery: RecoveryAction | None = None
     watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
+    kv_readable: bool = False  # the GPU still answers, its memory intact: the slots may be saved (the Xid table)
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,14 @@ class RestartRequest(Input):
 @dataclass(frozen=True)
 class Drained(Input):
     """No slot of server ``pid`` is processing any more."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class SlotsSaved(Input):
+    """The saves asked for by :class:`~llama_guard.core.actions.SaveSlots` for server ``pid`` ended
+    (saved, failed or nothing to save: the slots watcher reported each)."""
 
     pid: int
 

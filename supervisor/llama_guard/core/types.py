@@ -15,7 +15,7 @@ import enum
 import signal
 from dataclasses import dataclass, field
 
-from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig
+from llama_guard.config import GpuConfig, HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
@@ -129,6 +129,7 @@ class Failure:
 # The policy's defaults are a default configuration's (config.py's models are the one truth);
 # what depends on the host (a watched GPU, its index, a possible reset) defaults to "none".
 _HEALTH, _GPU, _RECOVERY, _SCHEDULE = HealthConfig(), GpuConfig(), RecoveryConfig(), ScheduleConfig()
+_SLOTS = SlotsConfig()
 
 
 #: Seconds added to a reset's waits for the command's own checks (see :func:`reset_deadline_s`).
@@ -161,6 +162,9 @@ class Params:
     stop_grace_s: float = _RECOVERY.stop_grace_s
     kill_wait_s: float = 10.0  # after SIGKILL, how long to wait for the exit (not configurable)
     exit_drain_s: float = 0.0  # s a stop drains first: [front].stop_drain_s with the front door on, else 0
+    # s the slots may take to be saved before the stop for a GPU reset of a healthy server:
+    # [slots].reset_save_timeout_s with the carry-over on, else 0 (no save)
+    reset_save_s: float = _SLOTS.reset_save_timeout_s
     drain_timeout_s: float = _SCHEDULE.drain_timeout_s
     require_gpu: bool = False
     reset_possible: bool = False
@@ -212,6 +216,7 @@ class State:
     exit_code: int = EXIT_OK
     exit_reason: str = ""
     killed: bool = False
+    saving: bool = False        # STOPPING: the slots are being saved before SIGTERM (``deadline`` bounds it)
     failures: tuple[float, ...] = ()
     next_backoff_s: float = 1.0
     stable: bool = False

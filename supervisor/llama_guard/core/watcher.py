@@ -82,6 +82,11 @@ class Source:
         """A planned restart drained server ``pid`` (no slot processing, clients held); it is
         stopped when every source's hook returned. Bounded by the source itself."""
 
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        """Server ``pid`` is about to be stopped for a GPU reset while it can still answer (the policy
+        asked, :class:`~llama_guard.core.actions.SaveSlots`); it is stopped when every source's hook
+        returned, or when the policy's bound (``[slots].reset_save_timeout_s``) passed."""
+
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """The loop took one ``step`` (every input, whether or not the state or phase changed): the
         state before and after, the input, the actions it is about to carry out. ``ctx.state`` is

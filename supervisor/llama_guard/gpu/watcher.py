@@ -280,7 +280,8 @@ class GpuSource(Source):
                 recovery = self._nvml_recovery if recovery is None else recovery
             ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
                               info.scope, rep.pid, rep.name, rep.origin, self._gpu_index(), rep.text,
-                              recovery=recovery, watchdog=info.watchdog))
+                              recovery=recovery, watchdog=info.watchdog,
+                              kv_readable=info.kv_readable))
 
     async def run(self, ctx: Context) -> None:
         if self.nvml is None or self.watch is None:

@@ -6,6 +6,9 @@
 - Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
   processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
   hang loses at most what changed since.
+- GPU resets: when the policy stops a server that can still answer for a reset (an Xid that is not
+  a lost GPU or a memory error; :meth:`SlotsSource.before_reset_stop`), the changed idle slots are
+  saved first, within ``[slots].reset_save_timeout_s`` (a slot still processing is left alone).
 - Every start: after ``/health`` 200 and before the server is called ready (:meth:`ready_check`:
   clients are still held), each committed file of this server's fingerprint is restored into its
   slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
@@ -194,6 +197,19 @@ class SlotsSource(Source):
             ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
                      error=f"the saves took longer than [slots].save_timeout_s ({bound:g} s)")
 
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        """Save the changed idle slots of server ``pid`` before its stop for a GPU reset (bounded by
+        ``[slots].reset_save_timeout_s``; slots still processing are skipped, not waited for)."""
+        if self.store is None:
+            return
+        bound = ctx.config.slots.reset_save_timeout_s
+        try:
+            await asyncio.wait_for(self._save_changed(ctx, pid, "GPU reset", skip_busy=True), bound)
+        except asyncio.TimeoutError:
+            ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
+                     error=f"the saves before the GPU reset took longer than [slots].reset_save_timeout_s "
+                           f"({bound:g} s); the reset goes on without them")
+
     async def run(self, ctx: Context) -> None:
         """The rolling save: every ``rolling_save_interval_s``, the changed idle slots of a READY server."""
         while True:
@@ -202,8 +218,9 @@ class SlotsSource(Source):
             if self.store is not None and state.phase is Phase.READY and state.pid is not None:
                 await self._save_changed(ctx, state.pid, "rolling")
 
-    async def _save_changed(self, ctx: Context, pid: int, reason: str) -> None:
-        """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is processing."""
+    async def _save_changed(self, ctx: Context, pid: int, reason: str, *, skip_busy: bool = False) -> None:
+        """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is
+        processing (``skip_busy``: the idle slots even while others process)."""
         store = self.store
         async with self._lock:
             fingerprint = self._fp
@@ -217,7 +234,7 @@ class SlotsSource(Source):
                 return
             client = self._client(ctx)
             try:
-                await self._save_with(ctx, client, store, fingerprint, pid, reason)
+                await self._save_with(ctx, client, store, fingerprint, pid, reason, skip_busy)
             finally:
                 await client.aclose()
             try:
@@ -229,16 +246,17 @@ class SlotsSource(Source):
                 ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
 
     async def _save_with(self, ctx: Context, client: SlotClient, store: SlotStore, fingerprint: Fingerprint,
-                         pid: int, reason: str) -> None:
+                         pid: int, reason: str, skip_busy: bool) -> None:
         try:
             slots = await client.slots()
         except SlotCallError:
             return  # a server that does not answer now is the liveness watch's business
-        if any(s.processing for s in slots):
+        if any(s.processing for s in slots) and not skip_busy:
             return
         for slot in slots:
             seen = (slot.id_task, slot.n_tokens)
-            if slot.id_task is None or slot.n_tokens == 0 or slot.canary or self._saved.get(slot.id) == seen:
+            if (slot.processing or slot.id_task is None or slot.n_tokens == 0 or slot.canary
+                    or self._saved.get(slot.id) == seen):
                 continue
             self._saved[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
             try:
