@@ -335,7 +335,7 @@ class Forwarder:
                 await out.write_eof()
             self.metrics.requests.labels(str(upstream.status)).inc()
             if witness is not None and witness.decoded():
-                self._post(RequestCompleted(pid))
+                self._post(RequestCompleted(pid, witness.reuse()))
             elif upstream.status >= 500:
                 self._post(UpstreamError(pid, upstream.status))
             return out
