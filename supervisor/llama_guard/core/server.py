@@ -252,6 +252,9 @@ class ServerWatch:
             await asyncio.wait_for(self._requests_done(), timeout)
             for source in self._sources:
                 await source.after_drain(self._ctx, self.pid)
+            # llama-server's graceful exit waits for its idle keep-alive connections to be closed:
+            # the probe's go now (the next probe opens a new one), just before the SIGTERM.
+            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
             self._ctx.post(Drained(self.pid))
 
     async def _save_slots(self) -> None:
