@@ -12,7 +12,12 @@ port, one after the other:
 3. ``kill -9`` of the server → ``/health`` 200 again;
 4. a planned restart (SIGUSR1, what ``llama-guard restart`` sends) 1 s after ready → ``/health`` not 200
    → 200 again (the time the API was away);
-5. the daemon is stopped (SIGTERM).
+5. the daemon is stopped (SIGTERM);
+6. a daemon with the front door on and the KV carry-over off (no slot save between the drain and the
+   SIGTERM): three completions through it, then (0.3 s later) a planned restart → the old server's
+   ``server_stopped`` (``front door restart: SIGUSR1→old server gone``): what the drained server's exit
+   waits for when clients just left (the pool's idle keep-alive connections, the daemon's own requests
+   still open at the SIGTERM).
 
 Then a failing start loop per tree: the same model, a llama-server stand-in that is killed (SIGKILL, as by the
 kernel's OOM killer) as it starts: retried every time (a bad model file, or the same crash twice before ready,
@@ -246,10 +251,34 @@ def one_round(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script
             args.events_dir.mkdir(parents=True, exist_ok=True)  # one round's daemon events, for a replay
             (args.events_dir / f"events-{tree.name}.jsonl").write_text("".join(
                 json.dumps(e) + "\n" for e in run.events() if e["event"] != "server_line"))
+    out["front door restart: SIGUSR1→old server gone"].append(front_restart(tree, args, tmp / "front", port, script))
     bare = out["bare"][-1]
     out["overhead: first start"].append(out["start→/health 200"][-1] - bare)
     out["overhead: kill -9"].append(out["kill -9→/health 200"][-1] - bare)
     out["overhead: restart"].append(out["restart: API away"][-1] - bare)
+
+
+def front_restart(tree: Tree, args: argparse.Namespace, tmp: Path, port: int, script: Path) -> float:
+    """Step 6: SIGUSR1 → the old server's ``server_stopped`` (seconds), the front door on, the carry-over
+    off, three completions through it answered just before."""
+    front = free_port()
+    secs = sections(args, tmp, args.model, port)
+    secs["front"] = {"listen": f"127.0.0.1:{front}"}
+    secs["slots"] = {"enabled": False}
+    run = daemon(tree, tmp, secs, script)
+    run.start()
+    try:
+        run.wait_event("server_ready", 600.0)
+        with httpx.Client() as client:
+            for _ in range(3):
+                client.post(f"http://127.0.0.1:{front}/completion", json={"prompt": "hi", "n_predict": 1}, timeout=600)
+        time.sleep(0.3)
+        t_usr1 = time.time()
+        os.kill(run.pid, signal.SIGUSR1)
+        return ts(run.wait_event("server_stopped", 60.0)) - t_usr1
+    finally:
+        quiet_stop(run)
+        wait_port_free(port)
 
 
 CRASHER = """#!/bin/sh
@@ -338,7 +367,7 @@ def main() -> int:
         keys = ["bare", "start→spawn", "daemon_started→spawn", "start→/health 200", "kill -9→/health 200",
                 "restart: API away", "kill -9: restart_to_ready_s (event)", "restart: restart_to_ready_s (event)",
                 "kill -9→spawn", "restart: SIGUSR1→old server gone", "restart: old server gone→spawn",
-                "listening line→server_ready",
+                "listening line→server_ready", "front door restart: SIGUSR1→old server gone",
                 "overhead: first start", "overhead: kill -9", "overhead: restart"]
         for tree in trees:
             results[tree.name] = {k: [] for k in keys}

@@ -37,7 +37,8 @@ P = Params(load_timeout_s=30, hang_strikes=2, backoff_initial_s=1, backoff_facto
            max_restarts=3, restart_window_s=100, stable_after_s=10, stop_grace_s=4, kill_wait_s=2,
            drain_timeout_s=20, reset_possible=True,
            reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM}),
-           max_resets=2, reset_window_s=1000, reset_deadline_s=50)
+           max_resets=2, reset_window_s=1000, reset_deadline_s=50,
+           reset_save_s=0.0)  # the slots saved before a reset's stop: test_policy_reset_save.py
 
 OOM = "0.01.02.003 E CUDA error: out of memory"
 ILLEGAL = "0.01.02.003 E CUDA error: an illegal memory access was encountered"
@@ -50,7 +51,7 @@ def xid(n: int, action: str, pid: int | None = 100) -> GpuFault:
     info = xid_info(n)
     assert info.action is XidAction(action)
     return GpuFault(GpuFaultKind.XID, f"Xid {n}: test", info.action, n, info.scope, pid, "llama-server",
-                    XidOrigin.KMSG, 0)
+                    XidOrigin.KMSG, 0, kv_readable=info.kv_readable)
 
 
 def but_xid(actions: list[Action]) -> list[Action]:

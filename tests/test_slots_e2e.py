@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,31 @@ def test_a_tampered_slot_file_is_refused_and_the_server_serves(carry: Any) -> No
     assert not [e for e in run.events() if e["event"] == "slot_restored" and e["server_pid"] == second]
     again = chat.turn(run.front, "And which item costs the least?")
     assert again["cache_n"] < again["previous_prompt"]  # nothing carried: the history was evaluated again
+
+
+def test_a_first_client_request_that_reuses_nothing_of_a_restored_slot_stops_restores(carry: Any) -> None:
+    """The client's first answer from the restored slot says ``cache_n`` 0 for a prompt longer than what
+    was restored (here: a client that turns llama-server's prompt cache off, ``cache_prompt`` false —
+    the same figures a model whose restored cache cannot be reused gives): ``slot_restore_unused``, and
+    restores stop for this model and build (remembered on disk)."""
+    run = carry(1)
+    chat = Conversation("tools", facts=10)
+    chat.turn(run.front, "Which item weighs the most?")
+    run.signal(signal.SIGUSR1)
+    second = run.wait_event("server_ready", 90, skip=1)["server_pid"]
+    restored = run.wait_event("slot_restored", 10, where=lambda e: e["server_pid"] == second)
+    assert "slot_restore_unused" not in run.names()
+    prompt = " ".join(m["content"] for m in chat.messages) * 2  # longer than the restored conversation
+    resp = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=180.0, json={
+        "prompt": prompt, "id_slot": 0, "cache_prompt": False, "n_predict": 1})
+    assert resp.status_code == 200 and resp.json()["timings"]["cache_n"] == 0
+    assert resp.json()["timings"]["prompt_n"] >= restored["n_tokens"]
+    unused = run.wait_event("slot_restore_unused", 10)
+    assert unused["by"] == "client request" and unused["slot_id"] == 0 and unused["server_pid"] == second
+    assert unused["n_tokens"] == restored["n_tokens"] and unused["cache_n"] == 0
+    marks = Path(run.config.parent / "run" / "slots" / "unrestorable.json")
+    deadline = time.monotonic() + 10
+    while not marks.exists():
+        assert time.monotonic() < deadline, "the model and build were not remembered"
+        time.sleep(0.05)
+    assert unused["build"] in marks.read_text()

@@ -180,6 +180,8 @@ class SlotsConfig(Section):
     (MiB); the oldest are dropped first. ``rolling_save_interval_s``: an idle slot is saved at most
     this often (seconds). ``restore_timeout_s``: the most all restores may add to a start (seconds).
     ``save_timeout_s``: the most the saves before a planned stop may take (seconds).
+    ``reset_save_timeout_s``: the most the saves before the stop for a GPU reset may delay the reset
+    (seconds; only a fault that leaves the server able to answer is saved for, see docs/slots.md).
     """
 
     enabled: bool = True
@@ -188,6 +190,7 @@ class SlotsConfig(Section):
     rolling_save_interval_s: PositiveFloat = 10.0
     restore_timeout_s: PositiveFloat = 30.0
     save_timeout_s: PositiveFloat = 60.0
+    reset_save_timeout_s: float = Field(5.0, gt=0, le=60)
 
     @field_validator("dir")
     @classmethod

@@ -54,6 +54,14 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
+class SaveSlots(Action):
+    """Save the changed idle slots of server ``pid`` before it is stopped for a GPU reset (bounded:
+    ``Params.reset_save_s``); answer :class:`SlotsSaved`. Slots that are processing are left alone."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class ReadBuild(Action):
     """Run ``llama-server --version`` (bounded, off the loop); answer :class:`BuildInfo`. Asked only
     when a verdict that names the build may follow (a binary is not run for nothing)."""

@@ -44,6 +44,7 @@ from llama_guard.core.actions import (
     NotifyReady,
     ReadBuild,
     RunReset,
+    SaveSlots,
     Spawn,
     StartDrain,
     Terminate,
@@ -362,6 +363,9 @@ class Daemon:
         elif isinstance(action, StartDrain):
             if gen is not None and gen.pid == action.pid:
                 gen.drain()
+        elif isinstance(action, SaveSlots):
+            if gen is not None and gen.pid == action.pid:
+                gen.save_slots()
         elif isinstance(action, (InspectGpu, RunReset)):
             self.tasks.start(self._reset_step(action), "GPU reset")
         elif isinstance(action, FindPortHolder):

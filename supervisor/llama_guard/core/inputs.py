@@ -67,6 +67,7 @@ class GpuFault(Input):
     # recovery-action field (None: neither said).
     recovery: RecoveryAction | None = None
     watchdog: bool = False  # the Xid is a channel watchdog timeout (the Xid table says so)
+    kv_readable: bool = False  # the GPU still answers, its memory intact: the slots may be saved (the Xid table)
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,14 @@ class Drained(Input):
 
 
 @dataclass(frozen=True)
+class SlotsSaved(Input):
+    """The saves asked for by :class:`~llama_guard.core.actions.SaveSlots` for server ``pid`` ended
+    (saved, failed or nothing to save: the slots watcher reported each)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class ParamsChanged(Input):
     """A reload validated new parameters; ``server_changed`` when llama-server's argv changed."""
 
@@ -267,13 +276,26 @@ class ParamsChanged(Input):
 
 
 @dataclass(frozen=True)
+class CacheReuse:
+    """What a generation's answer says about its prompt (llama-server's ``timings``): ``cache_n``
+    tokens taken from the slot's KV cache, ``prompt_n`` evaluated; ``id_slot`` the slot that answered
+    (None: the answer does not say; OpenAI-style answers never do)."""
+
+    cache_n: int
+    prompt_n: int
+    id_slot: int | None
+
+
+@dataclass(frozen=True)
 class RequestCompleted(Input):
     """The front door saw a client's generation or embedding answered in full by server ``pid``, and
     the answer's own token counts (or vectors) prove the server decoded: real traffic, the first
     liveness signal (progress). Other answers (``/health``, ``/props``, any 2xx without tokens) are
-    never this (``llama_guard.front.decoded``)."""
+    never this (``llama_guard.front.decoded``). ``reuse``: the answer's cache figures (None: it gave
+    none), for the check of a restored slot's first client request."""
 
     pid: int
+    reuse: CacheReuse | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         # Only the front door knows every request in flight and can refuse new ones meanwhile.
         exit_drain_s=config.front.stop_drain_s if config.front.address is not None else 0.0,
         drain_timeout_s=config.schedule.drain_timeout_s,
+        reset_save_s=config.slots.reset_save_timeout_s if config.slots.enabled else 0.0,
         require_gpu=gpu_wanted and config.gpu.require_server_on_gpu,
         reset_possible=reset_possible,
         reset_on=frozenset(config.recovery.reset_on),

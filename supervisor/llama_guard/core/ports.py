@@ -51,6 +51,11 @@ class SlotPort(Protocol):
         """A planned restart drained server ``pid`` (no slot processing, clients held): save its
         changed slots, within ``[slots].save_timeout_s``; the server is stopped when this returns."""
 
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        """Server ``pid`` is about to be stopped for a GPU reset while it can still answer (the policy
+        asked, :class:`~llama_guard.core.actions.SaveSlots`): save its changed idle slots; the server is
+        stopped when this returns, or when the policy's bound (``[slots].reset_save_timeout_s``) passed."""
+
 
 class Listening(Protocol):
     """A listener of this daemon (the front door, the metrics exporter)."""

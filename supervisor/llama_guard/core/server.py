@@ -20,7 +20,7 @@ from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.gpu_port import GpuPort
-from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe
+from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe, SlotsSaved
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.ports import FrontPort, SlotPort
@@ -103,6 +103,11 @@ class ServerWatch:
         deadline: ``[schedule].drain_timeout_s``, or ``[front].stop_drain_s`` before an exit); the
         wait ends with this server's tasks."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
+
+    def save_slots(self) -> None:
+        """Before the stop for a GPU reset: the slot port's :meth:`~SlotPort.before_reset_stop`, then
+        posts SlotsSaved (the policy bounds the wait; the task ends with this server's tasks)."""
+        self.tasks.append(self._taskset.start(self._save_slots(), "slot saves before a reset"))
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the server's process group."""
@@ -251,7 +256,15 @@ class ServerWatch:
             await asyncio.wait_for(self._requests_done(), timeout)
             if self._slots is not None:
                 await self._slots.after_drain(self._ctx, self.pid)
+            # llama-server's graceful exit waits for its idle keep-alive connections to be closed:
+            # the probe's go now (the next probe opens a new one), just before the SIGTERM.
+            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
             self._ctx.post(Drained(self.pid))
+
+    async def _save_slots(self) -> None:
+        if self._slots is not None:
+            await self._slots.before_reset_stop(self._ctx, self.pid)
+        self._ctx.post(SlotsSaved(self.pid))
 
     async def _requests_done(self) -> None:
         """No client request left in flight: the front door's count when it is on (it sees every

@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass, field
 
 from llama_guard.config.gpu import GpuConfig
-from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig
+from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
@@ -133,6 +133,7 @@ class Failure:
 # configuration uses it.
 _HEALTH, _GPU, _RECOVERY = HealthConfig(), GpuConfig(), RecoveryConfig()
 _SCHEDULE = ScheduleConfig.model_construct()
+_SLOTS = SlotsConfig()
 
 
 #: Seconds added to a reset's waits for the command's own checks (see :func:`reset_deadline_s`).
@@ -165,6 +166,9 @@ class Params:
     stop_grace_s: float = _RECOVERY.stop_grace_s
     kill_wait_s: float = 10.0  # after SIGKILL, how long to wait for the exit (not configurable)
     exit_drain_s: float = 0.0  # s a stop drains first: [front].stop_drain_s with the front door on, else 0
+    # s the slots may take to be saved before the stop for a GPU reset of a healthy server:
+    # [slots].reset_save_timeout_s with the carry-over on, else 0 (no save)
+    reset_save_s: float = _SLOTS.reset_save_timeout_s
     drain_timeout_s: float = _SCHEDULE.drain_timeout_s
     require_gpu: bool = False
     reset_possible: bool = False
@@ -216,6 +220,7 @@ class State:
     exit_code: int = EXIT_OK
     exit_reason: str = ""
     killed: bool = False
+    saving: bool = False        # STOPPING: the slots are being saved before SIGTERM (``deadline`` bounds it)
     failures: tuple[float, ...] = ()
     next_backoff_s: float = 1.0
     stable: bool = False

@@ -145,6 +145,15 @@ class Forwarder:
             skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
 
+    async def drop_idle(self) -> None:
+        """Close the upstream pool's connections when no request is in flight (after a drain; new
+        requests open new ones): llama-server's graceful exit waits for idle keep-alive connections."""
+        old = self._session
+        if old is None or self.in_flight:
+            return
+        await self.open()
+        await old.close()
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -335,7 +344,7 @@ class Forwarder:
                 await out.write_eof()
             self.metrics.requests.labels(str(upstream.status)).inc()
             if witness is not None and witness.decoded():
-                self._post(RequestCompleted(pid))
+                self._post(RequestCompleted(pid, witness.reuse()))
             elif upstream.status >= 500:
                 self._post(UpstreamError(pid, upstream.status))
             return out

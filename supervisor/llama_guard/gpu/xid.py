@@ -36,6 +36,9 @@ class XidInfo:
     action: XidAction
     scope: XidScope
     watchdog: bool = False  # a watchdog timeout on one channel (the policy says when it repeats)
+    # The GPU still answers and its memory is as it was: llama-server's KV cache can be saved before
+    # the reset (not after an uncorrected memory error, a firmware halt or timeout, or a lost GPU).
+    kv_readable: bool = False
 
 
 _A, _S = XidAction, XidScope
@@ -57,7 +60,7 @@ XID_TABLE: dict[int, XidInfo] = {
         XidInfo(48, "double-bit ECC error", _A.RESET, _S.DEVICE),
         XidInfo(62, "internal micro-controller halt", _A.RESET, _S.DEVICE),
         XidInfo(64, "ECC page retirement or row remapping failure", _A.RESET, _S.DEVICE),
-        XidInfo(74, "NVLink error", _A.RESET, _S.DEVICE),
+        XidInfo(74, "NVLink error", _A.RESET, _S.DEVICE, kv_readable=True),
         XidInfo(95, "uncontained ECC error", _A.RESET, _S.DEVICE),
         XidInfo(119, "GSP RPC timeout", _A.RESET, _S.DEVICE),
         XidInfo(120, "GSP error", _A.RESET, _S.DEVICE),

@@ -175,4 +175,4 @@ class XidIntake:
                 recovery = self._nvml_recovery if recovery is None else recovery
             ctx.post(GpuFault(GpuFaultKind.XID, f"Xid {rep.xid}: {info.meaning}", info.action, rep.xid,
                               info.scope, rep.pid, rep.name, rep.origin, self._index, rep.text,
-                              recovery=recovery, watchdog=info.watchdog))
+                              recovery=recovery, watchdog=info.watchdog, kv_readable=info.kv_readable))

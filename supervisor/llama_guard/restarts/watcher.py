@@ -154,6 +154,7 @@ class ScheduleSource(Watcher):
         self._metrics_warned = False
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._drained: int | None = None  # the server whose drain ended: asked nothing more before its SIGTERM
 
     # ------------------------------------------------------------ set-up
 
@@ -171,6 +172,16 @@ class ScheduleSource(Watcher):
         if self._metrics_reader is None:
             self._client = make_client(ctx.get_api_key)
         return None
+
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        """Just before the drained server's SIGTERM: a sample still asking it finishes first (each of its
+        requests bounded by ``[health].timeout_s``), none starts after, and this watcher's idle
+        connection is closed — llama-server's graceful exit waits for the requests it is answering
+        and for idle keep-alive connections (a ``/metrics`` in flight at the SIGTERM held it 1–2 s)."""
+        async with self._lock:
+            self._drained = pid
+            if self._client is not None:
+                await self._client.aclose()
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -345,7 +356,8 @@ class ScheduleSource(Watcher):
 
     async def _sample_locked(self, ctx: Context) -> None:
         pid = self._pid
-        if pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING):
+        if (pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING)
+                or self._drained == pid):
             return
         try:
             rss = await self._lane.run(lambda: self._rss_reader(pid), PROC_TIMEOUT_S, "server RSS")

@@ -6,11 +6,18 @@
 - Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
   processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
   hang loses at most what changed since.
+- GPU resets: when the policy stops a server that can still answer for a reset (an Xid that is not
+  a lost GPU or a memory error; :meth:`SlotsSource.before_reset_stop`), the changed idle slots are
+  saved first, within ``[slots].reset_save_timeout_s`` (a slot still processing is left alone).
 - Every start: after ``/health`` 200 and before the server is called ready (:meth:`restore`:
   clients are still held), each committed file of this server's fingerprint is restored into its
   slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
   the whole within ``[slots].restore_timeout_s``. A restore that reused nothing is reported with the
   model and build, and restores stop for them (remembered on disk).
+- The first client answer from each restored slot (:meth:`SlotsSource.on_transition`: the front door's
+  ``RequestCompleted`` with the answer's ``timings``) must have reused its cache too: a prompt at least
+  as long as the restored conversation with ``cache_n`` 0 is the same "reused nothing". The slot is
+  known from the answer's ``id_slot``, or is slot 0 of a one-slot server; else it is not judged.
 
 The verification's completion also marks the slot as holding a conversation in ``/slots``, so the
 liveness canary (which only takes a slot without one) leaves a restored slot alone.
@@ -28,8 +35,10 @@ from typing import TypeVar
 
 from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_save_dir
 from llama_guard.config.server import ServerConfig
+from llama_guard.core.inputs import RequestCompleted
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
+from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
@@ -57,6 +66,8 @@ class SlotsSource(Watcher):
         self._lock = asyncio.Lock()  # one save or restore pass at a time
         self._off_reason: str | None = None  # why the carry-over is off now (said once)
         self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
+        self._awaiting: dict[int, int] = {}  # restored slot id -> its tokens, until a client's first answer from it
+        self._marking: asyncio.Task[None] | None = None  # remembering a model and build whose restores reuse nothing
 
     async def _on_files(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` (the store's blocking file work) on the slot-files lane, within
@@ -137,7 +148,7 @@ class SlotsSource(Watcher):
         if self.store is None:
             return
         async with self._lock:
-            self._pid, self._saved = pid, {}
+            self._pid, self._saved, self._awaiting = pid, {}, {}
             self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
             bound = ctx.config.slots.restore_timeout_s
             try:
@@ -170,15 +181,42 @@ class SlotsSource(Watcher):
                     continue
                 if cache_n < len(tokens) - 1:
                     ctx.emit("slot_restore_unused", slot_id=manifest.slot_id, n_tokens=len(tokens), cache_n=cache_n,
-                             model=fingerprint.model.path, build=fingerprint.build)
+                             model=fingerprint.model.path, build=fingerprint.build, by="verification")
                     await self._on_files(lambda: store.mark_unrestorable(fingerprint), "marking unrestorable")
                     return
                 ctx.emit("slot_restored", slot_id=manifest.slot_id, n_tokens=moved.n_tokens, bytes=moved.n_bytes,
                          restore_ms=moved.ms, cache_n=cache_n, server_pid=self._pid)
+                self._awaiting[manifest.slot_id] = len(tokens)
             with contextlib.suppress(SlotCallError):  # what is in the slots now needs no save
                 self._saved = {s.id: (s.id_task, s.n_tokens) for s in await client.slots()}
         finally:
             await client.aclose()
+
+    def on_transition(self, ctx: Context, step: Transition) -> None:
+        """A client's first answer from a restored slot: reused nothing (``cache_n`` 0 for a prompt at
+        least as long as what was restored) is ``slot_restore_unused``, and restores stop for this model
+        and build, as when the verification reused nothing. Cheap: the front door's figures, no call."""
+        event, store, fingerprint = step.input, self.store, self._fp
+        if (not isinstance(event, RequestCompleted) or event.reuse is None or event.pid != self._pid
+                or store is None or fingerprint is None or not self._awaiting):
+            return
+        slot = event.reuse.id_slot
+        if slot is None and fingerprint.parallel == 1:
+            slot = 0
+        n_tokens = self._awaiting.pop(slot, None) if slot is not None else None
+        if n_tokens is None or event.reuse.cache_n > 0 or event.reuse.prompt_n < n_tokens:
+            return
+        self._awaiting.clear()
+        ctx.emit("slot_restore_unused", slot_id=slot, n_tokens=n_tokens, cache_n=0, prompt_n=event.reuse.prompt_n,
+                 model=fingerprint.model.path, build=fingerprint.build, server_pid=event.pid, by="client request")
+        self._marking = asyncio.ensure_future(self._mark_unrestorable(ctx, store, fingerprint))
+
+    async def _mark_unrestorable(self, ctx: Context, store: SlotStore, fingerprint: Fingerprint) -> None:
+        try:
+            await self._on_files(lambda: store.mark_unrestorable(fingerprint), "marking unrestorable")
+        except OSError as exc:
+            ctx.emit("slot_restore_failed", slot_id=None, server_pid=self._pid,
+                     error=f"could not remember that restores reuse nothing: {exc}")
 
     # ------------------------------------------------------------ saves
 
@@ -193,6 +231,19 @@ class SlotsSource(Watcher):
             ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
                      error=f"the saves took longer than [slots].save_timeout_s ({bound:g} s)")
 
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        """Save the changed idle slots of server ``pid`` before its stop for a GPU reset (bounded by
+        ``[slots].reset_save_timeout_s``; slots still processing are skipped, not waited for)."""
+        if self.store is None:
+            return
+        bound = ctx.config.slots.reset_save_timeout_s
+        try:
+            await asyncio.wait_for(self._save_changed(ctx, pid, "GPU reset", skip_busy=True), bound)
+        except asyncio.TimeoutError:
+            ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
+                     error=f"the saves before the GPU reset took longer than [slots].reset_save_timeout_s "
+                           f"({bound:g} s); the reset goes on without them")
+
     async def run(self, ctx: Context) -> None:
         """The rolling save: every ``rolling_save_interval_s``, the changed idle slots of a READY server."""
         while True:
@@ -201,8 +252,9 @@ class SlotsSource(Watcher):
             if self.store is not None and state.phase is Phase.READY and state.pid is not None:
                 await self._save_changed(ctx, state.pid, "rolling")
 
-    async def _save_changed(self, ctx: Context, pid: int, reason: str) -> None:
-        """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is processing."""
+    async def _save_changed(self, ctx: Context, pid: int, reason: str, *, skip_busy: bool = False) -> None:
+        """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is
+        processing (``skip_busy``: the idle slots even while others process)."""
         store = self.store
         async with self._lock:
             fingerprint = self._fp
@@ -216,7 +268,7 @@ class SlotsSource(Watcher):
                 return
             client = self._client(ctx)
             try:
-                await self._save_with(ctx, client, store, fingerprint, pid, reason)
+                await self._save_with(ctx, client, store, fingerprint, pid, reason, skip_busy)
             finally:
                 await client.aclose()
             try:
@@ -228,16 +280,17 @@ class SlotsSource(Watcher):
                 ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
 
     async def _save_with(self, ctx: Context, client: SlotClient, store: SlotStore, fingerprint: Fingerprint,
-                         pid: int, reason: str) -> None:
+                         pid: int, reason: str, skip_busy: bool) -> None:
         try:
             slots = await client.slots()
         except SlotCallError:
             return  # a server that does not answer now is the liveness watch's business
-        if any(s.processing for s in slots):
+        if any(s.processing for s in slots) and not skip_busy:
             return
         for slot in slots:
             seen = (slot.id_task, slot.n_tokens)
-            if slot.id_task is None or slot.n_tokens == 0 or slot.canary or self._saved.get(slot.id) == seen:
+            if (slot.processing or slot.id_task is None or slot.n_tokens == 0 or slot.canary
+                    or self._saved.get(slot.id) == seen):
                 continue
             self._saved[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
             try:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from llama_guard.core.actions import Emit, InspectGpu, RunReset
 from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.core.policy.reset_stop import reset_started
-from llama_guard.core.policy.steps import SERVING, Result, count_failure, exit_daemon, fail, stop
+from llama_guard.core.policy.steps import SERVING, Result, count_failure, end_save, exit_daemon, fail, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.core.types import AfterStop, GpuFaultKind, ResetOutcome, RestartCause, State, XidAction, XidScope
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
@@ -77,6 +77,8 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     state = replace(fail(state, cause, event.reason), gpu_lost=state.gpu_lost or lost)
     can_reset = p.reset_possible and trigger in p.reset_on
     if state.phase is Phase.STOPPING:
+        if state.saving and not state.killed and not event.kv_readable:
+            return end_save(state, now)  # what the slots hold can no longer be read, or trusted
         if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK):
             after = AfterStop.RESET if can_reset else AfterStop.EXIT
             code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
@@ -85,7 +87,8 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         return state, []
     if state.pid is not None:
         if can_reset:
-            return stop(replace(state, reset_reason=event.reason), now, AfterStop.RESET, event.reason)
+            return stop(replace(state, reset_reason=event.reason), now, AfterStop.RESET, event.reason,
+                        save_s=reset_save_s(state, event))
         # No reset allowed: stop cleanly and do not restart onto a GPU that is not verified.
         return stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_GPU_UNRECOVERABLE,
                      reason=f"GPU fault and no reset configured: {event.reason}")
@@ -95,6 +98,18 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}")
         return new, actions
     return state, []
+
+
+def reset_save_s(state: State, event: GpuFault) -> float:
+    """How long the slots may take to be saved before the stop for a reset (0: no save). Only a
+    serving server, after a fault that leaves the GPU answering and its memory as it was (the Xid
+    table's ``kv_readable``), is asked (within ``Params.reset_save_s``): a lost GPU or a halted
+    firmware cannot be read, an uncorrected memory error may have changed the KV cache, a loading
+    server holds nothing yet, and a stop on its way to the daemon's exit is not followed by a start."""
+    exiting = state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT
+    if state.phase not in SERVING or exiting or state.gpu_lost or not event.kv_readable:
+        return 0.0
+    return state.params.reset_save_s
 
 
 def gpu_index_of(state: State) -> int | None:

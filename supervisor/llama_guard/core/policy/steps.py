@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, Spawn, Terminate
+from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, SaveSlots, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
 from llama_guard.core.types import AfterStop, Failure, Params, RestartCause, State, exit_text
 from llama_guard.vocab.events import EventName
@@ -94,19 +94,30 @@ HUNG_GRACE_S = 1.0
 
 
 def stop(state: State, now: float, after: AfterStop, fault: str, *,
-          code: int = EXIT_OK, reason: str = "", grace_s: float | None = None) -> Result:
+          code: int = EXIT_OK, reason: str = "", grace_s: float | None = None, save_s: float = 0.0) -> Result:
     """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
     seconds, else ``stop_grace_s``). During the drain before the daemon's exit a fault changes how,
-    not what: the stop still ends in that exit (no restart, no reset)."""
+    not what: the stop still ends in that exit (no restart, no reset). ``save_s`` > 0: first save
+    the slots (:class:`SaveSlots`), SIGTERM once they are saved or ``save_s`` seconds passed
+    (:func:`end_save`)."""
     if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
         after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
     new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
-                  deadline=now + grace, killed=False,
+                  deadline=now + grace, killed=False, saving=False,
                   exit_code=code, exit_reason=reason or state.exit_reason)
     if state.pid is None:
         return new, []
+    if save_s > 0:
+        return replace(new, saving=True, deadline=now + save_s), [SaveSlots(state.pid)]
     return new, [Terminate(state.pid)]
+
+
+def end_save(state: State, now: float) -> Result:
+    """The saves before a stop ended (or ran out of time, or the GPU was lost meanwhile): SIGTERM
+    now, SIGKILL after ``stop_grace_s``."""
+    assert state.pid is not None
+    return replace(state, saving=False, deadline=now + state.params.stop_grace_s), [Terminate(state.pid)]
 
 
 def spawn(state: State) -> Result:

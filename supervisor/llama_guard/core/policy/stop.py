@@ -8,7 +8,7 @@ import signal
 from dataclasses import replace
 
 from llama_guard.core.actions import Action, Emit, Kill, StartDrain, Terminate
-from llama_guard.core.inputs import Exited, Input, Line, Spawned, SpawnFailed, StopRequest, Tick
+from llama_guard.core.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
 from llama_guard.core.policy.lines import FATAL_FAMILIES, fault_event, incompatible
 from llama_guard.core.policy.reset_stop import stop_during_reset
@@ -16,6 +16,7 @@ from llama_guard.core.policy.steps import (
     Result,
     after_fault,
     count_failure,
+    end_save,
     exit_daemon,
     exit_fields,
     fail,
@@ -39,6 +40,10 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
         if isinstance(event, SpawnFailed):
             return finish_stop(state, now)
         return state, []
+    if state.saving and not state.killed and (
+            (isinstance(event, SlotsSaved) and event.pid == state.pid)
+            or (isinstance(event, Tick) and state.deadline is not None and now >= state.deadline)):
+        return end_save(state, now)
     if (isinstance(event, Line) and event.pid == state.pid and event.verdict.family is Family.GPU_INCOMPATIBLE
             and state.after_stop is not AfterStop.EXIT):
         return incompatible(state, now, event.verdict, event.text)
@@ -69,7 +74,7 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             name, cause = state.pending_event
             actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))
         actions.append(Emit("server_stopped", {**fields, "reason": state.fault}))
-        new, more = finish_stop(replace(state, pending_event=None), now)
+        new, more = finish_stop(replace(state, pending_event=None, saving=False), now)
         return new, actions + more
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         if not state.killed:
