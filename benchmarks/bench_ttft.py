@@ -9,7 +9,9 @@ keep-alive connection (as an SDK client holds it), so that the difference is the
 
 - time to first token (TTFT): the request sent → the first SSE event's bytes received, p50 and p99;
 - the whole stream (``--tokens`` events and the final one), p50;
-- a non-streamed request's round trip, p50 and p99.
+- a non-streamed request's round trip, p50 and p99;
+- the daemon's CPU time per request through the front door (user + system, from /proc: what the relay
+  costs whatever the load; the timed rows above also hold the wake-ups of a shared host).
 
     .venv/bin/python benchmarks/bench_ttft.py                       # make bench (~15 s)
     .venv/bin/python benchmarks/bench_ttft.py --rounds 1000 --gpu-watch   # on a GPU host: NVML watch on
@@ -32,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -114,12 +118,15 @@ def main() -> int:
         ttft: dict[str, list[float]] = {"direct": [], "front": []}
         whole: dict[str, list[float]] = {"direct": [], "front": []}
         trip: dict[str, list[float]] = {"direct": [], "front": []}
+        proc = psutil.Process(daemon.pid)
+        cpu_before = sum(proc.cpu_times()[:2])
         for i in range(args.rounds):
             for path in ("direct", "front") if i % 2 == 0 else ("front", "direct"):
                 first, end = stream(conns[path], args.tokens)
                 ttft[path].append(first)
                 whole[path].append(end)
                 trip[path].append(plain(conns[path]))
+        cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
         for conn in conns.values():
             conn.close()
     finally:
@@ -134,6 +141,8 @@ def main() -> int:
     for name, values, q in rows:
         a, b = pct(values["direct"], q) * 1000, pct(values["front"], q) * 1000
         print(f"{name:<34}{a:>10.2f}{b:>12.2f}{b - a:>+10.2f}")
+    print(f"the daemon's CPU time (user + system) per request through the front door: "
+          f"{cpu_s / (2 * args.rounds) * 1000:.3f} ms")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
