@@ -4,10 +4,12 @@
 tests/fake_llama_server.py, supervised by the daemon with the front door on, streams ``/completion`` as
 llama-server does (the headers at once, then one HTTP chunk per SSE event, ``--event-ms`` apart, the
 first one ``--event-ms`` after the headers) and answers a non-streamed ``/completion`` at once. The same
-requests go straight to its port and through the front door, rounds interleaved, each path on one
-keep-alive connection (as an SDK client holds it), so that the difference is the front door's relay:
+requests go straight to its port and through the front door, rounds interleaved — each stream on a
+connection of its own (llama-server, and the double, close the connection after a stream), the
+non-streamed requests of each path on one keep-alive connection — so that the difference is the front
+door's relay:
 
-- time to first token (TTFT): the request sent → the first SSE event's bytes received, p50 and p99;
+- time to first token (TTFT): the connect → the first SSE event's bytes received, p50 and p99;
 - the whole stream (``--tokens`` events and the final one), p50;
 - a non-streamed request's round trip, p50 and p99;
 - the daemon's CPU time per request through the front door (user + system, from /proc: what the relay
@@ -52,11 +54,13 @@ def connect(port: int) -> http.client.HTTPConnection:
     return conn
 
 
-def stream(conn: http.client.HTTPConnection, tokens: int) -> tuple[float, float]:
-    """One streamed ``/completion`` of ``tokens`` token events: (seconds to the first event's bytes, to the
+def stream(port: int, tokens: int) -> tuple[float, float]:
+    """One streamed ``/completion`` of ``tokens`` token events on a connection of its own (llama-server
+    closes the connection after a stream): (seconds from the connect to the first event's bytes, to the
     end of the body)."""
     body = json.dumps({"prompt": "Hi", "n_predict": tokens, "stream": True})
     start = time.perf_counter()
+    conn = connect(port)
     conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     first = resp.read1(65536)  # returns as soon as any body bytes came
@@ -64,9 +68,11 @@ def stream(conn: http.client.HTTPConnection, tokens: int) -> tuple[float, float]
     if resp.status != 200 or not first.startswith(b"data: "):
         raise AssertionError(f"status {resp.status}, first bytes {first[:80]!r}")
     rest = resp.read()
+    end = time.perf_counter() - start
+    conn.close()
     if b'"stop": true' not in first + rest:
         raise AssertionError("the stream did not end with its final event")
-    return ttft, time.perf_counter() - start
+    return ttft, end
 
 
 def plain(conn: http.client.HTTPConnection) -> float:
@@ -112,8 +118,8 @@ def main() -> int:
         daemon.wait_event("server_ready", 60.0)
         daemon.wait_event("front_listening", 10.0)
         conns = {"direct": connect(port), "front": connect(front)}
-        for conn in conns.values():  # warm both paths (the front door's upstream pool included)
-            stream(conn, 1)
+        for path, conn in conns.items():  # warm both paths (the front door's upstream pool included)
+            stream(port if path == "direct" else front, 1)
             plain(conn)
         ttft: dict[str, list[float]] = {"direct": [], "front": []}
         whole: dict[str, list[float]] = {"direct": [], "front": []}
@@ -122,7 +128,7 @@ def main() -> int:
         cpu_before = sum(proc.cpu_times()[:2])
         for i in range(args.rounds):
             for path in ("direct", "front") if i % 2 == 0 else ("front", "direct"):
-                first, end = stream(conns[path], args.tokens)
+                first, end = stream(port if path == "direct" else front, args.tokens)
                 ttft[path].append(first)
                 whole[path].append(end)
                 trip[path].append(plain(conns[path]))

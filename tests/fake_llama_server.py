@@ -43,6 +43,8 @@ A ``/completion`` with ``"stream": true`` is answered as llama-server streams (S
 chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
 (default 0.013 s) apart, then the final event with ``timings``; when ``$FAKE_LLAMA_STREAM_GATE`` names a
 file, the second event waits until that file exists (a client can hold the first before the second is sent).
+Then the connection is closed, as llama-server closes it after a streamed answer (``$FAKE_LLAMA_CLOSE_AFTER_S``
+later, default 0: a test widens the moment in which a client could still send on it).
 
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
@@ -80,6 +82,7 @@ DECODE_S = float(os.environ.get("FAKE_LLAMA_DECODE_S", "0"))
 REQUESTS = os.environ.get("FAKE_LLAMA_REQUESTS", "")
 EVENT_S = float(os.environ.get("FAKE_LLAMA_EVENT_S", "0.013"))
 STREAM_GATE = os.environ.get("FAKE_LLAMA_STREAM_GATE", "")
+CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -177,6 +180,8 @@ class Handler(BaseHTTPRequestHandler):
             data = b"data: " + json.dumps(event).encode() + b"\n\n"
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.write(b"0\r\n\r\n")
+        time.sleep(CLOSE_AFTER_S)
+        self.close_connection = True  # as llama-server does after a streamed answer (its Keep-Alive header aside)
 
     def do_GET(self) -> None:
         if self.path != "/health":

@@ -198,6 +198,25 @@ def test_first_event_is_relayed_before_the_server_sends_the_second(front: Any, t
     wait_for(lambda: metric(run, "llama_guard_front_requests_total") == 1, 10, "the answer counted")
 
 
+def test_back_to_back_streams_are_never_sent_on_a_connection_the_server_closes(front: Any, tmp_path: Path) -> None:
+    """llama-server closes its connection after each streamed answer (while its headers say Keep-Alive):
+    the front door must not hand that connection to the next request, which would fail on it, be
+    counted as in flight at a server failure and be replayed after a pause."""
+    fake_model = tmp_path / "fake.gguf"
+    fake_model.write_bytes(b"GGUF" + bytes(28))
+    # The headers first, the events 50 ms later (as llama-server answers: the headers before the
+    # prefill), and the close half a second after the stream: after the next request is sent.
+    env = {"FAKE_LLAMA_EVENT_S": "0.05", "FAKE_LLAMA_CLOSE_AFTER_S": "0.5"}
+    run = front({"server": {"env": env}}, binary=str(FAKE_SERVER), model=str(fake_model)).start()
+    run.wait_event("server_ready", 30)
+    body = {"prompt": "Hi", "n_predict": 2, "stream": True}
+    with httpx.Client(base_url=f"http://127.0.0.1:{run.front}", timeout=30.0) as client:
+        answers = [client.post("/completion", json=body) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.text.count("data: ") == 3 for a in answers)
+    assert metric(run, "llama_guard_front_requests_replayed_total") == 0
+
+
 def test_headers_body_and_api_key_pass_through_to_llama_server(front: Any, tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("sk-front-door-test\n")

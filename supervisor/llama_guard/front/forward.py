@@ -312,6 +312,11 @@ class Forwarder:
                 status=upstream.status, reason=upstream.reason, headers=end_to_end(upstream.headers, RESPONSE_DROP))
             if sized:
                 out.content_length = upstream.content_length
+            elif upstream.connection is not None and upstream.connection.protocol is not None:
+                # llama-server closes its connection right after an answer of unknown length (a
+                # stream), whatever its Keep-Alive header says: back in the pool, it would take the
+                # next request to a closing connection (failed unanswered, replayed after a pause).
+                upstream.connection.protocol.force_close()
             sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
             if sse:
                 out.headers.setdefault(*NO_BUFFERING)
@@ -353,7 +358,7 @@ class Forwarder:
         finally:
             self.flights.discard(flight)
             if complete:
-                upstream.release()  # back to the pool
+                upstream.release()  # back to the pool (an answer of unknown length: closed, see above)
             else:
                 upstream.close()  # llama-server sees the connection close and stops the task
 
