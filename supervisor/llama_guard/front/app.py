@@ -203,14 +203,11 @@ class FrontApp:
                 if not body.add(chunk):
                     raise Refused(FailReason.BUFFER_FULL)
 
-        if request.content.is_eof():  # the whole body came with the head: no read waits (no timer, no task)
-            await read_all()
-        else:
-            try:
-                await asyncio.wait_for(read_all(), front.body_timeout_s)
-            except asyncio.TimeoutError:
-                raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
-                                     "([front].body_timeout_s)") from None
+        try:
+            await asyncio.wait_for(read_all(), front.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
+                                 "([front].body_timeout_s)") from None
         body.complete()
 
     def _refused(self, refused: Refused) -> web.Response:
