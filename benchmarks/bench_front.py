@@ -3,7 +3,8 @@
 
 1. streaming ``--tokens`` tokens through the front door vs straight to llama-server's private port
    (the same server, rounds interleaved so both see the same load): tokens/s and time to first token
-   (TTFT, the first SSE event with content), p50 and p99, and their ratio / difference;
+   (TTFT, the first SSE event with content), p50 and p99, and a non-streamed one-token ``/completion``'s
+   time (the whole answer), p50 and p99: their ratio / difference;
 2. ``--streams`` concurrent streams through the front door: how many ended without an error
    (status 200 and ``data: [DONE]``);
 3. ``kill -9`` of llama-server with nothing running, while ``--streams`` streams run through the front
@@ -126,6 +127,15 @@ def stream(port: int, tokens: int, timeout: float = 600.0) -> dict[str, Any]:
             "done": done and not error, "error": error}
 
 
+def plain(port: int, timeout: float = 600.0) -> float:
+    """One non-streamed ``/completion`` of one token: seconds from the call to its whole answer."""
+    body = {"prompt": "Write a long story about a lighthouse.", "n_predict": 1, "cache_prompt": False}
+    start = time.monotonic()
+    resp = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=timeout)
+    resp.raise_for_status()
+    return time.monotonic() - start
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -207,7 +217,8 @@ def kill_round(daemon: DaemonRun, catcher: NotifyCatcher, streams: int, stream_t
             "refused": sum(r["status"] not in (0, 200) for r in results), "stuck": len(pending)}
 
 
-def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> None:
+def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]],
+                    plains: dict[str, list[float]]) -> None:
     d_tps = [r["tps"] for r in runs["direct"]]
     f_tps = [r["tps"] for r in runs["front"]]
     d_ttft = [r["ttft"] for r in runs["direct"] if r["ttft"] is not None]
@@ -221,6 +232,9 @@ def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any
     for q in (50, 99):
         a, b = pct(d_ttft, q) * 1000, pct(f_ttft, q) * 1000
         print(f"{f'TTFT p{q} (ms)':<28}{a:>12.1f}{b:>12.1f}{b - a:>+12.1f}ms", flush=True)
+    for q in (50, 99):
+        a, b = pct(plains["direct"], q) * 1000, pct(plains["front"], q) * 1000
+        print(f"{f'1 token, no stream p{q} (ms)':<28}{a:>12.1f}{b:>12.1f}{b - a:>+12.1f}ms", flush=True)
 
 
 def main() -> int:
@@ -268,11 +282,13 @@ def main() -> int:
         stream(port, 4)
         stream(front, 4)  # warm both paths
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "front": []}
+        plains: dict[str, list[float]] = {"direct": [], "front": []}
         for i in range(args.rounds):
             order = ("direct", "front") if i % 2 == 0 else ("front", "direct")
             for path in order:
                 runs[path].append(stream(port if path == "direct" else front, args.tokens))
-        print_streaming(args, runs)
+                plains[path].append(plain(port if path == "direct" else front))
+        print_streaming(args, runs, plains)
         with ThreadPoolExecutor(args.streams) as pool:
             many = list(pool.map(lambda _: stream(front, args.stream_tokens), range(args.streams)))
         ok = sum(r["done"] for r in many)

@@ -39,6 +39,13 @@ an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`
 completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
 ``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
 
+A ``/completion`` with ``"stream": true`` is answered as llama-server streams (Server-Sent Events, one HTTP
+chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
+(default 0.013 s) apart, then the final event with ``timings``; when ``$FAKE_LLAMA_STREAM_GATE`` names a
+file, the second event waits until that file exists (a client can hold the first before the second is sent).
+Then the connection is closed, as llama-server closes it after a streamed answer (``$FAKE_LLAMA_CLOSE_AFTER_S``
+later, default 0: a test widens the moment in which a client could still send on it).
+
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
@@ -54,6 +61,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -72,6 +80,9 @@ BUSY_S = float(os.environ.get("FAKE_LLAMA_BUSY_S", "40"))
 ABORT_PROMPT = os.environ.get("FAKE_LLAMA_ABORT_PROMPT", "").encode()
 DECODE_S = float(os.environ.get("FAKE_LLAMA_DECODE_S", "0"))
 REQUESTS = os.environ.get("FAKE_LLAMA_REQUESTS", "")
+EVENT_S = float(os.environ.get("FAKE_LLAMA_EVENT_S", "0.013"))
+STREAM_GATE = os.environ.get("FAKE_LLAMA_STREAM_GATE", "")
+CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -146,6 +157,31 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def stream(self, tokens: int, timings: dict[str, float]) -> None:
+        """``tokens`` SSE events of one token each, as llama-server's streamed ``/completion`` sends them
+        (the headers at once, then one HTTP chunk per event, TCP_NODELAY): each event ``$FAKE_LLAMA_EVENT_S``
+        after the one before (the first after the headers) — but when ``$FAKE_LLAMA_STREAM_GATE`` names a
+        file, the second not before that file exists; then the final event with ``timings``."""
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        events = [{"content": "x", "stop": False}] * tokens
+        events.append({"content": "", "stop": True, "timings": {**timings, "predicted_n": tokens}})
+        for i, event in enumerate(events):
+            if i == 1 and STREAM_GATE:
+                while not os.path.exists(STREAM_GATE):
+                    time.sleep(0.01)
+            else:
+                time.sleep(EVENT_S)
+            data = b"data: " + json.dumps(event).encode() + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.write(b"0\r\n\r\n")
+        time.sleep(CLOSE_AFTER_S)
+        self.close_connection = True  # as llama-server does after a streamed answer (its Keep-Alive header aside)
 
     def do_GET(self) -> None:
         if self.path != "/health":
@@ -235,6 +271,9 @@ class Handler(BaseHTTPRequestHandler):
             COUNTERS["tokens_predicted_total"] += 1
         timings = {"prompt_n": 4, "prompt_ms": 1.0, "prompt_per_second": 4000.0,
                    "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
+        if body.get("stream"):
+            self.stream(int(body.get("n_predict", 1)), timings)
+            return
         self.reply(200, {"content": "x", "choices": [{"message": {"role": "assistant", "content": "x"}}],
                          "timings": timings})
 

@@ -177,6 +177,46 @@ def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: A
     assert metric(run, 'llama_guard_front_requests_failed_total{reason="stream_cut"}') == 1
 
 
+def test_first_event_is_relayed_before_the_server_sends_the_second(front: Any, tmp_path: Path) -> None:
+    """No byte of a stream waits in the front door for a later one: the double sends its second
+    event only once the client holds the first (the gate file), so a relay that buffered would never
+    deliver it."""
+    fake_model, gate = tmp_path / "fake.gguf", tmp_path / "gate"
+    fake_model.write_bytes(b"GGUF" + bytes(28))
+    run = front({"server": {"env": {"FAKE_LLAMA_STREAM_GATE": str(gate), "FAKE_LLAMA_EVENT_S": "0"}}},
+                binary=str(FAKE_SERVER), model=str(fake_model)).start()
+    run.wait_event("server_ready", 30)
+    body = {"prompt": "Hi", "n_predict": 3, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{run.front}/completion", json=body, timeout=30.0) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_raw()
+        first = next(chunks)  # a read timeout (30 s) here: the first event was held back
+        assert first.startswith(b"data: ") and b'"stop": false' in first and first.count(b"data: ") == 1
+        gate.touch()
+        rest = b"".join(chunks)
+    assert rest.count(b"data: ") == 3 and b'"stop": true' in rest
+    wait_for(lambda: metric(run, "llama_guard_front_requests_total") == 1, 10, "the answer counted")
+
+
+def test_back_to_back_streams_are_never_sent_on_a_connection_the_server_closes(front: Any, tmp_path: Path) -> None:
+    """llama-server closes its connection after each streamed answer (while its headers say Keep-Alive):
+    the front door must not hand that connection to the next request, which would fail on it, be
+    counted as in flight at a server failure and be replayed after a pause."""
+    fake_model = tmp_path / "fake.gguf"
+    fake_model.write_bytes(b"GGUF" + bytes(28))
+    # The headers first, the events 50 ms later (as llama-server answers: the headers before the
+    # prefill), and the close half a second after the stream: after the next request is sent.
+    env = {"FAKE_LLAMA_EVENT_S": "0.05", "FAKE_LLAMA_CLOSE_AFTER_S": "0.5"}
+    run = front({"server": {"env": env}}, binary=str(FAKE_SERVER), model=str(fake_model)).start()
+    run.wait_event("server_ready", 30)
+    body = {"prompt": "Hi", "n_predict": 2, "stream": True}
+    with httpx.Client(base_url=f"http://127.0.0.1:{run.front}", timeout=30.0) as client:
+        answers = [client.post("/completion", json=body) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.text.count("data: ") == 3 for a in answers)
+    assert metric(run, "llama_guard_front_requests_replayed_total") == 0
+
+
 def test_headers_body_and_api_key_pass_through_to_llama_server(front: Any, tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("sk-front-door-test\n")

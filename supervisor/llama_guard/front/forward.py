@@ -95,6 +95,16 @@ def _not_replayed(method: str, target: str, pid: int) -> str:
             "a request that may change the server's state (slots, LoRA adapters, props) or an unknown one is not")
 
 
+class SizedAnswer(web.StreamResponse):
+    """A relayed answer of known length (``Content-Length``: a whole JSON answer, which llama-server
+    writes at once): its status line and headers go out in one write with its first body bytes — one
+    send and one wake-up of the client instead of two. (A stream's headers go out at once, as
+    llama-server sends them before its first token.) aiohttp's own ``web.Response`` sets the same
+    class attribute (``aiohttp/web_response.py``); a write of no bytes sends the headers alone."""
+
+    _send_headers_immediately = False
+
+
 @dataclass(eq=False)
 class Flight:
     """One answer being relayed from server ``pid``: ``began`` once its first body byte came;
@@ -306,10 +316,16 @@ class Forwarder:
         self.flights.add(flight)
         complete = False
         try:
-            out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                     headers=end_to_end(upstream.headers, RESPONSE_DROP))
-            if upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers:
+            sized = upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers
+            out = (SizedAnswer if sized else web.StreamResponse)(
+                status=upstream.status, reason=upstream.reason, headers=end_to_end(upstream.headers, RESPONSE_DROP))
+            if sized:
                 out.content_length = upstream.content_length
+            elif upstream.connection is not None and upstream.connection.protocol is not None:
+                # llama-server closes its connection right after an answer of unknown length (a
+                # stream), whatever its Keep-Alive header says: back in the pool, it would take the
+                # next request to a closing connection (failed unanswered, replayed after a pause).
+                upstream.connection.protocol.force_close()
             sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
             if sse:
                 out.headers.setdefault(*NO_BUFFERING)
@@ -328,16 +344,16 @@ class Forwarder:
                     flight.waiting_since = None
                 if not chunk:
                     break
+                try:
+                    await out.write(chunk)  # first: the bytes go out before anything else is done with them
+                except ConnectionError:  # the client left: llama-server sees its connection close
+                    self.metrics.requests.labels(str(upstream.status)).inc()
+                    return out
                 if held and not flight.began and 200 <= upstream.status < 300:
                     self._post(FirstToken(pid))
                 flight.began = True
                 if witness is not None:
                     witness.feed(chunk)
-                try:
-                    await out.write(chunk)
-                except ConnectionError:  # the client left: llama-server sees its connection close
-                    self.metrics.requests.labels(str(upstream.status)).inc()
-                    return out
             complete = True
             self.book = answered(self.book, fp)
             with contextlib.suppress(ConnectionError):
@@ -351,7 +367,7 @@ class Forwarder:
         finally:
             self.flights.discard(flight)
             if complete:
-                upstream.release()  # back to the pool
+                upstream.release()  # back to the pool (an answer of unknown length: closed, see above)
             else:
                 upstream.close()  # llama-server sees the connection close and stops the task
 
@@ -366,6 +382,8 @@ class Forwarder:
                                             "streaming; the response is incomplete"))
                 await out.write_eof()
             return out
+        with contextlib.suppress(ConnectionError):
+            await out.write(b"")  # the headers, if no body byte took them along yet
         if request.transport is not None:
             request.transport.close()  # what was written is flushed, then the body ends short
         return out
