@@ -4,6 +4,7 @@
 1. frozen at load → replaced: a launcher that SIGSTOPs itself right after spawn (before it execs the real
    llama-server; no line, no CPU time, no HTTP answer) → ``server_load_stalled``, and → the next
    ``server_ready`` (a real load), at ``[health].load_stall_s`` (shipped default unless ``--load-stall``);
+   the rounds run side by side (a daemon each), beside part 2;
 2. SIGSTOP → ``server_hang`` at the shipped ``[health]`` defaults (interval, timeout, canary, strikes):
    the bench SIGSTOPs a ready server and times the event (the goal: within 20 s, the docs' figure
    ``hang_strikes`` × ``interval_s`` + ``timeout_s``), and the verdict → the server's exit (the goal:
@@ -18,12 +19,14 @@ average printed at both ends says how much to trust the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import stat
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +55,10 @@ def frozen_launcher(tmp: Path, binary: str, marks: Path) -> Path:
     return script
 
 
-def frozen_rounds(rounds: int, stall_s: float, tmp: Path, binary: str, model: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"stalled": [], "replaced": []}
+def frozen_round(stall_s: float, tmp: Path, binary: str, model: str) -> tuple[float, float]:
+    """One daemon whose second server comes up frozen: (its start → ``server_load_stalled``, its start →
+    the next ``server_ready``), seconds. Rounds run side by side, each with its own daemon and port: a
+    frozen launcher takes no CPU, so the stall's wait is the same whatever runs beside it."""
     marks = tmp / "freeze-next"
     marks.write_text("")
     launcher = frozen_launcher(tmp, binary, marks)
@@ -61,20 +66,17 @@ def frozen_rounds(rounds: int, stall_s: float, tmp: Path, binary: str, model: st
                                      {**SHIPPED, "load_stall_s": stall_s}))
     daemon.start()
     try:
-        daemon.wait_event("server_ready", 60.0)
-        for i in range(rounds):
-            marks.write_text("freeze\n")
-            pid = daemon.wait_event("server_ready", 60.0, skip=i)["server_pid"]
-            os.kill(pid, signal.SIGKILL)  # the restart that follows comes up frozen
-            stalled = daemon.wait_event("server_load_stalled", stall_s + 60.0, skip=i)
-            starting = next(e for e in daemon.events() if e["event"] == "server_starting"
-                            and e["server_pid"] == stalled["server_pid"])
-            ready = daemon.wait_event("server_ready", 120.0, skip=i + 1)
-            out["stalled"].append(epoch(stalled["timestamp"]) - epoch(starting["timestamp"]))
-            out["replaced"].append(epoch(ready["timestamp"]) - epoch(starting["timestamp"]))
+        pid = daemon.wait_event("server_ready", 60.0)["server_pid"]
+        marks.write_text("freeze\n")
+        os.kill(pid, signal.SIGKILL)  # the restart that follows comes up frozen
+        stalled = daemon.wait_event("server_load_stalled", stall_s + 60.0)
+        starting = next(e for e in daemon.events() if e["event"] == "server_starting"
+                        and e["server_pid"] == stalled["server_pid"])
+        ready = daemon.wait_event("server_ready", 120.0, skip=1)
     finally:
         daemon.stop()
-    return out
+    return epoch(stalled["timestamp"]) - epoch(starting["timestamp"]), \
+        epoch(ready["timestamp"]) - epoch(starting["timestamp"])
 
 
 def hang_rounds(rounds: int, tmp: Path, binary: str, model: str) -> tuple[list[float], list[float]]:
@@ -109,9 +111,13 @@ def main() -> int:
         print("set LLAMA_SERVER_BIN and LLAMA_GUARD_TEST_MODEL (. .work/real/env)", file=sys.stderr)
         return 2
     print(f"load average at start: {os.getloadavg()}; shipped [health]: {SHIPPED}", flush=True)
-    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
-        frozen = frozen_rounds(args.rounds, args.load_stall, Path(d1), binary, model)
-        hang, killed = hang_rounds(args.rounds, Path(d2), binary, model)
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(args.rounds + 1) as pool:
+        dirs = [Path(stack.enter_context(tempfile.TemporaryDirectory())) for _ in range(args.rounds + 1)]
+        hang_job = pool.submit(hang_rounds, args.rounds, dirs[0], binary, model)
+        frozen_jobs = [pool.submit(frozen_round, args.load_stall, d, binary, model) for d in dirs[1:]]
+        frozen = {"stalled": [job.result()[0] for job in frozen_jobs],
+                  "replaced": [job.result()[1] for job in frozen_jobs]}
+        hang, killed = hang_job.result()
     print_table([
         (f"frozen at load → server_load_stalled (load_stall_s {args.load_stall:g})", frozen["stalled"]),
         ("frozen at load → replaced (next server_ready)", frozen["replaced"]),

@@ -25,7 +25,8 @@ after one warm-up completion. The figure is llama-server's own eval speed
 Part 2, a 3-turn chat (``/v1/chat/completions``, a ~600-token system prompt) with liveness rounds
 between the turns (``--turn-gap`` seconds at ``[health].interval_s`` 1 s), for ``--cache-ram 0`` and
 the build's default host prompt cache, ``-np 1`` and ``-np 2``: under llama-guard with the canary on
-and off, and a bare server beside the requests a round used to send (``bare+old-round``, every 1 s).
+(``guard``; ``--chat-variants`` adds ``guard-nocanary``, off), and a bare server beside the requests a
+round used to send (``bare+old-round``, every 1 s).
 Printed per turn: prompt tokens evaluated (``timings.prompt_n``), tokens reused from the cache,
 prompt seconds. A turn that evaluates only its new tokens left the conversation in the KV cache.
 
@@ -310,11 +311,15 @@ def conversation(port: int, tokens: int, gap_s: float) -> list[tuple[int, int, f
 
 
 CHAT_VARIANTS = ("guard", "guard-nocanary", "bare+old-round")
+DEFAULT_CHAT_VARIANTS = ("guard", "bare+old-round")  # what make bench runs: the canary on vs the old rounds
 
 
 def part2(args: argparse.Namespace, tmp: Path) -> None:
     rows = []
     variants = [v for v in args.chat_variants.split(",") if v]
+    unknown = sorted(set(variants) - set(CHAT_VARIANTS))
+    if unknown:
+        raise SystemExit(f"--chat-variants: unknown {', '.join(unknown)} (known: {', '.join(CHAT_VARIANTS)})")
     for cache_ram in ("0", "default"):
         for parallel in (int(n) for n in args.chat_parallel.split(",")):
             for variant in variants:
@@ -376,14 +381,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extra-arg", action="append", help="one more llama-server argument (repeatable)")
     ap.add_argument("--gpu", default="off", choices=("off", "auto", "on"), help="[gpu].enabled when supervised")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=3, help="completions per mode per round")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per completion (ignore_eos)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
     ap.add_argument("--chat-tokens", type=int, default=24, help="max_tokens per chat turn")
     ap.add_argument("--chat-parallel", default="1,2", help="part 2: the -np values, comma-separated")
-    ap.add_argument("--chat-variants", default=",".join(CHAT_VARIANTS), help="part 2: comma-separated")
+    ap.add_argument("--chat-variants", default=",".join(DEFAULT_CHAT_VARIANTS),
+                    help=f"part 2: comma-separated, of {','.join(CHAT_VARIANTS)}")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")
     ap.add_argument("--calls", type=int, default=8, help="part 0: requests of each kind")
     ap.add_argument("--part", choices=("0", "1", "2", "all"), default="all")
