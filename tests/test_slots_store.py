@@ -130,6 +130,17 @@ def test_slot_save_path_is_added_unless_the_user_gave_one(tmp_path: Path) -> Non
     assert "--slot-save-path" not in build_argv(ServerConfig(), None, SlotsConfig(enabled=False), runtime)
 
 
+def test_the_default_slot_directory_is_the_units_state_directory_kept_across_restarts(tmp_path: Path) -> None:
+    runtime = RuntimeConfig(dir=tmp_path / "run")
+    state = {"STATE_DIRECTORY": f"{tmp_path}/state:{tmp_path}/other"}
+    assert slot_save_dir(ServerConfig(), SlotsConfig(), runtime, state) == tmp_path / "state" / "slots"
+    assert slot_save_dir(ServerConfig(), SlotsConfig(), runtime, {}) == tmp_path / "run" / "slots"
+    assert slot_save_dir(ServerConfig(), SlotsConfig(), runtime, {"STATE_DIRECTORY": "relative"}) == \
+        tmp_path / "run" / "slots"
+    chosen = SlotsConfig(dir=str(tmp_path / "chosen"))
+    assert slot_save_dir(ServerConfig(), chosen, runtime, state) == tmp_path / "chosen"
+
+
 def test_only_kv_layout_flags_enter_the_fingerprint() -> None:
     assert kv_args(["--swa-full", "--threads-http", "4", "--rope-freq-base", "10000", "--lora=a.gguf"]) == (
         "--swa-full", "--rope-freq-base", "10000", "--lora=a.gguf")

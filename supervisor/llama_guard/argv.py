@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
@@ -34,10 +36,18 @@ def own_slot_save_path(server: ServerConfig) -> Path | None:
     return Path(value) if value else None
 
 
-def slot_save_dir(server: ServerConfig, slots: SlotsConfig, runtime: RuntimeConfig) -> Path:
+def slot_save_dir(server: ServerConfig, slots: SlotsConfig, runtime: RuntimeConfig,
+                  environ: Mapping[str, str] = os.environ) -> Path:
     """Where slot files live: the user's own ``--slot-save-path`` when ``extra_args`` has one, else
-    ``[slots].dir``, else ``<[runtime].dir>/slots``."""
-    return own_slot_save_path(server) or (Path(slots.dir) if slots.dir else runtime.dir / "slots")
+    ``[slots].dir``, else ``$STATE_DIRECTORY/slots`` (the first directory systemd gives a unit with
+    ``StateDirectory=``: kept across restarts and reboots), else ``<[runtime].dir>/slots`` (often RAM)."""
+    own = own_slot_save_path(server)
+    if own is not None:
+        return own
+    if slots.dir:
+        return Path(slots.dir)
+    state = environ.get("STATE_DIRECTORY", "").split(":", 1)[0]
+    return Path(state) / "slots" if state.startswith("/") else runtime.dir / "slots"
 
 
 def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsConfig | None = None,

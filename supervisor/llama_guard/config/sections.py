@@ -175,7 +175,8 @@ class SlotsConfig(Section):
 
     ``enabled``: save each slot that holds tokens before a planned restart, save idle slots as they
     change (for crashes) and restore them into the next server, verified. ``dir``: where the files go
-    ("" = ``<[runtime].dir>/slots``); llama-server is started with ``--slot-save-path`` on it unless
+    ("" = ``$STATE_DIRECTORY/slots`` under a unit with ``StateDirectory=``, else ``<[runtime].dir>/slots``);
+    llama-server is started with ``--slot-save-path`` on it unless
     ``extra_args`` gives its own (then that directory is used). ``budget_mib``: the files' total size
     (MiB); the oldest are dropped first. ``rolling_save_interval_s``: an idle slot is saved at most
     this often (seconds). ``restore_timeout_s``: the most all restores may add to a start (seconds).
@@ -196,5 +197,5 @@ class SlotsConfig(Section):
     @classmethod
     def _dir(cls, value: str) -> str:
         if "\0" in value or value == ".":
-            raise ValueError("dir must name a directory (or be empty for <[runtime].dir>/slots)")
+            raise ValueError("dir must name a directory (or be empty for the state directory's slots/)")
         return value
