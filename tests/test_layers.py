@@ -112,3 +112,16 @@ def test_a_module_drawn_on_no_floor_fails() -> None:
         floor_of("llama_guard.not_drawn_anywhere")
     assert floor_of("llama_guard.core.policy.stop")[1] == "llama_guard.core.policy"
     assert floor_of("llama_guard.core.daemon")[1] == "llama_guard.core"
+
+
+def test_every_blocking_call_goes_through_a_lane() -> None:
+    """One policy for blocking calls (core/offload.py's lanes, each with a deadline): no unbounded
+    ``asyncio.to_thread``, and no ``preexec_fn`` (unsafe in a parent that already runs threads)."""
+    found = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "to_thread":
+                found.append(f"{module_name(path)}:{node.lineno} asyncio.to_thread")
+            if isinstance(node, ast.keyword) and node.arg == "preexec_fn":
+                found.append(f"{module_name(path)}:{node.lineno} preexec_fn")
+    assert not found, found
