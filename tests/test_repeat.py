@@ -154,6 +154,35 @@ def test_an_identical_oom_is_not_a_verdict_another_process_may_hold_the_memory()
     assert all(exit_code(acts) is None for acts in per_start)
 
 
+def exits_after(line: str, returncode: int) -> Failure:
+    def failure(s: State, pid: int, now: float) -> tuple[State, list[object]]:
+        s, acts = feed(s, pid, [line], now + 0.1)
+        if s.phase is Phase.STOPPING:
+            return stop_then_exit(s, pid, now, acts)
+        s, more = decide(s, Exited(pid, returncode), now + 0.2)
+        return s, [*acts, *more]
+    return failure
+
+
+def test_failures_another_process_causes_and_ends_never_chain_into_a_verdict() -> None:
+    # The GPU held in exclusive-process mode, the port held, a SIGKILL from outside: five identical
+    # starts each, and still restarts (the typed line class and exit signal decide, not the wording).
+    for failure in (
+        exits_after("0.00.004.100 E CUDA error: CUDA-capable device(s) is/are busy or unavailable", 1),
+        exits_after("0.00.300.000 E couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8081", 1),
+        exits_after("0.00.300.000 I srv  load_model: loading model", -signal.SIGKILL),
+    ):
+        s, per_start = run(failure, 5, replace(P, require_gpu=False))
+        assert len(per_start) == 5 and all(exit_code(acts) is None for acts in per_start), names(per_start[-1])
+        assert s.phase is not Phase.EXITED
+
+
+def test_the_same_exit_status_on_every_start_still_chains() -> None:
+    # The counter-case: a wording that names nothing held elsewhere, exit 1 each time: a verdict.
+    s, per_start = run(exits_after("0.00.300.000 E main: error: the model's vocab is broken", 1), 5)
+    assert len(per_start) == 3 and exit_code(per_start[-1]) == EXIT_CONFIG and s.phase is Phase.EXITED
+
+
 def test_asked_to_offload_but_on_the_cpu_is_reported_once_whatever_the_gpu_watch() -> None:
     s, _ = decide(initial_state(P), Boot(), 0.0)  # require_gpu False: the GPU watch is off
     s, _ = decide(s, Spawned(100), 0.0)

@@ -54,6 +54,9 @@ class LineClass:
     cause: str = ""
     limit: str = ""
     request_kind: str = ""  # for exception lines: the kind of request the text points at ("" unknown)
+    # Another process holds what the server needs (the port; the GPU in exclusive-process mode, which
+    # CUDA words "busy or unavailable"): the failure can end by itself and says nothing of the binary.
+    held_elsewhere: bool = False
 
 
 # Families whose lines name a failure (the "last error line" of a server that then exits).
@@ -63,6 +66,8 @@ ERROR_FAMILIES = frozenset({Family.OOM, Family.GPU_FATAL, Family.GPU_WATCHDOG, F
 
 
 _GPU_API = r"(?:CUDA|HIP|ROCm|MUSA|SYCL)"
+# CUDA's cudaErrorDevicesUnavailable: another process holds a GPU in exclusive-process compute mode.
+_GPU_HELD = re.compile(r"busy or unavailable", re.IGNORECASE)
 _FIX_REBUILD = ("rebuild llama.cpp for this GPU's architecture (CMAKE_CUDA_ARCHITECTURES, e.g. 90 for "
                 "an H100/H200) or use a build that includes it")
 _FIX_DRIVER = "update the NVIDIA driver to one that supports the binary's CUDA version (or rebuild with an older CUDA)"
@@ -208,5 +213,6 @@ def classify_line(line: str) -> LineClass:
             text, limit = cause(match)
             exception = family is Family.HANDLED_ERROR or (family is Family.ERROR and "exception" in text)
             kind = request_kind(text) if exception else ""
-            return LineClass(family, text, limit, kind)
+            held = family is Family.PORT_IN_USE or _GPU_HELD.search(line) is not None
+            return LineClass(family, text, limit, kind, held)
     return _HARMLESS

@@ -18,14 +18,12 @@ from dataclasses import replace
 from llama_guard.core.actions import Action, Emit, ReadBuild
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import RestartCause, State, exit_text
+from llama_guard.core.types import RestartCause, State
 from llama_guard.vocab.events import EventName
 
 # Failures another process can cause and end (the chain is broken, never a verdict).
 _TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})
 _TRANSIENT_CAUSES = frozenset({RestartCause.OOM, RestartCause.PORT_TAKEN})
-_TRANSIENT_TEXT = ("busy or unavailable", "Address already in use", "couldn't bind", "port is already in use",
-                   exit_text(-signal.SIGKILL))
 
 FIX_GPU = ("make the GPU visible to llama-server (driver loaded, CUDA_VISIBLE_DEVICES, the unit's DeviceAllow), "
            "or set [server].n_gpu_layers = 0 to run on the CPU on purpose")
@@ -65,11 +63,14 @@ def _signature(state: State) -> str:
     """This failure, comparable across starts ("" when it says nothing about the binary)."""
     if state.stable:
         return ""
-    text = f"{state.failure.text} {state.last_error}"
-    if any(t.lower() in text.lower() for t in _TRANSIENT_TEXT):
+    if state.failure.cause in _TRANSIENT_CAUSES:
         return ""
-    if classify_line(state.last_error).family in _TRANSIENT_FAMILIES or state.failure.cause in _TRANSIENT_CAUSES:
-        return ""
+    if state.failure.cause is RestartCause.CRASH and state.exit_signal == signal.SIGKILL:
+        return ""  # killed from outside (the kernel's OOM killer, an operator): not the binary's doing
+    for line in {state.failure.line, state.last_error} - {""}:
+        found = classify_line(line)
+        if found.family in _TRANSIENT_FAMILIES or found.held_elsewhere:
+            return ""
     when = "before ready" if state.ready_at is None else "after ready"
     if _fault_signal(state) is not None:
         return f"{when} | killed by a CPU fault signal"
