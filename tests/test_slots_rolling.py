@@ -1,0 +1,294 @@
+"""The slot saves' rules (:class:`llama_guard.slots.watcher.SlotsSource`), without a server.
+
+A rolling save (``run`` every ``[slots].rolling_save_interval_s`` while READY) saves nothing while any
+slot is processing; otherwise each idle slot whose ``(id_task, n_tokens)`` changed since its last save
+is saved, and canary, empty and task-less slots never are. A failing save is tried once per change. The
+save before a GPU reset (``before_reset_stop``) saves the idle slots even while others process. A model
+and build marked unrestorable gets no saves.
+
+The server is a stand-in :class:`FakeSlots` for :class:`~llama_guard.slots.client.SlotClient` (its
+``GET /slots`` answer is set by the test; a save writes a slot file into the store as llama-server
+does); the store, its commits and the watcher's own bookkeeping are the real ones. The real server's
+saves are exercised end to end in test_slots_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llama_guard.config import Config
+from llama_guard.core.types import State
+from llama_guard.core.watcher import Context
+from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
+from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
+from llama_guard.slots.store import SlotStore, read_tokens
+from llama_guard.slots.watcher import SlotsSource
+from llama_guard.vocab.phases import Phase
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+PID = 4242
+Events = list[tuple[str, dict[str, Any]]]
+
+
+def slot_file(path: Path, tokens: list[int], state_bytes: int = 1024) -> None:
+    """A slot file as llama-server writes it (state_seq_save_file with server_tokens::serialize)."""
+    packed = [0xFFFFFFFF, 1, len(tokens), *tokens, 0]
+    body = struct.pack("<III", 0x67677371, 4, len(packed)) + struct.pack(f"<{len(packed)}I", *packed)
+    path.write_bytes(body + os.urandom(state_bytes))
+
+
+def idle(slot_id: int, id_task: int | None, n_tokens: int, *, canary: bool = False) -> SlotInfo:
+    return SlotInfo(slot_id, False, id_task, n_tokens, canary)
+
+
+def busy(slot_id: int, id_task: int, n_tokens: int) -> SlotInfo:
+    return SlotInfo(slot_id, True, id_task, n_tokens, False)
+
+
+class FakeSlots:
+    """A stand-in SlotClient: ``GET /slots`` answers :attr:`now`; a save of slot N writes a slot file
+    of N's ``n_tokens`` tokens to the store (``broken``: not a slot file), or fails (``failing``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.now: list[SlotInfo] = []
+        self.saves: list[tuple[int, str]] = []
+        self.failing: set[int] = set()
+        self.broken: set[int] = set()
+        self.slots_calls = 0
+        self.opened = 0
+        self.closed = 0
+
+    async def slots(self) -> list[SlotInfo]:
+        self.slots_calls += 1
+        return list(self.now)
+
+    async def save(self, slot_id: int, filename: str) -> Transfer:
+        self.saves.append((slot_id, filename))
+        if slot_id in self.failing:
+            raise SlotCallError(f"POST /slots/{slot_id}?action=save: HTTP 500: no space")
+        path = self.root / filename
+        if slot_id in self.broken:
+            path.write_bytes(b"GGUF" + bytes(64))
+            return Transfer(0, 68, 1.0)
+        n_tokens = next(s.n_tokens for s in self.now if s.id == slot_id)
+        slot_file(path, list(range(100, 100 + n_tokens)))
+        return Transfer(n_tokens, path.stat().st_size, 12.5)
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+@dataclasses.dataclass
+class Rig:
+    src: SlotsSource
+    ctx: Context
+    fake: FakeSlots
+    store: SlotStore
+    fp: Fingerprint
+    events: Events
+    holder: dict[str, State]
+
+    def saved_ids(self) -> list[int]:
+        return [slot_id for slot_id, _ in self.fake.saves]
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [fields for n, fields in self.events if n == name]
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
+    """A SlotsSource prepared (``start``) and restored (``restore``, an empty store: nothing to
+    restore) for server :data:`PID`, as the daemon does; its client is a :class:`FakeSlots`."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + os.urandom(5000))
+    cfg = Config.model_validate({"server": {"model": str(model), "parallel": 4},
+                                 "runtime": {"dir": str(tmp_path / "run")},
+                                 "slots": {"dir": str(tmp_path / "slots"), "rolling_save_interval_s": 7.0}})
+    events: Events = []
+
+    def emit(name: str, /, **fields: Any) -> None:
+        events.append((name, fields))
+
+    holder = {"state": State(phase=Phase.READY, pid=PID)}
+    ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"],
+                  emit=emit, post=lambda e: None,
+                  post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    fp = fingerprint_of(cfg.server, "version: 1 (test)")
+    src = SlotsSource()
+    assert await src.start(ctx) is None
+    assert src.store is not None and src.store.root == tmp_path / "slots"
+    fake = FakeSlots(src.store.root)
+
+    def client(_ctx: Context) -> Any:
+        fake.opened += 1
+        return fake
+
+    async def fingerprint(_ctx: Context, _server: object) -> Fingerprint:
+        return fp
+
+    monkeypatch.setattr(src, "_client", client)
+    monkeypatch.setattr(src, "_fingerprint", fingerprint)
+    await src.before_spawn(ctx)
+    await src.restore(ctx, PID)
+    assert events == [] and fake.saves == []
+    return Rig(src, ctx, fake, src.store, fp, events, holder)
+
+
+async def rolling(rig: Rig) -> None:
+    await rig.src._save_changed(rig.ctx, PID, "rolling")
+
+
+async def test_a_rolling_save_saves_nothing_while_any_slot_processes(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10), busy(1, 6, 20)]
+    await rolling(rig)
+    assert rig.fake.slots_calls == 1  # it did look
+    assert rig.fake.saves == [] and rig.events == [] and rig.store.committed() == []
+    # Once nothing processes, the slot skipped before is saved (the skip did not count as its save).
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    await rolling(rig)
+    assert sorted(rig.saved_ids()) == [0, 1]
+    assert sorted(m.slot_id for m in rig.store.committed()) == [0, 1]
+    assert rig.fake.opened == rig.fake.closed == 2
+
+
+async def test_an_unchanged_slot_is_saved_once_and_a_changed_one_again(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    assert rig.fake.saves == [(0, rig.store.incoming(0))]
+    [saved] = rig.named("slot_saved")
+    manifest = rig.store.committed()[0]
+    assert saved == {"slot_id": 0, "n_tokens": 10, "bytes": manifest.bytes, "save_ms": 12.5, "reason": "rolling",
+                     "server_pid": PID, "file": str(rig.store.root / manifest.file)}
+    assert read_tokens(rig.store.root / manifest.file) == list(range(100, 110))
+
+    await rolling(rig)  # nothing changed
+    await rolling(rig)
+    assert len(rig.fake.saves) == 1 and len(rig.named("slot_saved")) == 1
+
+    rig.fake.now = [idle(0, 5, 14)]  # more tokens, same task
+    await rolling(rig)
+    rig.fake.now = [idle(0, 9, 14)]  # another task, same count
+    await rolling(rig)
+    assert rig.saved_ids() == [0, 0, 0]
+    assert [e["n_tokens"] for e in rig.named("slot_saved")] == [10, 14, 14]
+    assert [m.n_tokens for m in rig.store.committed()] == [14]
+    assert not (rig.store.root / rig.store.incoming(0)).exists()
+
+
+async def test_canary_empty_and_taskless_slots_are_not_saved(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 3, canary=True), idle(1, 6, 0), idle(2, None, 30), idle(3, 7, 12)]
+    await rolling(rig)
+    assert rig.saved_ids() == [3]
+    assert [e["slot_id"] for e in rig.named("slot_saved")] == [3]
+    assert [m.slot_id for m in rig.store.committed()] == [3]
+    # Nor by the saves before a planned restart or a GPU reset.
+    await rig.src.after_drain(rig.ctx, PID)
+    await rig.src.before_reset_stop(rig.ctx, PID)
+    assert rig.saved_ids() == [3]
+
+
+@pytest.mark.parametrize("how", ["call", "file"])
+async def test_a_failing_save_is_reported_once_and_retried_only_after_a_change(rig: Rig, how: str) -> None:
+    (rig.fake.failing if how == "call" else rig.fake.broken).add(0)
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    await rolling(rig)
+    assert sorted(rig.saved_ids()) == [0, 1]
+    [failed] = rig.named("slot_save_failed")
+    assert failed["slot_id"] == 0 and failed["server_pid"] == PID
+    assert ("HTTP 500: no space" if how == "call" else "not a slot file") in failed["error"]
+    assert [e["slot_id"] for e in rig.named("slot_saved")] == [1]  # the other slot is saved all the same
+    assert [m.slot_id for m in rig.store.committed()] == [1]
+    assert not (rig.store.root / rig.store.incoming(0)).exists()
+
+    for _ in range(3):  # intervals later, nothing changed: not tried again, not reported again
+        await rolling(rig)
+    assert sorted(rig.saved_ids()) == [0, 1] and len(rig.named("slot_save_failed")) == 1
+
+    rig.fake.failing.clear()
+    rig.fake.broken.clear()
+    rig.fake.now = [idle(0, 8, 11), idle(1, 6, 20)]  # slot 0 changed
+    await rolling(rig)
+    assert sorted(rig.saved_ids()) == [0, 0, 1]
+    assert len(rig.named("slot_save_failed")) == 1
+    assert sorted(m.slot_id for m in rig.store.committed()) == [0, 1]
+
+
+async def test_the_save_before_a_reset_saves_idle_slots_while_another_processes(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10), busy(1, 6, 20), idle(2, 7, 0)]
+    await rig.src.before_reset_stop(rig.ctx, PID)
+    assert rig.saved_ids() == [0]
+    [saved] = rig.named("slot_saved")
+    assert saved["slot_id"] == 0 and saved["reason"] == "GPU reset" and saved["server_pid"] == PID
+    assert [m.slot_id for m in rig.store.committed()] == [0]
+    assert rig.named("slot_save_failed") == []
+    # The busy slot was not marked as saved: once idle, a rolling save takes it (and not slot 0 again).
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 25), idle(2, 7, 0)]
+    await rolling(rig)
+    assert rig.saved_ids() == [0, 1]
+
+
+async def test_the_save_after_a_drain_saves_every_changed_slot(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    await rolling(rig)
+    rig.fake.now = [idle(0, 5, 10), idle(1, 8, 33), idle(2, 9, 4)]
+    await rig.src.after_drain(rig.ctx, PID)
+    assert rig.saved_ids() == [0, 1, 1, 2]
+    assert [(e["slot_id"], e["reason"]) for e in rig.named("slot_saved")][2:] == \
+        [(1, "planned restart"), (2, "planned restart")]
+
+
+@pytest.mark.parametrize("save", ["rolling", "after_drain", "before_reset_stop"])
+async def test_a_model_and_build_marked_unrestorable_get_no_saves(rig: Rig, save: str) -> None:
+    rig.store.mark_unrestorable(rig.fp)
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    if save == "rolling":
+        await rolling(rig)
+    else:
+        await getattr(rig.src, save)(rig.ctx, PID)
+    assert rig.fake.saves == [] and rig.fake.slots_calls == 0 and rig.events == []
+    assert rig.store.committed() == []
+    # Another build of the same model is not marked: its slots are saved.
+    rig.src._fp = dataclasses.replace(rig.fp, build="version: 2 (test)")
+    await rolling(rig)
+    assert sorted(rig.saved_ids()) == [0, 1]
+
+
+async def test_a_server_other_than_the_restored_one_gets_no_saves(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rig.src._save_changed(rig.ctx, PID + 1, "rolling")
+    await rig.src.after_drain(rig.ctx, PID + 1)
+    assert rig.fake.saves == [] and rig.fake.slots_calls == 0 and rig.events == []
+
+
+async def test_the_rolling_loop_saves_only_while_the_server_is_ready(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` with its interval's sleep replaced: each "interval" moves the server to the next phase
+    and changes slot 0, so only the READY intervals may save."""
+    phases = [Phase.READY, Phase.DRAINING, Phase.STARTING, Phase.READY, Phase.STOPPING]
+    slept: list[float] = []
+    tick = iter(range(len(phases)))
+
+    class Done(Exception):
+        pass
+
+    async def interval(seconds: float) -> None:
+        slept.append(seconds)
+        i = next(tick, None)
+        if i is None:
+            raise Done
+        rig.holder["state"] = State(phase=phases[i], pid=PID)
+        rig.fake.now = [idle(0, 100 + i, 10 + i)]
+
+    monkeypatch.setattr(asyncio, "sleep", interval)  # the loop's interval; nothing else here sleeps
+    with pytest.raises(Done):
+        await rig.src.run(rig.ctx)
+    assert slept == [7.0] * (len(phases) + 1)
+    assert [e["n_tokens"] for e in rig.named("slot_saved")] == [10, 13]
+    assert {e["reason"] for e in rig.named("slot_saved")} == {"rolling"}
