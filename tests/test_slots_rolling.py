@@ -292,3 +292,20 @@ async def test_the_rolling_loop_saves_only_while_the_server_is_ready(rig: Rig, m
     assert slept == [7.0] * (len(phases) + 1)
     assert [e["n_tokens"] for e in rig.named("slot_saved")] == [10, 13]
     assert {e["reason"] for e in rig.named("slot_saved")} == {"rolling"}
+
+
+@pytest.mark.parametrize("save", ["after_drain", "before_reset_stop"])
+async def test_a_slot_whose_rolling_save_failed_is_still_saved_before_a_stop(rig: Rig, save: str) -> None:
+    """"Tried once per change" spares the rolling save's intervals; the save before a planned restart
+    or a GPU reset is the conversation's last chance and tries each slot not saved since it changed."""
+    rig.fake.failing.add(0)
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    await rolling(rig)
+    assert rig.saved_ids() == [0] and len(rig.named("slot_save_failed")) == 1
+    rig.fake.failing.clear()  # the failure passed (a slow disk, a timeout)
+    await getattr(rig.src, save)(rig.ctx, PID)
+    assert rig.saved_ids() == [0, 0]
+    assert [m.slot_id for m in rig.store.committed()] == [0]
+    await getattr(rig.src, save)(rig.ctx, PID)  # saved now: not again
+    assert rig.saved_ids() == [0, 0]

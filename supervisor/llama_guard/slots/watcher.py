@@ -60,6 +60,7 @@ class SlotsSource(Watcher):
         self.store: SlotStore | None = None
         self._builds: dict[tuple[str, int], str] = {}  # (binary, mtime_ns) -> its --version
         self._saved: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) as last saved
+        self._failed: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) whose save failed
         self._spawned: ServerConfig | None = None  # the [server] section the next server is started from
         self._pid: int | None = None  # the server _saved and _fp belong to
         self._fp: Fingerprint | None = None  # that server's fingerprint (None: no saves for it)
@@ -148,7 +149,7 @@ class SlotsSource(Watcher):
         if self.store is None:
             return
         async with self._lock:
-            self._pid, self._saved, self._awaiting = pid, {}, {}
+            self._pid, self._saved, self._failed, self._awaiting = pid, {}, {}, {}
             self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
             bound = ctx.config.slots.restore_timeout_s
             try:
@@ -226,7 +227,7 @@ class SlotsSource(Watcher):
             return
         bound = ctx.config.slots.save_timeout_s
         try:
-            await asyncio.wait_for(self._save_changed(ctx, pid, "planned restart"), bound)
+            await asyncio.wait_for(self._save_changed(ctx, pid, "planned restart", retry_failed=True), bound)
         except asyncio.TimeoutError:
             ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
                      error=f"the saves took longer than [slots].save_timeout_s ({bound:g} s)")
@@ -238,7 +239,8 @@ class SlotsSource(Watcher):
             return
         bound = ctx.config.slots.reset_save_timeout_s
         try:
-            await asyncio.wait_for(self._save_changed(ctx, pid, "GPU reset", skip_busy=True), bound)
+            await asyncio.wait_for(self._save_changed(ctx, pid, "GPU reset", skip_busy=True, retry_failed=True),
+                                   bound)
         except asyncio.TimeoutError:
             ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
                      error=f"the saves before the GPU reset took longer than [slots].reset_save_timeout_s "
@@ -252,9 +254,12 @@ class SlotsSource(Watcher):
             if self.store is not None and state.phase is Phase.READY and state.pid is not None:
                 await self._save_changed(ctx, state.pid, "rolling")
 
-    async def _save_changed(self, ctx: Context, pid: int, reason: str, *, skip_busy: bool = False) -> None:
+    async def _save_changed(self, ctx: Context, pid: int, reason: str, *, skip_busy: bool = False,
+                            retry_failed: bool = False) -> None:
         """Save each slot of server ``pid`` whose tokens changed since its last save, when no slot is
-        processing (``skip_busy``: the idle slots even while others process)."""
+        processing (``skip_busy``: the idle slots even while others process). A slot whose save failed
+        is tried again only once it changed (not every rolling interval), or when ``retry_failed`` (the
+        saves before a stop: its conversation's last chance)."""
         store = self.store
         async with self._lock:
             fingerprint = self._fp
@@ -268,7 +273,7 @@ class SlotsSource(Watcher):
                 return
             client = self._client(ctx)
             try:
-                await self._save_with(ctx, client, store, fingerprint, pid, reason, skip_busy)
+                await self._save_with(ctx, client, store, fingerprint, pid, reason, skip_busy, retry_failed)
             finally:
                 await client.aclose()
             try:
@@ -280,7 +285,7 @@ class SlotsSource(Watcher):
                 ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
 
     async def _save_with(self, ctx: Context, client: SlotClient, store: SlotStore, fingerprint: Fingerprint,
-                         pid: int, reason: str, skip_busy: bool) -> None:
+                         pid: int, reason: str, skip_busy: bool, retry_failed: bool) -> None:
         try:
             slots = await client.slots()
         except SlotCallError:
@@ -290,14 +295,15 @@ class SlotsSource(Watcher):
         for slot in slots:
             seen = (slot.id_task, slot.n_tokens)
             if (slot.processing or slot.id_task is None or slot.n_tokens == 0 or slot.canary
-                    or self._saved.get(slot.id) == seen):
+                    or self._saved.get(slot.id) == seen or (not retry_failed and self._failed.get(slot.id) == seen)):
                 continue
-            self._saved[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
             try:
                 moved = await client.save(slot.id, store.incoming(slot.id))
                 manifest = await self._on_files(partial(store.commit, slot.id, fingerprint), f"slot {slot.id}")
             except (SlotCallError, StoreError, OSError) as exc:
+                self._failed[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
                 ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=str(exc))
                 continue
+            self._saved[slot.id] = seen
             ctx.emit("slot_saved", slot_id=slot.id, n_tokens=manifest.n_tokens, bytes=manifest.bytes,
                      save_ms=moved.ms, reason=reason, server_pid=pid, file=str(Path(store.root) / manifest.file))
