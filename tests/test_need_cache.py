@@ -131,7 +131,7 @@ async def test_a_start_does_not_wait_for_the_estimate_when_no_other_process_hold
     est = Estimates()
     est.release.clear()  # the GGUF read is still running
     src, ctx = watched(FakeNvml(), tmp_path, model, est)
-    learning = src._learn_need(ctx.config)  # what start() does once the GPU is watched
+    learning = src.need.learn(ctx.config)  # what start() does once the GPU is watched
     t0 = time.monotonic()
     facts = await asyncio.wait_for(src.vram_facts(ctx), 2.0)
     assert facts is not None and facts.need_mib is None and facts.free_mib is not None and not facts.holders
@@ -178,6 +178,6 @@ async def test_a_reload_learns_the_new_models_need(tmp_path: Path, model: Path) 
     other = write_gguf(tmp_path / "other.gguf", n_layer=2)
     new = ctx.config.model_copy(update={"server": ctx.config.server.model_copy(update={"model": str(other)})})
     src.on_reload(ctx, ctx.config, new)
-    assert src._learning is not None
-    await src._learning
+    assert src.need.learning is not None
+    await src.need.learning
     assert est.calls == [str(other)]

@@ -1,13 +1,13 @@
 """The daemon's GPU watcher and GPU port: NVML samples, the checks before a start and before ready,
-the VRAM facts, and the GPU reset.
+the VRAM facts (through :mod:`.vram_need`), and the GPU reset.
 
 Everything NVML-related goes through :class:`llama_guard.gpu.Nvml` (the one chokepoint). Blocking
 NVML calls run on the GPU lane, each with its deadline; results come back to the loop as events and
 policy inputs (:class:`policy.GpuFault`, the answers of :meth:`GpuSource.ready_check`,
 :meth:`GpuSource.before_spawn`, :meth:`GpuSource.reset`). The Xid events (NVML's and the kernel
 log's) come in through :mod:`.xid_intake`; the pure rules live in :mod:`.rules`, :mod:`.xid` and
-:mod:`.reset`. The sampler, the VRAM facts and the reset share one NVML handle and the one record
-of which pid is ours.
+:mod:`.reset`; the server's VRAM need and the VRAM facts in :mod:`.vram_need`. The sampler, the
+VRAM facts and the reset share one NVML handle and the one record of which pid is ours.
 
 ``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
 tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
@@ -26,7 +26,7 @@ import psutil
 from llama_guard.config import Config
 from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
-from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
+from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.privileges import reset_precondition
 from llama_guard.core.types import GpuFaultKind, RecoveryAction
 from llama_guard.core.watcher import Context, Watcher
@@ -35,23 +35,19 @@ from llama_guard.gpu.nvml import nvml_step
 from llama_guard.gpu.nvml_errors import NotSupported, NvmlHung, describe
 from llama_guard.gpu.nvml_session import DEFAULT_CALL_TIMEOUT_S
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
-from llama_guard.gpu.reset import ResetExecutor, holders_of
+from llama_guard.gpu.reset import ResetExecutor
 from llama_guard.gpu.rules import (
     SampleVerdict,
     foreign_processes,
     sample_once,
     server_on_gpu,
 )
+from llama_guard.gpu.vram_need import VramNeed
 from llama_guard.gpu.xid_intake import XidIntake
-from llama_guard.insight.budget import Settings
-from llama_guard.insight.need_cache import NeedCache, need_key
-from llama_guard.units import MIB
-from llama_guard.vocab.phases import Phase
+from llama_guard.insight.need_cache import NeedCache
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
-NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
-NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
 
 
 class GpuSource(Watcher):
@@ -66,7 +62,8 @@ class GpuSource(Watcher):
         ``hung_as_lost_s`` seconds counts as a lost GPU. ``need_cache``: the VRAM budget's estimates
         (wiring), for a start before any good one and without ``[gpu].expected_vram_mib``."""
         self._nvml_module = nvml_module
-        self._needs = need_cache
+        self.need = VramNeed(need_cache)
+        """The server's VRAM need (learned, measured, stated) and the VRAM facts."""
         self._call_timeout_s = nvml_call_timeout_s
         self._hung_as_lost_s = hung_as_lost_s
         self.degraded = ""
@@ -80,17 +77,7 @@ class GpuSource(Watcher):
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self._xids: XidIntake | None = None  # its Xid threads, once the GPU is watched
-        # The estimate of the configuration's need, learned in a thread when the watch starts and after
-        # a reload (the GGUF read costs seconds of CPU): never on a start's path unless another process
-        # holds VRAM; then the admission's polls share it.
-        self._learning: asyncio.Future[int | None] | None = None
-        self._learning_for: tuple[str, Settings] | None = None  # (model, settings) of that read
-        self._needs_opened = False
         self._gpu_lane = Lane(LaneKind.GPU)  # the steps of NVML calls (each call has its own deadline)
-        self._need_lane = Lane(LaneKind.VRAM_NEED)  # daemon threads: never delay the exit
-        self._stat_lane = Lane(LaneKind.VRAM_NEED_KEY)
-        self._measured_mib: int | None = None  # the server's VRAM at its last good start (MiB)
-        self._measured_pid: int | None = None
         self.off_reason = ""
         self._can_reset = False
         self._server_pid: int | None = None
@@ -123,35 +110,8 @@ class GpuSource(Watcher):
         self._can_reset = True
         self._xids = XidIntake(opened, self.identity, self.kmsg_backoff_s)
         self._xids.start(ctx)
-        self._learn_need(ctx.config)
+        self.need.learn(ctx.config)
         return None
-
-    def _learn_need(self, config: Config) -> asyncio.Future[int | None] | None:
-        """Estimate ``config``'s VRAM need in a thread (a no-op when it is known, nothing is offloaded or
-        ``[gpu].expected_vram_mib`` states it); returns the estimate's future (None: nothing to learn)."""
-        needs = self._needs
-        if needs is None or self.executor is None or config.server.n_gpu_layers == 0 or config.gpu.expected_vram_mib:
-            return None
-        model, settings, directory = str(config.server.model), Settings.from_server(config.server), config.runtime.dir
-        first = not self._needs_opened
-        self._needs_opened = True
-
-        def learn() -> int | None:
-            if first:
-                needs.open(directory)
-            return needs.learn(model, settings)
-
-        previous = self._learning
-        self._learning_for = (model, settings)
-
-        async def run() -> int | None:
-            if previous is not None:  # one read at a time: this one after it
-                await asyncio.gather(previous, return_exceptions=True)
-            return await self._need_lane.run(learn, NEED_LEARN_S, f"the VRAM need of {model}")
-
-        self._learning = asyncio.ensure_future(run())
-        self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
-        return self._learning
 
     async def close(self) -> None:
         threads = [] if self._xids is None else self._xids.threads
@@ -206,66 +166,22 @@ class GpuSource(Watcher):
             ctx.post(GpuFault(GpuFaultKind.GPU_LOST, describe(result.error), gpu_index=self._index(ctx.config)))
         elif result.sample is not None:
             self._lost_reported = False
-            self._measure(ctx, result.sample)
+            self.need.measure(ctx, result.sample, self._server_pid)
             if result.persistence_off and ctx.config.gpu.enable_persistence:
                 await self._enable_persistence(ctx, {"gpu_index": result.sample.identity.index})
 
-    def _measure(self, ctx: Context, sample: GpuSample) -> None:
-        """The server's VRAM at its first sample once READY: what the next start will need."""
-        pid = self._server_pid
-        if pid is None or self._measured_pid == pid or ctx.state.pid != pid or ctx.state.phase is not Phase.READY:
-            return
-        used = next((p.used_bytes for p in sample.processes or () if p.pid == pid), None)
-        if used:
-            self._measured_mib, self._measured_pid = used // MIB, pid
-
-    async def _estimated_need(self, ctx: Context, holders: bool) -> int | None:
-        """The need estimate (MiB) of the configuration, when known. Unknown and another process holds
-        VRAM (``holders``): waits for the estimate (started now unless under way); a caller that times
-        out leaves it running for the next poll. Raises what the estimate raised, once per read."""
-        if self._needs is None:
-            return None
-        config = ctx.config
-        settings = Settings.from_server(config.server)
-        try:
-            key = await self._stat_lane.run(lambda: need_key(str(config.server.model), settings), NEED_KEY_S,
-                                            "stat of the model file")
-        except (CallTimeout, LaneBusy):  # a hung filesystem: the need is unknown for now
-            return None
-        found, mib = self._needs.known(key)
-        if found or key is None or not holders:
-            return mib
-        learning = self._learning
-        if learning is not None and learning.done() and self._learning_for == (str(config.server.model), settings) \
-                and (learning.cancelled() or learning.exception() is not None):
-            return None  # this configuration's read failed (raised to its first awaiter): unknown
-        if learning is None or learning.done():
-            learning = self._learn_need(config)
-        if learning is None:
-            return None
-        await asyncio.shield(learning)
-        return self._needs.known(key)[1]
-
     async def vram_facts(self, ctx: Context) -> VramFacts | None:
-        """The GPU's free VRAM (MiB), what the server needs (MiB: measured at the last good start,
-        else ``[gpu].expected_vram_mib``, else the GGUF estimate when known — awaited only when another
-        process holds VRAM, the one case where the need decides anything) and the other processes
-        holding VRAM, from one NVML sample. None without a watched GPU. Unbounded here: the daemon
+        """The GPU's free VRAM, what the server needs and the other processes holding VRAM, from one
+        NVML sample (:meth:`VramNeed.facts`). None without a watched GPU. Unbounded here: the daemon
         bounds each call."""
         if self.executor is None:
             return None
-        need = self._measured_mib if self._measured_mib is not None else (ctx.config.gpu.expected_vram_mib or None)
-        sample = await self.executor.sample()
-        index = self._index(ctx.config)
-        if sample is None or sample.memory_used_bytes is None or sample.memory_total_bytes is None:
-            why = "NVML gave no sample" if sample is None else "NVML gave no memory reading"
-            return VramFacts(index, None, need, error=why)
-        own = {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
-        free = (sample.memory_total_bytes - sample.memory_used_bytes) // MIB
-        holders = holders_of(sample, own)
-        if need is None:
-            need = await self._estimated_need(ctx, bool(holders))
-        return VramFacts(index, free, need, holders, recovery=await self._recovery_action())
+        return await self.need.facts(ctx, self._index(ctx.config), sample=self.executor.sample,
+                                     own_pids=self._own_pids, recovery=self._recovery_action)
+
+    def _own_pids(self) -> set[int]:
+        """Our pids on the GPU: the daemon's and the server's (when one runs)."""
+        return {os.getpid()} | ({self._server_pid} if self._server_pid is not None else set())
 
     async def _recovery_action(self) -> RecoveryAction | None:
         """NVML's recovery-action field, read before each start (an Xid may have gone by unseen);
@@ -302,7 +218,8 @@ class GpuSource(Watcher):
                  action="enabled by llama-guard ([gpu].enable_persistence); prefer nvidia-persistenced")
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
-        self._learn_need(new)  # a new model or settings: learn its need before its first start
+        if self.executor is not None:  # a new model or settings: learn its need before its first start
+            self.need.learn(new)
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         self._server_pid = pid
