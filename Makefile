@@ -41,7 +41,8 @@ lint: venv
 	$(BIN)/mypy
 
 bench: venv real
-	. ./$(REAL_ENV) && for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	. ./$(REAL_ENV) && for b in benchmarks/bench_*.py; do echo "== $$b"; t0=$$(date +%s); \
+		$(BIN)/python $$b || exit 1; echo "== $$b took $$(( $$(date +%s) - t0 )) s"; done
 
 clean:
 	rm -rf $(VENV) .work/run .work/demo.toml

@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--ctk", default="f16")
     ap.add_argument("--fa", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--after", type=float, default=12.0, help="seconds after server_ready (default 12)")
     ap.add_argument("--arena-max", type=int, default=0,
                     help="also run GPU watch on with MALLOC_ARENA_MAX=N (glibc's per-thread malloc arenas)")
