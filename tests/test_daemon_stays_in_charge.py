@@ -352,6 +352,9 @@ class BrokenReadyCheck:
     async def after_drain(self, ctx: Context, pid: int) -> None:
         return None
 
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        return None
+
 
 def test_failure_in_a_core_task_ends_the_daemon_with_70_and_stops_the_server(
         tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:

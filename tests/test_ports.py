@@ -15,7 +15,7 @@ from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.offload import daemon_lanes
 from llama_guard.core.ports import RlimitSettings
 from llama_guard.core.spawner import Spawner
-from llama_guard.core.watcher import Context
+from llama_guard.core.watcher import Context, Watcher
 from llama_guard.output.eventlog import Emitter
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -129,3 +129,62 @@ def test_the_status_line_shows_the_gpu_ports_fragment_and_survives_a_failing_por
     without = line(None)
     assert line(Fragment("GPU 0 61°C 212 W")) == f"{without}, GPU 0 61°C 212 W"
     assert line(Fragment("")) == without and line(Fragment(None)) == without
+
+
+class DrainOrder(Watcher):
+    """A watcher and a KV slot port that note when a drained server is asked to let go, and its exit."""
+
+    name = "drain-order"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def before_spawn(self, ctx: Context) -> None:
+        return None
+
+    async def restore(self, ctx: Context, pid: int) -> None:
+        return None
+
+    async def after_drain(self, ctx: Context, pid: int) -> None:
+        self.calls.append(f"slots.after_drain({pid})")
+
+    async def before_reset_stop(self, ctx: Context, pid: int) -> None:
+        return None
+
+    async def before_drained_stop(self, ctx: Context, pid: int) -> None:
+        self.calls.append(f"before_drained_stop({pid})")
+
+    def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
+        self.calls.append(f"exit({pid})")
+
+
+def test_a_drained_server_is_let_go_by_every_watcher_after_its_slots_are_saved_and_before_its_sigterm(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    # llama-server's graceful exit waits for the requests it answers and for idle keep-alive
+    # connections: every watcher (the front door's upstream pool, the restart samples) lets go of
+    # the drained server before its SIGTERM, after the slot saves.
+    from llama_guard.core.daemon import Daemon
+    from llama_guard.core.inputs import RestartRequest, StopRequest
+
+    config = _config(tmp_path, llama_server_bin, real_model)
+    order = DrainOrder()
+    daemon = Daemon(config, tmp_path / "lg.toml", Emitter(min_level="critical", fmt="json"),
+                    watchers=[order], slots=order)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(daemon.run())
+        deadline = time.monotonic() + 60
+        while daemon.ctx is None or daemon.ctx.state.phase.value != "ready":
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.05)
+        first = daemon.ctx.state.pid
+        daemon.queue.put_nowait(RestartRequest("test"))
+        while f"exit({first})" not in order.calls:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.05)
+        daemon.queue.put_nowait(StopRequest("test over"))
+        await asyncio.wait_for(task, 30)
+        calls = order.calls[:order.calls.index(f"exit({first})") + 1]
+        assert calls == [f"slots.after_drain({first})", f"before_drained_stop({first})", f"exit({first})"]
+
+    asyncio.run(go())

@@ -163,6 +163,17 @@ class Daemon:
             except Exception as exc:
                 self.emitter.emit("config_error", reason=f"{watcher.name}.{hook} failed: {exc!r}")
 
+    async def _before_drained_stop(self, pid: int) -> None:
+        """Every watcher's :meth:`~Watcher.before_drained_stop` for drained server ``pid``, side by side;
+        a failing watcher is reported, not fatal (the caller bounds the whole)."""
+        assert self.ctx is not None
+        ctx = self.ctx
+        results = await asyncio.gather(*(w.before_drained_stop(ctx, pid) for w in self.watchers),
+                                       return_exceptions=True)
+        for watcher, result in zip(self.watchers, results, strict=True):
+            if isinstance(result, Exception):
+                self.emitter.emit("config_error", reason=f"{watcher.name}.before_drained_stop failed: {result!r}")
+
     # ------------------------------------------------------------ entry point
 
     async def run(self) -> int:
@@ -412,7 +423,8 @@ class Daemon:
             return
         spawner = self.spawner
         gen = ServerWatch(outcome.server, self.ctx, self.lanes, self.tasks, self.start_timeout,
-                          get_key=lambda: spawner.live_key, gpu=self.gpu, slots=self.slots, front=self.front)
+                          get_key=lambda: spawner.live_key, gpu=self.gpu, slots=self.slots, front=self.front,
+                          before_drained_stop=self._before_drained_stop)
         self._gen = gen
         gen.start()
         self.queue.put_nowait(Spawned(gen.pid, outcome.argv))

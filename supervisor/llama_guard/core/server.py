@@ -15,7 +15,7 @@ import contextlib
 import os
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
@@ -67,7 +67,8 @@ class ServerWatch:
 
     def __init__(self, server: ServerProcess, ctx: Context, lanes: dict[LaneKind, Lane],
                  tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str], *,
-                 gpu: GpuPort | None = None, slots: SlotPort | None = None, front: FrontPort | None = None) -> None:
+                 gpu: GpuPort | None = None, slots: SlotPort | None = None, front: FrontPort | None = None,
+                 before_drained_stop: Callable[[int], Awaitable[None]] | None = None) -> None:
         config = ctx.get_config()
         self.server = server
         self.pid = server.pid
@@ -75,6 +76,7 @@ class ServerWatch:
         self._gpu = gpu
         self._slots = slots
         self._front = front
+        self._before_drained_stop = before_drained_stop
         self._lanes = lanes
         self._taskset = tasks
         self._start_timeout = start_timeout
@@ -256,9 +258,13 @@ class ServerWatch:
             await asyncio.wait_for(self._requests_done(), timeout)
             if self._slots is not None:
                 await self._slots.after_drain(self._ctx, self.pid)
-            # llama-server's graceful exit waits for its idle keep-alive connections to be closed:
-            # the probe's go now (the next probe opens a new one), just before the SIGTERM.
-            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
+            # llama-server's graceful exit waits for the requests it answers and its idle keep-alive
+            # connections: the watchers' (front door pool, restart samples) and the probe's go now
+            # (the next probe opens a new one), just before the SIGTERM.
+            with contextlib.suppress(asyncio.TimeoutError):  # bounded: the stop goes on without them
+                if self._before_drained_stop is not None:
+                    await asyncio.wait_for(self._before_drained_stop(self.pid), PROBE_CLOSE_TIMEOUT_S)
+                await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
             self._ctx.post(Drained(self.pid))
 
     async def _save_slots(self) -> None:

@@ -68,6 +68,12 @@ class Watcher:
     def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
         """The server process ``pid`` exited with ``returncode`` (negative: the signal's number)."""
 
+    async def before_drained_stop(self, ctx: Context, pid: int) -> None:
+        """Server ``pid`` was drained (no request in flight, its slots saved) and gets its SIGTERM when
+        every watcher's hook returned (bounded by the caller): finish what is still asking it, ask it
+        nothing more, and close idle connections to it — llama-server's graceful exit waits for the
+        requests it is answering and for idle keep-alive connections."""
+
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """The loop took one ``step`` (every input, whether or not the state or phase changed): the
         state before and after, the input, the actions it is about to carry out. ``ctx.state`` is

@@ -152,7 +152,7 @@ class FrontSource(Watcher):
         if self.forwarder is not None:
             self.forwarder.base_url = new.server.base_url  # a new [server].port restarts the server too
 
-    async def after_drain(self, ctx: Context, pid: int) -> None:
+    async def before_drained_stop(self, ctx: Context, pid: int) -> None:
         """Close the upstream pool's idle connections to the drained server, just before its SIGTERM:
         llama-server's graceful exit waits for idle keep-alive connections."""
         if self.forwarder is not None:

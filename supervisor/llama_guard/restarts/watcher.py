@@ -173,7 +173,7 @@ class ScheduleSource(Watcher):
             self._client = make_client(ctx.get_api_key)
         return None
 
-    async def after_drain(self, ctx: Context, pid: int) -> None:
+    async def before_drained_stop(self, ctx: Context, pid: int) -> None:
         """Just before the drained server's SIGTERM: a sample still asking it finishes first (each of its
         requests bounded by ``[health].timeout_s``), none starts after, and this watcher's idle
         connection is closed — llama-server's graceful exit waits for the requests it is answering
