@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
