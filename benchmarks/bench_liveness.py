@@ -24,9 +24,9 @@ after one warm-up completion. The figure is llama-server's own eval speed
 
 Part 2, a 3-turn chat (``/v1/chat/completions``, a ~600-token system prompt) with liveness rounds
 between the turns (``--turn-gap`` seconds at ``[health].interval_s`` 1 s), for ``--cache-ram 0`` and
-the build's default host prompt cache, ``-np 1`` and ``-np 2``: under llama-guard with the canary on
-(``guard``; ``--chat-variants`` adds ``guard-nocanary``, off), and a bare server beside the requests a
-round used to send (``bare+old-round``, every 1 s).
+the build's default host prompt cache, ``-np 1`` (``--chat-parallel 1,2`` adds ``-np 2``): under
+llama-guard with the canary on (``guard``; ``--chat-variants`` adds ``guard-nocanary``, off), and a bare
+server beside the requests a round used to send (``bare+old-round``, every 1 s).
 Printed per turn: prompt tokens evaluated (``timings.prompt_n``), tokens reused from the cache,
 prompt seconds. A turn that evaluates only its new tokens left the conversation in the KV cache.
 
@@ -387,7 +387,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
     ap.add_argument("--chat-tokens", type=int, default=24, help="max_tokens per chat turn")
-    ap.add_argument("--chat-parallel", default="1,2", help="part 2: the -np values, comma-separated")
+    ap.add_argument("--chat-parallel", default="1",
+                    help="part 2: the -np values, comma-separated (1,2 adds -np 2; tests/test_liveness_real.py has it)")
     ap.add_argument("--chat-variants", default=",".join(DEFAULT_CHAT_VARIANTS),
                     help=f"part 2: comma-separated, of {','.join(CHAT_VARIANTS)}")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")

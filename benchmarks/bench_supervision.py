@@ -311,7 +311,7 @@ def server_version(binary: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of each fault (default 5)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each fault (default 3)")
     ap.add_argument("--interval", type=float, default=0.5, help="[health].interval_s for the hang rounds")
     ap.add_argument("--timeout", type=float, default=1.0, help="[health].timeout_s")
     ap.add_argument("--canary-timeout", type=float, default=2.0, help="[health].canary_timeout_s")

@@ -117,7 +117,7 @@ def measure(fn: Callable[[], object], n: int) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=2000, help="samples per row (median of N)")
+    parser.add_argument("--n", type=int, default=500, help="samples per row (median of N)")
     parser.add_argument("--fds", type=int, default=200, help="files the child holds open")
     parser.add_argument("--threads", type=int, default=20, help="extra threads in the child")
     parser.add_argument("--conns", type=int, default=16, help="loopback connection pairs in the child")
