@@ -214,11 +214,11 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
         path.write_text(good.replace(str(real_model), str(fifo)))
         t0 = time.monotonic()
         for _ in range(8):
-            await asyncio.wait_for(daemon._reload(), 5)
+            await asyncio.wait_for(daemon.reloader.reload(), 5)
             manager.drain()  # as systemd reads: the datagram queue is short
         elapsed = time.monotonic() - t0
         path.write_text(good.replace("threads = 1", "threads = 2"))
-        await asyncio.wait_for(daemon._reload(), 5)
+        await asyncio.wait_for(daemon.reloader.reload(), 5)
         return elapsed
 
     try:
