@@ -204,8 +204,7 @@ class Daemon:
                 **({"the front door's port": front[1]} if front is not None else {})}
 
     def _refuse(self, reason: str) -> int:
-        self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
-        self._exit_code = EXIT_CONFIG
+        self._exit(EXIT_CONFIG, reason)
         return EXIT_CONFIG
 
     async def _run_locked(self) -> int:
