@@ -78,6 +78,11 @@ class GpuSource(Watcher):
         self._baseline_used: int | None = None
 
     @property
+    def degraded(self) -> str:
+        """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
+        return self.sampler.degraded if self.sampler is not None else ""
+
+    @property
     def can_reset(self) -> bool:
         """True once the GPU is watched: a reset can then be verified."""
         return self._can_reset
@@ -263,7 +268,6 @@ class GpuSource(Watcher):
         if self.watch is None:
             return {"watch": "off", "reason": self.off_reason} if self.off_reason else None
         last = self.watch.last_sample
-        degraded = self.sampler.degraded if self.sampler is not None else ""
         return {"identity": None if self.identity is None else self.identity.__dict__,
-                "watch": f"degraded: {degraded}" if degraded else "on",
+                "watch": f"degraded: {self.degraded}" if self.degraded else "on",
                 "sample": None if last is None else sample_to_dict(last)}
