@@ -25,7 +25,8 @@ from llama_guard.config.sections import HealthConfig
 from llama_guard.core.probes import CanaryOutcome, ServerProbe, make_client
 from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context
-from llama_guard.restarts.watcher import ScheduleSource, _fetch_metrics
+from llama_guard.restarts.readings import fetch_metrics
+from llama_guard.restarts.watcher import ScheduleSource
 
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
@@ -105,12 +106,12 @@ def test_metrics_sampling_sends_the_key(keyed_server: str, key_file: tuple[Path,
         assert await source.start(ctx) is None
         try:
             assert source._client is not None
-            text = await _fetch_metrics(source._client, keyed_server, 3.0)
+            text = await fetch_metrics(source._client, keyed_server, 3.0)
             assert text is not None and "llamacpp:" in text
         finally:
             await source.close()
         async with make_client() as bare:
-            assert await _fetch_metrics(bare, keyed_server, 3.0) is None  # 401 without it
+            assert await fetch_metrics(bare, keyed_server, 3.0) is None  # 401 without it
 
     asyncio.run(main())
 

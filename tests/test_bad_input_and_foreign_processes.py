@@ -143,8 +143,8 @@ def test_reload_of_undecodable_file_reports_and_answers_ready(tmp_path: Path) ->
     path.write_bytes(b"\xff\xfe garbage \x00")
 
     async def go() -> None:
-        daemon.ctx = object()  # _reload only needs it for watchers, there are none
-        await daemon._reload()
+        daemon.ctx = object()  # the reload only needs it for watchers, there are none
+        await daemon.reloader.reload()
 
     with contextlib.suppress(UnicodeDecodeError):  # today it escapes _reload
         asyncio.run(go())
@@ -166,7 +166,7 @@ def test_reload_reports_runtime_and_log_changed_but_applies_neither(tmp_path: Pa
 
     async def go() -> None:
         daemon.ctx = object()
-        await daemon._reload()
+        await daemon.reloader.reload()
 
     asyncio.run(go())
     assert daemon.config.runtime.dir == tmp_path / "new"
@@ -187,7 +187,7 @@ def test_reload_that_could_not_start_keeps_the_running_config(tmp_path: Path) ->
 
         async def go() -> None:
             daemon.ctx = object()
-            await daemon._reload()
+            await daemon.reloader.reload()
 
         asyncio.run(go())
         assert daemon.config is before

@@ -214,11 +214,11 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
         path.write_text(good.replace(str(real_model), str(fifo)))
         t0 = time.monotonic()
         for _ in range(8):
-            await asyncio.wait_for(daemon._reload(), 5)
+            await asyncio.wait_for(daemon.reloader.reload(), 5)
             manager.drain()  # as systemd reads: the datagram queue is short
         elapsed = time.monotonic() - t0
         path.write_text(good.replace("threads = 1", "threads = 2"))
-        await asyncio.wait_for(daemon._reload(), 5)
+        await asyncio.wait_for(daemon.reloader.reload(), 5)
         return elapsed
 
     try:
@@ -389,7 +389,7 @@ def test_reloads_leave_no_finished_tasks_behind(tmp_path: Path, llama_server_bin
             os.kill(os.getpid(), signal.SIGHUP)
             await asyncio.sleep(0.005)
         deadline = time.monotonic() + 10
-        reload = daemon._reload_task
+        reload = daemon.reloader.task
         if reload is not None:
             await asyncio.wait([reload], timeout=max(0.0, deadline - time.monotonic()))
         await asyncio.sleep(0.1)
@@ -434,8 +434,8 @@ def test_daemon_reports_a_failing_status_write_as_an_event(tmp_path: Path) -> No
     path = _config(tmp_path, "/bin/true", tmp_path / "m.gguf")
     emitter = _Recorder()
     daemon = Daemon(load_config(path), path, emitter)
-    daemon._write_status()
-    daemon._write_status()
+    daemon.status.write()
+    daemon.status.write()
     events = emitter.named("status_write_failed")
     assert len(events) == 1 and events[0]["runtime_dir"] == str(blocker)
 

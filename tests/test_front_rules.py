@@ -18,7 +18,7 @@ from llama_guard.core.policy import decide
 from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
 from llama_guard.core.types import AfterStop, Params, State
 from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
-from llama_guard.front.forward import REQUEST_DROP, end_to_end
+from llama_guard.front.headers import REQUEST_DROP, end_to_end
 from llama_guard.front.sse import error_event, is_sse
 from llama_guard.output.health import liveness, readiness
 from llama_guard.vocab.phases import Phase

@@ -22,8 +22,7 @@ from llama_guard.core import privileges
 from llama_guard.core.inputs import GpuHolder
 from llama_guard.core.types import Params, initial_state
 from llama_guard.core.watcher import Context
-from llama_guard.gpu import DeviceSelector, Nvml
-from llama_guard.gpu import watcher as gpu_source
+from llama_guard.gpu import DeviceSelector, Nvml, persistence
 from llama_guard.gpu.reset import ResetExecutor, run_bounded
 from llama_guard.gpu.watcher import GpuSource
 
@@ -152,12 +151,13 @@ async def test_missing_command() -> None:
                                                            (1000, False, "needs llama-guard to run as root")])
 async def test_enable_persistence_only_as_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, euid: int,
                                                expect_call: bool, word: str) -> None:
-    monkeypatch.setattr(gpu_source, "reset_precondition", lambda: privileges.reset_precondition(creds_of(euid)))
+    monkeypatch.setattr(persistence, "reset_precondition", lambda: privileges.reset_precondition(creds_of(euid)))
     fake = FakeNvml()
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     events: list[tuple[str, dict[str, object]]] = []
     ctx.emit = lambda name, **f: events.append((name, f))
-    await src._enable_persistence(ctx, {"gpu_index": 0})
+    assert src.nvml is not None
+    await persistence.enable_persistence(ctx, src.nvml, src._gpu_lane, 0)
     assert (fake.calls["nvmlDeviceSetPersistenceMode"] == 1) is expect_call
     assert events and word in str(events[-1][1]["action"])
 

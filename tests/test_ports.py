@@ -124,7 +124,7 @@ def test_the_status_line_shows_the_gpu_ports_fragment_and_survives_a_failing_por
     def line(gpu: Fragment | None) -> str:
         daemon = Daemon(cfg, tmp_path / "lg.toml", Emitter(min_level="critical", fmt="json"),
                         gpu=gpu)  # type: ignore[arg-type]
-        return daemon._status_line()
+        return daemon.status.line()
 
     without = line(None)
     assert line(Fragment("GPU 0 61°C 212 W")) == f"{without}, GPU 0 61°C 212 W"

@@ -11,8 +11,7 @@ import pytest
 from llama_guard.config import ConfigError, load_config
 from llama_guard.config.sections import ScheduleConfig
 from llama_guard.cron import ScheduleError, fire_after, parse_cron, resolve_timezone, validate_cron
-from llama_guard.restarts.schedule import Outcome, PlannedRestarts
-from llama_guard.restarts.watcher import planned_restarts
+from llama_guard.restarts.schedule import Outcome, PlannedRestarts, planned_restarts
 from llama_guard.vocab.events import CATALOG, render_message
 
 UTC = timezone.utc

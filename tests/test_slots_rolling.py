@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config
-from llama_guard.core.types import State
+from llama_guard.core.types import AfterStop, State
 from llama_guard.core.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
@@ -243,6 +243,14 @@ async def test_the_save_after_a_drain_saves_every_changed_slot(rig: Rig) -> None
     assert rig.saved_ids() == [0, 1, 1, 2]
     assert [(e["slot_id"], e["reason"]) for e in rig.named("slot_saved")][2:] == \
         [(1, "planned restart"), (2, "planned restart")]
+
+
+async def test_the_save_after_the_drain_of_a_stop_of_llama_guard_says_so(rig: Rig) -> None:
+    """SIGTERM drains the server too: its saves said "planned restart" although the daemon was stopping."""
+    rig.holder["state"] = State(phase=Phase.DRAINING, pid=PID, after_stop=AfterStop.EXIT)
+    rig.fake.now = [idle(0, 5, 10)]
+    await rig.src.after_drain(rig.ctx, PID)
+    assert [(e["slot_id"], e["reason"]) for e in rig.named("slot_saved")] == [(0, "llama-guard stopping")]
 
 
 @pytest.mark.parametrize("save", ["rolling", "after_drain", "before_reset_stop"])

@@ -1,23 +1,21 @@
 """``llama-guard run``: the asyncio loop that feeds observations to the policy and executes actions.
 
-The loop owns the input queue, the policy state and the action executor. The server's tasks in
-:mod:`.server`, the watchers, signals and timers put :mod:`.policy` inputs on the queue; the
+The loop owns the input queue, the policy state and the serving server's watch. The server's tasks
+in :mod:`.server`, the watchers, signals and timers put :mod:`.policy` inputs on the queue; the
 loop calls :func:`~llama_guard.core.policy.decide`, hands each step to the watchers as one frozen
 :class:`~llama_guard.core.transition.Transition` (state before and after, input, actions, time),
-then carries out the actions. What the daemon asks of a watcher goes through the ports it is handed
-by name (:mod:`.gpu_port`, :mod:`.ports`: the GPU, the child set-up, the KV slots, the front door,
-the exporter), each one or none. Signal handlers only
-enqueue (SIGHUP too). Every wait has a deadline on ``time.monotonic()``.
+then has :class:`~llama_guard.core.executor.Executor` carry out the actions. What the daemon asks
+of a watcher goes through the ports it is handed by name (:mod:`.gpu_port`, :mod:`.ports`: the GPU,
+the child set-up, the KV slots, the front door, the exporter), each one or none. Signal handlers
+only enqueue (SIGHUP too). Every wait has a deadline on ``time.monotonic()``.
 
-The decision step never awaits I/O: the spawn (:mod:`.spawner`), drains, reloads (:mod:`.reload`)
+The decision step never awaits I/O: the spawn (:mod:`.spawner`), drains, reloads (:mod:`.reloader`)
 and GPU requests (:mod:`.gpu_requests`) run as tasks (:mod:`.tasks`) that answer through the
 queue, so watchdog pings and a stop request are handled within a loop turn (``MAX_TICK_S``)
 whatever is waiting. A watcher that raises is reported (``watcher_failed``) and restarted with
 backoff; one that keeps failing or a failure in the daemon's own tasks ends it with exit 70
-(systemd restarts it). Towards systemd: ``STOPPING=1`` when a stop begins, never ``READY=1`` after
-it. The status line and ``status.json`` come from :mod:`llama_guard.output.snapshot`.
-
-One module: the loop, the executor and the reload's apply step share the state the loop owns.
+(systemd restarts it). The status line, ``status.json`` and ``READY=1``/``STOPPING=1`` towards
+systemd come from :class:`~llama_guard.core.announcer.Announcer`.
 """
 
 from __future__ import annotations
@@ -27,37 +25,21 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError
-from llama_guard.core.actions import (
-    Action,
-    CheckVram,
-    Emit,
-    ExitDaemon,
-    FindPortHolder,
-    InspectGpu,
-    Kill,
-    NotifyReady,
-    ReadBuild,
-    RunReset,
-    SaveSlots,
-    Spawn,
-    StartDrain,
-    Terminate,
-)
+from llama_guard.core.announcer import Announcer
 from llama_guard.core.child import kill_and_reap
-from llama_guard.core.facts import find_port_holder, read_build
+from llama_guard.core.executor import Executor
 from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.gpu_requests import GpuRequests
 from llama_guard.core.inputs import (
     Boot,
     Exited,
     Input,
-    ParamsChanged,
     RestartRequest,
     Spawned,
     SpawnFailed,
@@ -69,7 +51,7 @@ from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, Lane
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
 from llama_guard.core.ports import ChildSetupPort, FrontPort, Listening, SlotPort
-from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
+from llama_guard.core.reloader import Reloader, warn_unauthenticated
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
 from llama_guard.core.spawner import Spawner, prepare
@@ -78,13 +60,12 @@ from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, State, initial_state
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
+from llama_guard.output.snapshot import RuntimeFiles
 from llama_guard.output.status import AlreadyRunning
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.vocab.phases import Phase
 
 MAX_TICK_S = 1.0  # the loop wakes at least this often (timers, watchdog)
-STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (the watchers' current readings)
 TASK_CANCEL_TIMEOUT_S = 5.0  # at shutdown: how long the daemon's tasks may take to end
 WATCHER_CLOSE_TIMEOUT_S = 10.0  # at shutdown: how long each watcher's close() may take
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -118,7 +99,6 @@ class Daemon:
         self.gpu = gpu
         self.slots = slots
         self.front = front
-        self.listeners: tuple[Listening, ...] = tuple(p for p in (front, exporter) if p is not None)
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
@@ -130,17 +110,36 @@ class Daemon:
         self.start_timeout = StartTimeout(self.notifier, clock)
         self.stop_timeout = StopTimeout(self.notifier, clock)
         self.ctx: Context | None = None
-        self._gpu: GpuRequests | None = None
         self._gen: ServerWatch | None = None
         self._stop_signals = 0
         self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a watcher's start that waits
-        self._spawn_task: asyncio.Task[None] | None = None
-        self._reload_task: asyncio.Task[None] | None = None
-        self._vram_check: asyncio.Task[None] | None = None
-        self._stopping_sent = False
         self._exit_code: int | None = None
-        self._status_at = float("-inf")
+        self._ending: set[asyncio.Task[None]] = set()  # the ends of servers gone (their probe, log, pidfd)
         self._reset_possible = False
+        self.status = Announcer(self.notifier, self.runtime, emitter, self.watchers, gpu, clock,
+                                state=lambda: self.state, config=lambda: self.config, server=lambda: self._gen)
+        self.executor = Executor(emitter.emit, self.tasks, self.queue.put_nowait, self.lanes,
+                                 server=lambda: self._gen, binary=lambda: self.config.server.binary,
+                                 spawn=self._spawn, ready=self._ready, exit=self._exit)
+        self.reloader = Reloader(config_path, emitter, self.lanes, self.tasks, self.spawner, self.status,
+                                 tuple(p for p in (front, exporter) if p is not None),
+                                 get_config=lambda: self.config, set_config=self._set_config,
+                                 on_reload=self._on_reload, post=self.queue.put_nowait,
+                                 reset_possible=lambda: self._reset_possible)
+
+    def _set_config(self, config: Config) -> None:
+        self.config = config
+
+    def _on_reload(self, old: Config, new: Config) -> None:
+        self._for_watchers("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
+
+    def _ready(self) -> None:
+        self.status.write()
+        self.status.ready()
+
+    def _exit(self, code: int, reason: str) -> None:
+        self.emitter.emit("daemon_exit", exit_code=code, reason=reason)
+        self._exit_code = code
 
     def _fail(self, reason: str) -> None:
         """End the daemon with exit 70 (EXIT_SOFTWARE): systemd restarts it. The server is stopped."""
@@ -204,13 +203,8 @@ class Daemon:
         return {"llama-server's port": self.config.server.port,
                 **({"the front door's port": front[1]} if front is not None else {})}
 
-    def _warn_unauthenticated(self, config: Config) -> None:
-        if not config.server.loopback and not config.server.api_key_file:
-            self.emitter.emit("server_unauthenticated", host=config.server.host, port=config.server.port)
-
     def _refuse(self, reason: str) -> int:
-        self.emitter.emit("daemon_exit", exit_code=EXIT_CONFIG, reason=reason)
-        self._exit_code = EXIT_CONFIG
+        self._exit(EXIT_CONFIG, reason)
         return EXIT_CONFIG
 
     async def _run_locked(self) -> int:
@@ -224,8 +218,8 @@ class Daemon:
                            emit=self.emitter.emit, post=self.queue.put_nowait,
                            post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
                            get_api_key=lambda: self.spawner.live_key)
-        self._gpu = GpuRequests(self.ctx, self.gpu)
-        self._write_status()
+        self.executor.gpu = GpuRequests(self.ctx, self.gpu)
+        self.status.write()
         try:
             try:
                 _, self.spawner.identity = await self.lanes[LaneKind.CONFIG].run(
@@ -238,7 +232,7 @@ class Daemon:
                 for line in exc.lines:
                     self.emitter.emit("config_error", reason=line)
                 return self._refuse(exc.lines[0])
-            self._warn_unauthenticated(self.config)
+            warn_unauthenticated(self.emitter.emit, self.config)
             for watcher in self.watchers:
                 refusal = await self._start_watcher(watcher)
                 if refusal is None:
@@ -297,10 +291,10 @@ class Daemon:
         """One decision: the policy's answer carried out. Never awaits I/O: every wait (the spawn
         and its pre-spawn checks, drains, reloads, resets, a process exit) runs as a task."""
         if isinstance(event, ReloadRequest):
-            self._begin_reload()
+            self.reloader.begin(ending=self.state.phase is Phase.EXITED or self._exit_code is not None)
             return
         if isinstance(event, StopRequest):
-            self._send_stopping()
+            self.status.stopping()
             self._cancel_pending_spawn()
         before, now = self.state, self.clock()
         self.state, actions = decide(before, event, now)
@@ -308,36 +302,24 @@ class Daemon:
         self._for_watchers("on_transition", lambda src, ctx: src.on_transition(ctx, step))
         if self.state.phase is Phase.EXITED or (self.state.phase is Phase.STOPPING
                                                 and self.state.after_stop is AfterStop.EXIT):
-            self._send_stopping()
+            self.status.stopping()
         for action in actions:
-            self._execute(action)
+            self.executor.execute(action)
         gen = self._gen
         if isinstance(event, Exited) and gen is not None and gen.pid == event.pid:
             self._gen = None
             pid, code = event.pid, event.returncode
             self._for_watchers("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
-            self.tasks.start(gen.end(), "end of a server")
-        if self.state.phase is not before.phase:
-            self._write_status()
-            self.notifier.status(self._status_line())
-            if self.state.phase is Phase.STARTING:
-                self.start_timeout.extend()
-        elif self.clock() - self._status_at >= STATUS_REFRESH_S:
-            self._write_status()
+            ending = self.tasks.start(gen.end(), "end of a server")
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
+        self.status.after_step(self.state.phase is not before.phase)
+        if self.state.phase is Phase.STARTING and before.phase is not Phase.STARTING:
+            self.start_timeout.extend()
         if self.state.phase is Phase.WAITING_VRAM:
             self.start_timeout.extend()  # a bounded wait for VRAM is no stuck start (TimeoutStartSec)
-        if self._stopping_sent:
+        if self.status.stopping_sent:
             self.stop_timeout.extend(self.state)  # a stop waiting for a reset is no stuck stop
-
-    def _send_stopping(self) -> None:
-        """``STOPPING=1`` once, when a stop of the daemon begins; no ``READY=1`` after it."""
-        if not self._stopping_sent:
-            self._stopping_sent = True
-            self.notifier.stopping(self._status_line())
-
-    def _ready(self) -> None:
-        if not self._stopping_sent:
-            self.notifier.ready(self._status_line())
 
     # ------------------------------------------------------------ signals (enqueue only)
 
@@ -353,62 +335,14 @@ class Daemon:
     def _on_usr1(self, _sig: int) -> None:
         self.queue.put_nowait(RestartRequest(reason="SIGUSR1 (llama-guard restart)"))
 
-    # ------------------------------------------------------------ actions
-
-    def _execute(self, action: Action) -> None:
-        gen = self._gen
-        if isinstance(action, Emit):
-            self.emitter.emit(action.name, **action.fields)
-        elif isinstance(action, Spawn):
-            self._spawn_task = self.tasks.start(self._spawn(), "spawn")
-        elif isinstance(action, Terminate):
-            if gen is not None and gen.pid == action.pid:
-                gen.signal(signal.SIGTERM)
-                gen.signal(signal.SIGCONT)  # a stopped (SIGSTOP) server acts on SIGTERM only once continued
-        elif isinstance(action, Kill):
-            if gen is not None and gen.pid == action.pid:
-                gen.signal(signal.SIGKILL)
-        elif isinstance(action, NotifyReady):
-            self._write_status()
-            self._ready()
-        elif isinstance(action, StartDrain):
-            if gen is not None and gen.pid == action.pid:
-                gen.drain()
-        elif isinstance(action, SaveSlots):
-            if gen is not None and gen.pid == action.pid:
-                gen.save_slots()
-        elif isinstance(action, (InspectGpu, RunReset)):
-            self.tasks.start(self._reset_step(action), "GPU reset")
-        elif isinstance(action, FindPortHolder):
-            self.tasks.start(self._answer(find_port_holder(action.port, self.lanes[LaneKind.PROC])), "port holder")
-        elif isinstance(action, ReadBuild):
-            build = read_build(self.config.server.binary, self.lanes[LaneKind.PROBE])
-            self.tasks.start(self._answer(build), "llama-server --version")
-        elif isinstance(action, CheckVram):
-            # One check at a time: a poll still running answers for the ones asked meanwhile (a
-            # slow check must not pile up threads that starve the sampler and the loop).
-            if self._vram_check is None or self._vram_check.done():
-                self._vram_check = self.tasks.start(self._check_vram(), "VRAM check")
-        elif isinstance(action, ExitDaemon):
-            self.emitter.emit("daemon_exit", exit_code=action.code, reason=action.reason)
-            self._exit_code = action.code
-
-    async def _answer(self, fact: Awaitable[Input]) -> None:
-        self.queue.put_nowait(await fact)
-
-    async def _check_vram(self) -> None:
-        assert self._gpu is not None
-        self.queue.put_nowait(await self._gpu.check_vram())
-
-    async def _reset_step(self, action: InspectGpu | RunReset) -> None:
-        assert self._gpu is not None
-        self.queue.put_nowait(await self._gpu.reset_step(action))
+    # ------------------------------------------------------------ the spawn
 
     def _cancel_pending_spawn(self) -> None:
         """A stop while the spawn still waits in its pre-spawn checks: abandon them (the task then
         answers SpawnFailed), so the stop is honoured at once rather than after the wait."""
-        if self._spawn_task is not None and not self._spawn_task.done() and self.spawner.cancellable:
-            self._spawn_task.cancel()
+        task = self.executor.spawn_task
+        if task is not None and not task.done() and self.spawner.cancellable:
+            task.cancel()
 
     async def _spawn(self) -> None:
         """Start one server and its watch; always answers Spawned or SpawnFailed (a task)."""
@@ -430,92 +364,19 @@ class Daemon:
         self.queue.put_nowait(Spawned(gen.pid, outcome.argv))
         self._for_watchers("on_spawn", lambda src, ctx: src.on_spawn(ctx, gen.pid))
 
-    # ------------------------------------------------------------ reload
-
-    def _begin_reload(self) -> None:
-        """A queued SIGHUP: ignored (with an event) during a stop or while a reload runs."""
-        if self._stopping_sent or self.state.phase in (Phase.EXITED,) or self._exit_code is not None:
-            self.emitter.emit("reload_ignored", reason="llama-guard is stopping")
-            return
-        if self._reload_task is not None and not self._reload_task.done():
-            self.emitter.emit("reload_ignored", reason="a reload is still running")
-            return
-        self._reload_task = self.tasks.start(self._reload(), "reload")
-
-    async def _reload(self) -> None:
-        """SIGHUP: validate the file, refuse one the server could not start with, apply the rest;
-        always ends with READY=1 unless a stop began meanwhile."""
-        self.notifier.reloading()
-        candidate = await load_candidate(self.config_path, self.lanes, self.emitter.emit)
-        if candidate is None:
-            self._ready()
-            return
-        if self._stopping_sent:
-            self.emitter.emit("reload_ignored", reason="llama-guard began stopping during the reload")
-            return
-        clash = port_clash(candidate.config, [listener.listening for listener in self.listeners])
-        if clash:
-            self.emitter.emit("config_error", reason=f"{self.config_path}: {clash} (keeping the running configuration)")
-            self._ready()
-            return
-        old, new = self.config, candidate.config
-        # A new key (same file, new content) reaches llama-server only by a (drained) restart.
-        server_changed = (new.server != old.server or new.limits != old.limits
-                          or candidate.key != self.spawner.live_key)
-        self.config = new
-        self.spawner.identity = candidate.identity
-        if new.log.level != old.log.level:
-            self.emitter.set_level(new.log.level)
-        if new.runtime.dir != old.runtime.dir:
-            problem = self.runtime.switch(new.runtime.dir)
-            if problem:
-                self.emitter.emit("config_error", reason=f"[runtime].dir: {problem}; keeping {old.runtime.dir}")
-            else:
-                self._write_status()
-        if (new.server.host, new.server.api_key_file) != (old.server.host, old.server.api_key_file):
-            self._warn_unauthenticated(new)
-        self._for_watchers("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
-        emit_reloaded(self.emitter.emit, self.config_path, old, new, key_changed=candidate.key != self.spawner.live_key)
-        self.queue.put_nowait(ParamsChanged(params_from(new, reset_possible=self._reset_possible),
-                                            server_changed))
-        self._ready()
-
-    # ------------------------------------------------------------ status
-
-    def _liveness(self) -> Liveness | None:
-        gen = self._gen
-        if gen is None or gen.answering is None:
-            return None
-        return Liveness(gen.answering, gen.probe.silent_s())
-
-    def _status_line(self) -> str:
-        tps = self._gen.last_eval_tps if self._gen is not None else None
-        return status_line(self.state, self.clock(), tps, self._gpu_fragment(), self._liveness())
-
-    def _gpu_fragment(self) -> str:
-        """The GPU port's part of the status line; empty without one or when it fails."""
-        if self.gpu is None:
-            return ""
-        try:
-            return self.gpu.status_fragment()
-        except Exception:
-            return ""
-
-    def _write_status(self) -> None:
-        self._status_at = self.clock()
-        self.runtime.write(snapshot(self.state, self._status_line(), self.config.server.base_url,
-                                    list(self.emitter.recent), self.watchers, self._liveness()))
-
     # ------------------------------------------------------------ shutdown
 
     async def _cleanup(self) -> None:
-        """Stop everything, each wait bounded: the server (SIGKILL, reaped), the tasks, the watchers."""
-        self._send_stopping()
+        """Stop everything, each wait bounded: the server (SIGKILL, reaped), the ends of servers gone, the
+        tasks, the watchers."""
+        self.status.stopping()
         gen = self._gen
         if gen is not None:
             if gen.server.proc.returncode is None:
                 await kill_and_reap(gen.server)
             await gen.end()
+        if self._ending:  # a server that exited just before: its end closes what it holds, not cancelled
+            await asyncio.wait(self._ending, timeout=TASK_CANCEL_TIMEOUT_S)
         await self.tasks.cancel_all(TASK_CANCEL_TIMEOUT_S)
         for watcher in self.watchers:
             with contextlib.suppress(Exception):

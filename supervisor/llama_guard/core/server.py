@@ -279,14 +279,17 @@ class ServerWatch:
             await self.probe.wait_idle()
 
     async def end(self) -> None:
-        """Cancel this server's tasks and close its probe client, log file and pidfd (bounded)."""
-        for task in self.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.tasks.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
-        if self.log is not None:
-            self.log.close()
-        self.server.close_pidfd()
+        """Cancel this server's tasks and close its probe client, log file and pidfd (bounded); the
+        closing is done even when this is cancelled meanwhile (the daemon's shutdown cancels its tasks)."""
+        try:
+            for task in self.tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        finally:
+            self.tasks.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
+            if self.log is not None:
+                self.log.close()
+            self.server.close_pidfd()

@@ -32,6 +32,7 @@ from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
+from llama_guard.front.crashes import wall_time
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
 
@@ -88,7 +89,7 @@ class FrontSource(Watcher):
                               limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held),
                               refuse_s=lambda: ctx.config.front.crash_refuse_s,
                               announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
-        forwarder.observe(ctx.state)
+        forwarder.suspects.observe(ctx.state)
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
         await forwarder.open()
         try:
@@ -138,13 +139,13 @@ class FrontSource(Watcher):
             stall_s = ctx.config.front.stall_timeout_s
             if stall_s <= 0:
                 continue
-            for pid, waited in self.forwarder.stalled(ctx.clock(), stall_s):
+            for pid, waited in self.forwarder.relay.stalled(ctx.clock(), stall_s):
                 if pid == ctx.state.pid:
                     ctx.post(StreamStalled(pid, waited))
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         if self.forwarder is not None:
-            self.forwarder.observe(step.after)  # before the gate opens to the next server
+            self.forwarder.suspects.observe(step.after)  # before the gate opens to the next server
         if self.admission is not None:
             self.admission.update(step.after)
 
@@ -165,8 +166,6 @@ class FrontSource(Watcher):
         return True
 
     def _crash_refused(self, ctx: Context, fp: Fingerprint, pids: tuple[int, ...], refuse_s: float) -> None:
-        from llama_guard.front.forward import wall_time  # loaded already: the front door is on
-
         ctx.emit("front_request_refused", method=fp.method, path=path_of(fp.target), body_sha256=fp.body_sha256,
                  server_pids=list(pids), refuse_s=round(refuse_s), until=wall_time(refuse_s))
 

@@ -1,13 +1,15 @@
-"""The daemon's GPU watcher and GPU port: NVML samples, the checks before a start and before ready,
-the VRAM facts (through :mod:`.vram_need`), and the GPU reset.
+"""The daemon's GPU watcher and GPU port: it wires the GPU watch's parts to the daemon and answers
+the checks before a start and before ready.
 
 Everything NVML-related goes through :class:`llama_guard.gpu.Nvml` (the one chokepoint). Blocking
 NVML calls run on the GPU lane, each with its deadline; results come back to the loop as events and
 policy inputs (:class:`policy.GpuFault`, the answers of :meth:`GpuSource.ready_check`,
-:meth:`GpuSource.before_spawn`, :meth:`GpuSource.reset`). The Xid events (NVML's and the kernel
-log's) come in through :mod:`.xid_intake`; the pure rules live in :mod:`.rules`, :mod:`.xid` and
-:mod:`.reset`; the server's VRAM need and the VRAM facts in :mod:`.vram_need`. The sampler, the
-VRAM facts and the reset share one NVML handle and the one record of which pid is ours.
+:meth:`GpuSource.before_spawn`, :meth:`GpuSource.reset`). Its parts: the sampling loop
+(:mod:`.sampler`), persistence mode (:mod:`.persistence`), the Xid events of NVML and the kernel log
+(:mod:`.xid_intake`), the reset (:mod:`.reset`'s executor, halting the Xid waiter while it runs),
+the server's VRAM need and the VRAM facts (:mod:`.vram_need`), per-process GPU use (:mod:`.busy`);
+the pure rules live in :mod:`.rules` and :mod:`.xid`. They share one NVML handle and the one record
+of which pid is ours.
 
 ``nvml_module`` (the constructor's) is the pynvml module to use: None is the real ``pynvml``;
 tests pass a scriptable fake (tests/fake_pynvml_mod.py, through tests/run_with_fake_nvml.py).
@@ -21,27 +23,21 @@ import os
 import time
 from typing import Any
 
-import psutil
-
 from llama_guard.config import Config
 from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
-from llama_guard.core.inputs import GpuFault, ResetDone, ResetFacts, VramFacts
+from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import Lane, LaneKind
-from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.types import GpuFaultKind, RecoveryAction
+from llama_guard.core.types import RecoveryAction
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
+from llama_guard.gpu.busy import ProcessBusy
 from llama_guard.gpu.nvml import nvml_step
-from llama_guard.gpu.nvml_errors import NotSupported, NvmlHung, describe
 from llama_guard.gpu.nvml_session import DEFAULT_CALL_TIMEOUT_S
+from llama_guard.gpu.persistence import enable_persistence
 from llama_guard.gpu.readings import GpuSample, sample_to_dict
 from llama_guard.gpu.reset import ResetExecutor
-from llama_guard.gpu.rules import (
-    SampleVerdict,
-    foreign_processes,
-    sample_once,
-    server_on_gpu,
-)
+from llama_guard.gpu.rules import foreign_processes, server_on_gpu
+from llama_guard.gpu.sampler import Sampler
 from llama_guard.gpu.vram_need import VramNeed
 from llama_guard.gpu.xid_intake import XidIntake
 from llama_guard.insight.need_cache import NeedCache
@@ -66,23 +62,25 @@ class GpuSource(Watcher):
         """The server's VRAM need (learned, measured, stated) and the VRAM facts."""
         self._call_timeout_s = nvml_call_timeout_s
         self._hung_as_lost_s = hung_as_lost_s
-        self.degraded = ""
-        """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
         self.kmsg_backoff_s = 1.0
         """The first restart delay of a failed kernel-log reader (s); doubled per failure, at most 30 s."""
         self.nvml: Nvml | None = None
-        self._util_since_us = 0  # NVML timestamp of the newest per-process utilisation sample seen
-        self._util_unsupported = False
+        self._busy = ProcessBusy()
         self.identity: GpuIdentity | None = None
         self.watch: GpuWatch | None = None
         self.executor: ResetExecutor | None = None
         self._xids: XidIntake | None = None  # its Xid threads, once the GPU is watched
+        self.sampler: Sampler | None = None  # its sampling loop, once the GPU is watched
         self._gpu_lane = Lane(LaneKind.GPU)  # the steps of NVML calls (each call has its own deadline)
         self.off_reason = ""
         self._can_reset = False
         self._server_pid: int | None = None
         self._baseline_used: int | None = None
-        self._lost_reported = False
+
+    @property
+    def degraded(self) -> str:
+        """Why the GPU watch is degraded now (an NVML call hangs), else empty."""
+        return self.sampler.degraded if self.sampler is not None else ""
 
     @property
     def can_reset(self) -> bool:
@@ -110,6 +108,10 @@ class GpuSource(Watcher):
         self._can_reset = True
         self._xids = XidIntake(opened, self.identity, self.kmsg_backoff_s)
         self._xids.start(ctx)
+        xids = self._xids
+        self.sampler = Sampler(opened, self.watch, self._gpu_lane, self.identity.index,
+                               hung_as_lost_s=self._hung_as_lost_s, xid_error=lambda: xids.error,
+                               on_sample=self._sampled)
         self.need.learn(ctx.config)
         return None
 
@@ -125,50 +127,15 @@ class GpuSource(Watcher):
     # ------------------------------------------------------------ the sampler
 
     async def run(self, ctx: Context) -> None:
-        if self.nvml is None or self.watch is None:
-            return
-        while True:
-            if self._xids is not None and self._xids.error:
-                raise RuntimeError(self._xids.error)
-            tick = functools.partial(self._tick, self.nvml, self.watch, ctx.clock())
-            result = await nvml_step(self._gpu_lane, tick, "a GPU sample")
-            self._observe_hang(ctx, result.error if result is not None else None)
-            if result is not None:
-                await self._on_tick(ctx, result)
-            await asyncio.sleep(ctx.config.gpu.sample_interval_s)
+        if self.sampler is not None:
+            await self.sampler.run(ctx)
 
-    def _observe_hang(self, ctx: Context, error: BaseException | None) -> None:
-        """A hung NVML call: ``gpu_nvml_timeout`` once, the watch degraded, a lost GPU if it stays."""
-        index = self._index(ctx.config)
-        if not isinstance(error, NvmlHung):
-            if self.degraded and error is None:
-                self.degraded = ""
-                ctx.emit("gpu_recovered", gpu_index=index, reason="NVML calls return again")
-            return
-        assert self.nvml is not None
-        stuck = self.nvml.stuck_call
-        call, stuck_s = stuck if stuck is not None else (error.call, error.timeout_s)
-        if not self.degraded:
-            self.degraded = f"NVML call {call} hangs"
-            ctx.emit("gpu_nvml_timeout", gpu_index=index, call=call, timeout_s=error.timeout_s,
-                     effect=f"no GPU readings; counted as a lost GPU after {self._hung_as_lost_s:.0f} s")
-        if stuck_s >= self._hung_as_lost_s and not self._lost_reported:
-            self._lost_reported = True
-            reason = f"NVML call {call} has not returned for {stuck_s:.0f} s"
-            ctx.emit("gpu_lost", gpu_index=index, reason=reason, error="NvmlHung", nvml_code=-2, reminder=False)
-            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, reason, gpu_index=index))
-
-    async def _on_tick(self, ctx: Context, result: SampleVerdict) -> None:
-        for name, fields in result.events:
-            ctx.emit(name, **fields)
-        if result.lost and result.error is not None and not self._lost_reported:
-            self._lost_reported = True
-            ctx.post(GpuFault(GpuFaultKind.GPU_LOST, describe(result.error), gpu_index=self._index(ctx.config)))
-        elif result.sample is not None:
-            self._lost_reported = False
-            self.need.measure(ctx, result.sample, self._server_pid)
-            if result.persistence_off and ctx.config.gpu.enable_persistence:
-                await self._enable_persistence(ctx, {"gpu_index": result.sample.identity.index})
+    async def _sampled(self, ctx: Context, sample: GpuSample, persistence_off: bool) -> None:
+        """A good sample: the server's VRAM measured, persistence mode turned on if asked."""
+        self.need.measure(ctx, sample, self._server_pid)
+        if persistence_off and ctx.config.gpu.enable_persistence:
+            assert self.nvml is not None
+            await enable_persistence(ctx, self.nvml, self._gpu_lane, sample.identity.index)
 
     async def vram_facts(self, ctx: Context) -> VramFacts | None:
         """The GPU's free VRAM, what the server needs and the other processes holding VRAM, from one
@@ -192,30 +159,6 @@ class GpuSource(Watcher):
             return await nvml_step(self._gpu_lane, self.nvml.recovery_action, "the recovery action")
         except NvmlError:
             return None
-
-    def _tick(self, nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:
-        """One sampler tick, or None while a reset holds our NVML session released."""
-        if nvml.suspended:
-            return None
-        return sample_once(nvml, watch, now)
-
-    async def _enable_persistence(self, ctx: Context, fields: dict[str, Any]) -> None:
-        """Turn persistence mode on ([gpu].enable_persistence, root only); reports the outcome."""
-        index = fields.get("gpu_index")
-        if reset_precondition():  # the same credentials: root with CAP_SYS_ADMIN
-            ctx.emit("gpu_persistence_off", gpu_index=index,
-                     action="not changed: [gpu].enable_persistence needs llama-guard to run as root "
-                            "with CAP_SYS_ADMIN")
-            return
-        nvml = self.nvml
-        assert nvml is not None
-        try:
-            await nvml_step(self._gpu_lane, lambda: nvml.set_persistence(True), "enabling persistence mode")
-        except NvmlError as exc:
-            ctx.emit("gpu_persistence_off", gpu_index=index, action=f"could not enable it: {exc}")
-            return
-        ctx.emit("gpu_persistence_off", gpu_index=index,
-                 action="enabled by llama-guard ([gpu].enable_persistence); prefer nvidia-persistenced")
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.executor is not None:  # a new model or settings: learn its need before its first start
@@ -280,8 +223,8 @@ class GpuSource(Watcher):
     async def reset(self, ctx: Context, gpu_index: int | None) -> ResetDone:
         assert self.executor is not None
         done = await self.executor.run(ctx.config, gpu_index)
-        if done.ok:
-            self._lost_reported = False
+        if done.ok and self.sampler is not None:
+            self.sampler.lost_reported = False
         return done
 
     def _index(self, config: Config) -> int:
@@ -299,21 +242,10 @@ class GpuSource(Watcher):
             self._xids.resume()
 
     def gpu_busy(self, pid: int) -> bool | None:
-        """Whether server ``pid`` or a descendant (a wrapper's real llama-server) used the GPU since
-        the previous call, from NVML's per-process utilisation samples (:meth:`Nvml.process_busy`).
-        None when the watch is off or this GPU keeps no such samples (then never asked again in
-        this session) or NVML fails. Called from the progress sampler's worker thread."""
-        if self.nvml is None or self._util_unsupported:
-            return None
-        try:
-            pids = frozenset({pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))})
-            busy, self._util_since_us = self.nvml.process_busy(pids, self._util_since_us)
-        except NotSupported:
-            self._util_unsupported = True
-            return None
-        except (NvmlError, psutil.Error):
-            return None
-        return busy
+        """Whether server ``pid`` or a descendant used the GPU since the previous call
+        (:class:`~llama_guard.gpu.busy.ProcessBusy`); None when it cannot be told. Blocking: called
+        from the progress sampler's worker thread."""
+        return self._busy.busy(self.nvml, pid)
 
     def last_sample(self) -> GpuSample | None:
         """The latest NVML sample of the watched GPU (frozen); None while the watch is off or before

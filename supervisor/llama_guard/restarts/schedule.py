@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
 
+from llama_guard.config.sections import ScheduleConfig
 from llama_guard.cron import ParsedCron, fire_after, parse_cron, resolve_timezone, validate_timezone
 from llama_guard.vocab.events import EventName
 
@@ -148,7 +149,7 @@ def _require_aware(value: datetime, name: str) -> None:
 class PlannedRestarts:
     """The planned-restart schedule, driven by the daemon's loop with an injected wall clock.
 
-    Build it from ``[schedule]`` (``restarts.watcher.planned_restarts``); call :meth:`due` about
+    Build it from ``[schedule]`` (:func:`planned_restarts`); call :meth:`due` about
     once a second from the daemon loop and act on the :class:`Decision`; call :meth:`next_fire`
     for ``llama-guard status``.
     With ``cron=""`` (disabled) every answer is WAIT and :meth:`next_fire` is ``None``.
@@ -309,3 +310,13 @@ def _iso(value: datetime | None) -> str:
 def _zone_name(tz: tzinfo) -> str:
     key = getattr(tz, "key", None)
     return key if isinstance(key, str) else str(tz)
+
+
+def planned_restarts(config: ScheduleConfig, *, now_wall: datetime, rng: random.Random | None = None,
+                     last_handled_wall: datetime | None = None) -> PlannedRestarts:
+    """The planned-restart clock of ``[schedule]``: restart_cron, timezone, jitter_s, min_uptime_s,
+    misfire_grace_s; ``now_wall`` is an aware datetime. Raises ScheduleError on a bad expression."""
+    return PlannedRestarts(cron=config.restart_cron, now_wall=now_wall, timezone=config.timezone,
+                           jitter_s=config.jitter_s, min_uptime_s=config.min_uptime_s,
+                           misfire_grace_s=config.misfire_grace_s, rng=rng or random.Random(),
+                           last_handled_wall=last_handled_wall)

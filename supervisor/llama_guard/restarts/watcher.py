@@ -14,15 +14,9 @@ counters. A trigger past its opt-in bound reports ``decay_detected`` and asks fo
 drained restart.
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
-followed through the records the loop publishes (:meth:`on_transition`,
-:class:`~llama_guard.core.transition.Transition`): it begins (a drain, or a stop at once), its
-server is stopped (drained or not), the new server is ready; a crash while draining is seen by
-:meth:`on_exit`. The record
-(:class:`~llama_guard.restarts.history.RestartRecord`: uptime, drained or timed out, seconds
-unavailable = what clients saw: SIGTERM → READY, or with the front door on the drain's start → READY,
-since it holds their requests from then; tokens/s and VRAM before) is reported as ``planned_restart_done``
-when the new server is ready; its "after" figures (the new server's baselines) are filled in
-later and shown by ``llama-guard status``.
+followed through the records the loop publishes (:meth:`on_transition`, :meth:`on_exit`) into its
+record (:mod:`.follow`: ``planned_restart_done``), shown by ``llama-guard status``. The readings
+(anonymous memory, VRAM, ``/metrics``) come from :mod:`.readings`.
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,7 +31,7 @@ from typing import Any
 from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config
 from llama_guard.config.sections import ScheduleConfig
-from llama_guard.core.client import RequestFailed, ServerClient
+from llama_guard.core.client import ServerClient
 from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.probes import make_client
@@ -49,71 +42,23 @@ from llama_guard.core.watcher import Context, Watcher
 from llama_guard.cron import ScheduleError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
-from llama_guard.restarts.history import RestartHistory, RestartRecord
-from llama_guard.restarts.schedule import Decision, Outcome, PlannedRestarts
-from llama_guard.units import MIB
+from llama_guard.restarts.follow import RestartFollower
+from llama_guard.restarts.history import RestartHistory
+from llama_guard.restarts.readings import fetch_metrics, read_anon_memory_mib, server_vram_mib
+from llama_guard.restarts.schedule import Decision, Outcome, PlannedRestarts, planned_restarts
 from llama_guard.vocab.phases import Phase
 
 TICK_S = 1.0              # how often the schedule is asked
 SAMPLE_INTERVAL_S = 10.0  # how often RSS, VRAM and /metrics are sampled while the server serves
-#: The restart record's ``kind`` for each cause (a decay restart records its trigger instead).
-_KIND = {RestartCause.SCHEDULE: "scheduled", RestartCause.DECAY: "decay", RestartCause.OPERATOR: "requested",
-         RestartCause.CONFIG_CHANGE: "requested"}
 
-__all__ = ["SAMPLE_INTERVAL_S", "TICK_S", "ScheduleSource", "anon_memory_mib", "read_anon_memory_mib"]
+__all__ = ["SAMPLE_INTERVAL_S", "TICK_S", "ScheduleSource"]
 
 
 def _utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def read_anon_memory_mib(pid: int) -> float | None:
-    """The anonymous memory of ``pid`` in MiB: ``RssAnon + VmSwap`` of ``/proc/PID/status`` (kB).
-
-    Anonymous pages are what the server allocated (the memory-mapped model file's pages are
-    file-backed, left out); swap is added because a leak the kernel paged out still leaks (a
-    public report: 9.35 GiB anonymous after 5.5 h while VmRSS showed ~70 MiB). ``None`` when the
-    process is gone or its status unreadable (a kernel without the fields: before Linux 4.5).
-    """
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return anon_memory_mib(text)
-
-
-def anon_memory_mib(status_text: str) -> float | None:
-    """``RssAnon + VmSwap`` (MiB) from the text of a ``/proc/PID/status``; None without ``RssAnon``."""
-    fields: dict[str, int] = {}
-    for line in status_text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("RssAnon", "VmSwap"):
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                fields[key] = int(parts[0])
-    if "RssAnon" not in fields:
-        return None
-    return (fields["RssAnon"] + fields.get("VmSwap", 0)) * 1024 / MIB
-
-
-async def _fetch_metrics(client: ServerClient, base_url: str, timeout_s: float) -> str | None:
-    try:
-        resp = await client.get(f"{base_url}/metrics", timeout_s=timeout_s)
-    except RequestFailed:
-        return None
-    return resp.text if resp.status == 200 else None
-
-
 WARM_TIMEOUT_S = 10.0  # counting the model file's cached pages and asking for the rest (seconds)
-
-
-@dataclass
-class _Pending:
-    """A planned restart between its drain and the new server's READY."""
-
-    pid: int | None
-    stop_mono: float | None = None
-    held_from: float | None = None  # with the front door on: its requests are held from the drain's start
 
 
 class ScheduleSource(Watcher):
@@ -142,13 +87,10 @@ class ScheduleSource(Watcher):
         self._client: ServerClient | None = None
         self.schedule: PlannedRestarts | None = None
         self.monitor: DecayMonitor = DecayMonitor()
-        self.history: RestartHistory = RestartHistory()
+        self.follower = RestartFollower()
         self._pid: int | None = None
         self._start_wall: datetime | None = None
         self._start_mono: float | None = None
-        self._post_kind: str | None = None       # the decay trigger we asked a restart for, until it begins
-        self._pending: _Pending | None = None
-        self._after_pid: int | None = None       # the server whose baselines are the last record's "after"
         self._decay: tuple[int, DecayDecision] | None = None  # a fired trigger waiting for READY
         self._last_decision: dict[str, object] | None = None
         self._metrics_warned = False
@@ -161,6 +103,11 @@ class ScheduleSource(Watcher):
     def _build_schedule(self, cfg: ScheduleConfig) -> PlannedRestarts:
         return planned_restarts(cfg, now_wall=self._wall(), rng=self._rng)
 
+    @property
+    def history(self) -> RestartHistory:
+        """The record of planned restarts."""
+        return self.follower.history
+
     async def start(self, ctx: Context) -> str | None:
         cfg = ctx.config.schedule
         try:
@@ -168,7 +115,7 @@ class ScheduleSource(Watcher):
         except (ScheduleError, ValueError) as exc:
             return f"[schedule]: {exc}"
         self.monitor = DecayMonitor.from_config(cfg, host_cache_cap_mib(ctx.config.server))
-        self.history = RestartHistory(cfg.history_size)
+        self.follower.history = RestartHistory(cfg.history_size)
         if self._metrics_reader is None:
             self._client = make_client(ctx.get_api_key)
         return None
@@ -208,7 +155,7 @@ class ScheduleSource(Watcher):
             self.monitor = DecayMonitor.from_config(n, host_cache_cap_mib(new.server))
             self.monitor.reset(self._start_mono)
         if o.history_size != n.history_size:
-            self.history = RestartHistory(n.history_size, self.history.records())
+            self.follower.history = RestartHistory(n.history_size, self.history.records())
 
     # ------------------------------------------------------------ the server's life
 
@@ -222,42 +169,19 @@ class ScheduleSource(Watcher):
     def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
         if pid == self._pid:
             self._pid = None
-        pending = self._pending
-        if pending is not None and pending.pid == pid and pending.stop_mono is None:
-            # It ended before the stop was asked for (a crash while draining).
-            pending.stop_mono = ctx.clock()
-            self.history.update_last(drained=False, server_exited=True)
+        self.follower.exited(pid, ctx.clock())
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """Follow a planned restart through the loop's records (never event names)."""
-        pending = self._pending
         if step.restart_begins:
-            pending = self._begin(ctx, step)
-        if step.entered(Phase.DRAINING) and pending is not None and pending.pid == step.before.pid:
+            self.follower.begin(step, self.monitor, wall=self._wall(), front_on=ctx.config.front.address is not None)
+            self._spawn_task(self._warm_model(ctx))
+        if step.entered(Phase.DRAINING) and self.follower.follows(step.before.pid):
             self._spawn_task(self._sample(ctx))  # "just before" figures while it drains
-        if step.planned_stop and pending is not None and pending.pid == step.before.pid and pending.stop_mono is None:
-            pending.stop_mono = step.at
-            self.history.update_last(drained=step.drained, **self._before_figures())
+        self.follower.stopped(step, self.monitor)
         if step.entered(Phase.READY):
-            self._on_ready(ctx, step.after.pid)
-
-    def _begin(self, ctx: Context, step: Transition) -> _Pending:
-        """A planned restart of ``step.before``'s server begins: its record is opened."""
-        cause = step.after.failure.cause
-        kind = _KIND.get(cause, cause.value)
-        if cause is RestartCause.DECAY and self._post_kind is not None:
-            kind = self._post_kind  # the trigger that fired: vram_growth, rss_growth, speed_drop
-        self._post_kind = None
-        ready_at = step.before.ready_at
-        self.history.begin(RestartRecord(
-            kind=kind, reason=step.after.fault, requested_at=self._wall(),
-            uptime_s=step.at - ready_at if ready_at is not None else 0.0,
-            tokens_per_s_before=self.monitor.speed.last_window_tps, vram_mib_before=self.monitor.vram.last_mib))
-        self._pending = _Pending(pid=step.before.pid,
-                                 held_from=step.at if ctx.config.front.address is not None else None)
-        self._spawn_task(self._warm_model(ctx))
-        self._after_pid = None
-        return self._pending
+            self.follower.ready(ctx, step.after.pid)
+            self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
 
     async def _warm_model(self, ctx: Context) -> None:
         """While the old server drains: the model file into the page cache for the new one
@@ -271,38 +195,6 @@ class ScheduleSource(Watcher):
             return  # the spawn's own model check names a file that cannot be opened or does not answer
         if not warmth.fits:
             ctx.emit("model_page_cache_short", **warmth.fields(model))
-
-    def _on_ready(self, ctx: Context, pid: int | None) -> None:
-        pending = self._pending
-        if pending is not None and pending.stop_mono is not None and pid != pending.pid:
-            self._pending = None
-            since = pending.held_from if pending.held_from is not None else pending.stop_mono
-            record = self.history.update_last(unavailable_s=round(ctx.clock() - since, 3))
-            if record is not None:
-                ctx.emit("planned_restart_done", server_pid=pid, **record.fields())
-            self._after_pid = pid
-        self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
-
-    def _before_figures(self) -> dict[str, float | None]:
-        return {"tokens_per_s_before": self.monitor.speed.last_window_tps,
-                "vram_mib_before": self.monitor.vram.last_mib}
-
-    def _fill_after(self) -> None:
-        """The new server's baselines are the "after" figures of the last planned restart."""
-        if self._after_pid is None or self._after_pid != self._pid:
-            return
-        last = self.history.last()
-        if last is None:
-            return
-        changes: dict[str, float] = {}
-        if last.tokens_per_s_after is None and self.monitor.speed.baseline_tps is not None:
-            changes["tokens_per_s_after"] = round(self.monitor.speed.baseline_tps, 3)
-        if last.vram_mib_after is None and self.monitor.vram.baseline_mib is not None:
-            changes["vram_mib_after"] = round(self.monitor.vram.baseline_mib, 1)
-        if changes:
-            self.history.update_last(**changes)
-        if self.monitor.speed.baseline_tps is not None and self.monitor.vram.baseline_mib is not None:
-            self._after_pid = None
 
     # ------------------------------------------------------------ the loops
 
@@ -330,7 +222,7 @@ class ScheduleSource(Watcher):
         if self._decay is not None and serving and ctx.state.pid == self._decay[0]:
             _, fired = self._decay
             self._decay = None
-            self._post_kind = fired.trigger.value
+            self.follower.decay_trigger = fired.trigger.value
             ctx.post(RestartRequest(f"decay: {fired.reason}", cause=RestartCause.DECAY, drain=True))
             return None
         if self.schedule is None:
@@ -365,14 +257,14 @@ class ScheduleSource(Watcher):
             rss = None
         if rss is not None and self._pid == pid:
             self._observe(ctx, pid, self.monitor.observe_rss(ctx.clock(), rss))
-        vram = self._vram_mib(pid)
+        vram = server_vram_mib(self._gpu_sample(), pid)
         if vram is not None and self._pid == pid:
             self._observe(ctx, pid, self.monitor.observe_vram(ctx.clock(), vram))
         cfg = ctx.config
         if self._metrics_reader is not None:
             text = await self._metrics_reader(cfg.server.base_url, cfg.health.timeout_s)
         elif self._client is not None:
-            text = await _fetch_metrics(self._client, cfg.server.base_url, cfg.health.timeout_s)
+            text = await fetch_metrics(self._client, cfg.server.base_url, cfg.health.timeout_s)
         else:
             text = None
         if text is None or self._pid != pid:
@@ -390,15 +282,7 @@ class ScheduleSource(Watcher):
         if decision.fire and self._decay is None:
             ctx.emit("decay_detected", server_pid=pid, **decision.fields())
             self._decay = (pid, decision)
-        self._fill_after()
-
-    def _vram_mib(self, pid: int) -> float | None:
-        """The server's VRAM (MiB) from the GPU watcher's last NVML sample, if it lists the pid."""
-        sample = self._gpu_sample()
-        for proc in (sample.processes or ()) if sample is not None else ():
-            if proc.pid == pid and proc.used_bytes is not None:
-                return proc.used_bytes / MIB
-        return None
+        self.follower.fill_after(self._pid, self.monitor)
 
     # ------------------------------------------------------------ status
 
@@ -415,12 +299,3 @@ class ScheduleSource(Watcher):
             "history": self.history.to_json(),
         }
 
-
-def planned_restarts(config: ScheduleConfig, *, now_wall: datetime, rng: random.Random | None = None,
-                     last_handled_wall: datetime | None = None) -> PlannedRestarts:
-    """The planned-restart clock of ``[schedule]``: restart_cron, timezone, jitter_s, min_uptime_s,
-    misfire_grace_s; ``now_wall`` is an aware datetime. Raises ScheduleError on a bad expression."""
-    return PlannedRestarts(cron=config.restart_cron, now_wall=now_wall, timezone=config.timezone,
-                           jitter_s=config.jitter_s, min_uptime_s=config.min_uptime_s,
-                           misfire_grace_s=config.misfire_grace_s, rng=rng or random.Random(),
-                           last_handled_wall=last_handled_wall)

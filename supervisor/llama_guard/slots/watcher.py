@@ -1,8 +1,10 @@
 """The slots watcher: saves each slot's KV cache and restores it into the next server, verified.
 
-- Planned restarts (schedule, ``llama-guard restart``, reload, decay): after the drain
-  (:meth:`SlotsSource.after_drain`: no slot processing, clients held by the front door) every slot
-  whose tokens changed since its last save is saved, within ``[slots].save_timeout_s``.
+- Planned restarts (schedule, ``llama-guard restart``, reload, decay) and a drained stop of
+  llama-guard: after the drain (:meth:`SlotsSource.after_drain`: no slot processing, clients held
+  by the front door) every slot whose tokens changed since its last save is saved, within
+  ``[slots].save_timeout_s``; ``slot_saved`` names which of the two (from the policy's
+  :class:`~llama_guard.core.types.AfterStop`).
 - Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
   processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
   hang loses at most what changed since.
@@ -39,6 +41,7 @@ from llama_guard.core.inputs import RequestCompleted
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.transition import Transition
+from llama_guard.core.types import AfterStop
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
@@ -222,12 +225,14 @@ class SlotsSource(Watcher):
     # ------------------------------------------------------------ saves
 
     async def after_drain(self, ctx: Context, pid: int) -> None:
-        """Save the changed slots of drained server ``pid`` (bounded by ``[slots].save_timeout_s``)."""
+        """Save the changed slots of drained server ``pid`` (bounded by ``[slots].save_timeout_s``); the
+        reason is what follows its stop: the daemon's exit, or else a planned restart."""
         if self.store is None:
             return
         bound = ctx.config.slots.save_timeout_s
+        reason = "llama-guard stopping" if ctx.state.after_stop is AfterStop.EXIT else "planned restart"
         try:
-            await asyncio.wait_for(self._save_changed(ctx, pid, "planned restart", retry_failed=True), bound)
+            await asyncio.wait_for(self._save_changed(ctx, pid, reason, retry_failed=True), bound)
         except asyncio.TimeoutError:
             ctx.emit("slot_save_failed", slot_id=None, server_pid=pid,
                      error=f"the saves took longer than [slots].save_timeout_s ({bound:g} s)")

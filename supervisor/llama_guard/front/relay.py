@@ -1,0 +1,163 @@
+"""Relaying an answer that began in llama-server to the client, byte for byte as it comes.
+
+Nothing of a begun answer is replayed. A body cut by a server failure ends, for
+``text/event-stream``, with one SSE error event and a closed body (:mod:`llama_guard.front.sse`);
+any other body is cut short (the connection is closed before its end), so that the client can tell
+it is incomplete. Outcomes are typed inputs to the policy: a generation or embedding answered in
+full whose answer proves the server decoded (:mod:`llama_guard.front.decoded`; any other 2xx proves
+nothing) is :class:`RequestCompleted`, a 5xx is :class:`UpstreamError`, the first byte of a held
+request's 2xx answer is :class:`FirstToken`; :meth:`Relay.stalled` finds streams that stopped
+(seconds of monotonic ``clock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import hdrs, web
+
+from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, UpstreamError
+from llama_guard.core.suspects import Fingerprint
+from llama_guard.front.admission import FailReason
+from llama_guard.front.crashes import CrashSuspects
+from llama_guard.front.decoded import Witness
+from llama_guard.front.endpoints import Work
+from llama_guard.front.headers import RESPONSE_DROP, end_to_end
+from llama_guard.front.metrics import FrontMetrics
+from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
+
+
+class SizedAnswer(web.StreamResponse):
+    """A relayed answer of known length (``Content-Length``: a whole JSON answer, which llama-server
+    writes at once): its status line and headers go out in one write with its first body bytes — one
+    send and one wake-up of the client instead of two. (A stream's headers go out at once, as
+    llama-server sends them before its first token.) aiohttp's own ``web.Response`` sets the same
+    class attribute (``aiohttp/web_response.py``); a write of no bytes sends the headers alone."""
+
+    _send_headers_immediately = False
+
+
+@dataclass(eq=False)
+class Flight:
+    """One answer being relayed from server ``pid``: ``began`` once its first body byte came;
+    ``waiting_since`` (monotonic) while the relay waits for the next byte from the server;
+    ``reported_at`` when it was last reported stalled."""
+
+    pid: int
+    began: bool = False
+    waiting_since: float | None = None
+    reported_at: float | None = None
+
+
+class Relay:
+    """Copies begun answers to their clients; :attr:`flights` are those being relayed. ``post``
+    queues a policy input; ``suspects`` hears of each answer in full and each cut."""
+
+    def __init__(self, metrics: FrontMetrics, suspects: CrashSuspects, *, post: Callable[[Input], None],
+                 clock: Callable[[], float]) -> None:
+        self._metrics = metrics
+        self._suspects = suspects
+        self._post = post
+        self._clock = clock
+        self.flights: set[Flight] = set()
+
+    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
+                    pid: int, work: Work | None, fp: Fingerprint, *, held: bool) -> web.StreamResponse:
+        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes; a
+        2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
+        Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it.
+        ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
+        flight = Flight(pid)
+        plain = upstream.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() == "identity"
+        witness = Witness(work) if work is not None and plain and 200 <= upstream.status < 300 else None
+        self.flights.add(flight)
+        complete = False
+        try:
+            sized = upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers
+            out = (SizedAnswer if sized else web.StreamResponse)(
+                status=upstream.status, reason=upstream.reason, headers=end_to_end(upstream.headers, RESPONSE_DROP))
+            if sized:
+                out.content_length = upstream.content_length
+            elif upstream.connection is not None and upstream.connection.protocol is not None:
+                # llama-server closes its connection right after an answer of unknown length (a
+                # stream), whatever its Keep-Alive header says: back in the pool, it would take the
+                # next request to a closing connection (failed unanswered, replayed after a pause).
+                upstream.connection.protocol.force_close()
+            sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
+            if sse:
+                out.headers.setdefault(*NO_BUFFERING)
+            try:
+                await out.prepare(request)
+            except ConnectionError:
+                return out  # the client left
+            while True:
+                flight.waiting_since = self._clock()
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, OSError):
+                    self._suspects.failed_under(fp, pid)
+                    return await self._cut(request, out, sse, pid)
+                finally:
+                    flight.waiting_since = None
+                if not chunk:
+                    break
+                try:
+                    await out.write(chunk)  # first: the bytes go out before anything else is done with them
+                except ConnectionError:  # the client left: llama-server sees its connection close
+                    self._metrics.requests.labels(str(upstream.status)).inc()
+                    return out
+                if held and not flight.began and 200 <= upstream.status < 300:
+                    self._post(FirstToken(pid))
+                flight.began = True
+                if witness is not None:
+                    witness.feed(chunk)
+            complete = True
+            self._suspects.answered(fp)
+            with contextlib.suppress(ConnectionError):
+                await out.write_eof()
+            self._metrics.requests.labels(str(upstream.status)).inc()
+            if witness is not None and witness.decoded():
+                self._post(RequestCompleted(pid, witness.reuse()))
+            elif upstream.status >= 500:
+                self._post(UpstreamError(pid, upstream.status))
+            return out
+        finally:
+            self.flights.discard(flight)
+            if complete:
+                upstream.release()  # back to the pool (an answer of unknown length: closed, see above)
+            else:
+                upstream.close()  # llama-server sees the connection close and stops the task
+
+    async def _cut(self, request: web.BaseRequest, out: web.StreamResponse, sse: bool,
+                   pid: int) -> web.StreamResponse:
+        """The server failed in the middle of an answer: end it as an error, never replay it."""
+        self._metrics.requests.labels("cut").inc()
+        self._metrics.failed.labels(FailReason.STREAM_CUT.value).inc()
+        if sse:
+            with contextlib.suppress(ConnectionError):
+                await out.write(error_event(f"llama-server (pid {pid}) failed while this response was "
+                                            "streaming; the response is incomplete"))
+                await out.write_eof()
+            return out
+        with contextlib.suppress(ConnectionError):
+            await out.write(b"")  # the headers, if no body byte took them along yet
+        if request.transport is not None:
+            request.transport.close()  # what was written is flushed, then the body ends short
+        return out
+
+    def stalled(self, now: float, stall_s: float) -> list[tuple[int, float]]:
+        """``(pid, seconds)`` of each begun answer that has waited ``stall_s`` seconds or more for
+        its next byte from the server (again each further ``stall_s``); marks them reported."""
+        out = []
+        for flight in self.flights:
+            since = flight.waiting_since
+            if not flight.began or since is None or now - since < stall_s:
+                continue
+            if flight.reported_at is not None and now - flight.reported_at < stall_s:
+                continue
+            flight.reported_at = now
+            out.append((flight.pid, now - since))
+        return out
