@@ -77,25 +77,20 @@ class ChildSetup:
 
 @dataclass
 class ServerProcess:
-    """A running llama-server: ``pid`` is also its process-group id."""
+    """A running llama-server: ``pid`` is also its process-group id. ``output`` reads the one pipe
+    its stdout and stderr share (its read end, made by :func:`spawn`), ``output_inode`` that pipe's
+    inode, for :func:`pipe_holders`; ``pidfd`` learns its exit."""
 
     proc: asyncio.subprocess.Process
     argv: list[str]
+    output: asyncio.StreamReader
+    output_inode: int
+    output_transport: asyncio.ReadTransport = field(repr=False)
     pidfd: int | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def pipe_inode(self) -> int | None:
-        """The inode of the stdout pipe (shared by both ends), for :func:`pipe_holders`."""
-        transport = getattr(self.proc, "_transport", None)
-        pipe = transport.get_pipe_transport(1) if transport is not None else None
-        info = pipe.get_extra_info("pipe") if pipe is not None else None
-        try:
-            return os.fstat(info.fileno()).st_ino if info is not None else None
-        except (OSError, ValueError):
-            return None
 
     async def exited(self) -> int | None:
         """Wait until the process has exited and return its status (negative: killed by that
@@ -133,12 +128,14 @@ class ServerProcess:
             await asyncio.sleep(0.005)
         return self.proc.returncode
 
-    def close_pidfd(self) -> None:
-        """Release the pidfd (idempotent)."""
+    def close(self) -> None:
+        """Release the pidfd and the output pipe's read end (idempotent): a grandchild that still
+        holds the write end then gets EPIPE, never a pipe that fills up."""
         if self.pidfd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.pidfd)
             self.pidfd = None
+        self.output_transport.close()
 
     def signal_group(self, sig: int) -> bool:
         """Send ``sig`` to the child's process group; False when the group is already gone."""
@@ -152,8 +149,7 @@ class ServerProcess:
 
     async def lines(self) -> AsyncIterator[str]:
         """The child's stdout+stderr, one decoded line at a time (without the newline), until EOF."""
-        stream = self.proc.stdout
-        assert stream is not None
+        stream = self.output
         while True:
             try:
                 raw = await stream.readline()
@@ -196,24 +192,42 @@ async def spawn(argv: list[str], env: Mapping[str, str], setup: ChildSetup, *,
     """Start llama-server through ``setup``. Raises OSError (FileNotFoundError, PermissionError …)
     if the wrapper cannot be exec'd; a failing drop or a missing llama-server is an early exit
     (its reason on the output pipe)."""
-    with _gate_pipe() as (gate_r, gate_w):
-        proc = await asyncio.create_subprocess_exec(
-            *setup.argv(argv),
-            stdin=gate_r,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=dict(env),
-            cwd=cwd,
-            start_new_session=True,
-            limit=_LINE_LIMIT,
-        )
+    loop = asyncio.get_running_loop()
+    # The output pipe is ours, whatever the event loop would make (uvloop's is a socketpair): its
+    # inode names the processes that hold it (pipe_holders).
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    inode = os.fstat(out_r).st_ino
+    output = asyncio.StreamReader(limit=_LINE_LIMIT)
+    try:
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(output),
+                                                    os.fdopen(out_r, "rb", buffering=0))
+    except BaseException:
+        os.close(out_w)
+        raise
+    try:
+        with _gate_pipe() as (gate_r, gate_w):
+            proc = await asyncio.create_subprocess_exec(
+                *setup.argv(argv),
+                stdin=gate_r,
+                stdout=out_w,
+                stderr=asyncio.subprocess.STDOUT,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,
+            )
+    except BaseException:
+        transport.close()
+        raise
+    finally:
+        os.close(out_w)  # the child holds the write end now: EOF comes when its last holder ends
     setup.release(proc.pid, gate_w)
     pidfd: int | None
     try:
         pidfd = os.pidfd_open(proc.pid)
     except (OSError, AttributeError):  # no pidfds here: exit seen through asyncio's watcher
         pidfd = None
-    return ServerProcess(proc=proc, argv=list(argv), pidfd=pidfd)
+    return ServerProcess(proc=proc, argv=list(argv), output=output, output_inode=inode,
+                         output_transport=transport, pidfd=pidfd)
 
 
 def pipe_holders(inode: int, exclude: frozenset[int] = frozenset()) -> list[tuple[int, str]]:

@@ -238,18 +238,17 @@ class ServerWatch:
         if reader is not None and not reader.done():
             await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
         if reader is not None and not reader.done():
-            inode = server.pipe_inode()
+            inode = server.output_inode
             holders: list[tuple[int, str]] = []
-            if inode is not None:
-                with contextlib.suppress(CallTimeout, LaneBusy):
-                    holders = await self._lanes[LaneKind.PROC].run(
-                        lambda: pipe_holders(inode, frozenset({os.getpid()})), PROC_TIMEOUT_S, "pipe holders")
+            with contextlib.suppress(CallTimeout, LaneBusy):
+                holders = await self._lanes[LaneKind.PROC].run(
+                    lambda: pipe_holders(inode, frozenset({os.getpid()})), PROC_TIMEOUT_S, "pipe holders")
             for holder, comm in holders:
                 self._ctx.emit("server_escaped_process", server_pid=pid, escaped_pid=holder, escaped_name=comm)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(holder, signal.SIGKILL)
             await asyncio.wait([reader], timeout=EXIT_PIPE_GRACE_S)
-        server.close_pidfd()
+        server.close()
         self._ctx.post(Exited(pid, code, self.last_line))
 
     async def _drain(self) -> None:
@@ -292,4 +291,4 @@ class ServerWatch:
                 await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
             if self.log is not None:
                 self.log.close()
-            self.server.close_pidfd()
+            self.server.close()
