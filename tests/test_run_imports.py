@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 
 # Packages the daemon with no schedule must not load; what it must load (the log was read at all).
 NOT_LOADED = ("numpy", "gguf", "apscheduler", "tzlocal", "httpx")
-LOADED = ("aiohttp", "pydantic", "llama_guard.core.daemon", "llama_guard.front.app")
+LOADED = ("aiohttp", "uvloop", "pydantic", "llama_guard.core.daemon", "llama_guard.front.app")
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)")
 
 

@@ -83,9 +83,9 @@ def _ca_bundle_unread() -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import asyncio
-
     with _ca_bundle_unread():
+        import uvloop
+
         from llama_guard.core.daemon import Daemon
         from llama_guard.output import stderr
         from llama_guard.wiring import make_emitter, make_notifier, make_watchers
@@ -97,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         made = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
         daemon = Daemon(config, path, emitter, notifier=make_notifier(), watchers=made.watchers, gpu=made.gpu,
                         child=made.child, slots=made.slots, front=made.front, exporter=made.exporter)
-        return asyncio.run(daemon.run())
+        return uvloop.run(daemon.run())  # libuv's loop: the relay's socket work in C (docs/front.md)
     finally:
         output.drain()
 
