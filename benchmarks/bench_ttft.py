@@ -15,7 +15,12 @@ door's relay:
 - the daemon's CPU time per request through the front door (user + system, from /proc: what the relay
   costs whatever the load; the timed rows above also hold the wake-ups of a shared host).
 
+With ``--code NAME=DIR`` (repeatable) each tree's daemon runs beside the others, each with a double of
+its own, and every round takes every path of every tree in a rotated order: the trees side by side in
+one run (e.g. the code before and after a change).
+
     .venv/bin/python benchmarks/bench_ttft.py                       # make bench (~15 s)
+    .venv/bin/python benchmarks/bench_ttft.py --code before=/tmp/before --code after=.   # two trees
     .venv/bin/python benchmarks/bench_ttft.py --rounds 1000 --gpu-watch   # on a GPU host: NVML watch on
 
 Times are ``time.perf_counter()`` in this process. The front door runs in the daemon, another process on
@@ -42,6 +47,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from bench_start import Tree  # noqa: E402
 from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge  # noqa: E402
 
 
@@ -92,18 +98,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=150, help="requests of each kind per path")
-    ap.add_argument("--tokens", type=int, default=2, help="token events per stream")
-    ap.add_argument("--event-ms", type=float, default=13.0,
-                    help="the upstream's time before each event (ms; 13: a 27B-class model's decode on an H200)")
-    ap.add_argument("--gpu-watch", action="store_true", help="the daemon watches GPU 0 through NVML")
-    args = ap.parse_args()
-    print(f"host {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; upstream "
-          f"tests/fake_llama_server.py, one event every {args.event_ms:g} ms; GPU watch "
-          f"{'on' if args.gpu_watch else 'off'}")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-ttft-"))
+def start_daemon(tree: Tree, args: argparse.Namespace) -> tuple[DaemonRun, int, int]:
+    """``tree``'s daemon supervising a test double of its own, front door on: (the run, the double's
+    port, the front door's port)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-ttft-{tree.name}-"))
     port, front = free_port(), free_port()
     model = tmp / "fake.gguf"  # the double loads nothing; the daemon checks that the file is there
     model.write_bytes(b"GGUF")
@@ -112,43 +110,77 @@ def main() -> int:
         "front": {"listen": f"127.0.0.1:{front}", "header_timeout_s": 600.0}})
     if args.gpu_watch:
         sections["gpu"] = {"enabled": "auto", "require_server_on_gpu": False}
-    daemon = DaemonRun(tmp, sections, env={"FAKE_LLAMA_EVENT_S": str(args.event_ms / 1000)})
+    daemon = DaemonRun(tmp, sections, tree.env({"FAKE_LLAMA_EVENT_S": str(args.event_ms / 1000)}),
+                       command=tree.command())
     daemon.start()
+    daemon.wait_event("server_ready", 60.0)
+    daemon.wait_event("front_listening", 10.0)
+    return daemon, port, front
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=150, help="requests of each kind per path")
+    ap.add_argument("--tokens", type=int, default=2, help="token events per stream")
+    ap.add_argument("--event-ms", type=float, default=13.0,
+                    help="the upstream's time before each event (ms; 13: a 27B-class model's decode on an H200)")
+    ap.add_argument("--gpu-watch", action="store_true", help="the daemon watches GPU 0 through NVML")
+    ap.add_argument("--code", action="append", default=[], help="NAME=DIR: a tree to measure (repeatable)")
+    args = ap.parse_args()
+    pairs = [c.split("=", 1) for c in args.code] or [["this", str(ROOT)]]
+    trees = [Tree(name, Path(root), "off") for name, root in pairs]
+    print(f"host {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; upstream "
+          f"tests/fake_llama_server.py, one event every {args.event_ms:g} ms; GPU watch "
+          f"{'on' if args.gpu_watch else 'off'}; trees: {', '.join(f'{t.name}={t.root}' for t in trees)}")
+    for tree in trees:
+        tree.byte_compile()
+    runs: dict[str, tuple[DaemonRun, int, int]] = {}
+    paths = [(tree.name, side) for tree in trees for side in ("direct", "front")]
+    ttft: dict[tuple[str, str], list[float]] = {p: [] for p in paths}
+    whole: dict[tuple[str, str], list[float]] = {p: [] for p in paths}
+    trip: dict[tuple[str, str], list[float]] = {p: [] for p in paths}
+    cpu_s: dict[str, float] = {}
     try:
-        daemon.wait_event("server_ready", 60.0)
-        daemon.wait_event("front_listening", 10.0)
-        conns = {"direct": connect(port), "front": connect(front)}
-        for path, conn in conns.items():  # warm both paths (the front door's upstream pool included)
-            stream(port if path == "direct" else front, 1)
+        for tree in trees:
+            runs[tree.name] = start_daemon(tree, args)
+        conns = {(name, side): connect(port if side == "direct" else front)
+                 for name, (_, port, front) in runs.items() for side in ("direct", "front")}
+        for (name, side), conn in conns.items():  # warm every path (the front door's upstream pool included)
+            _, port, front = runs[name]
+            stream(port if side == "direct" else front, 1)
             plain(conn)
-        ttft: dict[str, list[float]] = {"direct": [], "front": []}
-        whole: dict[str, list[float]] = {"direct": [], "front": []}
-        trip: dict[str, list[float]] = {"direct": [], "front": []}
-        proc = psutil.Process(daemon.pid)
-        cpu_before = sum(proc.cpu_times()[:2])
+        procs = {name: psutil.Process(run.pid) for name, (run, _, _) in runs.items()}
+        cpu_before = {name: sum(proc.cpu_times()[:2]) for name, proc in procs.items()}
         for i in range(args.rounds):
-            for path in ("direct", "front") if i % 2 == 0 else ("front", "direct"):
-                first, end = stream(port if path == "direct" else front, args.tokens)
-                ttft[path].append(first)
-                whole[path].append(end)
-                trip[path].append(plain(conns[path]))
-        cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
+            for name, side in paths[i % len(paths):] + paths[:i % len(paths)]:  # a rotated order each round
+                _, port, front = runs[name]
+                first, end = stream(port if side == "direct" else front, args.tokens)
+                ttft[(name, side)].append(first)
+                whole[(name, side)].append(end)
+                trip[(name, side)].append(plain(conns[(name, side)]))
+        cpu_s = {name: sum(proc.cpu_times()[:2]) - cpu_before[name] for name, proc in procs.items()}
         for conn in conns.values():
             conn.close()
     finally:
         with contextlib.redirect_stdout(sys.stderr):  # the daemon's events: the table stays alone on stdout
-            daemon.stop()
-    print(f"\n{args.rounds} rounds per path, interleaved; streams of {args.tokens} token events")
-    print(f"{'measurement':<34}{'direct':>10}{'front door':>12}{'added':>10}")
-    print("-" * 66)
+            for run, _, _ in runs.values():
+                run.stop()
+    print(f"\n{args.rounds} rounds per path, interleaved (rotated order); streams of {args.tokens} token events")
+    head = "".join(f"{f'{t.name} {c}':>16}" for t in trees for c in ("direct", "front", "added"))
+    print(f"{'measurement':<32}{head}")
+    print("-" * (32 + 48 * len(trees)))
     rows = [("TTFT p50 (ms)", ttft, 50), ("TTFT p99 (ms)", ttft, 99),
             ("whole stream p50 (ms)", whole, 50),
             ("non-streamed request p50 (ms)", trip, 50), ("non-streamed request p99 (ms)", trip, 99)]
-    for name, values, q in rows:
-        a, b = pct(values["direct"], q) * 1000, pct(values["front"], q) * 1000
-        print(f"{name:<34}{a:>10.2f}{b:>12.2f}{b - a:>+10.2f}")
-    print(f"the daemon's CPU time (user + system) per request through the front door: "
-          f"{cpu_s / (2 * args.rounds) * 1000:.3f} ms")
+    for label, values, q in rows:
+        cells = ""
+        for tree in trees:
+            a, b = pct(values[(tree.name, "direct")], q) * 1000, pct(values[(tree.name, "front")], q) * 1000
+            cells += f"{a:>16.2f}{b:>16.2f}{b - a:>+16.2f}"
+        print(f"{label:<32}{cells}")
+    for tree in trees:
+        print(f"[{tree.name}] the daemon's CPU time (user + system) per request through the front door: "
+              f"{cpu_s[tree.name] / (2 * args.rounds) * 1000:.3f} ms")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
