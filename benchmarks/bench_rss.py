@@ -57,7 +57,8 @@ from harness import DaemonRun, free_port  # noqa: E402
 
 KIB = 1024
 HEAVY = ("numpy", "gguf", "aiohttp", "pydantic", "pydantic_core", "pydantic_settings", "apscheduler",
-         "prometheus_client", "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio")
+         "prometheus_client", "httpx", "structlog", "psutil", "pynvml", "tzlocal", "logging_journald", "asyncio",
+         "uvloop")
 NVIDIA = re.compile(r"lib(nvidia-ml|cuda)\b|/dev/nvidia")
 
 
