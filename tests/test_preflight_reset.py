@@ -62,6 +62,23 @@ def test_replaced_command_is_looked_up_by_its_path(tmp_path: Path) -> None:
     assert r.verdict == "OK" and str(stub) in r.detail
 
 
+def test_a_host_without_the_nvidia_driver_needs_no_reset_under_auto() -> None:
+    """No NVIDIA library (a CPU host) with ``[gpu].enabled = "auto"``: no GPU is watched, so a reset
+    is not applicable (OK, said why), not a warning the operator cannot act on. A driver that is
+    there but not loaded (it may have dropped) and ``"on"`` (a GPU is required) still warn."""
+    no_library = FakeNvml()
+    no_library.init_error = 12  # NVML_ERROR_LIBRARY_NOT_FOUND
+    r = check_reset(config(), creds=RT, which=lambda _: None, nvml_module=no_library)
+    assert r.verdict == "OK" and r.detail.startswith("not applicable") and "restarted only" in r.detail
+    required = Config.model_validate({"gpu": {"enabled": "on", "index": 0}})
+    r = check_reset(required, creds=RT, which=lambda _: None, nvml_module=no_library)
+    assert r.verdict == "WARN" and "cannot be watched" in r.detail
+    dropped = FakeNvml()
+    dropped.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
+    r = check_reset(config(), creds=RT, which=which_found, nvml_module=dropped)
+    assert r.verdict == "WARN" and "cannot be watched" in r.detail
+
+
 def test_gpu_watch_off_is_named() -> None:
     cfg = Config.model_validate({"gpu": {"enabled": "off"}})
     r = check_reset(cfg, creds=RT, which=which_found, nvml_module=FakeNvml())
@@ -85,12 +102,16 @@ def test_precondition_reads_this_process() -> None:
     assert (reset_precondition() == "") is possible
 
 
-@pytest.mark.parametrize(("code", "words"), [(9, "kernel driver not loaded"), (12, "library not found")])
-def test_no_driver_is_named(code: int, words: str) -> None:
+@pytest.mark.parametrize(("code", "words", "verdict"), [(9, "kernel driver not loaded", "WARN"),
+                                                     (12, "library not found", "OK")])
+def test_no_driver_is_named(code: int, words: str, verdict: str) -> None:
+    """A driver not loaded (it may have dropped) is a warning; no library at all under ``"auto"`` is a
+    host without the driver, where a reset is not applicable: both name the cause."""
     fake = FakeNvml()
     fake.init_error = code
     r = check_reset(config(), creds=RT, which=which_found, nvml_module=fake)
-    assert r.verdict == "WARN" and "cannot be watched" in r.detail and words in r.detail
+    assert r.verdict == verdict and words in r.detail
+    assert ("cannot be watched" in r.detail) is (verdict == "WARN")
 
 
 def test_every_reason_at_once() -> None:

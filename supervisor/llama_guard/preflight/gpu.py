@@ -158,6 +158,11 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
 
         selector = DeviceSelector(config.gpu.index, config.gpu.uuid, config.gpu.pci_bus_id)
         opened = open_gpu(selector, enabled=config.gpu.enabled, module=nvml_module)
+        if (isinstance(opened, WatchOff) and isinstance(opened.error, LibraryNotFound)
+                and config.gpu.enabled is GpuWatchMode.AUTO):  # a host without the NVIDIA driver
+            return CheckResult("gpu reset", Verdict.OK,
+                               f"not applicable: {opened.reason}; with [gpu].enabled = \"auto\" no GPU is "
+                               "watched here and a failing server is restarted only")
         if isinstance(opened, WatchOff):
             reasons.append(f"the GPU cannot be watched ({opened.reason}), so a reset could not be verified")
         else:
