@@ -38,6 +38,9 @@ trips a crash, as reported for grammars, JSON schemas, chat templates and images
 an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`` (default 0): how long a
 completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
 ``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
+``$FAKE_LLAMA_HEADERS_THEN_ABORT`` names a file: while it does not exist, a completion creates it, sends
+its status line and headers (``Content-Length``) and dies by SIGABRT before its body — as a server does
+whose other thread crashes between cpp-httplib's two writes; the next server answers normally.
 
 A ``/completion`` with ``"stream": true`` is answered as llama-server streams (Server-Sent Events, one HTTP
 chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
@@ -83,6 +86,7 @@ REQUESTS = os.environ.get("FAKE_LLAMA_REQUESTS", "")
 EVENT_S = float(os.environ.get("FAKE_LLAMA_EVENT_S", "0.013"))
 STREAM_GATE = os.environ.get("FAKE_LLAMA_STREAM_GATE", "")
 CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
+HEADERS_THEN_ABORT = os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT", "")
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -273,6 +277,16 @@ class Handler(BaseHTTPRequestHandler):
                    "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
         if body.get("stream"):
             self.stream(int(body.get("n_predict", 1)), timings)
+            return
+        if HEADERS_THEN_ABORT and not os.path.exists(HEADERS_THEN_ABORT):
+            open(HEADERS_THEN_ABORT, "w").close()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "227")
+            self.end_headers()
+            self.wfile.flush()
+            raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
+            os.kill(os.getpid(), signal.SIGABRT)
             return
         self.reply(200, {"content": "x", "choices": [{"message": {"role": "assistant", "content": "x"}}],
                          "timings": timings})

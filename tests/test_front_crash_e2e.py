@@ -8,6 +8,7 @@ where. Each test: at most two crashes for the poisoned request, then 422; every 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,27 +24,36 @@ pytestmark = [pytest.mark.timeout(120)]
 POISON = "BOOM-crashes-the-server"
 
 
-@pytest.fixture
-def crashy(tmp_path: Path, fake_server: Path, real_model: Path) -> Iterator[Any]:
-    """A started daemon before the test double that aborts on POISON; ``front``/``metrics`` its ports,
-    ``requests`` the file of POSTs the servers received."""
+@contextlib.contextmanager
+def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, str]) -> Iterator[Any]:
+    """A started daemon before the test double with ``env`` (the fault cues); ``front``/``metrics``
+    its ports, ``requests`` the file of POSTs the servers received."""
     pool = RunPool()
     front, metrics = free_port(), free_port()
     requests = tmp_path / "requests.log"
     run: Any = pool.new(tmp_path, str(fake_server), str(real_model), {
-        "server": {"env": {"FAKE_LLAMA_ABORT_PROMPT": POISON, "FAKE_LLAMA_DECODE_S": "0.5",
-                           "FAKE_LLAMA_REQUESTS": str(requests)}},
+        "server": {"env": {**env, "FAKE_LLAMA_REQUESTS": str(requests)}},
         "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 60.0},
         "metrics": {"listen": f"127.0.0.1:{metrics}"},
         "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
         "recovery": {"max_restarts": 10, "stable_after_s": 1.0}})
     run.front, run.metrics_port, run.requests = front, metrics, requests
     run.start()
-    run.wait_event("server_ready", 30)
-    yield run
-    leftovers = pool.finish()
+    try:
+        run.wait_event("server_ready", 30)
+        yield run
+    finally:
+        leftovers = pool.finish()
     if leftovers:
         pytest.fail(f"server pids {leftovers} outlived their daemon")
+
+
+@pytest.fixture
+def crashy(tmp_path: Path, fake_server: Path, real_model: Path) -> Iterator[Any]:
+    """A started daemon before the test double that aborts on POISON, each decode 0.5 s."""
+    with started(tmp_path, fake_server, real_model,
+                 {"FAKE_LLAMA_ABORT_PROMPT": POISON, "FAKE_LLAMA_DECODE_S": "0.5"}) as run:
+        yield run
 
 
 def post(run: Any, path: str, prompt: str, timeout: float = 90.0) -> httpx.Response:
@@ -121,3 +131,16 @@ def test_a_cut_slots_erase_or_props_post_is_not_replayed(crashy: Any) -> None:
         run.wait_event("server_ready", 30, skip=len(sent(run, POISON)))
     assert metric(run, 'llama_guard_front_requests_failed_total{reason="not_replayable"}') == 2
     assert post(run, "/completion", "served").status_code == 200
+
+
+def test_a_server_that_dies_between_its_headers_and_its_body_has_the_request_replayed(
+        tmp_path: Path, fake_server: Path, real_model: Path) -> None:
+    # The first server sends a whole answer's status line and Content-Length, then dies before the
+    # body: the client has been sent nothing, so the request is unanswered and goes to the next server.
+    with started(tmp_path, fake_server, real_model, {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died")}) as run:
+        answer = post(run, "/completion", "cut after the headers")
+        assert answer.status_code == 200 and answer.json()["content"] == "x", answer.text
+        servers = sent(run, "cut after the headers")
+        assert len(servers) == 2 and servers[0] != servers[1], servers
+        assert metric(run, "llama_guard_front_requests_replayed_total") == 1
+        assert metric(run, 'llama_guard_front_requests{code="cut"}') == 0

@@ -6,13 +6,15 @@ The rules (ours; the HTTP work is aiohttp's):
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
 - A request that was sent and got no byte of an answer back before the connection failed (the server
-  died under it) is sent once more, to the next ready server, if that is safe (a GET/HEAD or an
-  inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is
-  answered 502 — 422 when the request was in flight at both as crashes: requests in flight at a crash
-  are suspects, sent alone (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two
-  crashes is refused for ``[front].crash_refuse_s``, its retries included.
-- Once the answer has begun (status line and headers came back) nothing is replayed: the answer is
-  relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy inputs, stalled streams).
+  died under it; for an answer of known length, none of its body: :meth:`Relay.opening`) is sent once
+  more, to the next ready server, if that is safe (a GET/HEAD or an inference POST:
+  :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is answered 502 —
+  422 when the request was in flight at both as crashes: requests in flight at a crash are suspects,
+  sent alone (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two crashes is refused
+  for ``[front].crash_refuse_s``, its retries included.
+- Once the answer has begun (a stream's status line and headers, or any body byte, came back) nothing
+  is replayed: the answer is relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy
+  inputs, stalled streams).
 - Headers and bodies pass through untouched but for the hop-by-hop headers
   (:mod:`llama_guard.front.headers`). Nothing here logs a header or a body.
 """
@@ -126,6 +128,7 @@ class Forwarder:
                 try:
                     upstream = await self._session.request(request.method, url, headers=headers, data=body.data,
                                                            allow_redirects=False, compress=None)
+                    opening = await self.relay.opening(upstream)
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # not sent: no server there
                     pass
                 except asyncio.CancelledError:  # the client left; llama-server may still be working on it
@@ -145,7 +148,7 @@ class Forwarder:
                 else:
                     body.release()
                     work = work_of(request.method, target)
-                    return await self.relay.relay(request, upstream, pid, work, fp, held=held)
+                    return await self.relay.relay(request, upstream, opening, pid, work, fp, held=held)
                 finally:
                     self._leave()
                 deadline = self.admission.deadline(since, hold_timeout_s)

@@ -64,9 +64,28 @@ class Relay:
         self._clock = clock
         self.flights: set[Flight] = set()
 
-    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
+    async def opening(self, upstream: aiohttp.ClientResponse) -> bytes | None:
+        """For an answer of known length (``Content-Length``, no ``Transfer-Encoding``): its first body
+        bytes (``b""`` for an empty body), read before anything goes to the client — a server that
+        fails between its headers and its body (a crash in another of its threads; cpp-httplib writes
+        the two apart) has then sent the client nothing, and the request counts as unanswered. None for
+        an answer of unknown length (a stream), whose headers are relayed at once. Raises
+        :class:`aiohttp.ClientPayloadError` (``upstream`` closed) when the server failed first."""
+        if upstream.content_length is None or hdrs.TRANSFER_ENCODING in upstream.headers:
+            return None
+        try:
+            return await upstream.content.readany()
+        except (aiohttp.ClientError, OSError) as err:
+            upstream.close()
+            raise aiohttp.ClientPayloadError(f"llama-server failed before its answer's body: {err}") from err
+        except BaseException:
+            upstream.close()
+            raise
+
+    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, opening: bytes | None,
                     pid: int, work: Work | None, fp: Fingerprint, *, held: bool) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` to the client, byte for byte as it comes; a
+        """Copy the answer that began in ``upstream`` (``opening``: its first body bytes, already read,
+        for an answer of known length: :meth:`opening`) to the client, byte for byte as it comes; a
         2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
         Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it.
         ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
@@ -76,7 +95,7 @@ class Relay:
         self.flights.add(flight)
         complete = False
         try:
-            sized = upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers
+            sized = opening is not None
             out = (SizedAnswer if sized else web.StreamResponse)(
                 status=upstream.status, reason=upstream.reason, headers=end_to_end(upstream.headers, RESPONSE_DROP))
             if sized:
@@ -93,15 +112,19 @@ class Relay:
                 await out.prepare(request)
             except ConnectionError:
                 return out  # the client left
+            pending = opening  # already read (an answer of known length)
             while True:
-                flight.waiting_since = self._clock()
-                try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, OSError):
-                    self._suspects.failed_under(fp, pid)
-                    return await self._cut(request, out, sse, pid)
-                finally:
-                    flight.waiting_since = None
+                if pending is not None:
+                    chunk, pending = pending, None
+                else:
+                    flight.waiting_since = self._clock()
+                    try:
+                        chunk = await upstream.content.readany()
+                    except (aiohttp.ClientError, OSError):
+                        self._suspects.failed_under(fp, pid)
+                        return await self._cut(request, out, sse, pid)
+                    finally:
+                        flight.waiting_since = None
                 if not chunk:
                     break
                 try:
