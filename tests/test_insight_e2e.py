@@ -128,6 +128,13 @@ def test_status_metrics_and_bench_on_a_running_daemon(real: Any, tmp_path: Path,
     assert "{" not in human.stdout and f"pid {ready['server_pid']}, up" in human.stdout
     assert "server_ready" in human.stdout and "restarts" in human.stdout
 
+    # check beside the running daemon: the ports it holds are its own, not a warning.
+    lines = cli("check", "--config", cfg).stdout.splitlines()
+    port = next(line for line in lines if line.split()[1:2] == ["port"])
+    exporter = next(line for line in lines if line.split()[1:2] == ["metrics"])
+    assert port.startswith("OK") and f"held by the running llama-guard (pid {run.proc.pid})" in port, lines
+    assert exporter.startswith("OK") and f"served now by the running llama-guard (pid {run.proc.pid})" in exporter
+
     m = scrape(metrics_port)
     assert m[("llama_guard_phase", (("phase", "ready"),))] == 1 and m[("llama_guard_server_ready", ())] == 1
     assert m[("llama_guard_events_total", (("event", "server_ready"),))] == 1

@@ -11,6 +11,7 @@ import socket
 
 from llama_guard.config import Config
 from llama_guard.config.listen import host_port
+from llama_guard.output.instance import port_daemon
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -22,22 +23,25 @@ def _family(host: str, port: int) -> socket.AddressFamily | str:
         return str(exc.args[1] if isinstance(exc, socket.gaierror) and len(exc.args) > 1 else exc)
 
 
-def _bind_problem(family: socket.AddressFamily, address: tuple[str, int]) -> str:
-    """Why ``address`` cannot be bound now (the errno's text), "" when it can."""
+def _bind_problem(family: socket.AddressFamily, address: tuple[str, int]) -> str | int:
+    """Why ``address`` cannot be bound now (the errno's text), "" when it can, or the pid of this
+    user's running llama-guard when that is who listens there
+    (:func:`~llama_guard.output.instance.port_daemon`: it serves this port already)."""
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(address)
         except OSError as exc:
-            return str(exc.strerror or exc)
+            daemon = port_daemon(address[1])
+            return str(exc.strerror or exc) if daemon is None else daemon
     return ""
 
 
 def check_front(config: Config) -> CheckResult:
     """One report line: where clients connect and where llama-server listens privately; FAIL when
     the front door's host does not resolve; WARN when llama-server listens beyond loopback (clients
-    could go around the front door) or the front address cannot be bound now (perhaps by this very
-    llama-guard)."""
+    could go around the front door) or the front address is held by something other than this user's
+    llama-guard."""
     server = f"{config.server.host}:{config.server.port}"
     address = config.front.address
     if address is None:
@@ -53,16 +57,18 @@ def check_front(config: Config) -> CheckResult:
         return CheckResult("front door", Verdict.WARN, f"{text}, beyond loopback: clients can go around the front "
                            'door (set [server].host = "127.0.0.1")')
     problem = _bind_problem(family, address)
+    if isinstance(problem, int):
+        return CheckResult("front door", Verdict.OK, f"{text}; served now by the running llama-guard (pid {problem})")
     if problem:
         return CheckResult("front door", Verdict.WARN, f"{text}; {listen} cannot be bound now ({problem}): "
-                           "the front door would not start unless that is this llama-guard or llama-guard.socket "
-                           "(socket activation)")
+                           "held by something other than llama-guard; the front door would not start unless that "
+                           "is llama-guard.socket (socket activation)")
     return CheckResult("front door", Verdict.OK, text)
 
 
 def check_metrics(config: Config) -> CheckResult:
     """One report line on ``[metrics].listen``: off, FAIL when its host does not resolve, WARN when
-    it cannot be bound now, else OK with the address."""
+    something other than this user's llama-guard holds it, else OK with the address."""
     address = config.metrics.address
     if address is None:
         return CheckResult("metrics", Verdict.NOTE, "off (set [metrics].listen for /metrics, /livez and /readyz)")
@@ -72,7 +78,10 @@ def check_metrics(config: Config) -> CheckResult:
         return CheckResult("metrics", Verdict.FAIL, f"[metrics].listen = {config.metrics.listen!r}: host "
                            f"{address[0]!r} does not resolve ({family})")
     problem = _bind_problem(family, address)
+    if isinstance(problem, int):
+        return CheckResult("metrics", Verdict.OK, f"/metrics, /livez and /readyz on {listen}, served now by the "
+                           f"running llama-guard (pid {problem})")
     if problem:
-        return CheckResult("metrics", Verdict.WARN, f"{listen} cannot be bound now ({problem}): the exporter "
-                           "would not start unless that is this llama-guard")
+        return CheckResult("metrics", Verdict.WARN, f"{listen} cannot be bound now ({problem}): held by something "
+                           "other than llama-guard; the exporter would not start")
     return CheckResult("metrics", Verdict.OK, f"/metrics, /livez and /readyz on {listen}")

@@ -11,6 +11,7 @@ from llama_guard.config import Config
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
+from llama_guard.output.instance import port_daemon
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -107,9 +108,9 @@ def check_settings(config: Config) -> list[CheckResult]:
 
 
 def check_port(config: Config) -> CheckResult:
-    """Whether ``[server].host:port`` can be bound now (llama-server would fail to start if not).
-
-    WARN, not FAIL: the holder may be this very llama-guard's own server."""
+    """Whether ``[server].host:port`` can be bound now (llama-server would fail to start if not): OK
+    when free, or when this user's running llama-guard holds it (its own llama-server listens there:
+    :func:`~llama_guard.output.instance.port_daemon`); WARN when anyone else holds it."""
     import socket
 
     host = config.server.host
@@ -119,7 +120,11 @@ def check_port(config: Config) -> CheckResult:
         try:
             sock.bind((host, config.server.port))
         except OSError as exc:
+            daemon = port_daemon(config.server.port)
+            if daemon is not None:
+                return CheckResult("port", Verdict.OK, f"{host}:{config.server.port} is held by the running "
+                                   f"llama-guard (pid {daemon}) and its llama-server")
             return CheckResult("port", Verdict.WARN,
-                               f"{host}:{config.server.port} cannot be bound now ({exc.strerror}); "
-                               "llama-server would fail to start unless that is our own server")
+                               f"{host}:{config.server.port} cannot be bound now ({exc.strerror}): held by "
+                               "something other than llama-guard; llama-server would fail to start")
     return CheckResult("port", Verdict.OK, f"{host}:{config.server.port} is free")
