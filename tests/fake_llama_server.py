@@ -39,8 +39,9 @@ an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`
 completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
 ``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
 ``$FAKE_LLAMA_HEADERS_THEN_ABORT`` names a file: while it does not exist, a completion creates it, sends
-its status line and headers (``Content-Length``) and dies by SIGABRT before its body — as a server does
-whose other thread crashes between cpp-httplib's two writes; the next server answers normally.
+its status line and headers (``Content-Length``, or a stream's) and dies by SIGABRT before its body — as
+a server does that crashes in a stream's prefill, or whose other thread crashes between cpp-httplib's
+header and body writes; the next server answers normally.
 
 A ``/completion`` with ``"stream": true`` is answered as llama-server streams (Server-Sent Events, one HTTP
 chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
@@ -275,18 +276,22 @@ class Handler(BaseHTTPRequestHandler):
             COUNTERS["tokens_predicted_total"] += 1
         timings = {"prompt_n": 4, "prompt_ms": 1.0, "prompt_per_second": 4000.0,
                    "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
-        if body.get("stream"):
-            self.stream(int(body.get("n_predict", 1)), timings)
-            return
         if HEADERS_THEN_ABORT and not os.path.exists(HEADERS_THEN_ABORT):
             open(HEADERS_THEN_ABORT, "w").close()
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", "227")
+            if body.get("stream"):
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "227")
             self.end_headers()
             self.wfile.flush()
             raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
             os.kill(os.getpid(), signal.SIGABRT)
+            return
+        if body.get("stream"):
+            self.stream(int(body.get("n_predict", 1)), timings)
             return
         self.reply(200, {"content": "x", "choices": [{"message": {"role": "assistant", "content": "x"}}],
                          "timings": timings})

@@ -9,6 +9,7 @@ where. Each test: at most two crashes for the poisoned request, then 422; every 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -133,14 +134,23 @@ def test_a_cut_slots_erase_or_props_post_is_not_replayed(crashy: Any) -> None:
     assert post(run, "/completion", "served").status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_server_that_dies_between_its_headers_and_its_body_has_the_request_replayed(
-        tmp_path: Path, fake_server: Path, real_model: Path) -> None:
-    # The first server sends a whole answer's status line and Content-Length, then dies before the
-    # body: the client has been sent nothing, so the request is unanswered and goes to the next server.
+        tmp_path: Path, fake_server: Path, real_model: Path, stream: bool) -> None:
+    # The first server sends the status line and headers (a whole answer's Content-Length, or a
+    # stream's), then dies before the first body byte: the client has been sent nothing, so the request
+    # is unanswered and goes to the next server, which answers it in full.
     with started(tmp_path, fake_server, real_model, {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died")}) as run:
-        answer = post(run, "/completion", "cut after the headers")
-        assert answer.status_code == 200 and answer.json()["content"] == "x", answer.text
-        servers = sent(run, "cut after the headers")
+        prompt = f"cut after the headers, stream={stream}"
+        body = {"prompt": prompt, "n_predict": 3, "stream": stream}
+        answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", json=body, timeout=90)
+        assert answer.status_code == 200, answer.text
+        if stream:
+            events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")]
+            assert [e["content"] for e in events] == ["x", "x", "x", ""] and events[-1]["stop"], answer.text
+        else:
+            assert answer.json()["content"] == "x"
+        servers = sent(run, prompt)
         assert len(servers) == 2 and servers[0] != servers[1], servers
         assert metric(run, "llama_guard_front_requests_replayed_total") == 1
         assert metric(run, 'llama_guard_front_requests{code="cut"}') == 0

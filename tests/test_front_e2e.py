@@ -330,20 +330,28 @@ def _tokens_for(run: FrontRun, seconds: float, cap: int) -> int:
 def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(front: Any) -> None:
     """The shipped promise at a small scale: a drain longer than ``hold_timeout_s`` (a long generation),
     new requests arriving during it: every one is 200, held until the next server is ready, and the
-    events say what the clients saw."""
+    events say what the clients saw. The generation is made to outlast ``hold_timeout_s`` whatever the
+    host's speed: the test stops the server (SIGSTOP) for longer than that in the middle of it (liveness
+    is slowed so that the pause is no hang)."""
     hold_s = 12.0  # covers the next server's stop and load (up to 5 s seen on a loaded 2-core host)
     run = front({"front": {"hold_timeout_s": hold_s}, "server": {"parallel": 1, "ctx_size": 8192},
-                 "schedule": {"drain_timeout_s": 240.0}}).start()
+                 "schedule": {"drain_timeout_s": 240.0}, "health": {"hang_strikes": 40}}).start()
     first = run.wait_event("server_ready", 60)["server_pid"]
-    n_long = _tokens_for(run, 4 * hold_s, 8000)  # the drain outlasts hold_s even if the host speeds up 3x
+    n_long = _tokens_for(run, 5.0, 4000)  # still generating at the pause even if the host speeds up 4x
     with ThreadPoolExecutor(4) as pool:
         long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
         run.signal(signal.SIGUSR1)  # llama-guard restart: drained
         run.wait_event("restart_requested", 10)
+        os.kill(first, signal.SIGSTOP)
+        paused = time.monotonic()
+        in_flight_then = not long.done()
         new = [pool.submit(completion, run.front, 2) for _ in range(3)]
         wait_for(lambda: metric(run, "llama_guard_front_requests_waiting") >= 3, 30, "3 new requests held")
+        time.sleep(max(0.0, paused + hold_s + 1.0 - time.monotonic()))
+        os.kill(first, signal.SIGCONT)
         results = [f.result() for f in [long, *new]]
+    assert in_flight_then, "the generation ended before the pause: lengthen it"
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
     assert results[0].json()["tokens_predicted"] == n_long
     requested, stopped = run.wait_event("restart_requested"), run.wait_event("server_stopped")
@@ -359,20 +367,24 @@ def test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request(fron
 
 
 def test_sigterm_during_a_generation_lets_it_finish_refuses_new_requests_and_exits_0(front: Any) -> None:
+    # The generation is kept going across the stop whatever the host's speed: the test stops the server
+    # (SIGSTOP) around the stop and the refused request, and lets it go on after (SIGCONT).
     run = front().start()
-    run.wait_event("server_ready", 60)
-    n_long = _tokens_for(run, 8.0, 1800)  # still generating after the stop even if the host speeds up 3x
+    server = run.wait_event("server_ready", 60)["server_pid"]
+    n_long = _tokens_for(run, 4.0, 1800)  # still generating at the pause even if the host speeds up 4x
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
+        os.kill(server, signal.SIGSTOP)
+        in_flight_then = not long.done()
         run.signal(signal.SIGTERM)
         run.wait_event("daemon_stopping", 10)
         sent = time.monotonic()
         refused = completion(run.front, 2, timeout=30.0)
         refused_s = time.monotonic() - sent
-        in_flight_then = not long.done()
+        os.kill(server, signal.SIGCONT)
         answer = long.result()
-    assert in_flight_then, "the generation ended before the stop: lengthen it"
+    assert in_flight_then, "the generation ended before the pause: lengthen it"
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "5" and refused_s < 5.0
     assert answer.status_code == 200 and answer.json()["tokens_predicted"] == n_long
     assert run.wait_exit(60) == 0

@@ -6,13 +6,13 @@ The rules (ours; the HTTP work is aiohttp's):
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
 - A request that was sent and got no byte of an answer back before the connection failed (the server
-  died under it; for an answer of known length, none of its body: :meth:`Relay.opening`) is sent once
+  died under it; only its status line and headers do not count: :meth:`Relay.opening`) is sent once
   more, to the next ready server, if that is safe (a GET/HEAD or an inference POST:
   :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is answered 502 —
   422 when the request was in flight at both as crashes: requests in flight at a crash are suspects,
   sent alone (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two crashes is refused
   for ``[front].crash_refuse_s``, its retries included.
-- Once the answer has begun (a stream's status line and headers, or any body byte, came back) nothing
+- Once the answer has begun (its first body byte came back) nothing
   is replayed: the answer is relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy
   inputs, stalled streams).
 - Headers and bodies pass through untouched but for the hop-by-hop headers

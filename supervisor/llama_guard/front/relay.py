@@ -1,6 +1,7 @@
 """Relaying an answer that began in llama-server to the client, byte for byte as it comes.
 
-Nothing of a begun answer is replayed. A body cut by a server failure ends, for
+An answer begins with its first body byte (:meth:`Relay.opening`: until then the request may still be
+replayed); nothing of a begun answer is. A body cut by a server failure ends, for
 ``text/event-stream``, with one SSE error event and a closed body (:mod:`llama_guard.front.sse`);
 any other body is cut short (the connection is closed before its end), so that the client can tell
 it is incomplete. Outcomes are typed inputs to the policy: a generation or embedding answered in
@@ -30,12 +31,11 @@ from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
 
 
-class SizedAnswer(web.StreamResponse):
-    """A relayed answer of known length (``Content-Length``: a whole JSON answer, which llama-server
-    writes at once): its status line and headers go out in one write with its first body bytes — one
-    send and one wake-up of the client instead of two. (A stream's headers go out at once, as
-    llama-server sends them before its first token.) aiohttp's own ``web.Response`` sets the same
-    class attribute (``aiohttp/web_response.py``); a write of no bytes sends the headers alone."""
+class RelayedAnswer(web.StreamResponse):
+    """A relayed answer: its status line and headers go out in one write with its first body bytes
+    (a whole JSON answer, or a stream's first event) — one send and one wake-up of the client instead
+    of two. aiohttp's own ``web.Response`` sets the same class attribute (``aiohttp/web_response.py``);
+    a write of no bytes sends the headers alone."""
 
     _send_headers_immediately = False
 
@@ -64,15 +64,14 @@ class Relay:
         self._clock = clock
         self.flights: set[Flight] = set()
 
-    async def opening(self, upstream: aiohttp.ClientResponse) -> bytes | None:
-        """For an answer of known length (``Content-Length``, no ``Transfer-Encoding``): its first body
-        bytes (``b""`` for an empty body), read before anything goes to the client — a server that
-        fails between its headers and its body (a crash in another of its threads; cpp-httplib writes
-        the two apart) has then sent the client nothing, and the request counts as unanswered. None for
-        an answer of unknown length (a stream), whose headers are relayed at once. Raises
+    async def opening(self, upstream: aiohttp.ClientResponse) -> bytes:
+        """The answer's first body bytes (``b""`` for an empty body), read before anything goes to the
+        client: an answer begins for the client with its first body byte. A server that fails between
+        its headers and its body has then sent the client nothing, and the request counts as unanswered
+        (replayed where safe) — a stream in llama-server's queue or in its prefill (llama-server sends a
+        stream's headers when it takes the request, its first event after the prefill), or a whole JSON
+        answer cut between cpp-httplib's header write and its body write. Raises
         :class:`aiohttp.ClientPayloadError` (``upstream`` closed) when the server failed first."""
-        if upstream.content_length is None or hdrs.TRANSFER_ENCODING in upstream.headers:
-            return None
         try:
             return await upstream.content.readany()
         except (aiohttp.ClientError, OSError) as err:
@@ -82,10 +81,10 @@ class Relay:
             upstream.close()
             raise
 
-    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, opening: bytes | None,
+    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, opening: bytes,
                     pid: int, work: Work | None, fp: Fingerprint, *, held: bool) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` (``opening``: its first body bytes, already read,
-        for an answer of known length: :meth:`opening`) to the client, byte for byte as it comes; a
+        """Copy the answer that began in ``upstream`` (``opening``: its first body bytes, already read:
+        :meth:`opening`) to the client, byte for byte as it comes; a
         2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
         Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it.
         ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
@@ -95,9 +94,9 @@ class Relay:
         self.flights.add(flight)
         complete = False
         try:
-            sized = opening is not None
-            out = (SizedAnswer if sized else web.StreamResponse)(
-                status=upstream.status, reason=upstream.reason, headers=end_to_end(upstream.headers, RESPONSE_DROP))
+            sized = upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers
+            out = RelayedAnswer(status=upstream.status, reason=upstream.reason,
+                                headers=end_to_end(upstream.headers, RESPONSE_DROP))
             if sized:
                 out.content_length = upstream.content_length
             elif upstream.connection is not None and upstream.connection.protocol is not None:
@@ -112,7 +111,7 @@ class Relay:
                 await out.prepare(request)
             except ConnectionError:
                 return out  # the client left
-            pending = opening  # already read (an answer of known length)
+            pending: bytes | None = opening  # already read
             while True:
                 if pending is not None:
                     chunk, pending = pending, None
