@@ -38,10 +38,11 @@ trips a crash, as reported for grammars, JSON schemas, chat templates and images
 an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`` (default 0): how long a
 completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
 ``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
-``$FAKE_LLAMA_HEADERS_THEN_ABORT`` names a file: while it does not exist, a completion creates it, sends
-its status line and headers (``Content-Length``, or a stream's) and dies by SIGABRT before its body — as
-a server does that crashes in a stream's prefill, or whose other thread crashes between cpp-httplib's
-header and body writes; the next server answers normally.
+``$FAKE_LLAMA_HEADERS_THEN_ABORT`` names a file that counts these deaths: while it counts fewer than
+``$FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES`` (default 1), a completion sends its status line and headers
+(``Content-Length``, or a stream's) and dies by SIGABRT before its body — as a server does that crashes
+in a stream's prefill, or whose other thread crashes between cpp-httplib's header and body writes; then
+servers answer normally.
 
 A ``/completion`` with ``"stream": true`` is answered as llama-server streams (Server-Sent Events, one HTTP
 chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
@@ -88,6 +89,7 @@ EVENT_S = float(os.environ.get("FAKE_LLAMA_EVENT_S", "0.013"))
 STREAM_GATE = os.environ.get("FAKE_LLAMA_STREAM_GATE", "")
 CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
 HEADERS_THEN_ABORT = os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT", "")
+HEADERS_THEN_ABORT_TIMES = int(os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES", "1"))
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -141,6 +143,15 @@ def burn_cpu(until: float) -> None:
     x = 0
     while time.monotonic() < until:
         x = (x * 31 + 7) % 1000003
+
+
+def deaths_so_far() -> int:
+    """How many servers died after their headers ($FAKE_LLAMA_HEADERS_THEN_ABORT's lines)."""
+    try:
+        with open(HEADERS_THEN_ABORT, encoding="utf-8") as f:
+            return len(f.read().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def wait_busy() -> None:
@@ -276,8 +287,9 @@ class Handler(BaseHTTPRequestHandler):
             COUNTERS["tokens_predicted_total"] += 1
         timings = {"prompt_n": 4, "prompt_ms": 1.0, "prompt_per_second": 4000.0,
                    "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
-        if HEADERS_THEN_ABORT and not os.path.exists(HEADERS_THEN_ABORT):
-            open(HEADERS_THEN_ABORT, "w").close()
+        if HEADERS_THEN_ABORT and deaths_so_far() < HEADERS_THEN_ABORT_TIMES:
+            with open(HEADERS_THEN_ABORT, "a", encoding="utf-8") as f:
+                f.write(f"{os.getpid()}\n")
             self.send_response(200)
             if body.get("stream"):
                 self.send_header("Content-Type", "text/event-stream")

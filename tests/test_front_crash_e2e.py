@@ -153,4 +153,26 @@ def test_a_server_that_dies_between_its_headers_and_its_body_has_the_request_rep
         servers = sent(run, prompt)
         assert len(servers) == 2 and servers[0] != servers[1], servers
         assert metric(run, "llama_guard_front_requests_replayed_total") == 1
-        assert metric(run, 'llama_guard_front_requests{code="cut"}') == 0
+        assert metric(run, 'llama_guard_front_requests_total{code="cut"}') == 0
+
+
+def test_a_stream_whose_headers_went_out_and_whose_replay_crashed_too_ends_with_a_422_error_event(
+        tmp_path: Path, fake_server: Path, real_model: Path) -> None:
+    # Two servers in a row take the stream, send its headers and crash before its first event: the
+    # client already has a 200 and the stream's headers, so the refusal comes as the SSE error event.
+    env = {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died"), "FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES": "2"}
+    with started(tmp_path, fake_server, real_model, env) as run:
+        prompt = "a stream cut twice before its first event"
+        answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,
+                            json={"prompt": prompt, "n_predict": 3, "stream": True})
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in answer.text.splitlines() if line]
+        assert lines[0] == "event: error" and len(lines) == 2, lines  # nothing else came
+        error = json.loads(lines[1][len("data: "):])["error"]
+        assert error["code"] == 422 and "in flight at two llama-server crashes" in error["message"], error
+        assert len(set(sent(run, prompt))) == 2
+        assert metric(run, 'llama_guard_front_requests_failed_total{reason="crashed_twice"}') == 1
+        assert metric(run, 'llama_guard_front_requests_total{code="cut"}') == 1
+        assert httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,  # refused: never sent again
+                          json={"prompt": prompt, "n_predict": 3, "stream": True}).status_code == 422
+        assert len(sent(run, prompt)) == 2

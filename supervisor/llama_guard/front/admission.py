@@ -46,6 +46,19 @@ class FailReason(enum.Enum):
     CRASHED_TWICE = "crashed_twice"      # in flight at two llama-server crashes: refused for a while
 
 
+_STATUS = {FailReason.UPSTREAM_FAILED: 502, FailReason.NOT_REPLAYABLE: 502, FailReason.CRASHED_TWICE: 422}
+_MESSAGE = {
+    FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
+    FailReason.QUEUE_FULL: "too many requests are waiting for llama-server ([front].max_held)",
+    FailReason.BUFFER_FULL: "too many request bytes are waiting for llama-server ([front].max_buffered_bytes)",
+    FailReason.DAEMON_EXITING: "llama-guard is stopping llama-server",
+    FailReason.UPSTREAM_FAILED: "llama-server failed twice before answering this request",
+    FailReason.NOT_REPLAYABLE: "llama-server failed before answering this request, which is not sent again",
+    FailReason.CRASHED_TWICE: "this request was in flight at two llama-server crashes and is refused for now",
+    FailReason.STREAM_CUT: "llama-server failed while this response was streaming",
+}
+
+
 class Refused(Exception):
     """A request the front door answers itself (503 with ``Retry-After``, 502, 422); ``detail``: the
     message for this request, when the reason's own one is not enough."""
@@ -54,6 +67,15 @@ class Refused(Exception):
         super().__init__(reason.value)
         self.reason = reason
         self.detail = detail
+
+    @property
+    def status(self) -> int:
+        """The HTTP status the client gets: 502, 422, else 503 (with ``Retry-After``)."""
+        return _STATUS.get(self.reason, 503)
+
+    @property
+    def message(self) -> str:
+        return self.detail or _MESSAGE[self.reason]
 
 
 #: The phases in which a pending exit (``after_stop`` EXIT) closes the gate: a stop, a drain before

@@ -48,16 +48,6 @@ READ_CHUNK = 65536
 # close (so that the client reads its answer rather than a TCP reset) — 10 s by default, at the
 # client's speed: a body that never ends would keep the loop copying garbage. One second is enough.
 LINGER_S = 1.0
-_STATUS = {FailReason.UPSTREAM_FAILED: 502, FailReason.NOT_REPLAYABLE: 502, FailReason.CRASHED_TWICE: 422}
-_MESSAGE = {
-    FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
-    FailReason.QUEUE_FULL: "too many requests are waiting for llama-server ([front].max_held)",
-    FailReason.BUFFER_FULL: "too many request bytes are waiting for llama-server ([front].max_buffered_bytes)",
-    FailReason.DAEMON_EXITING: "llama-guard is stopping llama-server",
-    FailReason.UPSTREAM_FAILED: "llama-server failed twice before answering this request",
-    FailReason.NOT_REPLAYABLE: "llama-server failed before answering this request, which is not sent again",
-    FailReason.CRASHED_TWICE: "this request was in flight at two llama-server crashes and is refused for now",
-}
 
 
 def _quiet_logger() -> logging.Logger:
@@ -212,10 +202,9 @@ class FrontApp:
         body.complete()
 
     def _refused(self, refused: Refused) -> web.Response:
-        status = _STATUS.get(refused.reason, 503)
         self.metrics.failed.labels(refused.reason.value).inc()
-        return self._answer(error_response(status, refused.detail or _MESSAGE[refused.reason],
-                                           retry_after=RETRY_AFTER_S if status == 503 else None))
+        return self._answer(error_response(refused.status, refused.message,
+                                           retry_after=RETRY_AFTER_S if refused.status == 503 else None))
 
     def _answer(self, response: web.Response) -> web.Response:
         self.metrics.requests.labels(str(response.status)).inc()

@@ -5,16 +5,19 @@ The rules (ours; the HTTP work is aiohttp's):
 - A request goes upstream only through :meth:`Admission.admit` (the policy says the server is ready).
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
-- A request that was sent and got no byte of an answer back before the connection failed (the server
-  died under it; only its status line and headers do not count: :meth:`Relay.opening`) is sent once
-  more, to the next ready server, if that is safe (a GET/HEAD or an inference POST:
-  :mod:`llama_guard.front.endpoints`; else 502 naming why). A second such failure is answered 502 —
-  422 when the request was in flight at both as crashes: requests in flight at a crash are suspects,
-  sent alone (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two crashes is refused
-  for ``[front].crash_refuse_s``, its retries included.
-- Once the answer has begun (its first body byte came back) nothing
-  is replayed: the answer is relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy
-  inputs, stalled streams).
+- A request that was sent and got no byte of its answer's body back before the connection failed (the
+  server died under it) is sent once more, to the next ready server, if that is safe (a GET/HEAD or
+  an inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why). The status line and
+  headers alone do not count: an answer of known length is held until its first body bytes
+  (:meth:`Relay.opening`), and a stream — whose headers llama-server sends when it takes the request,
+  before its prefill, and the front door sends on at once — is continued by the next server's stream
+  (:class:`~llama_guard.front.relay.Unanswered`). A second such failure is answered 502 — 422 when
+  the request was in flight at both as crashes (an SSE error event with that code for a stream whose
+  headers went out): requests in flight at a crash are suspects, sent alone
+  (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two crashes is refused for
+  ``[front].crash_refuse_s``, its retries included.
+- Once the answer has begun (its first body byte reached the client) nothing is replayed: the answer
+  is relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy inputs, stalled streams).
 - Headers and bodies pass through untouched but for the hop-by-hop headers
   (:mod:`llama_guard.front.headers`). Nothing here logs a header or a body.
 """
@@ -37,7 +40,7 @@ from llama_guard.front.crashes import CrashSuspects
 from llama_guard.front.endpoints import path_of, replayable, work_of
 from llama_guard.front.headers import REQUEST_DROP, end_to_end, origin_form
 from llama_guard.front.metrics import FrontMetrics
-from llama_guard.front.relay import Relay
+from llama_guard.front.relay import Relay, Unanswered
 
 CONNECT_TIMEOUT_S = 5.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
@@ -99,7 +102,9 @@ class Forwarder:
     async def forward(self, request: web.BaseRequest, body: HeldBody, seq: int) -> web.StreamResponse:
         """Answer ``request`` (its ``body`` already read; ``seq`` its arrival number) from llama-server.
         The body is released once the answer has begun (it is no longer needed for a replay). Raises
-        :class:`Refused` when the front door must answer itself."""
+        :class:`Refused` when the front door must answer itself — but for a stream whose headers went
+        out already (its server failed before the first event), the refusal ends that stream as an
+        SSE error event instead."""
         assert self._session is not None
         hold_timeout_s, max_held = self._limits()
         arrived = since = self._clock()
@@ -111,6 +116,22 @@ class Forwarder:
         in_lane = False
         tries = 0
         held = False
+        begun: web.StreamResponse | None = None  # a stream whose headers went out, no event yet (Unanswered)
+
+        async def unanswered(pid: int) -> None:
+            """Sent to server ``pid``, and nothing of the body came back: replay it, or raise Refused."""
+            nonlocal replayed, since
+            self.suspects.failed_under(fp, pid)
+            if not replayable(request.method, target):
+                raise Refused(FailReason.NOT_REPLAYABLE, _not_replayed(request.method, target, pid))
+            if replayed:  # sent once more already: no third time
+                await self.suspects.judged(pid)
+                self.suspects.check(fp)  # 422 when both ends were crashes
+                raise Refused(FailReason.UPSTREAM_FAILED)
+            replayed = True
+            self.metrics.replayed.inc()
+            since = self._clock()  # held again, for as long as a new arrival
+
         try:
             while True:
                 self.suspects.check(fp)
@@ -135,20 +156,17 @@ class Forwarder:
                     self.suspects.failed_under(fp, pid)
                     raise
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
-                    self.suspects.failed_under(fp, pid)
-                    if not replayable(request.method, target):
-                        raise Refused(FailReason.NOT_REPLAYABLE, _not_replayed(request.method, target, pid)) from None
-                    if replayed:  # sent once more already: no third time
-                        await self.suspects.judged(pid)
-                        self.suspects.check(fp)  # 422 when both ends were crashes
-                        raise Refused(FailReason.UPSTREAM_FAILED) from None
-                    replayed = True
-                    self.metrics.replayed.inc()
-                    since = self._clock()  # held again, for as long as a new arrival
+                    await unanswered(pid)
                 else:
-                    body.release()
+                    if opening is not None:
+                        body.release()
                     work = work_of(request.method, target)
-                    return await self.relay.relay(request, upstream, opening, pid, work, fp, held=held)
+                    try:
+                        return await self.relay.relay(request, upstream, opening, pid, work, fp, held=held,
+                                                      begun=begun, on_begin=body.release)
+                    except Unanswered as cut:  # a stream's headers went out, then its server failed
+                        begun = cut.out
+                        await unanswered(pid)
                 finally:
                     self._leave()
                 deadline = self.admission.deadline(since, hold_timeout_s)
@@ -156,6 +174,10 @@ class Forwarder:
                     raise Refused(FailReason.HOLD_TIMEOUT)
                 await asyncio.sleep(RETRY_PAUSE_S[min(tries, len(RETRY_PAUSE_S) - 1)])
                 tries += 1
+        except Refused as refused:
+            if begun is None:
+                raise
+            return await self.relay.end_stream(begun, refused.reason, refused.message, refused.status)
         finally:
             if in_lane:
                 self.suspects.lane.release()

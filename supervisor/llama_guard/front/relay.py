@@ -1,7 +1,7 @@
 """Relaying an answer that began in llama-server to the client, byte for byte as it comes.
 
-An answer begins with its first body byte (:meth:`Relay.opening`: until then the request may still be
-replayed); nothing of a begun answer is. A body cut by a server failure ends, for
+An answer begins with its first body byte; until then the request may still be replayed
+(:meth:`Relay.opening`, :class:`Unanswered`), nothing of a begun answer is. A body cut by a server failure ends, for
 ``text/event-stream``, with one SSE error event and a closed body (:mod:`llama_guard.front.sse`);
 any other body is cut short (the connection is closed before its end), so that the client can tell
 it is incomplete. Outcomes are typed inputs to the policy: a generation or embedding answered in
@@ -31,13 +31,25 @@ from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import NO_BUFFERING, error_event, is_sse
 
 
-class RelayedAnswer(web.StreamResponse):
-    """A relayed answer: its status line and headers go out in one write with its first body bytes
-    (a whole JSON answer, or a stream's first event) — one send and one wake-up of the client instead
-    of two. aiohttp's own ``web.Response`` sets the same class attribute (``aiohttp/web_response.py``);
-    a write of no bytes sends the headers alone."""
+class SizedAnswer(web.StreamResponse):
+    """A relayed answer of known length (``Content-Length``: a whole JSON answer, which llama-server
+    writes at once): its status line and headers go out in one write with its first body bytes — one
+    send and one wake-up of the client instead of two. (A stream's headers go out at once, as
+    llama-server sends them before its prefill: the client has parsed them by the first token.)
+    aiohttp's own ``web.Response`` sets the same class attribute (``aiohttp/web_response.py``); a write
+    of no bytes sends the headers alone."""
 
     _send_headers_immediately = False
+
+
+class Unanswered(Exception):
+    """A stream whose server failed before its first event: the client has its status line and
+    headers (``out``, sent on as llama-server sent them, when it took the request) and no byte of its
+    body, so the request may be replayed and the next server's stream continue ``out``."""
+
+    def __init__(self, out: web.StreamResponse) -> None:
+        super().__init__("llama-server failed before the stream's first event")
+        self.out = out
 
 
 @dataclass(eq=False)
@@ -64,14 +76,15 @@ class Relay:
         self._clock = clock
         self.flights: set[Flight] = set()
 
-    async def opening(self, upstream: aiohttp.ClientResponse) -> bytes:
-        """The answer's first body bytes (``b""`` for an empty body), read before anything goes to the
-        client: an answer begins for the client with its first body byte. A server that fails between
-        its headers and its body has then sent the client nothing, and the request counts as unanswered
-        (replayed where safe) — a stream in llama-server's queue or in its prefill (llama-server sends a
-        stream's headers when it takes the request, its first event after the prefill), or a whole JSON
-        answer cut between cpp-httplib's header write and its body write. Raises
+    async def opening(self, upstream: aiohttp.ClientResponse) -> bytes | None:
+        """For an answer of known length (``Content-Length``, no ``Transfer-Encoding``): its first body
+        bytes (``b""`` for an empty body), read before anything goes to the client — a server that
+        fails between its headers and its body (a crash in another of its threads; cpp-httplib writes
+        the two apart) has then sent the client nothing, and the request counts as unanswered. None for
+        an answer of unknown length (a stream: :class:`Unanswered`). Raises
         :class:`aiohttp.ClientPayloadError` (``upstream`` closed) when the server failed first."""
+        if upstream.content_length is None or hdrs.TRANSFER_ENCODING in upstream.headers:
+            return None
         try:
             return await upstream.content.readany()
         except (aiohttp.ClientError, OSError) as err:
@@ -81,36 +94,49 @@ class Relay:
             upstream.close()
             raise
 
-    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, opening: bytes,
-                    pid: int, work: Work | None, fp: Fingerprint, *, held: bool) -> web.StreamResponse:
-        """Copy the answer that began in ``upstream`` (``opening``: its first body bytes, already read:
-        :meth:`opening`) to the client, byte for byte as it comes; a
-        2xx answer to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding.
-        Answered in full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it.
-        ``held``: the request waited at the gate; its first byte of a 2xx answer is a FirstToken."""
+    async def relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, opening: bytes | None,
+                    pid: int, work: Work | None, fp: Fingerprint, *, held: bool, begun: web.StreamResponse | None,
+                    on_begin: Callable[[], None]) -> web.StreamResponse:
+        """Copy the answer in ``upstream`` (``opening``: its first body bytes, already read, for an
+        answer of known length: :meth:`opening`) to the client, byte for byte as it comes; a 2xx answer
+        to inference ``work`` is read on the way (:class:`Witness`) for proof of decoding. Answered in
+        full, ``fp`` is no suspect; cut by the server's failure, it was in flight at it. ``held``: the
+        request waited at the gate; its first byte of a 2xx answer is a FirstToken. ``begun``: the
+        client's stream that an earlier server began (headers only, :class:`Unanswered`), which this
+        answer continues when it is a 2xx stream too (else it ends with an SSE error event).
+        ``on_begin`` is called before the first body byte goes to the client. Raises
+        :class:`Unanswered` when a stream's server fails before its first event."""
         flight = Flight(pid)
         plain = upstream.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() == "identity"
         witness = Witness(work) if work is not None and plain and 200 <= upstream.status < 300 else None
         self.flights.add(flight)
         complete = False
         try:
-            sized = upstream.content_length is not None and hdrs.TRANSFER_ENCODING not in upstream.headers
-            out = RelayedAnswer(status=upstream.status, reason=upstream.reason,
-                                headers=end_to_end(upstream.headers, RESPONSE_DROP))
-            if sized:
-                out.content_length = upstream.content_length
-            elif upstream.connection is not None and upstream.connection.protocol is not None:
+            sized = opening is not None
+            if not sized and upstream.connection is not None and upstream.connection.protocol is not None:
                 # llama-server closes its connection right after an answer of unknown length (a
                 # stream), whatever its Keep-Alive header says: back in the pool, it would take the
                 # next request to a closing connection (failed unanswered, replayed after a pause).
                 upstream.connection.protocol.force_close()
             sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
-            if sse:
-                out.headers.setdefault(*NO_BUFFERING)
-            try:
-                await out.prepare(request)
-            except ConnectionError:
-                return out  # the client left
+            if begun is not None:
+                if not (sse and 200 <= upstream.status < 300):
+                    return await self.end_stream(begun, FailReason.UPSTREAM_FAILED, (
+                        f"llama-server (pid {pid}) answered this request, sent once more after the server before "
+                        f"it failed, with HTTP {upstream.status} instead of a stream"))
+                out = begun
+            else:
+                out = (SizedAnswer if sized else web.StreamResponse)(
+                    status=upstream.status, reason=upstream.reason,
+                    headers=end_to_end(upstream.headers, RESPONSE_DROP))
+                if sized:
+                    out.content_length = upstream.content_length
+                if sse:
+                    out.headers.setdefault(*NO_BUFFERING)
+                try:
+                    await out.prepare(request)
+                except ConnectionError:
+                    return out  # the client left
             pending: bytes | None = opening  # already read
             while True:
                 if pending is not None:
@@ -120,12 +146,16 @@ class Relay:
                     try:
                         chunk = await upstream.content.readany()
                     except (aiohttp.ClientError, OSError):
+                        if sse and not flight.began:
+                            raise Unanswered(out) from None
                         self._suspects.failed_under(fp, pid)
                         return await self._cut(request, out, sse, pid)
                     finally:
                         flight.waiting_since = None
                 if not chunk:
                     break
+                if not flight.began:
+                    on_begin()
                 try:
                     await out.write(chunk)  # first: the bytes go out before anything else is done with them
                 except ConnectionError:  # the client left: llama-server sees its connection close
@@ -156,18 +186,26 @@ class Relay:
     async def _cut(self, request: web.BaseRequest, out: web.StreamResponse, sse: bool,
                    pid: int) -> web.StreamResponse:
         """The server failed in the middle of an answer: end it as an error, never replay it."""
+        if sse:
+            return await self.end_stream(out, FailReason.STREAM_CUT, f"llama-server (pid {pid}) failed while "
+                                         "this response was streaming; the response is incomplete")
         self._metrics.requests.labels("cut").inc()
         self._metrics.failed.labels(FailReason.STREAM_CUT.value).inc()
-        if sse:
-            with contextlib.suppress(ConnectionError):
-                await out.write(error_event(f"llama-server (pid {pid}) failed while this response was "
-                                            "streaming; the response is incomplete"))
-                await out.write_eof()
-            return out
         with contextlib.suppress(ConnectionError):
             await out.write(b"")  # the headers, if no body byte took them along yet
         if request.transport is not None:
             request.transport.close()  # what was written is flushed, then the body ends short
+        return out
+
+    async def end_stream(self, out: web.StreamResponse, reason: FailReason, message: str,
+                         code: int = 502) -> web.StreamResponse:
+        """End the client's stream ``out`` (its headers sent) with one SSE error event for ``message``
+        (``code``: the HTTP status it stands for), counted as cut, failed for ``reason``."""
+        self._metrics.requests.labels("cut").inc()
+        self._metrics.failed.labels(reason.value).inc()
+        with contextlib.suppress(ConnectionError):
+            await out.write(error_event(message, code))
+            await out.write_eof()
         return out
 
     def stalled(self, now: float, stall_s: float) -> list[tuple[int, float]]:
