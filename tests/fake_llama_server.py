@@ -35,7 +35,8 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 
 ``$FAKE_LLAMA_ABORT_PROMPT``: whatever the mode, a POST whose body holds this text (a prompt that
 trips a crash, as reported for grammars, JSON schemas, chat templates and images) makes the server print
-an abort line and die by SIGABRT after the decode delay. ``$FAKE_LLAMA_DECODE_S`` (default 0): how long a
+an abort line and die by SIGABRT after the decode delay (for a stream, after sending its headers first,
+as llama-server does when it takes the request). ``$FAKE_LLAMA_DECODE_S`` (default 0): how long a
 completion takes (so that other requests are in flight when it ends). Every POST is appended to the file
 ``$FAKE_LLAMA_REQUESTS`` names, as ``<pid> <method> <path> <first 60 bytes of the body>``.
 ``$FAKE_LLAMA_HEADERS_THEN_ABORT`` names a file that counts these deaths: while it counts fewer than
@@ -240,10 +241,32 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(501, {"error": {"code": 501, "message": "This server does not support slots action.",
                                        "type": "not_supported_error"}})
             return
-        time.sleep(DECODE_S)
         if ABORT_PROMPT and ABORT_PROMPT in data:
+            if body.get("stream"):  # llama-server sends a stream's headers when it takes the request
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.flush()
+            time.sleep(DECODE_S)
             log("I", "slot", "launch_slot_: id  0 | task 1 | processing task, is_child = 0")
             raw("/src/common/json-schema-to-grammar.cpp:42: GGML_ASSERT(!rule.empty()) failed")
+            os.kill(os.getpid(), signal.SIGABRT)
+            return
+        time.sleep(DECODE_S)
+        if HEADERS_THEN_ABORT and deaths_so_far() < HEADERS_THEN_ABORT_TIMES:
+            with open(HEADERS_THEN_ABORT, "a", encoding="utf-8") as f:
+                f.write(f"{os.getpid()}\n")
+            self.send_response(200)
+            if body.get("stream"):
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "227")
+            self.end_headers()
+            self.wfile.flush()
+            raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
             os.kill(os.getpid(), signal.SIGABRT)
             return
         if FAULT == "replay_request_abort":
@@ -287,21 +310,6 @@ class Handler(BaseHTTPRequestHandler):
             COUNTERS["tokens_predicted_total"] += 1
         timings = {"prompt_n": 4, "prompt_ms": 1.0, "prompt_per_second": 4000.0,
                    "predicted_n": 1, "predicted_ms": 1.0, "predicted_per_second": 1000.0}
-        if HEADERS_THEN_ABORT and deaths_so_far() < HEADERS_THEN_ABORT_TIMES:
-            with open(HEADERS_THEN_ABORT, "a", encoding="utf-8") as f:
-                f.write(f"{os.getpid()}\n")
-            self.send_response(200)
-            if body.get("stream"):
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-            else:
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", "227")
-            self.end_headers()
-            self.wfile.flush()
-            raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
-            os.kill(os.getpid(), signal.SIGABRT)
-            return
         if body.get("stream"):
             self.stream(int(body.get("n_predict", 1)), timings)
             return

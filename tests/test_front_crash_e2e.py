@@ -102,15 +102,20 @@ def test_a_crashing_request_costs_two_crashes_then_422_and_innocents_all_get_200
     assert "daemon_exit" not in run.names()
 
 
-def test_sdk_style_retries_of_a_crashing_request_do_not_end_the_daemon(crashy: Any) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_sdk_style_retries_of_a_crashing_request_do_not_end_the_daemon(crashy: Any, stream: bool) -> None:
     run = crashy
     # An SDK client whose timeout (0.3 s) is shorter than the crashing request takes (0.5 s): it leaves
-    # before each crash and sends the request again, as a new one, until it gets an answer.
+    # before each crash and sends the request again, as a new one, until it gets an answer. A stream's
+    # client leaves after the stream's headers (sent when the server takes the request), before its
+    # first event: that crash counts against the request all the same.
     statuses: list[int | str] = []
     deadline = time.monotonic() + 60
+    body = {"prompt": POISON, "n_predict": 1, "stream": stream}
     while time.monotonic() < deadline and 422 not in statuses:
         try:
-            statuses.append(post(run, "/v1/chat/completions", POISON, timeout=0.3).status_code)
+            statuses.append(httpx.post(f"http://127.0.0.1:{run.front}/v1/chat/completions", json=body,
+                                       timeout=0.3).status_code)
         except httpx.TimeoutException:
             statuses.append("timeout")
         time.sleep(0.3)
@@ -176,3 +181,37 @@ def test_a_stream_whose_headers_went_out_and_whose_replay_crashed_too_ends_with_
         assert httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,  # refused: never sent again
                           json={"prompt": prompt, "n_predict": 3, "stream": True}).status_code == 422
         assert len(sent(run, prompt)) == 2
+
+
+def test_a_stream_whose_replay_is_answered_with_an_error_ends_with_that_error(
+        tmp_path: Path, fake_server: Path, real_model: Path) -> None:
+    # The first server sends the stream's headers and crashes; the next one answers the replay with a
+    # JSON 500 (its compute fails): the client's stream ends with one error event carrying that status
+    # and llama-server's own message.
+    env = {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died"), "FAKE_LLAMA_FAULT": "completion_500"}
+    with started(tmp_path, fake_server, real_model, env) as run:
+        answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,
+                            json={"prompt": "replayed into an error", "n_predict": 3, "stream": True})
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in answer.text.splitlines() if line]
+        assert lines[0] == "event: error" and len(lines) == 2, lines
+        error = json.loads(lines[1][len("data: "):])["error"]
+        assert error["code"] == 500 and "compute error (fake)" in error["message"], error
+        assert metric(run, 'llama_guard_front_requests_failed_total{reason="upstream_failed"}') == 1
+        assert metric(run, "llama_guard_front_requests_replayed_total") == 1
+
+
+def test_a_replay_whose_client_left_before_it_went_is_not_counted_as_replayed(
+        tmp_path: Path, fake_server: Path, real_model: Path) -> None:
+    # The server sends the stream's headers and crashes; the next one loads for 3 s; the client leaves
+    # after 1 s of waiting: the request is never sent again, and the count of replays says so.
+    env = {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died"), "FAKE_LLAMA_LOAD_S": "3"}
+    with started(tmp_path, fake_server, real_model, env) as run:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=1.0,
+                       json={"prompt": "left while held", "n_predict": 3, "stream": True})
+        run.wait_event("server_ready", 30, skip=1)
+        time.sleep(0.5)  # a replay would go as soon as the server is ready
+        assert len(sent(run, "left while held")) == 1
+        assert metric(run, "llama_guard_front_requests_replayed_total") == 0
+        assert metric(run, "llama_guard_front_requests_waiting") == 0

@@ -112,7 +112,7 @@ class Forwarder:
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
         fp = Fingerprint(request.method, target, body.sha256)
-        replayed = False
+        replayed = replay_counted = False
         in_lane = False
         tries = 0
         held = False
@@ -129,7 +129,6 @@ class Forwarder:
                 self.suspects.check(fp)  # 422 when both ends were crashes
                 raise Refused(FailReason.UPSTREAM_FAILED)
             replayed = True
-            self.metrics.replayed.inc()
             since = self._clock()  # held again, for as long as a new arrival
 
         try:
@@ -146,6 +145,9 @@ class Forwarder:
                     in_lane = await self._enter_lane(since, hold_timeout_s)
                     continue  # the server may have changed while it waited in the lane
                 self._enter()
+                if replayed and not replay_counted:  # counted when it goes, not when it was decided
+                    replay_counted = True
+                    self.metrics.replayed.inc()
                 try:
                     upstream = await self._session.request(request.method, url, headers=headers, data=body.data,
                                                            allow_redirects=False, compress=None)

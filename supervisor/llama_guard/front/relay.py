@@ -13,6 +13,7 @@ request's 2xx answer is :class:`FirstToken`; :meth:`Relay.stalled` finds streams
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,9 +122,7 @@ class Relay:
             sse = is_sse(upstream.headers.get(hdrs.CONTENT_TYPE, ""))
             if begun is not None:
                 if not (sse and 200 <= upstream.status < 300):
-                    return await self.end_stream(begun, FailReason.UPSTREAM_FAILED, (
-                        f"llama-server (pid {pid}) answered this request, sent once more after the server before "
-                        f"it failed, with HTTP {upstream.status} instead of a stream"))
+                    return await self._refused_replay(begun, upstream, opening, pid, fp)
                 out = begun
             else:
                 out = (SizedAnswer if sized else web.StreamResponse)(
@@ -145,6 +144,10 @@ class Relay:
                     flight.waiting_since = self._clock()
                     try:
                         chunk = await upstream.content.readany()
+                    except asyncio.CancelledError:
+                        if not flight.began:  # the client left before the first event: llama-server may
+                            self._suspects.failed_under(fp, pid)  # still be at it (a crash then counts)
+                        raise
                     except (aiohttp.ClientError, OSError):
                         if sse and not flight.began:
                             raise Unanswered(out) from None
@@ -196,6 +199,19 @@ class Relay:
         if request.transport is not None:
             request.transport.close()  # what was written is flushed, then the body ends short
         return out
+
+    async def _refused_replay(self, begun: web.StreamResponse, upstream: aiohttp.ClientResponse,
+                              opening: bytes | None, pid: int, fp: Fingerprint) -> web.StreamResponse:
+        """The replay of a stream whose headers went out was answered with no stream (an error, as a
+        JSON answer): end the client's stream with an error event carrying that status and the start
+        of that answer. The request was answered: no suspect; a 5xx is an UpstreamError."""
+        text = (opening or b"")[:300].decode("utf-8", "replace")
+        self._suspects.answered(fp)
+        if upstream.status >= 500:
+            self._post(UpstreamError(pid, upstream.status))
+        return await self.end_stream(begun, FailReason.UPSTREAM_FAILED, (
+            f"llama-server (pid {pid}) answered this request, sent once more after the server before it failed, "
+            f"with HTTP {upstream.status} instead of a stream: {text}"), code=upstream.status)
 
     async def end_stream(self, out: web.StreamResponse, reason: FailReason, message: str,
                          code: int = 502) -> web.StreamResponse:
