@@ -161,6 +161,18 @@ def test_a_server_that_dies_between_its_headers_and_its_body_has_the_request_rep
         assert metric(run, 'llama_guard_front_requests_total{code="cut"}') == 0
 
 
+def only_an_error_event(run: Any, prompt: str) -> dict[str, Any]:
+    """Stream a completion of ``prompt`` through the front door; its answer must be a 200 stream whose
+    body is one SSE error event and nothing else: returns that event's ``error`` object."""
+    answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,
+                        json={"prompt": prompt, "n_predict": 3, "stream": True})
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in answer.text.splitlines() if line]
+    assert lines[0] == "event: error" and len(lines) == 2, lines  # nothing else came
+    error: dict[str, Any] = json.loads(lines[1][len("data: "):])["error"]
+    return error
+
+
 def test_a_stream_whose_headers_went_out_and_whose_replay_crashed_too_ends_with_a_422_error_event(
         tmp_path: Path, fake_server: Path, real_model: Path) -> None:
     # Two servers in a row take the stream, send its headers and crash before its first event: the
@@ -168,12 +180,7 @@ def test_a_stream_whose_headers_went_out_and_whose_replay_crashed_too_ends_with_
     env = {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died"), "FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES": "2"}
     with started(tmp_path, fake_server, real_model, env) as run:
         prompt = "a stream cut twice before its first event"
-        answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,
-                            json={"prompt": prompt, "n_predict": 3, "stream": True})
-        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in answer.text.splitlines() if line]
-        assert lines[0] == "event: error" and len(lines) == 2, lines  # nothing else came
-        error = json.loads(lines[1][len("data: "):])["error"]
+        error = only_an_error_event(run, prompt)
         assert error["code"] == 422 and "in flight at two llama-server crashes" in error["message"], error
         assert len(set(sent(run, prompt))) == 2
         assert metric(run, 'llama_guard_front_requests_failed_total{reason="crashed_twice"}') == 1
@@ -190,12 +197,7 @@ def test_a_stream_whose_replay_is_answered_with_an_error_ends_with_that_error(
     # and llama-server's own message.
     env = {"FAKE_LLAMA_HEADERS_THEN_ABORT": str(tmp_path / "died"), "FAKE_LLAMA_FAULT": "completion_500"}
     with started(tmp_path, fake_server, real_model, env) as run:
-        answer = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=90,
-                            json={"prompt": "replayed into an error", "n_predict": 3, "stream": True})
-        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in answer.text.splitlines() if line]
-        assert lines[0] == "event: error" and len(lines) == 2, lines
-        error = json.loads(lines[1][len("data: "):])["error"]
+        error = only_an_error_event(run, "replayed into an error")
         assert error["code"] == 500 and "compute error (fake)" in error["message"], error
         assert metric(run, 'llama_guard_front_requests_failed_total{reason="upstream_failed"}') == 1
         assert metric(run, "llama_guard_front_requests_replayed_total") == 1
