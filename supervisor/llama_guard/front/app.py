@@ -22,6 +22,7 @@ import json
 import logging
 import resource
 import socket
+import sys
 from collections.abc import Callable
 
 from aiohttp import hdrs, web
@@ -35,6 +36,11 @@ from llama_guard.front.headers import origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import FRONT_DOOR
 from llama_guard.output.health import HEALTH_PATHS, health_response
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # aiohttp's own dependency below Python 3.11
+    from async_timeout import timeout
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
 FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
@@ -182,21 +188,19 @@ class FrontApp:
         if (request.content_length or 0) > front.max_body_bytes:
             raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes ([front].max_body_bytes)")
 
-        async def read_all() -> None:
-            if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
-                # The client waits for this before it sends the body (curl does so for large bodies);
-                # aiohttp's router sends the same in its default expect handler.
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            while chunk := await request.content.read(READ_CHUNK):
-                if body.taken + len(chunk) > front.max_body_bytes:
-                    raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes "
-                                         "([front].max_body_bytes)")
-                if not body.add(chunk):
-                    raise Refused(FailReason.BUFFER_FULL)
-
         try:
-            await asyncio.wait_for(read_all(), front.body_timeout_s)
-        except asyncio.TimeoutError:
+            async with timeout(front.body_timeout_s):  # no task of its own, unlike asyncio.wait_for
+                if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+                    # The client waits for this before it sends the body (curl does so for large bodies);
+                    # aiohttp's router sends the same in its default expect handler.
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                while chunk := await request.content.read(READ_CHUNK):
+                    if body.taken + len(chunk) > front.max_body_bytes:
+                        raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes "
+                                             "([front].max_body_bytes)")
+                    if not body.add(chunk):
+                        raise Refused(FailReason.BUFFER_FULL)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
             raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
                                  "([front].body_timeout_s)") from None
         body.complete()

@@ -160,8 +160,6 @@ class Forwarder:
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):  # sent, nothing came back
                     await unanswered(pid)
                 else:
-                    if opening is not None:
-                        body.release()
                     work = work_of(request.method, target)
                     try:
                         return await self.relay.relay(request, upstream, opening, pid, work, fp, held=held,
