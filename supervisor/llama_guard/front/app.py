@@ -188,6 +188,10 @@ class FrontApp:
         if (request.content_length or 0) > front.max_body_bytes:
             raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes ([front].max_body_bytes)")
 
+        if request.content.is_eof():  # the whole body came with the head (a small one): nothing to wait for
+            self._take(request.content.read_nowait(), front, body)
+            body.complete()
+            return
         try:
             async with timeout(front.body_timeout_s):  # no task of its own, unlike asyncio.wait_for
                 if request.version >= (1, 1) and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
@@ -195,15 +199,20 @@ class FrontApp:
                     # aiohttp's router sends the same in its default expect handler.
                     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 while chunk := await request.content.read(READ_CHUNK):
-                    if body.taken + len(chunk) > front.max_body_bytes:
-                        raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes "
-                                             "([front].max_body_bytes)")
-                    if not body.add(chunk):
-                        raise Refused(FailReason.BUFFER_FULL)
+                    self._take(chunk, front, body)
         except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
             raise BodyError(408, f"the request body did not arrive within {front.body_timeout_s:g} s "
                                  "([front].body_timeout_s)") from None
         body.complete()
+
+    @staticmethod
+    def _take(chunk: bytes, front: FrontConfig, body: HeldBody) -> None:
+        """Add ``chunk`` to ``body``: :class:`BodyError` 413 past ``max_body_bytes``, :class:`Refused`
+        (BUFFER_FULL) when the budget has no room for it."""
+        if body.taken + len(chunk) > front.max_body_bytes:
+            raise BodyError(413, f"the request body is over {front.max_body_bytes} bytes ([front].max_body_bytes)")
+        if chunk and not body.add(chunk):
+            raise Refused(FailReason.BUFFER_FULL)
 
     def _refused(self, refused: Refused) -> web.Response:
         self.metrics.failed.labels(refused.reason.value).inc()
