@@ -192,8 +192,8 @@ def kill_round(daemon: DaemonRun, catcher: NotifyCatcher, streams: int, stream_t
     if streams:
         time.sleep(2.0)  # let them connect and start
     start_mono, start_wall = time.monotonic(), time.time()
-    progress(f"kill -9 of llama-server pid {pid} with {streams} streams running "
-             f"({sum(f.done() for f in futures)} already ended)")
+    ended_before = sum(f.done() for f in futures)
+    progress(f"kill -9 of llama-server pid {pid} with {streams} streams running ({ended_before} already ended)")
     os.kill(pid, signal.SIGKILL)
     exited = wait_after(daemon, "server_exited", start_wall - 0.5)
     latency = epoch(exited["timestamp"]) - start_wall
@@ -214,7 +214,8 @@ def kill_round(daemon: DaemonRun, catcher: NotifyCatcher, streams: int, stream_t
     end_mono = time.monotonic()
     return {"latency_s": latency, "watchdog_gap_s": catcher.max_gap(start_mono - 1.0, end_mono),
             "ok": sum(r["done"] for r in results), "cut": sum(r["error"] for r in results), "n": len(results),
-            "refused": sum(r["status"] not in (0, 200) for r in results), "stuck": len(pending)}
+            "refused": sum(r["status"] not in (0, 200) for r in results), "stuck": len(pending),
+            "ended_before": ended_before}
 
 
 def print_streaming(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]],
@@ -311,7 +312,10 @@ def main() -> int:
     print(f"{'largest watchdog gap around it (ms)':<44}{quiet['watchdog_gap_s'] * 1000:>14.0f}"
           f"{busy['watchdog_gap_s'] * 1000:>14.0f}{idle['watchdog_gap_s'] * 1000:>14.0f}")
     outcome = f"{busy['ok']} / {busy['cut']} / {busy['refused']} / {busy['stuck']}"
-    print(f"{'streams: completed / cut / 5xx / stuck':<44}{'-':>14}{outcome:>14}{'-':>14}")
+    print(f"{'streams: completed / cut / 5xx / stuck':<44}{'-':>14} {outcome:>13}{'-':>14}")  # a space: it may fill
+    if busy["ended_before"]:
+        print(f"({busy['ended_before']} of the {args.streams} streams had ended before the kill: "
+              "raise --stream-tokens)")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -54,6 +54,12 @@ def door(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator[A
         yield make
 
 
+def metric(port: int, name: str) -> float:
+    """The value of the series ``name`` (with its labels) on the exporter at ``port``; 0 when absent."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def served(port: int) -> bool:
     """A normal client is answered in full."""
     resp = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=120)

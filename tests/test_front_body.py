@@ -9,21 +9,15 @@ import socket
 import time
 from typing import Any
 
-import httpx
 import psutil
 import pytest
-from front_fixtures import read_all, served
+from front_fixtures import metric, read_all, served
 from harness import free_port
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
 MIB = 1024 * 1024
 SHIPPED = {"max_body_bytes": 32 * MIB, "max_buffered_bytes": 512 * MIB}  # the shipped budget
-
-
-def metric(port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:

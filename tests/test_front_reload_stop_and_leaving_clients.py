@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from front_fixtures import served
+from front_fixtures import metric, served
+from harness import free_port
 from llama_guard.front.source import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -151,8 +152,12 @@ def long_stream(port: int, n_predict: int) -> tuple[httpx.Client, Any, Iterator[
 
 def test_clients_that_leave_while_held_give_their_place_back(door: Any) -> None:
     """max_held = 2: two requests held during a drain leave; two later ones are held and answered,
-    not refused as if the queue were still full."""
-    run = door({"max_held": 2}, {"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192}})
+    not refused as if the queue were still full. Each client that left is counted once, as gone, in
+    the ``front_held`` event and in ``llama_guard_front_requests_total`` — the stream's client that
+    left to end the drain too."""
+    metrics = free_port()
+    run = door({"max_held": 2}, {"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192},
+                                 "metrics": {"listen": f"127.0.0.1:{metrics}"}})
     client, resp, _chunks = long_stream(run.front, 8000)
     run.signal(signal.SIGUSR1)
     run.wait_event("restart_requested", 10)
@@ -168,7 +173,9 @@ def test_clients_that_leave_while_held_give_their_place_back(door: Any) -> None:
         assert sock.recv(12) == b"HTTP/1.1 200"
         sock.close()
     held = run.wait_event("front_held", 30)
-    assert held["held"] == 4 and held["forwarded"] == 2, held
+    assert (held["held"], held["forwarded"], held["gone"]) == (4, 2, 2), held
+    assert metric(metrics, 'llama_guard_front_requests_total{code="gone"}') == 3
+    assert metric(metrics, 'llama_guard_front_requests_total{code="200"}') == 2
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_llama_server_slot(door: Any) -> None:

@@ -115,7 +115,6 @@ class Daemon:
         self._stop_signals = 0
         self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT: ends a watcher's start that waits
         self._exit_code: int | None = None
-        self._ending: set[asyncio.Task[None]] = set()  # the ends of servers gone (their probe, log, pidfd)
         self._reset_possible = False
         self.status = Announcer(self.notifier, self.runtime, emitter, self.watchers, gpu, clock,
                                 state=lambda: self.state, config=lambda: self.config, server=lambda: self._gen)
@@ -316,9 +315,7 @@ class Daemon:
             self._gen = None
             pid, code = event.pid, event.returncode
             self._for_watchers("on_exit", lambda src, ctx: src.on_exit(ctx, pid, code))
-            ending = self.tasks.start(gen.end(), "end of a server")
-            self._ending.add(ending)
-            ending.add_done_callback(self._ending.discard)
+            self.tasks.start(gen.end(), "end of a server", finish=True)  # closes its probe, log reader, pidfd
         self.status.after_step(self.state.phase is not before.phase)
         if self.state.phase is Phase.STARTING and before.phase is not Phase.STARTING:
             self.start_timeout.extend()
@@ -381,9 +378,7 @@ class Daemon:
             if gen.server.proc.returncode is None:
                 await kill_and_reap(gen.server)
             await gen.end()
-        if self._ending:  # a server that exited just before: its end closes what it holds, not cancelled
-            await asyncio.wait(self._ending, timeout=TASK_CANCEL_TIMEOUT_S)
-        await self.tasks.cancel_all(TASK_CANCEL_TIMEOUT_S)
+        await self.tasks.cancel_all(TASK_CANCEL_TIMEOUT_S)  # a server that exited just before: its end finishes
         for watcher in self.watchers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher.close(), WATCHER_CLOSE_TIMEOUT_S)

@@ -48,15 +48,21 @@ class TaskSet:
         self._on_fatal = on_fatal
         self._clock = clock
         self.tasks: set[asyncio.Task[Any]] = set()
+        self._finishing: set[asyncio.Task[Any]] = set()  # let end on their own by cancel_all
 
-    def start(self, coro: Awaitable[Any], name: str, *, core: bool = True) -> asyncio.Task[Any]:
+    def start(self, coro: Awaitable[Any], name: str, *, core: bool = True, finish: bool = False) -> asyncio.Task[Any]:
         """A tracked task running ``coro``. ``core``: an exception in it is a failure of the daemon
-        itself (``watcher_failed`` with ``watcher=core.<name>``, then ``on_fatal``)."""
+        itself (``watcher_failed`` with ``watcher=core.<name>``, then ``on_fatal``). ``finish``:
+        :meth:`cancel_all` lets it end on its own, within its timeout, before it cancels it (the end
+        of a server closes what that server held)."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
+        if finish:
+            self._finishing.add(task)
 
         def done(t: asyncio.Task[Any]) -> None:
             self.tasks.discard(t)
+            self._finishing.discard(t)
             if core and not t.cancelled() and t.exception() is not None:
                 exc = t.exception()
                 self._emit("watcher_failed", watcher=f"core.{name}", error=summary(exc), failures=1,
@@ -89,7 +95,11 @@ class TaskSet:
                 await asyncio.sleep(delay)
 
     async def cancel_all(self, timeout_s: float) -> None:
-        """Cancel every task but the caller's and wait up to ``timeout_s`` seconds for them."""
+        """Wait up to ``timeout_s`` seconds for the tasks started with ``finish`` to end, then cancel
+        every task still running but the caller's and wait up to ``timeout_s`` seconds for them."""
+        finishing = [t for t in self._finishing if t is not asyncio.current_task()]
+        if finishing:
+            await asyncio.wait(finishing, timeout=timeout_s)
         tasks = [t for t in self.tasks if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()

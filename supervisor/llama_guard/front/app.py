@@ -42,6 +42,7 @@ if sys.version_info >= (3, 11):
 else:  # aiohttp's own dependency below Python 3.11
     from async_timeout import timeout
 
+GONE = "gone"  # llama_guard_front_requests_total's code for a client that left before its answer was complete
 RETRY_AFTER_S = 5  # what a refused client is told to wait (seconds)
 FD_RESERVE = 256  # file descriptors kept for the daemon itself (see effective_max_connections)
 # asyncio accepts at most its ``backlog`` connections in one loop step: a flood of connections is taken
@@ -177,6 +178,9 @@ class FrontApp:
             return self._answer(error_response(exc.status, str(exc)))
         except Refused as refused:
             return self._refused(refused)
+        except asyncio.CancelledError:  # the client closed its connection before its answer was complete
+            self.metrics.requests.labels(GONE).inc()
+            raise
         finally:
             body.release()
 

@@ -23,7 +23,8 @@ class FrontMetrics:
                  in_flight: Callable[[], int], connections: Callable[[], int]) -> None:
         reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.requests = Counter("llama_guard_front_requests", "client requests answered, by the status the "
-                                "client got (cut: begun, then cut by a server failure)", ["code"], registry=reg)
+                                "client got (cut: begun, then cut by a server failure; gone: the client left "
+                                "before its answer was complete)", ["code"], registry=reg)
         self.held_seconds = Histogram("llama_guard_front_held_seconds", "how long a held request waited for a "
                                       "ready server", buckets=HELD_BUCKETS, registry=reg)
         self.held = Counter("llama_guard_front_requests_held", "requests held while the server was not ready",
