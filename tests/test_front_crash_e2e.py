@@ -26,9 +26,11 @@ POISON = "BOOM-crashes-the-server"
 
 
 @contextlib.contextmanager
-def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, str]) -> Iterator[Any]:
-    """A started daemon before the test double with ``env`` (the fault cues); ``front``/``metrics``
-    its ports, ``requests`` the file of POSTs the servers received."""
+def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, str],
+            recovery: dict[str, object] | None = None) -> Iterator[Any]:
+    """A started daemon before the test double with ``env`` (the fault cues) and ``recovery`` keys
+    over the test's own; ``front``/``metrics`` its ports, ``requests`` the file of POSTs the servers
+    received."""
     pool = RunPool()
     front, metrics = free_port(), free_port()
     requests = tmp_path / "requests.log"
@@ -37,7 +39,7 @@ def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, 
         "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 60.0},
         "metrics": {"listen": f"127.0.0.1:{metrics}"},
         "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
-        "recovery": {"max_restarts": 10, "stable_after_s": 1.0}})
+        "recovery": {"max_restarts": 10, "stable_after_s": 1.0, **(recovery or {})}})
     run.front, run.metrics_port, run.requests = front, metrics, requests
     run.start()
     try:
@@ -217,3 +219,25 @@ def test_a_replay_whose_client_left_before_it_went_is_not_counted_as_replayed(
         assert len(sent(run, "left while held")) == 1
         assert metric(run, "llama_guard_front_requests_replayed_total") == 0
         assert metric(run, "llama_guard_front_requests_waiting") == 0
+
+
+def test_one_crashing_prompt_after_another_never_ends_the_daemon(tmp_path: Path, fake_server: Path,
+                                                                 real_model: Path) -> None:
+    """A client sends a crashing prompt, and after its 422 another one (a new body, on another path
+    too): each crashes two servers, the second time right after the server became ready, and is then
+    refused. The crashes are the requests' — charged to them — so they never chain into the verdict
+    that blames the build (exit 78: under systemd's RestartPreventExitStatus the daemon would stay
+    down), nor hold a start back to confirm one (``repeat_confirm_s``); innocent requests get 200."""
+    with started(tmp_path, fake_server, real_model, {"FAKE_LLAMA_ABORT_PROMPT": POISON, "FAKE_LLAMA_DECODE_S": "0.3"},
+                 recovery={"stable_after_s": 60.0, "repeat_confirm_s": 45.0}) as run:
+        begin = time.monotonic()
+        for i, path in enumerate(("/completion", "/v1/completions", "/completion")):
+            answer = post(run, path, f"{POISON} {i}")
+            assert answer.status_code == 422, (i, answer.text)
+            assert post(run, "/completion", "hello").status_code == 200
+        assert time.monotonic() - begin < 40.0  # no start held back 45 s to confirm a chain
+        names = run.names()
+        assert names.count("front_request_refused") == 3, names
+        assert names.count("server_exited") == 6, names
+        assert "server_failure_repeated" not in names and "daemon_exit" not in names, names
+        assert run.proc.poll() is None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from llama_guard.core.actions import Emit, ExitDaemon, ReadBuild
-from llama_guard.core.inputs import Boot, BuildInfo, Exited, HealthOk, LoadProgress, Spawned, Tick
+from llama_guard.core.inputs import Boot, BuildInfo, CrashesCharged, Exited, HealthOk, LoadProgress, Spawned, Tick
 from llama_guard.core.policy import decide
 from llama_guard.core.policy.repeat import FIX_BUILD, FIX_GPU, FIX_STALL
 from llama_guard.core.types import Params, State, initial_state
@@ -273,3 +273,49 @@ def test_a_hung_server_is_killed_one_second_after_the_verdict_not_after_stop_gra
     assert not any(isinstance(a, Kill) for a in early)
     s, late = decide(s, Tick(), now + HUNG_GRACE_S)
     assert any(isinstance(a, Kill) for a in late) and P.stop_grace_s > HUNG_GRACE_S
+
+
+def test_crashes_charged_to_client_requests_never_make_a_verdict() -> None:
+    """A client that sends one crashing prompt after another: each prompt crashes two servers (the
+    second time sent alone) and is then refused by the front door, which charges those crashes to it.
+    Without the charges the third crash after ready is a build verdict (exit 78, the daemon gone for
+    good under systemd's RestartPreventExitStatus); with them, six such crashes are restarts, and the
+    start held back to confirm the chain goes as soon as the crashes are charged."""
+    params = replace(P, repeat_confirm_s=45.0)
+    s, _ = decide(initial_state(params), Boot(), 0.0)
+    now = 0.0
+    for i in range(6):
+        pid = 100 + i
+        s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
+        s, acts = crash_on_first_request(s, pid, now)
+        assert exit_code(acts) is None, (i, names(acts))
+        assert s.phase is Phase.BACKOFF
+        now += 3.0
+        if i % 2:  # the prompt's second crash: the front door refuses it and charges both
+            assert s.identical == params.identical_failures - 1 and s.deadline is not None and s.deadline > now + 30
+            s, acts = decide(s, CrashesCharged((pid - 1, pid)), now)
+            assert acts == [] and s.identical == 0 and s.deadline == now
+        now = max(now, s.deadline or now)
+        s, _ = decide(s, Tick(), now)
+        assert s.phase is not Phase.EXITED
+
+
+def test_uncharged_crashes_after_ready_are_still_a_verdict_after_three() -> None:
+    """The same crashes without a charge (no request was refused for them): the verdict stands, and a
+    charge that comes when no chain is held changes nothing."""
+    s, _ = decide(initial_state(P), Boot(), 0.0)
+    charged, acts = decide(s, CrashesCharged((1, 2)), 0.5)
+    assert charged == s and acts == []
+    _s, per_start = run(crash_on_first_request, 6)
+    assert len(per_start) == 3 and exit_code(per_start[-1]) == EXIT_CONFIG
+
+
+def test_a_charge_while_the_next_server_starts_breaks_the_chain_without_touching_its_deadline() -> None:
+    s, _ = decide(initial_state(P), Boot(), 0.0)
+    s, _ = decide(s, Spawned(100, ("llama-server",)), 0.0)
+    s, _ = crash_on_first_request(s, 100, 0.0)
+    s, _ = decide(s, Tick(), s.deadline or 5.0)
+    assert s.phase is Phase.STARTING and s.identical == 1
+    deadline = s.deadline
+    s, _ = decide(s, CrashesCharged((100,)), 6.0)
+    assert s.identical == 0 and s.deadline == deadline and s.phase is Phase.STARTING

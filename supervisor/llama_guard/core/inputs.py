@@ -323,3 +323,10 @@ class UpstreamError(Input):
     status: int
 
 
+@dataclass(frozen=True)
+class CrashesCharged(Input):
+    """The front door refused a client request (its method, target and body) that was in flight at the
+    crashes of servers ``pids``: those crashes are that request's doing, not the build's nor the
+    configuration's (:mod:`llama_guard.core.suspects`)."""
+
+    pids: tuple[int, ...]

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from llama_guard.config import Config
 from llama_guard.config.listen import host_port
-from llama_guard.core.inputs import StreamStalled
+from llama_guard.core.inputs import CrashesCharged, StreamStalled
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.params import params_from
 from llama_guard.core.policy.port import holder_text
@@ -168,6 +168,7 @@ class FrontSource(Watcher):
     def _crash_refused(self, ctx: Context, fp: Fingerprint, pids: tuple[int, ...], refuse_s: float) -> None:
         ctx.emit("front_request_refused", method=fp.method, path=path_of(fp.target), body_sha256=fp.body_sha256,
                  server_pids=list(pids), refuse_s=round(refuse_s), until=wall_time(refuse_s))
+        ctx.post(CrashesCharged(pids))  # the request's crashes, not the build's
 
     def _episode(self, ctx: Context, episode: Episode) -> None:
         ctx.emit("front_held", **episode.fields())

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from llama_guard.core.inputs import (
     BuildInfo,
+    CrashesCharged,
     Exited,
     GpuFault,
     Input,
@@ -39,6 +40,7 @@ from llama_guard.core.inputs import (
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
 from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
 from llama_guard.core.policy.port import on_port_holder
+from llama_guard.core.policy.repeat import on_crashes_charged
 from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
@@ -74,6 +76,8 @@ def _decide(state: State, event: Input, now: float) -> Result:
         return on_port_holder(state, event, now)
     if isinstance(event, BuildInfo):
         return replace(state, build=event.text), []
+    if isinstance(event, CrashesCharged):
+        return on_crashes_charged(state, event, now)
     return _HANDLERS[state.phase](state, event, now)
 
 

@@ -16,10 +16,12 @@ import signal
 from dataclasses import replace
 
 from llama_guard.core.actions import Action, Emit, ReadBuild
+from llama_guard.core.inputs import CrashesCharged
 from llama_guard.core.judgement import failure_signature
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.types import RestartCause, State
 from llama_guard.vocab.events import EventName
+from llama_guard.vocab.phases import Phase
 
 # Failures another process can cause and end (the chain is broken, never a verdict).
 _TRANSIENT_FAMILIES = frozenset({Family.OOM, Family.ALLOC_FAILED})
@@ -125,6 +127,20 @@ def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[A
     if state.fault_signals:
         fields["signals"] = sorted(signal.Signals(n).name for n in state.fault_signals)
     return replace(state, boot_signature="", identical=0, fault_signals=frozenset()), Emit(name, fields), []
+
+
+def on_crashes_charged(state: State, event: CrashesCharged, now: float) -> tuple[State, list[Action]]:
+    """Crashes the front door charged to a client request (:class:`CrashesCharged`) say nothing about
+    the build: the chain of identical failures is broken (a client that sends one crashing prompt
+    after another never makes a verdict that ends the daemon), and a start held back to confirm that
+    chain (``repeat_confirm_s``) goes now — the request is refused from now on."""
+    if not state.identical:
+        return state, []
+    held = state.phase is Phase.BACKOFF and state.identical == state.params.identical_failures - 1
+    state = replace(state, boot_signature="", identical=0, fault_signals=frozenset())
+    if held and state.deadline is not None and state.deadline > now:
+        state = replace(state, deadline=now)
+    return state, []
 
 
 def _fault_cause(signals: frozenset[int]) -> str:
