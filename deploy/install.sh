@@ -94,7 +94,8 @@ install -m 0644 "$SRC/deploy/journald/llama-guard.catalog" \
 
 if [ -z "$DESTDIR" ]; then
     journalctl --update-catalog || say "journalctl --update-catalog failed (catalog not indexed)"
-    systemctl daemon-reload
+    systemctl daemon-reload || say "systemctl daemon-reload failed (no systemd as PID 1?): the units are installed; \
+run llama-guard under your own supervisor with: $PREFIX/bin/llama-guard run"
 fi
 
 cat <<MSG

@@ -273,6 +273,7 @@ def test_a_hung_server_is_killed_one_second_after_the_verdict_not_after_stop_gra
     assert not any(isinstance(a, Kill) for a in early)
     s, late = decide(s, Tick(), now + HUNG_GRACE_S)
     assert any(isinstance(a, Kill) for a in late) and P.stop_grace_s > HUNG_GRACE_S
+    assert emitted(late, "server_stop_timeout").fields["grace_s"] == HUNG_GRACE_S  # the grace it got, said
 
 
 def test_crashes_charged_to_client_requests_never_make_a_verdict() -> None:

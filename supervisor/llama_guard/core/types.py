@@ -220,6 +220,7 @@ class State:
     exit_code: int = EXIT_OK
     exit_reason: str = ""
     killed: bool = False
+    grace_s: float = 0.0         # the stop under way: seconds between its SIGTERM and its SIGKILL
     saving: bool = False        # STOPPING: the slots are being saved before SIGTERM (``deadline`` bounds it)
     failures: tuple[float, ...] = ()
     next_backoff_s: float = 1.0

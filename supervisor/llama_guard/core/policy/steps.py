@@ -104,7 +104,7 @@ def stop(state: State, now: float, after: AfterStop, fault: str, *,
         after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
     new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
-                  deadline=now + grace, killed=False, saving=False,
+                  deadline=now + grace, grace_s=grace, killed=False, saving=False,
                   exit_code=code, exit_reason=reason or state.exit_reason)
     if state.pid is None:
         return new, []
@@ -117,7 +117,8 @@ def end_save(state: State, now: float) -> Result:
     """The saves before a stop ended (or ran out of time, or the GPU was lost meanwhile): SIGTERM
     now, SIGKILL after ``stop_grace_s``."""
     assert state.pid is not None
-    return replace(state, saving=False, deadline=now + state.params.stop_grace_s), [Terminate(state.pid)]
+    grace = state.params.stop_grace_s
+    return replace(state, saving=False, deadline=now + grace, grace_s=grace), [Terminate(state.pid)]
 
 
 def spawn(state: State) -> Result:

@@ -36,7 +36,8 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
     if state.pid is None:
         # A stop was requested before the spawn answered.
         if isinstance(event, Spawned):
-            return replace(state, pid=event.pid, deadline=now + p.stop_grace_s), [Terminate(event.pid)]
+            return replace(state, pid=event.pid, deadline=now + p.stop_grace_s, grace_s=p.stop_grace_s), \
+                [Terminate(event.pid)]
         if isinstance(event, SpawnFailed):
             return finish_stop(state, now)
         return state, []
@@ -79,7 +80,7 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         if not state.killed:
             new = replace(state, killed=True, deadline=now + p.kill_wait_s)
-            return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": p.stop_grace_s}),
+            return new, [Emit("server_stop_timeout", {"server_pid": state.pid, "grace_s": state.grace_s}),
                          Kill(state.pid)]
         # SIGKILL did not end it either (uninterruptible sleep in the driver): a verdict, no
         # reset and no second server.
