@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,24 @@ def test_cli_exits_78_with_one_clear_line(tmp_path: Path, verb: str) -> None:
     assert out.stderr.strip().splitlines() == [
         f"llama-guard: config error: {path}: server.port: Input should be a valid integer, "
         "unable to parse string as an integer (got 'x')"]
+
+
+@pytest.mark.parametrize("verb", ["run", "check"])
+def test_cli_without_a_config_file_says_how_to_name_one(tmp_path: Path, verb: str) -> None:
+    """No --config and the default (here $LLAMA_GUARD_CONFIG) missing: exit 78, and a second line
+    names the two ways to give the file; with --config naming a missing file, the first line alone."""
+    missing = tmp_path / "nope.toml"
+    env = {**os.environ, "LLAMA_GUARD_CONFIG": str(missing)}
+    out = subprocess.run([sys.executable, "-m", "llama_guard", verb], capture_output=True, text=True, timeout=60,
+                         check=False, env=env)
+    assert out.returncode == 78
+    assert out.stderr.strip().splitlines() == [
+        f"llama-guard: config error: {missing}: no such file",
+        "llama-guard: name another file with --config PATH or $LLAMA_GUARD_CONFIG (the shipped one is "
+        "etc/llama-guard.toml)"]
+    named = subprocess.run([sys.executable, "-m", "llama_guard", verb, "--config", str(missing)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert named.returncode == 78 and len(named.stderr.strip().splitlines()) == 1
 
 
 SECRET = "sk-lg-0123456789abcdef"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_guard import __version__
-from llama_guard.paths import resolve_config_path, runtime_dir_of
+from llama_guard.paths import ENV_CONFIG_PATH, resolve_config_path, runtime_dir_of
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from llama_guard.vocab.verdicts import Verdict
 
@@ -33,6 +33,9 @@ def _load(args: argparse.Namespace) -> tuple[Path, Config]:
     except ConfigError as exc:
         for line in exc.lines:
             print(f"llama-guard: config error: {line}", file=sys.stderr)
+        if args.config is None and not path.exists():
+            print(f"llama-guard: name another file with --config PATH or ${ENV_CONFIG_PATH} (the shipped one is "
+                  "etc/llama-guard.toml)", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
 
 
