@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 from pydantic import Field
 
-from llama_guard.config.base import PositiveFloat, Section
+from llama_guard.config.base import Policy, PositiveFloat, Reload, Section
 
 
 class GpuWatchMode(str, enum.Enum):
@@ -27,18 +28,18 @@ class GpuConfig(Section):
     """``[gpu]``: which GPU to watch and the thresholds of its events."""
 
     enabled: GpuWatchMode = GpuWatchMode.AUTO
-    index: int = Field(0, ge=0)
+    index: Annotated[int, Field(ge=0), Policy("gpu_index")] = 0
     uuid: str = ""
     pci_bus_id: str = ""
-    sample_interval_s: PositiveFloat = 10.0
+    sample_interval_s: Annotated[PositiveFloat, Reload.LIVE] = 10.0
     temperature_warn_c: int = Field(85, ge=1, le=150)
     power_warn_fraction: float = Field(0.95, gt=0, le=1.5)
-    foreign_processes: ForeignProcesses = ForeignProcesses.WARN
-    require_server_on_gpu: bool = True
-    server_on_gpu_timeout_s: PositiveFloat = 10.0
-    vram_release_timeout_s: PositiveFloat = 30.0
+    foreign_processes: Annotated[ForeignProcesses, Reload.LIVE] = ForeignProcesses.WARN
+    require_server_on_gpu: Annotated[bool, Reload.LIVE] = True
+    server_on_gpu_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 10.0
+    vram_release_timeout_s: Annotated[PositiveFloat, Reload.LIVE, Policy("vram_release_s")] = 30.0
     driver_version: str = ""
-    enable_persistence: bool = False
+    enable_persistence: Annotated[bool, Reload.LIVE] = False
     slowdown_margin_c: int = Field(5, ge=0, le=50)
     temperature_hysteresis_c: int = Field(5, ge=0, le=50)
     power_sustain_s: float = Field(60.0, ge=0)
@@ -46,7 +47,7 @@ class GpuConfig(Section):
     reminder_interval_s: PositiveFloat = 3600.0
     kmsg_path: str = "/dev/kmsg"
     expected_vram_mib: int = Field(0, ge=0)
-    vram_wait_timeout_s: PositiveFloat = 300.0
+    vram_wait_timeout_s: Annotated[PositiveFloat, Policy()] = 300.0
     # Memory bandwidth for `bench`'s ceiling, GB/s (1e9 bytes/s); unset = from NVML (bus width x clock).
     memory_bandwidth_gbs: float | None = Field(None, gt=0, allow_inf_nan=False)
     # VRAM size for `check`'s budget instead of NVML's free memory, MiB (a stated card; tests).

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from llama_guard.config.base import HOSTNAME, PositiveFloat, Section
+from llama_guard.config.base import HOSTNAME, PositiveFloat, Reload, Section
 
 
 class Listener(Section):
@@ -55,13 +56,13 @@ class FrontConfig(Listener):
     answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
     """
 
-    hold_timeout_s: PositiveFloat = 120.0
-    max_held: int = Field(256, ge=1)
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
-    max_buffered_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    hold_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 120.0
+    max_held: Annotated[int, Field(ge=1), Reload.LIVE] = 256
+    max_body_bytes: Annotated[int, Field(ge=1024), Reload.LIVE] = 32 * 1024 * 1024
+    max_buffered_bytes: Annotated[int, Field(ge=1024), Reload.LIVE] = 512 * 1024 * 1024
     header_timeout_s: PositiveFloat = 15.0
-    body_timeout_s: PositiveFloat = 60.0
-    stall_timeout_s: float = Field(120.0, ge=0.0)
+    body_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 60.0
+    stall_timeout_s: Annotated[float, Field(ge=0.0), Reload.LIVE] = 120.0
     max_connections: int = Field(16384, ge=1)
     stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
     crash_refuse_s: PositiveFloat = 600.0

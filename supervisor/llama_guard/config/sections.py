@@ -7,11 +7,11 @@ syntax (:mod:`llama_guard.cron`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from llama_guard.config.base import PositiveFloat, Section
+from llama_guard.config.base import Policy, PositiveFloat, Reload, Section
 from llama_guard.cron import validate_cron, validate_timezone
 from llama_guard.limit_values import normalize_config_value
 from llama_guard.paths import DEFAULT_RUNTIME_DIR
@@ -23,44 +23,47 @@ DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = (ResetTrigger.GPU_LOST, ResetTrigge
 class HealthConfig(Section):
     """``[health]``: readiness and liveness probes."""
 
-    interval_s: PositiveFloat = 5.0
-    timeout_s: PositiveFloat = 3.0
-    load_timeout_s: PositiveFloat = 900.0
-    startup_poll_s: PositiveFloat = 0.1
-    canary: bool = True
-    canary_timeout_s: PositiveFloat = 30.0
-    hang_strikes: int = Field(3, ge=1)
-    load_stall_s: float = Field(60.0, ge=0.0)
-    progress_cpu_s: PositiveFloat = 0.05
-    silent_limit_s: PositiveFloat = 60.0
+    interval_s: Annotated[PositiveFloat, Reload.LIVE] = 5.0
+    timeout_s: Annotated[PositiveFloat, Reload.NEXT_SERVER] = 3.0
+    load_timeout_s: Annotated[PositiveFloat, Reload.LIVE, Policy()] = 900.0
+    startup_poll_s: Annotated[PositiveFloat, Reload.LIVE] = 0.1
+    canary: Annotated[bool, Reload.NEXT_SERVER] = True
+    canary_timeout_s: Annotated[PositiveFloat, Reload.NEXT_SERVER] = 30.0
+    hang_strikes: Annotated[int, Field(ge=1), Reload.LIVE, Policy()] = 3
+    load_stall_s: Annotated[float, Field(ge=0.0), Policy()] = 60.0
+    progress_cpu_s: Annotated[PositiveFloat, Policy()] = 0.05
+    silent_limit_s: Annotated[PositiveFloat, Policy()] = 60.0
 
 class RecoveryConfig(Section):
     """``[recovery]``: restart backoff, crash-loop limit and GPU reset."""
 
+    reload: ClassVar[Reload] = Reload.LIVE
+
     # Waits 0, 2, 4, 8, 16, 32, 60 s: a fault that clears within ~2 min of its first failure is ridden
     # out; one that fails the same way before ready is a verdict (exit 78) long before that.
-    # core.types.Params carries the same defaults.
-    backoff_initial_s: PositiveFloat = 2.0
-    backoff_factor: float = Field(2.0, ge=1.0)
-    backoff_max_s: PositiveFloat = 60.0
-    max_restarts: int = Field(7, ge=0)
-    restart_window_s: PositiveFloat = 600.0
-    stable_after_s: PositiveFloat = 60.0
-    stop_grace_s: PositiveFloat = 15.0
-    reset_on: list[ResetTrigger] = Field(default_factory=lambda: list(DEFAULT_RESET_ON))
+    # core.types.Params takes these defaults (the keys marked Policy).
+    backoff_initial_s: Annotated[PositiveFloat, Policy()] = 2.0
+    backoff_factor: Annotated[float, Field(ge=1.0), Policy()] = 2.0
+    backoff_max_s: Annotated[PositiveFloat, Policy()] = 60.0
+    max_restarts: Annotated[int, Field(ge=0), Policy()] = 7
+    restart_window_s: Annotated[PositiveFloat, Policy()] = 600.0
+    stable_after_s: Annotated[PositiveFloat, Policy()] = 60.0
+    stop_grace_s: Annotated[PositiveFloat, Policy()] = 15.0
+    reset_on: Annotated[list[ResetTrigger], Policy(convert=frozenset)] = Field(
+        default_factory=lambda: list(DEFAULT_RESET_ON))
     reset_command: list[str] = Field(
         default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{index}"])
-    reset_timeout_s: PositiveFloat = 60.0
-    foreign_wait_s: float = Field(5.0, ge=0)
-    reset_toggles_persistence: bool = True
-    max_resets: int = Field(2, ge=0)
-    reset_window_s: PositiveFloat = 3600.0
+    reset_timeout_s: Annotated[PositiveFloat, Policy()] = 60.0
+    foreign_wait_s: Annotated[float, Field(ge=0), Policy()] = 5.0
+    reset_toggles_persistence: Annotated[bool, Policy("reset_retry")] = True
+    max_resets: Annotated[int, Field(ge=0), Policy()] = 2
+    reset_window_s: Annotated[PositiveFloat, Policy()] = 3600.0
     # A port taken by another process is retried (every 2 s, no crash counted) this long, then exit 78.
-    port_wait_s: float = Field(30.0, ge=0)
+    port_wait_s: Annotated[float, Field(ge=0), Policy()] = 30.0
     # The start that would confirm a failure repeated identically (the verdict, exit 78) waits until
     # this long after the chain's first failure: a fault that prints the same line for a while and
     # then goes away (a driver reloading, a mount coming back) is ridden out; 0: confirm at once.
-    repeat_confirm_s: float = Field(45.0, ge=0)
+    repeat_confirm_s: Annotated[float, Field(ge=0), Policy()] = 45.0
 
     @field_validator("reset_command")
     @classmethod
@@ -72,6 +75,8 @@ class RecoveryConfig(Section):
 
 class LimitsConfig(Section):
     """``[limits]``: rlimits the server gets, and when their use is reported."""
+
+    reload: ClassVar[Reload] = Reload.SERVER_RESTART
 
     nofile: int | Literal["unlimited"] | None = 1048576
     memlock: int | Literal["unlimited"] | None = None
@@ -114,10 +119,12 @@ class ScheduleConfig(Section):
     host's). Durations in seconds. The decay thresholds are opt-in: 0 disables each.
     """
 
+    reload: ClassVar[Reload] = Reload.LIVE
+
     restart_cron: str = "30 4 * * *"
     timezone: str = ""
     jitter_s: float = Field(0.0, ge=0)
-    drain_timeout_s: PositiveFloat = 300.0
+    drain_timeout_s: Annotated[PositiveFloat, Policy()] = 300.0
     min_uptime_s: float = Field(3600.0, ge=0)
     # A fire found later than this (host asleep, clock stepped) is reported missed, not run.
     misfire_grace_s: float = Field(900.0, ge=0)
@@ -152,13 +159,15 @@ class ScheduleConfig(Section):
 class LogConfig(Section):
     """``[log]``: where events and the server's own lines go."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    level: Annotated[Literal["debug", "info", "warning", "error"], Reload.LIVE] = "info"
     format: Literal["auto", "console", "json", "journald"] = "auto"
-    server_log_file: str = ""
+    server_log_file: Annotated[str, Reload.NEXT_SERVER] = ""
 
 
 class RuntimeConfig(Section):
     """``[runtime]``: where the daemon keeps its pid file and status snapshot."""
+
+    reload: ClassVar[Reload] = Reload.LIVE
 
     dir: Path = DEFAULT_RUNTIME_DIR
 

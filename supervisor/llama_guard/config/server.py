@@ -7,11 +7,11 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from llama_guard.config.base import HOSTNAME, Section
+from llama_guard.config.base import HOSTNAME, Policy, Reload, Section
 from llama_guard.server_flags import OWNED_FLAGS, QUANTIZED_CACHE_TYPES, SECRET_FLAGS, SECRET_NAME, CacheType
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -21,11 +21,13 @@ _ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
 class ServerConfig(Section):
     """``[server]``: the llama-server binary, the model and its typed knobs."""
 
+    reload: ClassVar[Reload] = Reload.SERVER_RESTART
+
     binary: str = Field("llama-server", min_length=1)
-    model: Path = Path("/var/lib/llama-guard/model.gguf")
+    model: Annotated[Path, Policy("model_path", str)] = Path("/var/lib/llama-guard/model.gguf")
     host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(8080, ge=1, le=65535)
-    n_gpu_layers: int = Field(999, ge=0)
+    port: Annotated[int, Field(ge=1, le=65535), Policy()] = 8080
+    n_gpu_layers: Annotated[int, Field(ge=0), Policy("offload_layers")] = 999
     ctx_size: int = Field(8192, ge=0)
     parallel: int = Field(1, ge=1, le=256)
     batch_size: int = Field(512, ge=1)

@@ -1,6 +1,7 @@
 """A reload (SIGHUP): load and check the new file (:func:`load_candidate`: could it start a
 server?), and, key by key, whether a change takes effect now, at the next server start, or only at
-the next daemon start (:func:`reload_report`). The daemon applies an accepted candidate.
+the next daemon start (:func:`reload_report`; each key declares when, beside its type in its
+section's model: :class:`~llama_guard.config.base.Reload`). The daemon applies an accepted candidate.
 
 Pure except :func:`startable` (it looks at the binary and the model file: blocking) and
 :func:`load_candidate`, which runs the blocking steps on the daemon's ``config`` lane with deadlines.
@@ -15,35 +16,12 @@ from pathlib import Path
 
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config.base import Reload, reload_of
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity
 from llama_guard.core.spawner import prepare
 from llama_guard.server_flags import SECRET_FLAGS, is_secret_env
-
-# Keys read live (from the current config, by the policy's parameters or a watcher's on_reload):
-# a change takes effect at once. "*" = every key of the section.
-_LIVE: dict[str, frozenset[str]] = {
-    "health": frozenset({"interval_s", "startup_poll_s", "load_timeout_s", "hang_strikes"}),
-    "gpu": frozenset({"sample_interval_s", "foreign_processes", "require_server_on_gpu",
-                      "server_on_gpu_timeout_s", "vram_release_timeout_s", "enable_persistence"}),
-    "recovery": frozenset({"*"}),
-    "schedule": frozenset({"*"}),
-    "log": frozenset({"level"}),
-    "runtime": frozenset({"*"}),
-    # The front door reads these per request; listen, header_timeout_s and max_connections are fixed
-    # when its listener opens.
-    "front": frozenset({"hold_timeout_s", "max_held", "max_body_bytes", "max_buffered_bytes", "body_timeout_s",
-                        "stall_timeout_s"}),
-}
-# Keys fixed when a server starts: in force from the next start (no restart is forced for them).
-_NEXT_SERVER: dict[str, frozenset[str]] = {
-    "health": frozenset({"timeout_s", "canary", "canary_timeout_s"}),
-    "log": frozenset({"server_log_file"}),
-}
-# [server] and [limits] shape the server's argv and rlimits: changing them restarts the server.
-_RESTARTS_SERVER = ("server", "limits")
-
 
 # The key of [server].api_key_file as the report names it (its content changed, not the path).
 API_KEY_NAME = "server.api_key_file (the key in it)"
@@ -72,6 +50,11 @@ class ReloadReport:
     """Not applied: read once at daemon start (``systemctl restart llama-guard``)."""
     values: dict[str, str] = field(default_factory=dict)
     """``section.key`` → ``"old → new"``, secrets masked (:func:`shown_change`)."""
+
+    def keys(self, when: Reload) -> list[str]:
+        """The list of the changed keys that take effect ``when``."""
+        return {Reload.LIVE: self.applied, Reload.SERVER_RESTART: self.server_restart,
+                Reload.NEXT_SERVER: self.next_server_start, Reload.DAEMON_RESTART: self.daemon_restart}[when]
 
     @property
     def changed(self) -> list[str]:
@@ -143,15 +126,7 @@ def reload_report(old: Config, new: Config, *, key_changed: bool = False) -> Rel
                 continue
             name = f"{section}.{key}"
             report.values[name] = shown_change(name, getattr(a, key), getattr(b, key))
-            live = _LIVE.get(section, frozenset())
-            if section in _RESTARTS_SERVER:
-                report.server_restart.append(name)
-            elif "*" in live or key in live:
-                report.applied.append(name)
-            elif key in _NEXT_SERVER.get(section, frozenset()):
-                report.next_server_start.append(name)
-            else:
-                report.daemon_restart.append(name)
+            report.keys(reload_of(type(b), key)).append(name)
     return report
 
 

@@ -153,7 +153,9 @@ def reset_deadline_s(recovery: RecoveryConfig, gpu: GpuConfig) -> float:
 @dataclass(frozen=True)
 class Params:
     """The policy's knobs (from ``[health]``, ``[recovery]``, ``[gpu]`` and ``[schedule]``), in
-    seconds; the defaults are those of the configuration's defaults."""
+    seconds; the defaults are those of the configuration's defaults. A key marked
+    :class:`~llama_guard.config.base.Policy` in its section's model fills the field of its name
+    (:func:`llama_guard.core.params.params_from`); a new policy setting is that key plus its field here."""
 
     load_timeout_s: float = _HEALTH.load_timeout_s
     hang_strikes: int = _HEALTH.hang_strikes

@@ -17,58 +17,54 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
+from llama_guard.config.gpu import GpuConfig
 from llama_guard.gpu.nvml import Nvml
 from llama_guard.gpu.nvml_errors import LOST_ERRORS, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
 from llama_guard.units import MIB
 from llama_guard.vocab.events import EventName
 
-if TYPE_CHECKING:
-    from llama_guard.config.gpu import GpuConfig
-
 Event = tuple[EventName, dict[str, Any]]
+_GPU = GpuConfig()
 
 
 @dataclass(frozen=True)
 class WatchSettings:
-    """Thresholds of the GPU events; :meth:`from_config` reads them from ``[gpu]``.
+    """Thresholds of the GPU events; :meth:`from_config` reads them from ``[gpu]`` (config/gpu.py
+    declares each: its type, default and bounds; the defaults here are that section's).
 
     Temperatures in °C, power as a fraction of the enforced limit, times in seconds.
     """
 
-    temperature_warn_c: int = 85
-    slowdown_margin_c: int = 5
-    temperature_hysteresis_c: int = 5
-    power_warn_fraction: float = 0.95
-    power_hysteresis_fraction: float = 0.05
-    power_sustain_s: float = 60.0
-    throttle_sustain_s: float = 30.0
-    clear_after_s: float = 30.0
-    reminder_s: float = 3600.0
-    driver_version: str = ""
-    foreign_grace_s: float = 30.0
+    temperature_warn_c: int = _GPU.temperature_warn_c
+    slowdown_margin_c: int = _GPU.slowdown_margin_c
+    temperature_hysteresis_c: int = _GPU.temperature_hysteresis_c
+    power_warn_fraction: float = _GPU.power_warn_fraction
+    power_hysteresis_fraction: float = 0.05  # not configurable
+    power_sustain_s: float = _GPU.power_sustain_s
+    throttle_sustain_s: float = _GPU.throttle_sustain_s
+    clear_after_s: float = 30.0  # not configurable
+    reminder_s: float = _GPU.reminder_interval_s
+    driver_version: str = _GPU.driver_version
+    foreign_grace_s: float = _GPU.vram_release_timeout_s
 
     @classmethod
     def from_config(cls, gpu: GpuConfig) -> WatchSettings:
-        """Settings from a ``[gpu]`` section (keys missing in an older config keep their defaults)."""
-        def get(name: str, default: Any) -> Any:
-            return getattr(gpu, name, default)
-
-        d = cls()
+        """Settings from a ``[gpu]`` section."""
         return cls(
-            temperature_warn_c=get("temperature_warn_c", d.temperature_warn_c),
-            slowdown_margin_c=get("slowdown_margin_c", d.slowdown_margin_c),
-            temperature_hysteresis_c=get("temperature_hysteresis_c", d.temperature_hysteresis_c),
-            power_warn_fraction=get("power_warn_fraction", d.power_warn_fraction),
-            power_sustain_s=get("power_sustain_s", d.power_sustain_s),
-            throttle_sustain_s=get("throttle_sustain_s", d.throttle_sustain_s),
-            reminder_s=get("reminder_interval_s", d.reminder_s),
-            driver_version=get("driver_version", d.driver_version),
-            foreign_grace_s=get("vram_release_timeout_s", d.foreign_grace_s),
+            temperature_warn_c=gpu.temperature_warn_c,
+            slowdown_margin_c=gpu.slowdown_margin_c,
+            temperature_hysteresis_c=gpu.temperature_hysteresis_c,
+            power_warn_fraction=gpu.power_warn_fraction,
+            power_sustain_s=gpu.power_sustain_s,
+            throttle_sustain_s=gpu.throttle_sustain_s,
+            reminder_s=gpu.reminder_interval_s,
+            driver_version=gpu.driver_version,
+            foreign_grace_s=gpu.vram_release_timeout_s,
         )
 
     def temperature_threshold_c(self, slowdown_c: int | None) -> int:
