@@ -56,6 +56,8 @@ def test_a_declaration_changed_without_regenerating_is_found_stale(tmp_path: Pat
     for part in ("scripts", "deploy/journald", "supervisor/llama_guard/vocab"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "README.md", copy / "README.md")
+    (copy / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "phases.md", copy / "docs" / "phases.md")
     (copy / "supervisor/llama_guard/__init__.py").touch()
     module = copy / "supervisor/llama_guard/vocab/events.py"
     text = module.read_text()
@@ -65,7 +67,7 @@ def test_a_declaration_changed_without_regenerating_is_found_stale(tmp_path: Pat
     assert stale.returncode == 1
     assert "deploy/journald/llama-guard.catalog is stale" in stale.stderr
     assert "README.md is stale" in stale.stderr
-    assert "events.py is stale" not in stale.stderr
+    assert "events.py is stale" not in stale.stderr and "phases.md is stale" not in stale.stderr
     subprocess.run([sys.executable, str(copy / "scripts" / "gen_catalog.py")], check=True, capture_output=True,
                    timeout=120)
     assert _gen_check(copy).returncode == 0

@@ -19,7 +19,7 @@ from llama_guard.config.gpu import GpuConfig
 from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
-from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.phases import MOVES, Phase
 from llama_guard.vocab.triggers import ResetTrigger
 
 
@@ -305,3 +305,17 @@ def exit_text(returncode: int | None) -> str:
         hint = " (likely the kernel's OOM killer, or an operator)" if -returncode == signal.SIGKILL else ""
         return f"killed by {name}{hint}"
     return f"exit status {returncode}"
+
+
+class IllegalMove(Exception):
+    """A phase change the phase table (:data:`~llama_guard.vocab.phases.MOVES`) does not allow: a
+    bug in the policy, never an input's fault."""
+
+
+def enter(state: State, to: Phase) -> Phase:
+    """``to``, once :data:`~llama_guard.vocab.phases.MOVES` allows ``state.phase`` → ``to``; every
+    phase change of the policy goes through it (``replace(state, phase=enter(state, Phase.X), …)``).
+    Raises :class:`IllegalMove` otherwise."""
+    if to not in MOVES[state.phase]:
+        raise IllegalMove(f"{state.phase.value} -> {to.value} is not in the phase table")
+    return to

@@ -11,7 +11,16 @@ from llama_guard.core.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.core.policy.reset_stop import reset_started
 from llama_guard.core.policy.steps import SERVING, Result, count_failure, end_save, exit_daemon, fail, stop
 from llama_guard.core.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
-from llama_guard.core.types import AfterStop, GpuFaultKind, ResetOutcome, RestartCause, State, XidAction, XidScope
+from llama_guard.core.types import (
+    AfterStop,
+    GpuFaultKind,
+    ResetOutcome,
+    RestartCause,
+    State,
+    XidAction,
+    XidScope,
+    enter,
+)
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -130,7 +139,7 @@ def begin_reset(state: State, now: float) -> Result:
         emit = Emit("gpu_reset", {"outcome": ResetOutcome.REFUSED.value, "reason": reason,
                                   "trigger": state.reset_reason, "gpu_index": gpu_index_of(state)})
         return _after_no_reset(replace(state, resets=recent), now, emit, reason)
-    new = replace(state, phase=Phase.RESETTING, resets=recent, deadline=now + p.reset_deadline_s,
+    new = replace(state, phase=enter(state, Phase.RESETTING), resets=recent, deadline=now + p.reset_deadline_s,
                   after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop,
                   reset_command_at=None)
     return new, [reset_started(state, now), InspectGpu(state.pid, state.reset_reason)]

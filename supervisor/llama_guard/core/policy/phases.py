@@ -49,7 +49,7 @@ from llama_guard.core.policy.stop import alloc_fatal, end_exit_drain
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, RestartCause, State, exit_signal, exit_text
+from llama_guard.core.types import AfterStop, RestartCause, State, enter, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
@@ -92,7 +92,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, HealthOk) and event.pid == state.pid:
         load_s = now - (state.started_at if state.started_at is not None else now)
         recovered = alloc_recovered(state, "the server became ready")
-        new = replace(state, phase=Phase.READY, ready_at=now, deadline=None, strikes=0, stable=False,
+        new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
                       alloc_failure="", port_taken_since=None, port_holder=None)
         fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
         if state.restart_at is not None:
@@ -217,7 +217,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         if not event.drain:
             new, actions = stop(state, now, AfterStop.RESTART, event.reason)
             return new, [emit, *actions]
-        new = replace(state, phase=Phase.DRAINING, deadline=now + p.drain_timeout_s, fault=event.reason,
+        new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + p.drain_timeout_s, fault=event.reason,
                       after_stop=AfterStop.RESTART)
         return new, [emit, StartDrain(pid)]
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:

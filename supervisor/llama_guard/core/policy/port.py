@@ -15,7 +15,7 @@ from dataclasses import replace
 from llama_guard.core.actions import Emit, FindPortHolder
 from llama_guard.core.inputs import Exited, Line, PortHolder
 from llama_guard.core.policy.steps import Result, exit_daemon, exit_fields, fail
-from llama_guard.core.types import RestartCause, State
+from llama_guard.core.types import RestartCause, State, enter
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
@@ -66,7 +66,8 @@ def exited_port_taken(state: State, event: Exited, now: float) -> Result:
                                                           "waited_s": round(waited, 1), **fields}), *actions]
     wait = min(p.port_retry_s, max(0.0, p.port_wait_s - waited))
     reason = f"port {p.port} held by {holder}"
-    new = replace(fail(state, RestartCause.PORT_TAKEN, reason), phase=Phase.BACKOFF, pid=None, deadline=now + wait)
+    new = replace(fail(state, RestartCause.PORT_TAKEN, reason), phase=enter(state, Phase.BACKOFF), pid=None,
+                  deadline=now + wait)
     return new, [exited, Emit("server_backoff", {
         "backoff_s": wait, "restart_count": len(state.failures), "max_restarts": p.max_restarts,
         "window_s": p.restart_window_s, "last_failure": f"{reason} (retrying until it has been taken "

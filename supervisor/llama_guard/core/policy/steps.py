@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from llama_guard.core.actions import Action, CheckVram, Emit, ExitDaemon, SaveSlots, Spawn, Terminate
 from llama_guard.core.policy.repeat import repeat_verdict
-from llama_guard.core.types import AfterStop, Failure, Params, RestartCause, State, exit_text
+from llama_guard.core.types import AfterStop, Failure, Params, RestartCause, State, enter, exit_text
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.vocab.phases import Phase
@@ -103,7 +103,7 @@ def stop(state: State, now: float, after: AfterStop, fault: str, *,
     if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
         after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
-    new = replace(state, phase=Phase.STOPPING, after_stop=after, fault=fault,
+    new = replace(state, phase=enter(state, Phase.STOPPING), after_stop=after, fault=fault,
                   deadline=now + grace, grace_s=grace, killed=False, saving=False,
                   exit_code=code, exit_reason=reason or state.exit_reason)
     if state.pid is None:
@@ -122,7 +122,7 @@ def end_save(state: State, now: float) -> Result:
 
 
 def spawn(state: State) -> Result:
-    return (replace(state, phase=Phase.STARTING, pid=None, started_at=None, ready_at=None, deadline=None,
+    return (replace(state, phase=enter(state, Phase.STARTING), pid=None, started_at=None, ready_at=None, deadline=None,
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
                     last_line="", failure=replace(state.failure, line=""), on_cpu_reported=False, port_taken=False,
@@ -131,7 +131,8 @@ def spawn(state: State) -> Result:
 
 
 def exit_daemon(state: State, code: int, reason: str) -> Result:
-    return (replace(state, phase=Phase.EXITED, pid=None, deadline=None, exit_code=code, exit_reason=reason),
+    return (replace(state, phase=enter(state, Phase.EXITED), pid=None, deadline=None, exit_code=code,
+                    exit_reason=reason),
             [ExitDaemon(code, reason)])
 
 
@@ -173,7 +174,7 @@ def _back_off(state: State, now: float) -> Result:
     else:
         wait = state.next_backoff_s
         following = min(wait * p.backoff_factor, p.backoff_max_s)
-    new = replace(state, phase=Phase.BACKOFF, deadline=now + wait, next_backoff_s=following)
+    new = replace(state, phase=enter(state, Phase.BACKOFF), deadline=now + wait, next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.failure.text})]
@@ -183,6 +184,6 @@ def start(state: State, now: float) -> Result:
     """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
     if not state.params.vram_admission:
         return spawn(replace(state, vram_after_oom=False))
-    new = replace(state, phase=Phase.WAITING_VRAM, pid=None, deadline=now + VRAM_ANSWER_S,
+    new = replace(state, phase=enter(state, Phase.WAITING_VRAM), pid=None, deadline=now + VRAM_ANSWER_S,
                   vram_wait_until=None, vram_short="", vram_facts_at=None)
     return new, [CheckVram()]

@@ -25,7 +25,7 @@ from llama_guard.core.policy.steps import (
 )
 from llama_guard.core.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.core.server_log import Family
-from llama_guard.core.types import AfterStop, RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State, enter
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -130,8 +130,8 @@ def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.DRAINING:
         deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
         drain = []  # its drain watch is running already
-    new = replace(state, phase=Phase.DRAINING, deadline=deadline, after_stop=AfterStop.EXIT, exit_code=EXIT_OK,
-                  exit_reason=event.reason, fault=event.reason)
+    new = replace(state, phase=enter(state, Phase.DRAINING), deadline=deadline, after_stop=AfterStop.EXIT,
+                  exit_code=EXIT_OK, exit_reason=event.reason, fault=event.reason)
     emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
                                               f"{deadline - now:.0f} s, [front].stop_drain_s)",
                                     "server_pid": state.pid})
