@@ -168,6 +168,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
     src, ctx, holder, _ = make(tmp_path, listen=str(port))
     holder["state"] = State(phase=Phase.READY, pid=7)
     assert await src.start(ctx) is None
+    deliver(src, ctx)  # the listener answers from the loop's records, as the metrics do
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as client:
@@ -176,6 +177,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
             assert (live.status_code, live.json()) == (200, {"live": True, "phase": "ready"})
             assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready"})
             holder["state"] = State(phase=Phase.DRAINING, pid=7)
+            deliver(src, ctx)
             assert (await client.get(base + "/readyz", timeout=5)).status_code == 503
             assert (await client.post(base + "/metrics", timeout=5)).status_code == 405
             scraped = await client.get(base + "/metrics", timeout=5)

@@ -39,7 +39,7 @@ class Rig:
         self.config = Config.model_validate({"schedule": keys, "server": server or {}, "front": front or {}})
         self.wall = T0
         self.mono = 1000.0
-        self.state = State(phase=Phase.STOPPED)
+        self._state = State(phase=Phase.STOPPED)
         self.emitted: list[tuple[str, dict[str, Any]]] = []
         self.posted: list[Any] = []
         self.rss: list[float] = []
@@ -52,6 +52,16 @@ class Rig:
                            emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
                            post_threadsafe=self.posted.append, clock=lambda: self.mono,
                            loop=asyncio.get_running_loop())
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, new: State) -> None:
+        """A state set by hand (no step of the policy): the source follows it as it follows a record."""
+        self._state = new
+        self.source.follow(new)
 
     def _rss(self, pid: int) -> float | None:
         return self.rss.pop(0) if self.rss else None
@@ -75,7 +85,7 @@ class Rig:
     def play(self, event: Input) -> None:
         """Feed ``event`` to the real policy and hand its actions to the source, as the daemon does."""
         before = self.state
-        self.state, actions = decide(before, event, self.mono)
+        self._state, actions = decide(before, event, self.mono)
         self.source.on_transition(self.ctx, Transition(before, self.state, event, tuple(actions), self.mono))
 
     def names(self) -> list[str]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 from llama_guard.config import Config
+from llama_guard.core.inputs import Tick
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, State
 from llama_guard.core.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
@@ -94,13 +96,27 @@ class Rig:
     store: SlotStore
     fp: Fingerprint
     events: Events
-    holder: dict[str, State]
+    holder: Policy
 
     def saved_ids(self) -> list[int]:
         return [slot_id for slot_id, _ in self.fake.saves]
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return [fields for n, fields in self.events if n == name]
+
+
+class Policy(dict[str, State]):
+    """The policy's state in these tests: each state set is handed to the source as the daemon hands it
+    the record of a step (``on_transition``), once the source exists."""
+
+    src: SlotsSource | None = None
+    ctx: Context | None = None
+
+    def __setitem__(self, key: str, new: State) -> None:
+        old = self.get(key, new)
+        super().__setitem__(key, new)
+        if self.src is not None and self.ctx is not None:
+            self.src.on_transition(self.ctx, Transition(old, new, Tick(), (), 0.0))
 
 
 @pytest.fixture
@@ -117,12 +133,14 @@ async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
     def emit(name: str, /, **fields: Any) -> None:
         events.append((name, fields))
 
-    holder = {"state": State(phase=Phase.READY, pid=PID)}
+    holder = Policy()
     ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"],
                   emit=emit, post=lambda e: None,
                   post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
     fp = fingerprint_of(cfg.server, "version: 1 (test)")
     src = SlotsSource()
+    holder.src, holder.ctx = src, ctx
+    holder["state"] = State(phase=Phase.READY, pid=PID)
     assert await src.start(ctx) is None
     assert src.store is not None and src.store.root == tmp_path / "slots"
     fake = FakeSlots(src.store.root)

@@ -304,6 +304,8 @@ class Daemon:
         before, now = self.state, self.clock()
         self.state, actions = decide(before, event, now)
         step = Transition(before, self.state, event, tuple(actions), now)
+        if self._gen is not None:
+            self._gen.on_transition(step)
         self._for_watchers("on_transition", lambda src, ctx: src.on_transition(ctx, step))
         if self.state.phase is Phase.EXITED or (self.state.phase is Phase.STOPPING
                                                 and self.state.after_stop is AfterStop.EXIT):
@@ -360,8 +362,8 @@ class Daemon:
             return
         spawner = self.spawner
         gen = ServerWatch(outcome.server, self.ctx, self.lanes, self.tasks, self.start_timeout,
-                          get_key=lambda: spawner.live_key, gpu=self.gpu, slots=self.slots, front=self.front,
-                          before_drained_stop=self._before_drained_stop)
+                          get_key=lambda: spawner.live_key, state=self.state, gpu=self.gpu, slots=self.slots,
+                          front=self.front, before_drained_stop=self._before_drained_stop)
         self._gen = gen
         gen.start()
         self.queue.put_nowait(Spawned(gen.pid, outcome.argv))

@@ -3,9 +3,10 @@
 A :class:`ServerWatch` owns its process's tasks: the line reader (each output line kept, classified
 by :mod:`.server_log`, emitted as ``server_line`` and, unless harmless, queued as a policy
 :class:`~llama_guard.core.inputs.Line`), readiness polling and load progress while STARTING, liveness
-rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It reads the
-policy state and posts inputs through the :class:`~llama_guard.core.watcher.Context`; it never calls
-back into the daemon loop.
+rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It follows the
+policy through the loop's records (:meth:`ServerWatch.on_transition`: the phase, the server the policy
+names, the front door's last completed request), never by reading the state, and posts inputs
+through the :class:`~llama_guard.core.watcher.Context`; it never calls back into the daemon loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from llama_guard.core.progress import ProgressSample, ProgressSampler
 from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.tasks import TaskSet
+from llama_guard.core.transition import Transition
+from llama_guard.core.types import State
 from llama_guard.core.watcher import Context
 from llama_guard.vocab.phases import Phase
 
@@ -63,10 +66,11 @@ def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
 
 class ServerWatch:
     """The tasks of one server process (``server``); :meth:`start` begins them, :meth:`end` ends them.
-    ``gpu``, ``slots``, ``front``: the daemon's ports (None: absent)."""
+    ``state``: the policy's state as the process is spawned; every later step comes through
+    :meth:`on_transition`. ``gpu``, ``slots``, ``front``: the daemon's ports (None: absent)."""
 
     def __init__(self, server: ServerProcess, ctx: Context, lanes: dict[LaneKind, Lane],
-                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str], *,
+                 tasks: TaskSet, start_timeout: StartTimeout, get_key: Callable[[], str], state: State, *,
                  gpu: GpuPort | None = None, slots: SlotPort | None = None, front: FrontPort | None = None,
                  before_drained_stop: Callable[[int], Awaitable[None]] | None = None) -> None:
         config = ctx.get_config()
@@ -93,6 +97,34 @@ class ServerWatch:
         self.answering: bool | None = None  # whether the last liveness round got any HTTP answer (None: no round)
         self._serving_line = asyncio.Event()  # set by a SERVING_LINE: the readiness poll probes at once
         self._slot_released = asyncio.Event()  # set by a REQUEST_DONE line: a drain asks /slots at once
+        # The policy as the loop's records show it: its phase, the server it names (None: the spawn is
+        # not answered yet) and when the front door last saw a request completed (monotonic s).
+        self._phase, self._policy_pid, self._last_request_at = state.phase, state.pid, state.last_request_at
+        self._moved = asyncio.Event()  # set when a record changes the phase or the pid
+
+    def on_transition(self, step: Transition) -> None:
+        """One step of the loop (called by the daemon before it carries out the step's actions)."""
+        after = step.after
+        self._last_request_at = after.last_request_at
+        if (after.phase, after.pid) != (self._phase, self._policy_pid):
+            self._phase, self._policy_pid = after.phase, after.pid
+            self._moved.set()
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()`` holds, woken by the records that change the phase or the pid."""
+        while not done():
+            self._moved.clear()
+            await self._moved.wait()
+
+    def _loading(self) -> bool:
+        """The policy waits for this server to become ready (or for its spawn to be answered)."""
+        return self._phase is Phase.STARTING and self._policy_pid in (None, self.pid)
+
+    def _serving(self) -> bool:
+        return self._policy_pid == self.pid and self._phase in SERVING
+
+    def _draining(self) -> bool:
+        return self._policy_pid == self.pid and self._phase is Phase.DRAINING
 
     def start(self) -> None:
         """Begin the line reader, the health watch and the exit watch."""
@@ -101,9 +133,9 @@ class ServerWatch:
                        self._taskset.start(self._watch_exit(), "exit watch")]
 
     def drain(self) -> None:
-        """Wait until no client request is in flight; posts Drained. The policy bounds the drain (its
-        deadline: ``[schedule].drain_timeout_s``, or ``[front].stop_drain_s`` before an exit); the
-        wait ends with this server's tasks."""
+        """Wait until no client request is in flight; posts Drained. The policy alone bounds the drain
+        (its deadline: ``[schedule].drain_timeout_s``, or ``[front].stop_drain_s`` before an exit): the
+        wait ends when the policy leaves DRAINING, or with this server's tasks."""
         self.tasks.append(self._taskset.start(self._drain(), "drain"))
 
     def save_slots(self) -> None:
@@ -135,7 +167,7 @@ class ServerWatch:
             if SERVING_LINE.search(text):
                 self._serving_line.set()
             self._ctx.emit("server_line", server_pid=self.pid, line=text, family=verdict.family.value)
-            if self._ctx.get_state().phase is Phase.STARTING:
+            if self._phase is Phase.STARTING:
                 self._start_timeout.extend()
             if verdict.family is not Family.HARMLESS:
                 self._ctx.post(Line(self.pid, verdict, text))
@@ -149,7 +181,7 @@ class ServerWatch:
         sampler = ProgressSampler(pid, lambda: self.lines, gpu_busy=None if self._gpu is None else self._gpu.gpu_busy)
         sampled_at = ctx.clock()
         answered = False
-        while ctx.get_state().pid in (None, pid) and ctx.get_state().phase is Phase.STARTING:
+        while self._loading():
             status = await self.probe.health_status()
             owner = await self._port_owner() if status == 200 else None
             if owner is not None:
@@ -167,21 +199,20 @@ class ServerWatch:
                 await self._load_progress(sampler, answered)
                 answered = False
             await sleep_or_wake(health.startup_poll_s, self._serving_line)  # at once on a SERVING_LINE
-        while ctx.get_state().phase is Phase.STARTING and ctx.get_state().pid == pid:  # noqa: ASYNC110 - until HealthOk is taken
-            await asyncio.sleep(0.01)
+        await self._until(lambda: not self._loading())  # until the policy took HealthOk (or moved on)
         await self._sample(sampler)  # the liveness window starts at ready
         round_at = ctx.clock()
-        while ctx.get_state().pid == pid and ctx.get_state().phase in SERVING:
+        while self._serving():
             # Rounds start interval_s apart (not interval_s after the previous one ended): a probe
             # that times out does not stretch the cycle, so a hang is found within
             # hang_strikes x interval_s + timeout_s of its start.
             await asyncio.sleep(max(MIN_ROUND_GAP_S, round_at + ctx.get_config().health.interval_s - ctx.clock()))
             round_at = ctx.clock()
-            if ctx.get_state().pid != pid or ctx.get_state().phase not in SERVING:
+            if not self._serving():
                 return
             # A request that completed since the previous round (the server's own log line for it, or
             # the front door's last_request_at) already showed progress: no canary in that round.
-            seen = [t for t in (self.completed_at, ctx.get_state().last_request_at) if t is not None]
+            seen = [t for t in (self.completed_at, self._last_request_at) if t is not None]
             result = await self.probe.liveness(completed_at=max(seen) if seen else None)
             self.answering = result.answered
             moved = await self._sample(sampler)
@@ -252,19 +283,27 @@ class ServerWatch:
         self._ctx.post(Exited(pid, code, self.last_line))
 
     async def _drain(self) -> None:
-        timeout = self._ctx.get_config().schedule.drain_timeout_s
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._requests_done(), timeout)
-            if self._slots is not None:
-                await self._slots.after_drain(self._ctx, self.pid)
-            # llama-server's graceful exit waits for the requests it answers and its idle keep-alive
-            # connections: the watchers' (front door pool, restart samples) and the probe's go now
-            # (the next probe opens a new one), just before the SIGTERM.
-            with contextlib.suppress(asyncio.TimeoutError):  # bounded: the stop goes on without them
-                if self._before_drained_stop is not None:
-                    await asyncio.wait_for(self._before_drained_stop(self.pid), PROBE_CLOSE_TIMEOUT_S)
-                await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
-            self._ctx.post(Drained(self.pid))
+        done = asyncio.ensure_future(self._requests_done())
+        left = asyncio.ensure_future(self._until(lambda: not self._draining()))
+        try:
+            finished, _ = await asyncio.wait({done, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not done.done():
+                done.cancel()
+        if done not in finished:
+            return  # the policy left DRAINING (its deadline passed, a fault, the exit): nothing more to do
+        done.result()  # what the wait raised
+        if self._slots is not None:
+            await self._slots.after_drain(self._ctx, self.pid)
+        # llama-server's graceful exit waits for the requests it answers and its idle keep-alive
+        # connections: the watchers' (front door pool, restart samples) and the probe's go now
+        # (the next probe opens a new one), just before the SIGTERM.
+        with contextlib.suppress(asyncio.TimeoutError):  # bounded: the stop goes on without them
+            if self._before_drained_stop is not None:
+                await asyncio.wait_for(self._before_drained_stop(self.pid), PROBE_CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(self.probe.aclose(), PROBE_CLOSE_TIMEOUT_S)
+        self._ctx.post(Drained(self.pid))
 
     async def _save_slots(self) -> None:
         if self._slots is not None:

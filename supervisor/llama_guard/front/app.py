@@ -101,14 +101,15 @@ class _Refuse(asyncio.Protocol):
 
 
 class FrontApp:
-    """Serves the front door on one listening socket; ``get_config``/``get_state`` are read live."""
+    """Serves the front door on one listening socket; ``get_config`` is read live, ``last_state`` is the
+    policy's state as the loop's last record left it (the health answers)."""
 
     def __init__(self, forwarder: Forwarder, metrics: FrontMetrics, *,
-                 get_config: Callable[[], FrontConfig], get_state: Callable[[], State]) -> None:
+                 get_config: Callable[[], FrontConfig], last_state: Callable[[], State]) -> None:
         self.forwarder = forwarder
         self.metrics = metrics
         self._config = get_config
-        self._state = get_state
+        self._state = last_state
         self._seq = itertools.count()
         self.budget = Budget(lambda: self._config().max_buffered_bytes)
         pin_mmap_threshold()

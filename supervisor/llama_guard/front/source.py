@@ -29,6 +29,7 @@ from llama_guard.core.policy.port import holder_text
 from llama_guard.core.procs import port_holder
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
+from llama_guard.core.types import State
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode
@@ -69,6 +70,7 @@ class FrontSource(Watcher):
         self.app: FrontApp | None = None
         self.listening: tuple[str, int] | None = None
         self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
+        self._state: State | None = None  # the policy's state: at start, then as each record of the loop leaves it
 
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
@@ -81,16 +83,17 @@ class FrontSource(Watcher):
         from llama_guard.front.app import FrontApp
         from llama_guard.front.forward import Forwarder
 
+        self._state = state = ctx.state  # once, before the loop's first step; then on_transition
         admission = Admission(ctx.clock, lambda episode: self._episode(ctx, episode))
-        admission.update(ctx.state)
+        admission.update(state)
         metrics = FrontMetrics(self._registry, waiting=lambda: admission.waiting,
                                in_flight=lambda: forwarder.in_flight, connections=lambda: app.connections)
         forwarder = Forwarder(ctx.config.server.base_url, admission, metrics, post=ctx.post, clock=ctx.clock,
                               limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held),
                               refuse_s=lambda: ctx.config.front.crash_refuse_s,
                               announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
-        forwarder.suspects.observe(ctx.state)
-        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
+        forwarder.suspects.observe(state)
+        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, last_state=self._policy)
         await forwarder.open()
         try:
             bound = await (app.listen(*address, sock=activated) if activated is not None
@@ -140,10 +143,16 @@ class FrontSource(Watcher):
             if stall_s <= 0:
                 continue
             for pid, waited in self.forwarder.relay.stalled(ctx.clock(), stall_s):
-                if pid == ctx.state.pid:
+                if pid == self._policy().pid:
                     ctx.post(StreamStalled(pid, waited))
 
+    def _policy(self) -> State:
+        """The policy's state as the loop's last record left it (set at start)."""
+        assert self._state is not None
+        return self._state
+
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        self._state = step.after
         if self.forwarder is not None:
             self.forwarder.suspects.observe(step.after)  # before the gate opens to the next server
         if self.admission is not None:

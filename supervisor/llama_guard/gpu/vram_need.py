@@ -20,7 +20,6 @@ from llama_guard.gpu.reset import holders_of
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import NeedCache, need_key
 from llama_guard.units import MIB
-from llama_guard.vocab.phases import Phase
 
 NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
 NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key
@@ -91,10 +90,12 @@ class VramNeed:
         self._learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised to its awaiter
         return self._learning
 
-    def measure(self, ctx: Context, sample: GpuSample, pid: int | None) -> None:
-        """Server ``pid``'s VRAM at its first sample once READY: what the next start will need."""
-        if pid is None or self._measured_pid == pid or ctx.state.pid != pid or ctx.state.phase is not Phase.READY:
+    def measure(self, sample: GpuSample, ready_pid: int | None) -> None:
+        """The READY server ``ready_pid``'s VRAM at its first sample: what the next start will need
+        (``ready_pid`` None: no server is READY, nothing is measured)."""
+        if ready_pid is None or self._measured_pid == ready_pid:
             return
+        pid = ready_pid
         used = next((p.used_bytes for p in sample.processes or () if p.pid == pid), None)
         if used:
             self._measured_mib, self._measured_pid = used // MIB, pid

@@ -27,6 +27,7 @@ from llama_guard.config import Config
 from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
 from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import Lane, LaneKind
+from llama_guard.core.transition import Transition
 from llama_guard.core.types import RecoveryAction
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
@@ -41,6 +42,7 @@ from llama_guard.gpu.sampler import Sampler
 from llama_guard.gpu.vram_need import VramNeed
 from llama_guard.gpu.xid_intake import XidIntake
 from llama_guard.insight.need_cache import NeedCache
+from llama_guard.vocab.phases import Phase
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again
 HUNG_AS_LOST_S = 30.0  # an NVML call stuck this long counts as a lost GPU
@@ -75,6 +77,7 @@ class GpuSource(Watcher):
         self.off_reason = ""
         self._can_reset = False
         self._server_pid: int | None = None
+        self._ready_pid: int | None = None  # the server the policy holds READY, as the loop's last record showed it
         self._baseline_used: int | None = None
 
     @property
@@ -132,7 +135,7 @@ class GpuSource(Watcher):
 
     async def _sampled(self, ctx: Context, sample: GpuSample, persistence_off: bool) -> None:
         """A good sample: the server's VRAM measured, persistence mode turned on if asked."""
-        self.need.measure(ctx, sample, self._server_pid)
+        self.need.measure(sample, self._ready_pid)
         if persistence_off and ctx.config.gpu.enable_persistence:
             assert self.nvml is not None
             await enable_persistence(ctx, self.nvml, self._gpu_lane, sample.identity.index)
@@ -168,6 +171,9 @@ class GpuSource(Watcher):
         self._server_pid = pid
         if self.watch is not None:
             self.watch.set_server_pid(pid, ctx.clock())
+
+    def on_transition(self, ctx: Context, step: Transition) -> None:
+        self._ready_pid = step.after.pid if step.after.phase is Phase.READY else None
 
     def on_exit(self, ctx: Context, pid: int, returncode: int | None) -> None:
         if self.watch is not None and pid == self._server_pid:

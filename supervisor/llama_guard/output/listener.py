@@ -29,11 +29,12 @@ HEADER_TIMEOUT_S = 15.0  # an idle keep-alive connection is closed after this ma
 
 
 class MetricsListener:
-    """Serves ``registry`` and the health answers for ``get_state`` on one listening socket."""
+    """Serves ``registry`` and the health answers for ``last_state`` (the policy's state as the loop's last
+    record left it) on one listening socket."""
 
-    def __init__(self, registry: CollectorRegistry, get_state: Callable[[], State]) -> None:
+    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State]) -> None:
         self._registry = registry
-        self._state = get_state
+        self._state = last_state
         self._lane = Lane(LaneKind.SCRAPE)
         self._server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None

@@ -32,6 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from llama_guard.core.transition import Transition
+from llama_guard.core.types import State
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
@@ -103,6 +104,8 @@ class MetricsSource(Watcher, Collector):
         self.vram_wait: tuple[int, float] = (0, 0.0)
         self.restart_times = {field: Histogram() for _, field, _, _ in RESTART_TIMES}
         self._phase: Phase | None = None
+        # The policy's state as the loop's last record left it (before the first step: the initial STOPPED).
+        self._state = State()
         self._phase_since = 0.0
         self.ready_since_wall: float | None = None
         self.listening: tuple[str, int] | None = None
@@ -111,14 +114,14 @@ class MetricsSource(Watcher, Collector):
     # -- Watcher ---------------------------------------------------------------------------------
     async def start(self, ctx: Context) -> str | None:
         self.ctx = ctx
-        self._phase, self._phase_since = ctx.state.phase, ctx.clock()
+        self._phase, self._phase_since = self._state.phase, ctx.clock()
         address = ctx.config.metrics.address
         if address is not None and self.serve:
             # Imported here: aiohttp's server is loaded only when something listens.
             from llama_guard.output.listener import MetricsListener
 
             # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
-            listener = MetricsListener(self.registry, ctx.get_state)
+            listener = MetricsListener(self.registry, lambda: self._state)
             try:
                 self.listening = await listener.listen(address[0], address[1])
             except OSError as exc:
@@ -127,6 +130,7 @@ class MetricsSource(Watcher, Collector):
         return None
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        self._state = step.after
         self._track_phase(step.after.phase, step.at)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -186,7 +190,7 @@ class MetricsSource(Watcher, Collector):
         ctx = self.ctx
         if ctx is None:
             return
-        state, now = ctx.state, ctx.clock()
+        state, now = self._state, ctx.clock()
         phase = GaugeMetricFamily("llama_guard_phase", "1 for the daemon's current phase", labels=["phase"])
         for p in Phase:
             phase.add_metric([p.value], 1.0 if p is state.phase else 0.0)
@@ -244,7 +248,7 @@ class MetricsSource(Watcher, Collector):
                     ("llama_guard_gpu_memory_total_bytes", sample.memory_total_bytes, 1.0, "VRAM total")):
                 if value is not None:
                     yield _gauge(metric, text, labels, gpu_id, value * scale)
-            server_pid = self.ctx.state.pid if self.ctx is not None else None
+            server_pid = self._state.pid
             if server_pid is not None and sample.processes is not None:
                 # NVML's per-process figure for llama-server's pid (0 until it appears on the GPU); the rest of
                 # llama_guard_gpu_memory_used_bytes is other processes and the driver's own.

@@ -37,7 +37,7 @@ from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import RestartCause
+from llama_guard.core.types import RestartCause, State
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.cron import ScheduleError
 from llama_guard.gpu.readings import GpuSample
@@ -97,6 +97,9 @@ class ScheduleSource(Watcher):
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: int | None = None  # the server whose drain ended: asked nothing more before its SIGTERM
+        # The policy's phase and the server it names, as the loop's last record showed them.
+        self._phase: Phase = Phase.STOPPED
+        self._policy_pid: int | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -171,8 +174,13 @@ class ScheduleSource(Watcher):
             self._pid = None
         self.follower.exited(pid, ctx.clock())
 
+    def follow(self, state: State) -> None:
+        """The policy's phase and server pid from a record's state (:meth:`on_transition`)."""
+        self._phase, self._policy_pid = state.phase, state.pid
+
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """Follow a planned restart through the loop's records (never event names)."""
+        self.follow(step.after)
         if step.restart_begins:
             self.follower.begin(step, self.monitor, wall=self._wall(), front_on=ctx.config.front.address is not None)
             self._spawn_task(self._warm_model(ctx))
@@ -218,8 +226,8 @@ class ScheduleSource(Watcher):
 
     def tick(self, ctx: Context) -> Decision | None:
         """Ask the schedule once (and send a decay restart waiting for READY); the decision, if any."""
-        serving = ctx.state.phase is Phase.READY
-        if self._decay is not None and serving and ctx.state.pid == self._decay[0]:
+        serving = self._phase is Phase.READY
+        if self._decay is not None and serving and self._policy_pid == self._decay[0]:
             _, fired = self._decay
             self._decay = None
             self.follower.decay_trigger = fired.trigger.value
@@ -239,7 +247,7 @@ class ScheduleSource(Watcher):
         if decision.restart:
             ctx.post(RestartRequest(decision.reason, cause=RestartCause.SCHEDULE, drain=True))
         elif decision.event is not None:
-            ctx.emit(decision.event, server_pid=ctx.state.pid, **decision.fields())
+            ctx.emit(decision.event, server_pid=self._policy_pid, **decision.fields())
         return decision
 
     async def _sample(self, ctx: Context) -> None:
@@ -248,7 +256,7 @@ class ScheduleSource(Watcher):
 
     async def _sample_locked(self, ctx: Context) -> None:
         pid = self._pid
-        if (pid is None or ctx.state.pid != pid or ctx.state.phase not in (Phase.READY, Phase.DRAINING)
+        if (pid is None or self._policy_pid != pid or self._phase not in (Phase.READY, Phase.DRAINING)
                 or self._drained == pid):
             return
         try:

@@ -71,6 +71,10 @@ class SlotsSource(Watcher):
         self._off_reason: str | None = None  # why the carry-over is off now (said once)
         self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
         self._awaiting: dict[int, int] = {}  # restored slot id -> its tokens, until a client's first answer from it
+        # The policy as the loop's last record showed it: the server it holds READY (None: none), and
+        # whether the stop under way ends in the daemon's exit.
+        self._ready_pid: int | None = None
+        self._exiting = False
         self._marking: asyncio.Task[None] | None = None  # remembering a model and build whose restores reuse nothing
 
     async def _on_files(self, fn: Callable[[], T], what: str) -> T:
@@ -200,6 +204,9 @@ class SlotsSource(Watcher):
         """A client's first answer from a restored slot: reused nothing (``cache_n`` 0 for a prompt at
         least as long as what was restored) is ``slot_restore_unused``, and restores stop for this model
         and build, as when the verification reused nothing. Cheap: the front door's figures, no call."""
+        after = step.after
+        self._ready_pid = after.pid if after.phase is Phase.READY else None
+        self._exiting = after.after_stop is AfterStop.EXIT
         event, store, fingerprint = step.input, self.store, self._fp
         if (not isinstance(event, RequestCompleted) or event.reuse is None or event.pid != self._pid
                 or store is None or fingerprint is None or not self._awaiting):
@@ -230,7 +237,7 @@ class SlotsSource(Watcher):
         if self.store is None:
             return
         bound = ctx.config.slots.save_timeout_s
-        reason = "llama-guard stopping" if ctx.state.after_stop is AfterStop.EXIT else "planned restart"
+        reason = "llama-guard stopping" if self._exiting else "planned restart"
         try:
             await asyncio.wait_for(self._save_changed(ctx, pid, reason, retry_failed=True), bound)
         except asyncio.TimeoutError:
@@ -255,9 +262,9 @@ class SlotsSource(Watcher):
         """The rolling save: every ``rolling_save_interval_s``, the changed idle slots of a READY server."""
         while True:
             await asyncio.sleep(ctx.config.slots.rolling_save_interval_s)
-            state = ctx.state
-            if self.store is not None and state.phase is Phase.READY and state.pid is not None:
-                await self._save_changed(ctx, state.pid, "rolling")
+            pid = self._ready_pid
+            if self.store is not None and pid is not None:
+                await self._save_changed(ctx, pid, "rolling")
 
     async def _save_changed(self, ctx: Context, pid: int, reason: str, *, skip_busy: bool = False,
                             retry_failed: bool = False) -> None:
