@@ -399,29 +399,33 @@ def test_sigterm_during_a_generation_lets_it_finish_refuses_new_requests_and_exi
     assert names.index("daemon_stopping") < names.index("server_stopped")
 
 
-def test_the_exit_drain_outlasting_drain_timeout_s_still_ends_when_the_requests_do(front: Any) -> None:
+def test_the_exit_drain_outlasting_drain_timeout_s_still_ends_when_the_requests_do(front: Any, tmp_path: Path) -> None:
     """The exit drain has one deadline, the policy's ([front].stop_drain_s): the drain's own wait no longer
-    gives up silently at [schedule].drain_timeout_s. Before, a request that finished after drain_timeout_s
-    (and well within stop_drain_s) left the drain waiting for stop_drain_s and ended in stop_drain_timeout."""
-    run = front({"schedule": {"drain_timeout_s": 1.0}, "front": {"stop_drain_s": 120.0},
-                 "health": {"hang_strikes": 20}}).start()
-    server = run.wait_event("server_ready", 60)["server_pid"]
-    n_long = _tokens_for(run, 4.0, 1800)
-    with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(completion, run.front, n_long, 240.0, "Tell a long story:")
-        wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 1, 30, "the long request in flight")
-        os.kill(server, signal.SIGSTOP)  # the request stays in flight, whatever the host's speed
-        in_flight_then = not long.done()
+    gives up silently at [schedule].drain_timeout_s. Before, a request that ended after drain_timeout_s (well
+    within stop_drain_s) left the drain waiting out stop_drain_s and ending in stop_drain_timeout. The double
+    holds its stream after the first event until the gate file exists, so the request stays in flight across
+    drain_timeout_s whatever the host's speed (the real server, under a loaded host, answered no request)."""
+    fake_model, gate = tmp_path / "fake.gguf", tmp_path / "gate"
+    fake_model.write_bytes(b"GGUF" + bytes(28))
+    run = front({"schedule": {"drain_timeout_s": 1.0}, "front": {"stop_drain_s": 60.0},
+                 "health": {"hang_strikes": 30},
+                 "server": {"env": {"FAKE_LLAMA_STREAM_GATE": str(gate), "FAKE_LLAMA_EVENT_S": "0"}}},
+                binary=str(FAKE_SERVER), model=str(fake_model)).start()
+    run.wait_event("server_ready", 30)
+    body = {"prompt": "Hi", "n_predict": 3, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{run.front}/completion", json=body, timeout=120.0) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_raw()
+        assert next(chunks).startswith(b"data: ")  # in flight, held at the gate
         run.signal(signal.SIGTERM)
         stopping = _at(run.wait_event("daemon_stopping", 10))
-        # A liveness round past drain_timeout_s after the drain began (each round is an event): the old
+        # A liveness round (each is an event) more than drain_timeout_s after the drain began: the old
         # drain wait had given up by then.
         run.wait_event("server_probe", 30, where=lambda e: _at(e) > stopping + 2.0)
-        os.kill(server, signal.SIGCONT)
-        answer = long.result()
-    assert in_flight_then, "the generation ended before the pause: lengthen it"
-    assert answer.status_code == 200 and answer.json()["tokens_predicted"] == n_long
-    assert run.wait_exit(60) == 0
+        gate.touch()
+        rest = b"".join(chunks)
+    assert rest.count(b"data: ") == 3 and b'"stop": true' in rest
+    assert run.wait_exit(120) == 0
     names = run.names()
     assert "stop_drain_timeout" not in names and "server_hang" not in names
     assert names.index("daemon_stopping") < names.index("server_stopped")
