@@ -201,18 +201,20 @@ class Search:
             alts = [self._candidate(k) for k in alternatives(knob, best.knobs, self.space)[1:]]
             fitting = [c for c in alts if c.price.fits and c.failure is None]
             outcome = KnobOutcome(knob, best.knobs, best.knobs, best.eval.median, best.eval.median,
-                                  priced_out=len(alts) - len(fitting))
+                                  priced_out=sum(1 for c in alts if not c.price.fits))
             outcomes.append(outcome)
+            head = f"[{i}/{len(Knob)}] {knob.value}:"
+            priced = "".join(f"\n  priced out: {c.knobs.label()}: {c.price.why_not()}"
+                             for c in alts if not c.price.fits)
+            need = self._cost_s(self.rounds * (len(fitting) + 1))
             if not fitting:
                 outcome.skipped = "no alternative" if not alts else "no alternative fits the VRAM budget"
-                continue
-            need = self._cost_s(self.rounds * (len(fitting) + 1))
-            if time.monotonic() + need > deadline:
+            elif time.monotonic() + need > deadline:
                 outcome.skipped = f"not explored: the time left (--minutes) is shorter than its ~{need:.0f} s"
-                self.say(f"[{i}/{len(Knob)}] {knob.value}: {outcome.skipped}")
+            if outcome.skipped:
+                self.say(f"{head} {outcome.skipped}{priced}")
                 continue
-            self.say(f"[{i}/{len(Knob)}] {knob.value}: {len(fitting)} alternative(s) against the best so far"
-                     + (f" ({outcome.priced_out} priced out)" if outcome.priced_out else ""))
+            self.say(f"{head} {len(fitting)} alternative(s) against the best so far{priced}")
             new = self._decide(best, fitting, outcome, deadline)
             if new is not None:
                 best = new
