@@ -1,4 +1,4 @@
-"""The ``llama-guard`` command line: run, check, status, bench, restart."""
+"""The ``llama-guard`` command line: run, check, status, bench, restart, tune."""
 
 from __future__ import annotations
 
@@ -257,6 +257,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from llama_guard.tune.command import run_tune
+
+    path, config = _load(args)
+    return run_tune(path, config, minutes=args.minutes, apply=args.apply, as_json=args.json,
+                    nvml_module=args.nvml_module)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-guard", description="Supervise one llama.cpp llama-server (see README.md).",
@@ -265,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Exit codes of run: 0 stopped, 69 GPU unrecoverable, 70 internal error, 75 crash loop, "
                "78 configuration error.")
     parser.add_argument("--version", action="version", version=f"llama-guard {__version__}")
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="{run,check,status,restart,bench}")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{run,check,status,restart,bench,tune}")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -299,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "started for it, one after the other) and print the ratio")
     p.add_argument("--json", action="store_true", help="machine-readable result")
     p.set_defaults(func=cmd_bench)
+    p = add("tune", "find the fastest [server] flags that fit the GPU, by measurement (no daemon may serve the config)")
+    p.add_argument("--minutes", type=_positive_float, default=30.0, help="time for the search (default 30)")
+    p.add_argument("--apply", action="store_true", help="write the winning flags into the config file "
+                                                        "(comments and other keys kept)")
+    p.add_argument("--json", action="store_true", help="machine-readable result")
+    p.set_defaults(func=cmd_tune)
     return parser
 
 
@@ -306,6 +320,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value
 
 

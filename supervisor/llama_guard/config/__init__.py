@@ -44,6 +44,7 @@ from llama_guard.config.sections import (
     SlotsConfig,
 )
 from llama_guard.config.server import ServerConfig
+from llama_guard.config.tune import TuneConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,6 +88,7 @@ class Config(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     front: FrontConfig = Field(default_factory=FrontConfig)
     slots: SlotsConfig = Field(default_factory=SlotsConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @model_validator(mode="after")
     def _ports(self) -> Config:

@@ -1,0 +1,107 @@
+"""``llama-guard tune``: the fastest ``[server]`` flags that fit the GPU, found by measurement on the real
+server, from the configured flags (the baseline), within ``--minutes``.
+
+Runs with no daemon serving the configuration (the trials need the GPU and the CPU to themselves:
+measured beside a serving daemon, its clients would pick the winner). A stop (Ctrl-C, SIGTERM) at any
+moment stops the trial server that runs and leaves the file as it was; ``--apply`` writes the file
+only after the whole search, atomically (:mod:`.apply`).
+
+Exit codes: 0 done (tuned or nothing better found), 1 the baseline cannot be measured or the file
+cannot be written, 78 configuration error, 130 stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from llama_guard.config import Config
+from llama_guard.insight.bench import BenchResult, ceiling_for
+from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
+from llama_guard.tune.apply import ApplyError, apply_changes
+from llama_guard.tune.report import document, table
+from llama_guard.tune.search import Search
+from llama_guard.tune.space import Space
+from llama_guard.tune.trial import TrialFailed
+from llama_guard.units import MIB
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+
+EXIT_STOPPED = 130  # the shell's code for a run ended by SIGINT
+
+
+class Stopped(BaseException):
+    """SIGTERM during the search (raised in the main thread, like KeyboardInterrupt for SIGINT)."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Stopped
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_tune(path: Path, config: Config, *, minutes: float, apply: bool, as_json: bool,
+             nvml_module: Any = None) -> int:
+    """The verb: refuse when a daemon serves this configuration, search, print, optionally apply."""
+    from llama_guard.gpu.info import gpu_memory_facts
+    from llama_guard.output.status import locate_daemon
+
+    found = locate_daemon(config.runtime.dir)
+    if found.pid is not None:
+        _say(f"llama-guard: tune: llama-guard pid {found.pid} serves {config.runtime.dir}: the trials need the GPU "
+             "and the CPU to themselves. Stop it (systemctl stop llama-guard), run tune --apply, start it again.")
+        return EXIT_FAILURE
+    try:
+        facts = read_model_facts(config.server.model)
+    except ModelFactsError as exc:
+        _say(f"llama-guard: tune: {exc}")
+        return EXIT_CONFIG
+    gpu = gpu_memory_facts(config, nvml_module=nvml_module)
+    available = None if gpu.available is None else gpu.available / MIB
+    gpu_build = bool(gpu.name)
+    on_cpu = not gpu_build or config.server.n_gpu_layers <= facts.n_layer
+    space = Space.from_config(config, cpu_threads=len(os.sched_getaffinity(0)), cpu_layers=on_cpu)
+    _say(f"tune: {config.server.model.name}, {minutes:g} min; VRAM "
+         + (f"{available:,.0f} MiB available ({gpu.available_source}), margin {config.tune.vram_margin_mib} MiB"
+            if available is not None else "not known: nothing priced out")
+         + f"; {config.tune.runs} runs × {config.tune.tokens} tokens per flag set")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix="llama-guard-tune-") as logs:
+            search = Search(config, facts, space, available_mib=available, gpu_build=gpu_build, log_dir=Path(logs),
+                            say=_say, nvml_module=nvml_module)
+            result = search.run(time.monotonic() + minutes * 60)
+    except TrialFailed as exc:
+        _say(f"llama-guard: tune: {exc}")
+        return EXIT_FAILURE
+    except (KeyboardInterrupt, Stopped):
+        _say(f"llama-guard: tune stopped; no trial server left running, {path} unchanged")
+        return EXIT_STOPPED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    best = result.best_candidate
+    ceiling = ceiling_for(config.model_copy(update={"server": config.server.model_copy(
+        update=result.best.as_server_update())}), BenchResult(url="", runs=best.runs, tokens=config.tune.tokens),
+        nvml_module=nvml_module)
+    if as_json:
+        print(json.dumps(document(result, ceiling, available), indent=2, default=str))
+    else:
+        print("\n".join(table(result, ceiling, available)))
+    changes = {k: v[1] for k, v in result.best.changes_from(result.baseline).items()}
+    if apply and changes:
+        try:
+            apply_changes(path, changes)
+        except ApplyError as exc:
+            _say(f"llama-guard: tune --apply: {exc}")
+            return EXIT_FAILURE
+        _say(f"tune: wrote {', '.join(f'{k} = {v!r}' for k, v in changes.items())} to [server] of {path}")
+    elif apply:
+        _say(f"tune: the configured flags are the fastest found; {path} unchanged")
+    return EXIT_OK
