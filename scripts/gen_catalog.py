@@ -259,13 +259,16 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "a slot file was refused before it reached llama-server",
         "@FILE@ was refused (@REFUSAL@): @DETAIL@. llama-server was never asked to load it, and it was\n"
         "removed. Foreign files come from a server with another model file, build, context size, slot\n"
-        "count, KV cache type or KV-layout flag; truncated or corrupt ones from a crash or a disk fault."),
+        "count, KV cache type or KV-layout flag; truncated or corrupt ones from a crash or a disk fault;\n"
+        "unsafe ones are not a regular file of llama-server's user within [slots].budget_mib (a link, a\n"
+        "FIFO, a device): never opened nor followed, the name itself removed."),
     "slot_restore_unused": (
         "a restored slot was not reused: restores stop for this model and build",
         "A slot was restored but evaluating its own tokens reused @CACHE_N@ of @N_TOKENS@ from it, with\n"
         "model @MODEL@ and build @BUILD@. Models with recurrent or hybrid layers or sliding-window\n"
-        "attention can do this. llama-guard no longer saves or restores slots for this model and build\n"
-        "(remembered in unrestorable.json in the slot directory; delete that file to try again)."),
+        "attention can do this. Restores stop @UNTIL@: the first time for this server only; after two\n"
+        "such verifications in a row llama-guard no longer saves or restores slots for this model and\n"
+        "build (remembered in unrestorable.json in the slot directory; delete that file to try again)."),
     "server_on_cpu": (
         "llama-server runs on the CPU though asked to offload",
         "llama-server pid @SERVER_PID@ was started with @N_GPU_LAYERS@ layers to offload but found no\n"

@@ -309,7 +309,7 @@ CATALOG: dict[EventName, EventSpec] = {
                   "refused slot file {file} ({refusal}): {detail}; it was removed and never reached llama-server"),
         EventSpec("slot_restore_unused", _S.ERROR,
                   "a restored slot was not reused ({cache_n} of {n_tokens} tokens) with model {model} and build "
-                  "{build}: restores stop for this model and build"),
+                  "{build}: restores stop {until}"),
         EventSpec("slot_dropped", _S.INFO,
                   "dropped slot file {file} ({bytes} bytes): the slot files exceed [slots].budget_mib "
                   "{budget_mib:.0f} MiB"),
