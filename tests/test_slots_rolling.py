@@ -27,7 +27,7 @@ from llama_guard.core.types import AfterStop, State
 from llama_guard.core.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
-from llama_guard.slots.store import SlotStore, read_tokens
+from llama_guard.slots.store import UNRESTORABLE_AFTER, SlotStore
 from llama_guard.slots.watcher import SlotsSource
 from llama_guard.vocab.phases import Phase
 
@@ -162,12 +162,12 @@ async def test_a_rolling_save_saves_nothing_while_any_slot_processes(rig: Rig) -
 async def test_an_unchanged_slot_is_saved_once_and_a_changed_one_again(rig: Rig) -> None:
     rig.fake.now = [idle(0, 5, 10)]
     await rolling(rig)
-    assert rig.fake.saves == [(0, rig.store.incoming(0))]
     [saved] = rig.named("slot_saved")
     manifest = rig.store.committed()[0]
+    assert rig.fake.saves == [(0, manifest.file)]
     assert saved == {"slot_id": 0, "n_tokens": 10, "bytes": manifest.bytes, "save_ms": 12.5, "reason": "rolling",
                      "server_pid": PID, "file": str(rig.store.root / manifest.file)}
-    assert read_tokens(rig.store.root / manifest.file) == list(range(100, 110))
+    assert rig.store.tokens(manifest) == list(range(100, 110))
 
     await rolling(rig)  # nothing changed
     await rolling(rig)
@@ -179,8 +179,9 @@ async def test_an_unchanged_slot_is_saved_once_and_a_changed_one_again(rig: Rig)
     await rolling(rig)
     assert rig.saved_ids() == [0, 0, 0]
     assert [e["n_tokens"] for e in rig.named("slot_saved")] == [10, 14, 14]
-    assert [m.n_tokens for m in rig.store.committed()] == [14]
-    assert not (rig.store.root / rig.store.incoming(0)).exists()
+    [last] = rig.store.committed()
+    assert last.n_tokens == 14
+    assert sorted(p.name for p in rig.store.root.iterdir()) == [last.file, "llama-guard-slot-0.json"]  # old .bin gone
 
 
 async def test_canary_empty_and_taskless_slots_are_not_saved(rig: Rig) -> None:
@@ -205,8 +206,9 @@ async def test_a_failing_save_is_reported_once_and_retried_only_after_a_change(r
     assert failed["slot_id"] == 0 and failed["server_pid"] == PID
     assert ("HTTP 500: no space" if how == "call" else "not a slot file") in failed["error"]
     assert [e["slot_id"] for e in rig.named("slot_saved")] == [1]  # the other slot is saved all the same
-    assert [m.slot_id for m in rig.store.committed()] == [1]
-    assert not (rig.store.root / rig.store.incoming(0)).exists()
+    [kept] = rig.store.committed()
+    assert kept.slot_id == 1
+    assert not [p for p in rig.store.root.iterdir() if p.name.startswith("llama-guard-slot-0")]
 
     for _ in range(3):  # intervals later, nothing changed: not tried again, not reported again
         await rolling(rig)
@@ -255,7 +257,8 @@ async def test_the_save_after_the_drain_of_a_stop_of_llama_guard_says_so(rig: Ri
 
 @pytest.mark.parametrize("save", ["rolling", "after_drain", "before_reset_stop"])
 async def test_a_model_and_build_marked_unrestorable_get_no_saves(rig: Rig, save: str) -> None:
-    rig.store.mark_unrestorable(rig.fp)
+    for _ in range(UNRESTORABLE_AFTER):
+        rig.store.note_unused(rig.fp)
     rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
     if save == "rolling":
         await rolling(rig)
