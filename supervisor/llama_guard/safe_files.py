@@ -110,9 +110,9 @@ class SafeDir:
             return None
 
     def open_regular(self, name: str, *, owners: Collection[int], max_bytes: int) -> tuple[int, int]:
-        """``name`` opened for reading, and its size: only a regular file (never through a link) owned by
-        one of ``owners`` of at most ``max_bytes``. The caller closes the descriptor. Raises
-        FileRefused, or FileNotFoundError when there is none."""
+        """``name`` opened for reading, and its size: only a regular file (never through a link) with one
+        name (no hard link), owned by one of ``owners``, of at most ``max_bytes``. The caller closes the
+        descriptor. Raises FileRefused, or FileNotFoundError when there is none."""
         where = str(self.path / name)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=self.fd)
@@ -124,6 +124,8 @@ class SafeDir:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FileRefused(where, f"is {kind_of(st.st_mode)}, not a regular file")
+            if st.st_nlink != 1:
+                raise FileRefused(where, f"has {st.st_nlink} hard links (another name of another file)", errno.EPERM)
             if st.st_uid not in owners:
                 expected = " or ".join(str(uid) for uid in sorted(owners))
                 raise FileRefused(where, f"belongs to uid {st.st_uid}, not to uid {expected}", errno.EPERM)
@@ -145,8 +147,9 @@ class SafeDir:
         return b"".join(parts)
 
     def remove(self, name: str) -> bool:
-        """Unlink ``name`` itself (a link, never its target; an empty directory too); whether there was
-        one. Raises FileRefused when it cannot be removed."""
+        """Unlink ``name`` itself (a link, never its target); a directory in the way is removed when
+        empty, else renamed aside (``.NAME.<random>.set-aside``), so the name is free either way.
+        Whether there was one. Raises FileRefused when the name cannot be freed."""
         try:
             os.unlink(name, dir_fd=self.fd)
         except FileNotFoundError:
@@ -154,9 +157,12 @@ class SafeDir:
         except IsADirectoryError:
             try:
                 os.rmdir(name, dir_fd=self.fd)
-            except OSError as exc:
-                raise FileRefused(str(self.path / name), f"a directory is in the way and cannot be removed: "
-                                  f"{exc.strerror}", exc.errno or errno.EISDIR) from None
+            except OSError:
+                try:
+                    os.rename(name, f".{name}.{secrets.token_hex(6)}.set-aside", src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                except OSError as exc:
+                    raise FileRefused(str(self.path / name), f"a directory is in the way and cannot be moved aside: "
+                                      f"{exc.strerror}", exc.errno or errno.EISDIR) from None
         except OSError as exc:
             raise FileRefused(str(self.path / name), f"cannot be removed: {exc.strerror}",
                               exc.errno or errno.EPERM) from None
@@ -190,7 +196,13 @@ class SafeDir:
             raise
         os.close(fd)
         try:
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            except (IsADirectoryError, FileExistsError) as exc:
+                if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                self.remove(name)  # a directory in the way: removed or moved aside, then once more
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError:
             with contextlib.suppress(OSError):
                 self.remove(tmp)

@@ -196,7 +196,10 @@ class SlotStore:
             try:
                 tokens = _tokens(fd, size)
                 sha256 = self._sha256(fd, size, deadline, name)
-            except (StoreError, FileRefused) as exc:
+            except StoreError as exc:
+                self._remove_quietly(d, name)
+                raise StoreError(f"{d.path / name}: {exc}") from None
+            except FileRefused as exc:
                 self._remove_quietly(d, name)
                 raise StoreError(str(exc)) from None
             finally:
