@@ -65,6 +65,8 @@ class FakeSlots:
         self.slots_calls = 0
         self.opened = 0
         self.closed = 0
+        self.cache_n: int | None = None  # what a verification reuses (None: all its tokens)
+        self.restores: list[tuple[int, str]] = []
 
     async def slots(self) -> list[SlotInfo]:
         self.slots_calls += 1
@@ -81,6 +83,13 @@ class FakeSlots:
         n_tokens = next(s.n_tokens for s in self.now if s.id == slot_id)
         slot_file(path, list(range(100, 100 + n_tokens)))
         return Transfer(n_tokens, path.stat().st_size, 12.5)
+
+    async def restore(self, slot_id: int, filename: str) -> Transfer:
+        self.restores.append((slot_id, filename))
+        return Transfer(10, 1024, 3.0)
+
+    async def reuse(self, slot_id: int, tokens: list[int]) -> int:
+        return len(tokens) - 1 if self.cache_n is None else self.cache_n
 
     async def aclose(self) -> None:
         self.closed += 1
@@ -320,3 +329,45 @@ async def test_a_slot_whose_rolling_save_failed_is_still_saved_before_a_stop(rig
     assert [m.slot_id for m in rig.store.committed()] == [0]
     await getattr(rig.src, save)(rig.ctx, PID)  # saved now: not again
     assert rig.saved_ids() == [0, 0]
+
+
+async def test_one_verification_that_reused_nothing_stops_only_this_servers_restores(rig: Rig) -> None:
+    """Issue 34: one observation stopped the carry-over for good. Now one verification that reused
+    nothing stops this start's restores; only a second in a row stops them for good."""
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    await rolling(rig)
+    rig.fake.cache_n = 0
+    await rig.src.restore(rig.ctx, PID)
+    [unused] = rig.named("slot_restore_unused")
+    assert unused["by"] == "verification" and unused["cache_n"] == 0 and unused["until"].startswith("for this server")
+    assert len(rig.fake.restores) == 1  # the other slot is not tried on this server
+    assert not rig.store.unrestorable(rig.fp)
+    await rolling(rig)  # saves go on
+    rig.fake.now = [idle(0, 7, 12), idle(1, 8, 22)]
+    await rolling(rig)
+    assert [e["n_tokens"] for e in rig.named("slot_saved")][-2:] == [12, 22]
+    await rig.src.restore(rig.ctx, PID)  # the next start: a second verification that reused nothing
+    assert [e["until"] for e in rig.named("slot_restore_unused")][1].startswith("for good")
+    assert rig.store.unrestorable(rig.fp)
+
+
+async def test_a_verification_that_reused_its_tokens_starts_the_count_again(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    for cache_n in (0, None, 0):
+        rig.fake.cache_n = cache_n
+        await rig.src.restore(rig.ctx, PID)
+    assert len(rig.named("slot_restore_unused")) == 2 and len(rig.named("slot_restored")) == 1
+    assert not rig.store.unrestorable(rig.fp)
+
+
+async def test_a_verification_that_reused_part_of_its_tokens_is_a_failed_restore_not_a_verdict(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    for _ in range(UNRESTORABLE_AFTER + 1):
+        rig.fake.cache_n = 4
+        await rig.src.restore(rig.ctx, PID)
+    assert rig.named("slot_restore_unused") == []
+    assert [e["error"] for e in rig.named("slot_restore_failed")] == \
+        ["its verification reused only 4 of its 10 tokens"] * (UNRESTORABLE_AFTER + 1)
+    assert not rig.store.unrestorable(rig.fp)
