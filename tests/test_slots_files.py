@@ -221,16 +221,33 @@ def test_a_slot_file_of_another_user_than_llama_servers_is_refused(store: SlotSt
 
 def test_hashing_ends_at_its_deadline_however_long_the_file(tmp_path: Path, fp: Fingerprint) -> None:
     """The deadline ends the read itself (not only the wait for it): a store whose deadline is already
-    past reads one chunk of a file of several, then refuses it."""
+    past reads one chunk of a file of several, then stops — a slow disk, not a bad file: nothing is
+    removed, the next check (with time) restores it. A commit past its deadline keeps the old pair."""
     store = SlotStore(tmp_path / "slots", 1 << 30)
     store.prepare()
     name = store.new_name(0)
     slot_file(store.root / name, [1, 2], state_bytes=3 << 22)  # three chunks and more
     manifest = store.commit(0, name, fp)
     store.io_timeout_s = -1.0
-    good, refused = store.check(fp)
-    assert good == [] and refused[0].refusal is Refusal.UNSAFE
-    assert "did not end in time" in refused[0].detail and f"of {manifest.bytes} bytes" in refused[0].detail
+    with pytest.raises(FileRefused, match=f"did not end in time .* of {manifest.bytes} bytes"):
+        store.check(fp)
+    newer = store.new_name(0)
+    slot_file(store.root / newer, [1, 2, 3], state_bytes=3 << 22)
+    with pytest.raises(StoreError, match="did not end in time"):
+        store.commit(0, newer, fp)
+    assert not os.path.lexists(store.root / newer)
+    store.io_timeout_s = 60.0
+    assert store.check(fp) == ([manifest], [])
+
+
+def test_a_header_claiming_more_tokens_than_any_context_is_not_read(store: SlotStore, fp: Fingerprint) -> None:
+    name = store.new_name(0)
+    with (store.root / name).open("wb") as handle:
+        handle.write(struct.pack("<III", 0x67677371, 4, 1 << 30))
+        handle.truncate(8 << 30)  # 8 GiB, sparse: within a budget of that size
+    store.budget_bytes = 8 << 30
+    with pytest.raises(StoreError, match="claims 1073741824 tokens"):
+        ends(lambda: store.commit(0, name, fp))
 
 
 def test_a_manifest_naming_a_file_outside_its_slot_is_refused(store: SlotStore, fp: Fingerprint,

@@ -54,6 +54,7 @@ SEQ_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC
 SEQ_VERSION = 4  # LLAMA_STATE_SEQ_VERSION of the builds this reader knows
 TOKENS_STATE_MARK = 0xFFFFFFFF  # server_tokens::serialize starts with LLAMA_TOKEN_NULL, then its version
 TOKENS_STATE_VERSION = 1
+MAX_TOKENS = 1 << 24  # a header claiming more tokens than any context holds is not read (its list: 64 MiB)
 _BIN = re.compile(rf"{PREFIX}(\d+)(?:-[0-9a-f]+)?\.bin\Z")  # -<hex>: this version's names; none: older ones
 _MANIFEST = re.compile(rf"{PREFIX}(\d+)\.json\Z")
 _LEFTOVER = re.compile(rf"({PREFIX}\d+.*|{re.escape(UNRESTORABLE)})\.(incoming|tmp)\Z")
@@ -113,6 +114,8 @@ def _tokens(fd: int, size: int) -> list[int]:
     magic, version, n_packed = struct.unpack("<III", head)
     if magic != SEQ_MAGIC or version != SEQ_VERSION:
         raise StoreError(f"not a slot file of a known version (magic {magic:#x}, version {version})")
+    if n_packed > MAX_TOKENS:
+        raise StoreError(f"its header claims {n_packed} tokens, more than any context holds")
     if 12 + 4 * n_packed > size:
         raise StoreError("ends inside its token list")
     raw = os.pread(fd, 4 * n_packed, 12)
@@ -268,7 +271,8 @@ class SlotStore:
 
     def check(self, fingerprint: Fingerprint) -> tuple[list[Manifest], list[Refused]]:
         """The files that may be restored into a server of ``fingerprint``, and those refused (removed
-        with their manifest)."""
+        with their manifest). Raises FileRefused (``errno.ETIMEDOUT``) when the reads did not end
+        within ``io_timeout_s``: nothing is removed then."""
         good: list[Manifest] = []
         refused: list[Refused] = []
         deadline = self._deadline()
@@ -322,6 +326,8 @@ class SlotStore:
             if len(_tokens(fd, size)) != manifest.n_tokens:
                 return Refused(name, Refusal.CORRUPT, "its token count is not its manifest's")
         except FileRefused as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                raise  # a slow disk, not a bad file: nothing is removed, the next start checks again
             return Refused(name, Refusal.UNSAFE, exc.reason)
         except (StoreError, OSError) as exc:
             return Refused(name, Refusal.CORRUPT, str(exc) or type(exc).__name__)
