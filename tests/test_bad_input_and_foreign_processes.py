@@ -297,3 +297,45 @@ def test_foreign_process_on_the_port_is_not_called_ready(tmp_path: Path, fake_se
     finally:
         squatter.send_signal(signal.SIGKILL)
         squatter.wait()
+
+
+@pytest.mark.parametrize("plant", ["link to a root-only file", "dangling link", "hard link to a root-only file",
+                                   "directory"])
+def test_server_log_file_planted_by_another_user_is_refused_never_written_through(tmp_path: Path,
+                                                                                  plant: str) -> None:
+    """Issue 34 (security): [log].server_log_file in a directory llama-server's user can write: a link
+    there made llama-guard (root) append the server's lines to any file (or create one where the link
+    points). Now a link or a second name is refused (config_error), the file behind it untouched."""
+    from llama_guard.core.server import open_server_log
+
+    secret = tmp_path / "root-only"
+    secret.write_bytes(b"root's own\n")
+    secret.chmod(0o600)
+    path = tmp_path / "server.log"
+    if plant == "link to a root-only file":
+        path.symlink_to(secret)
+    elif plant == "dangling link":
+        path.symlink_to(tmp_path / "made-by-root")
+    elif plant == "hard link to a root-only file":
+        os.link(secret, path)
+    else:
+        path.mkdir()
+    errors: list[str] = []
+    handle = open_server_log(str(path), lambda name, **f: errors.append(f["reason"]))
+    assert handle is None and len(errors) == 1
+    assert {"link to a root-only file": "symbolic link", "dangling link": "symbolic link",
+            "hard link to a root-only file": "2 hard links", "directory": "directory"}[plant] in errors[0].lower()
+    assert secret.read_bytes() == b"root's own\n" and not (tmp_path / "made-by-root").exists()
+
+
+def test_server_log_file_that_is_a_huge_sparse_file_is_appended_to(tmp_path: Path) -> None:
+    from llama_guard.core.server import open_server_log
+
+    path = tmp_path / "server.log"
+    with path.open("wb") as handle:
+        handle.truncate(1 << 40)
+    log = open_server_log(str(path), lambda name, **f: pytest.fail(str(f)))
+    assert log is not None
+    log.write("a line\n")
+    log.close()
+    assert path.stat().st_size == (1 << 40) + len("a line\n")

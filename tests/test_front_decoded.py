@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from llama_guard.core.inputs import CacheReuse
 from llama_guard.front.decoded import HEAD_BYTES, TAIL_BYTES, Witness
 from llama_guard.front.endpoints import Work, replayable, work_of
 
@@ -114,36 +113,3 @@ def test_the_query_string_is_not_part_of_the_path() -> None:
 ])
 def test_only_safe_methods_and_inference_posts_are_replayable(method: str, target: str, safe: bool) -> None:
     assert replayable(method, target) is safe
-
-
-def _reuse(body: bytes, chunk: int = 7) -> CacheReuse | None:
-    witness = Witness(Work.GENERATION)
-    for i in range(0, len(body), chunk):
-        witness.feed(body[i:i + chunk])
-    return witness.reuse()
-
-
-def test_the_cache_figures_of_a_chat_answer_have_no_slot() -> None:
-    body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Hi"}}], "usage": {"prompt_tokens": 31},
-                       "timings": {"cache_n": 25, "prompt_n": 6, "predicted_n": 3}}).encode()
-    assert _reuse(body) == CacheReuse(cache_n=25, prompt_n=6, id_slot=None)
-
-
-def test_a_native_answer_names_its_slot_first_and_a_stream_in_its_first_event() -> None:
-    body = json.dumps({"index": 0, "content": "x" * (2 * TAIL_BYTES), "id_slot": 1, "stop": True,
-                       "timings": {"cache_n": 0, "prompt_n": 40, "predicted_n": 2}}).encode()
-    assert _reuse(body) == CacheReuse(cache_n=0, prompt_n=40, id_slot=1)
-    events = [{"content": f"t{i}", "id_slot": 2, "stop": False} for i in range(3000)]
-    events.append({"content": "", "id_slot": 2, "stop": True, "timings": {"cache_n": 7, "prompt_n": 1}})
-    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
-    assert len(stream) > 4 * (HEAD_BYTES + TAIL_BYTES)
-    assert _reuse(stream, 4096) == CacheReuse(cache_n=7, prompt_n=1, id_slot=2)
-
-
-def test_no_timings_no_figures_and_generated_text_cannot_forge_them() -> None:
-    assert _reuse(_chat(3)) is None  # prompt_n alone: no cache_n
-    forged = json.dumps({"content": '"cache_n": 0, "prompt_n": 9, "id_slot": 3', "stop": True}).encode()
-    assert _reuse(forged) is None
-    embedding = Witness(Work.EMBEDDING)
-    embedding.feed(json.dumps({"embedding": [0.1], "timings": {"cache_n": 0, "prompt_n": 1}}).encode())
-    assert embedding.reuse() is None

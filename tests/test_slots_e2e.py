@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from front_fixtures import daemon_pool, start_with_front
+from harness import free_port
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -135,29 +135,124 @@ def test_a_tampered_slot_file_is_refused_and_the_server_serves(carry: Any) -> No
     assert again["cache_n"] < again["previous_prompt"]  # nothing carried: the history was evaluated again
 
 
-def test_a_first_client_request_that_reuses_nothing_of_a_restored_slot_stops_restores(carry: Any) -> None:
-    """The client's first answer from the restored slot says ``cache_n`` 0 for a prompt longer than what
-    was restored (here: a client that turns llama-server's prompt cache off, ``cache_prompt`` false —
-    the same figures a model whose restored cache cannot be reused gives): ``slot_restore_unused``, and
-    restores stop for this model and build (remembered on disk)."""
+@pytest.mark.parametrize("endpoint", ["/completion", "/v1/completions"])
+def test_a_new_raw_completion_after_a_restore_does_not_stop_the_carry_over(carry: Any, endpoint: str) -> None:
+    """Issue 34: after a restore, one new raw conversation (no chat template: /completion,
+    /v1/completions) at least as long as the restored one, with another prompt, shares nothing with
+    it (``cache_n`` 0, an ordinary event): it was judged ``slot_restore_unused`` "by client request"
+    and ``unrestorable.json`` stopped the carry-over for good. Only a restore's own verification may."""
     run = carry(1)
     chat = Conversation("tools", facts=10)
     chat.turn(run.front, "Which item weighs the most?")
     run.signal(signal.SIGUSR1)
     second = run.wait_event("server_ready", 90, skip=1)["server_pid"]
     restored = run.wait_event("slot_restored", 10, where=lambda e: e["server_pid"] == second)
+    prompt = "Once upon a time, in a valley far away, " + " ".join(f"a shepherd counted sheep number {i}."
+                                                                      for i in range(40))
+    body: dict[str, Any] = {"prompt": prompt, "temperature": 0}
+    body.update({"n_predict": 2} if endpoint == "/completion" else {"max_tokens": 2})
+    resp = httpx.post(f"http://127.0.0.1:{run.front}{endpoint}", timeout=180.0, json=body)
+    assert resp.status_code == 200, resp.text
+    timings = resp.json()["timings"]
+    assert timings["cache_n"] == 0 and timings["prompt_n"] >= restored["n_tokens"]  # the issue's figures
+    chat.turn(run.front, "And which item costs the least?")  # a marker after the request's completion
+    run.signal(signal.SIGUSR1)  # the carry-over still works: the next server restores again
+    third = run.wait_event("server_ready", 90, skip=2)["server_pid"]
+    run.wait_event("slot_restored", 10, where=lambda e: e["server_pid"] == third)
     assert "slot_restore_unused" not in run.names()
-    prompt = " ".join(m["content"] for m in chat.messages) * 2  # longer than the restored conversation
-    resp = httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=180.0, json={
-        "prompt": prompt, "id_slot": 0, "cache_prompt": False, "n_predict": 1})
-    assert resp.status_code == 200 and resp.json()["timings"]["cache_n"] == 0
-    assert resp.json()["timings"]["prompt_n"] >= restored["n_tokens"]
-    unused = run.wait_event("slot_restore_unused", 10)
-    assert unused["by"] == "client request" and unused["slot_id"] == 0 and unused["server_pid"] == second
-    assert unused["n_tokens"] == restored["n_tokens"] and unused["cache_n"] == 0
-    marks = Path(run.config.parent / "run" / "slots" / "unrestorable.json")
-    deadline = time.monotonic() + 10
-    while not marks.exists():
-        assert time.monotonic() < deadline, "the model and build were not remembered"
-        time.sleep(0.05)
-    assert unused["build"] in marks.read_text()
+    assert not (Path(restored_dir(run)) / "unrestorable.json").exists()
+
+
+def restored_dir(run: Any) -> str:
+    """The slot directory, from the first save's file."""
+    return str(Path(run.wait_event("slot_saved", 1)["file"]).parent)
+
+
+def test_what_llama_servers_user_plants_in_the_slot_directory_never_steers_llama_guard(carry: Any,
+                                                                                      tmp_path: Path) -> None:
+    """Issue 34 (security), with the real llama-server and daemon: the committed slot file swapped for a
+    link to /dev/zero, a link ``llama-guard-slot-0.json.tmp`` -> a root-only file and a FIFO in place of
+    ``unrestorable.json``. Before: the root-only file truncated and overwritten at the next save, the
+    hash of /dev/zero endless (+30 s on every start, every later save off), the link never removed, an
+    empty error. Now: each is refused with its reason and removed, the file untouched, saves go on."""
+    secret = tmp_path / "root-only"
+    secret.write_bytes(b"root's own\n")
+    secret.chmod(0o600)
+    run = carry(1)
+    chat = Conversation("tools", facts=5)
+    chat.turn(run.front, "Which item weighs the most?")
+    saved = run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == run.first)
+    path = Path(saved["file"])
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    (path.parent / "llama-guard-slot-0.json.tmp").symlink_to(secret)
+    os.mkfifo(path.parent / "unrestorable.json")
+    os.kill(run.first, signal.SIGKILL)
+    second = run.wait_event("server_ready", 90, skip=1)["server_pid"]
+    refused = {e["file"]: e for e in run.events() if e["event"] == "slot_restore_refused"}
+    assert refused[path.name]["refusal"] == "unsafe" and "symbolic link" in refused[path.name]["detail"]
+    assert refused["unrestorable.json"]["refusal"] == "unsafe" and "a FIFO" in refused["unrestorable.json"]["detail"]
+    for name in (path.name, "llama-guard-slot-0.json.tmp", "unrestorable.json"):
+        assert not os.path.lexists(path.parent / name), name
+    chat.turn(run.front, "And which item costs the least?")
+    again = run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == second)  # saves go on
+    assert secret.read_bytes() == b"root's own\n"
+    run.signal(signal.SIGUSR1)
+    third = run.wait_event("server_ready", 90, skip=2)["server_pid"]
+    restored = run.wait_event("slot_restored", 10, where=lambda e: e["server_pid"] == third)
+    assert restored["n_tokens"] >= again["n_tokens"]
+    assert "slot_save_failed" not in run.names() and "slot_restore_failed" not in run.names()
+    assert secret.read_bytes() == b"root's own\n"
+
+
+# Loaded by the daemon's Python (sitecustomize on PYTHONPATH) in the test below only: a deterministic
+# kill of the daemon itself just before its N-th rename onto slot 0's manifest — the worst point of a
+# save (the new slot file whole on disk, the old manifest still in place). No sleep, no timing.
+KILL_HOOK = """
+import os, signal
+_at = int(os.environ.get("LG_TEST_KILL_AT_MANIFEST_RENAME", "0"))
+if _at:
+    _replace, _seen = os.replace, [0]
+    def _hooked(src, dst, *args, **kwargs):
+        if os.fspath(dst).endswith("llama-guard-slot-0.json"):
+            _seen[0] += 1
+            if _seen[0] == _at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _replace(src, dst, *args, **kwargs)
+    os.replace = _hooked
+"""
+
+
+def test_a_daemon_killed_at_the_worst_point_of_a_save_keeps_the_last_good_pair(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """Issue 34: a daemon SIGKILLed 120 ms into a save left a new file beside the old manifest: both
+    conversations lost. Now the daemon is killed just before the manifest of its second save replaces
+    the first's; the next daemon restores the first save's conversation."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_HOOK)
+    with daemon_pool() as pool:
+        port = free_port()
+        run: Any = pool.new(tmp_path, str(llama_server_bin), str(real_model), {
+            "front": {"listen": f"127.0.0.1:{port}", "hold_timeout_s": 120.0},
+            "health": {"interval_s": 1.0, "hang_strikes": 5, "timeout_s": 5.0, "canary_timeout_s": 10.0},
+            "slots": {"rolling_save_interval_s": 1.0}})
+        run.front = port
+        run.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), run.env.get("PYTHONPATH", "")) if p)
+        run.env["LG_TEST_KILL_AT_MANIFEST_RENAME"] = "2"
+        run.start()
+        first = run.wait_event("server_ready", 60)["server_pid"]
+        chat = Conversation("tools", facts=10)
+        chat.turn(run.front, "Which item weighs the most?")
+        saved = run.wait_event("slot_saved", 60, where=lambda e: e["server_pid"] == first)
+        chat.turn(run.front, "And which item costs the least?")  # the rolling save of this one is killed
+        assert run.proc.wait(120) == -signal.SIGKILL
+        slots = Path(saved["file"]).parent
+        assert Path(saved["file"]).exists() and len(list(slots.glob("llama-guard-slot-0*.bin"))) == 2
+        del run.env["LG_TEST_KILL_AT_MANIFEST_RENAME"]
+        run.start()  # the next daemon, on the same directories
+        second = run.wait_event("server_ready", 90, skip=1)["server_pid"]
+        restored = run.wait_event("slot_restored", 30, where=lambda e: e["server_pid"] == second)
+        assert restored["n_tokens"] == saved["n_tokens"]
+        assert "slot_restore_refused" not in run.names()
+        assert [p.name for p in slots.glob("llama-guard-slot-0*.bin")] == [Path(saved["file"]).name]

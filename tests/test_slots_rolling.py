@@ -29,7 +29,7 @@ from llama_guard.core.types import AfterStop, State
 from llama_guard.core.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
-from llama_guard.slots.store import SlotStore, read_tokens
+from llama_guard.slots.store import UNRESTORABLE_AFTER, SlotStore
 from llama_guard.slots.watcher import SlotsSource
 from llama_guard.vocab.phases import Phase
 
@@ -67,6 +67,8 @@ class FakeSlots:
         self.slots_calls = 0
         self.opened = 0
         self.closed = 0
+        self.cache_n: int | None = None  # what a verification reuses (None: all its tokens)
+        self.restores: list[tuple[int, str]] = []
 
     async def slots(self) -> list[SlotInfo]:
         self.slots_calls += 1
@@ -83,6 +85,13 @@ class FakeSlots:
         n_tokens = next(s.n_tokens for s in self.now if s.id == slot_id)
         slot_file(path, list(range(100, 100 + n_tokens)))
         return Transfer(n_tokens, path.stat().st_size, 12.5)
+
+    async def restore(self, slot_id: int, filename: str) -> Transfer:
+        self.restores.append((slot_id, filename))
+        return Transfer(10, 1024, 3.0)
+
+    async def reuse(self, slot_id: int, tokens: list[int]) -> int:
+        return len(tokens) - 1 if self.cache_n is None else self.cache_n
 
     async def aclose(self) -> None:
         self.closed += 1
@@ -180,12 +189,12 @@ async def test_a_rolling_save_saves_nothing_while_any_slot_processes(rig: Rig) -
 async def test_an_unchanged_slot_is_saved_once_and_a_changed_one_again(rig: Rig) -> None:
     rig.fake.now = [idle(0, 5, 10)]
     await rolling(rig)
-    assert rig.fake.saves == [(0, rig.store.incoming(0))]
     [saved] = rig.named("slot_saved")
     manifest = rig.store.committed()[0]
+    assert rig.fake.saves == [(0, manifest.file)]
     assert saved == {"slot_id": 0, "n_tokens": 10, "bytes": manifest.bytes, "save_ms": 12.5, "reason": "rolling",
                      "server_pid": PID, "file": str(rig.store.root / manifest.file)}
-    assert read_tokens(rig.store.root / manifest.file) == list(range(100, 110))
+    assert rig.store.tokens(manifest) == list(range(100, 110))
 
     await rolling(rig)  # nothing changed
     await rolling(rig)
@@ -197,8 +206,9 @@ async def test_an_unchanged_slot_is_saved_once_and_a_changed_one_again(rig: Rig)
     await rolling(rig)
     assert rig.saved_ids() == [0, 0, 0]
     assert [e["n_tokens"] for e in rig.named("slot_saved")] == [10, 14, 14]
-    assert [m.n_tokens for m in rig.store.committed()] == [14]
-    assert not (rig.store.root / rig.store.incoming(0)).exists()
+    [last] = rig.store.committed()
+    assert last.n_tokens == 14
+    assert sorted(p.name for p in rig.store.root.iterdir()) == [last.file, "llama-guard-slot-0.json"]  # old .bin gone
 
 
 async def test_canary_empty_and_taskless_slots_are_not_saved(rig: Rig) -> None:
@@ -223,8 +233,9 @@ async def test_a_failing_save_is_reported_once_and_retried_only_after_a_change(r
     assert failed["slot_id"] == 0 and failed["server_pid"] == PID
     assert ("HTTP 500: no space" if how == "call" else "not a slot file") in failed["error"]
     assert [e["slot_id"] for e in rig.named("slot_saved")] == [1]  # the other slot is saved all the same
-    assert [m.slot_id for m in rig.store.committed()] == [1]
-    assert not (rig.store.root / rig.store.incoming(0)).exists()
+    [kept] = rig.store.committed()
+    assert kept.slot_id == 1
+    assert not [p for p in rig.store.root.iterdir() if p.name.startswith("llama-guard-slot-0")]
 
     for _ in range(3):  # intervals later, nothing changed: not tried again, not reported again
         await rolling(rig)
@@ -273,7 +284,8 @@ async def test_the_save_after_the_drain_of_a_stop_of_llama_guard_says_so(rig: Ri
 
 @pytest.mark.parametrize("save", ["rolling", "after_drain", "before_reset_stop"])
 async def test_a_model_and_build_marked_unrestorable_get_no_saves(rig: Rig, save: str) -> None:
-    rig.store.mark_unrestorable(rig.fp)
+    for _ in range(UNRESTORABLE_AFTER):
+        rig.store.note_unused(rig.fp)
     rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
     if save == "rolling":
         await rolling(rig)
@@ -335,3 +347,45 @@ async def test_a_slot_whose_rolling_save_failed_is_still_saved_before_a_stop(rig
     assert [m.slot_id for m in rig.store.committed()] == [0]
     await getattr(rig.src, save)(rig.ctx, PID)  # saved now: not again
     assert rig.saved_ids() == [0, 0]
+
+
+async def test_one_verification_that_reused_nothing_stops_only_this_servers_restores(rig: Rig) -> None:
+    """Issue 34: one observation stopped the carry-over for good. Now one verification that reused
+    nothing stops this start's restores; only a second in a row stops them for good."""
+    rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
+    await rolling(rig)
+    rig.fake.cache_n = 0
+    await rig.src.restore(rig.ctx, PID)
+    [unused] = rig.named("slot_restore_unused")
+    assert unused["by"] == "verification" and unused["cache_n"] == 0 and unused["until"].startswith("for this server")
+    assert len(rig.fake.restores) == 1  # the other slot is not tried on this server
+    assert not rig.store.unrestorable(rig.fp)
+    await rolling(rig)  # saves go on
+    rig.fake.now = [idle(0, 7, 12), idle(1, 8, 22)]
+    await rolling(rig)
+    assert [e["n_tokens"] for e in rig.named("slot_saved")][-2:] == [12, 22]
+    await rig.src.restore(rig.ctx, PID)  # the next start: a second verification that reused nothing
+    assert [e["until"] for e in rig.named("slot_restore_unused")][1].startswith("for good")
+    assert rig.store.unrestorable(rig.fp)
+
+
+async def test_a_verification_that_reused_its_tokens_starts_the_count_again(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    for cache_n in (0, None, 0):
+        rig.fake.cache_n = cache_n
+        await rig.src.restore(rig.ctx, PID)
+    assert len(rig.named("slot_restore_unused")) == 2 and len(rig.named("slot_restored")) == 1
+    assert not rig.store.unrestorable(rig.fp)
+
+
+async def test_a_verification_that_reused_part_of_its_tokens_is_a_failed_restore_not_a_verdict(rig: Rig) -> None:
+    rig.fake.now = [idle(0, 5, 10)]
+    await rolling(rig)
+    for _ in range(UNRESTORABLE_AFTER + 1):
+        rig.fake.cache_n = 4
+        await rig.src.restore(rig.ctx, PID)
+    assert rig.named("slot_restore_unused") == []
+    assert [e["error"] for e in rig.named("slot_restore_failed")] == \
+        ["its verification reused only 4 of its 10 tokens"] * (UNRESTORABLE_AFTER + 1)
+    assert not rig.store.unrestorable(rig.fp)

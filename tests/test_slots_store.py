@@ -19,7 +19,7 @@ from llama_guard.argv import build_argv, slot_save_dir
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
 from llama_guard.config.server import ServerConfig
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of, kv_args
-from llama_guard.slots.store import Manifest, Refusal, SlotStore, StoreError, read_tokens
+from llama_guard.slots.store import UNRESTORABLE_AFTER, Manifest, Refusal, SlotStore, StoreError
 
 
 def slot_file(path: Path, tokens: list[int], state_bytes: int = 4096) -> None:
@@ -49,8 +49,9 @@ def store(tmp_path: Path) -> SlotStore:
 
 
 def save(store: SlotStore, fp: Fingerprint, slot_id: int, tokens: list[int], state_bytes: int = 4096) -> Manifest:
-    slot_file(store.root / store.incoming(slot_id), tokens, state_bytes)
-    return store.commit(slot_id, fp)
+    name = store.new_name(slot_id)
+    slot_file(store.root / name, tokens, state_bytes)
+    return store.commit(slot_id, name, fp)
 
 
 def test_a_committed_file_checks_out_with_its_tokens(store: SlotStore, fp: Fingerprint) -> None:
@@ -58,8 +59,8 @@ def test_a_committed_file_checks_out_with_its_tokens(store: SlotStore, fp: Finge
     good, refused = store.check(fp)
     assert (good, refused) == ([manifest], [])
     assert manifest.n_tokens == 4 and manifest.bytes == (store.root / manifest.file).stat().st_size
-    assert read_tokens(store.root / manifest.file) == [5, 6, 7, 8]
-    assert not (store.root / store.incoming(1)).exists()
+    assert store.tokens(manifest) == [5, 6, 7, 8]
+    assert sorted(p.name for p in store.root.iterdir()) == [manifest.file, "llama-guard-slot-1.json"]
 
 
 @pytest.mark.parametrize("kind", list(Refusal))
@@ -77,18 +78,22 @@ def test_each_bad_file_kind_is_refused_and_removed(store: SlotStore, fp: Fingerp
         check_fp = dataclasses.replace(fp, ctx_size=4096)
     elif kind is Refusal.NO_MANIFEST:
         (store.root / f"llama-guard-slot-{manifest.slot_id}.json").write_text("{not json")
+    elif kind is Refusal.UNSAFE:  # llama-server's user swaps the file for a link (more kinds: test_slots_files)
+        path.unlink()
+        path.symlink_to("/dev/zero")
     good, refused = store.check(check_fp)
     assert good == []
     assert [(r.file, r.refusal) for r in refused] == [(manifest.file, kind)]
-    assert not path.exists()
+    assert not os.path.lexists(path)
     if kind is Refusal.FOREIGN:
         assert "ctx_size" in refused[0].detail
 
 
 def test_a_file_with_a_foreign_header_is_never_committed(store: SlotStore, fp: Fingerprint) -> None:
-    (store.root / store.incoming(0)).write_bytes(b"GGUF" + bytes(100))
-    with pytest.raises(StoreError):
-        store.commit(0, fp)
+    name = store.new_name(0)
+    (store.root / name).write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(StoreError, match="not a slot file"):
+        store.commit(0, name, fp)
     assert list(store.root.iterdir()) == []
 
 
@@ -109,7 +114,8 @@ def test_the_budget_drops_the_oldest(tmp_path: Path, fp: Fingerprint) -> None:
 
 def test_unrestorable_is_remembered_on_disk(tmp_path: Path, store: SlotStore, fp: Fingerprint) -> None:
     assert not store.unrestorable(fp)
-    store.mark_unrestorable(fp)
+    for _ in range(UNRESTORABLE_AFTER):
+        store.note_unused(fp)
     again = SlotStore(store.root, store.budget_bytes)
     assert again.unrestorable(fp)
     assert not again.unrestorable(dataclasses.replace(fp, build="version: 11435 (def)"))

@@ -276,26 +276,13 @@ class ParamsChanged(Input):
 
 
 @dataclass(frozen=True)
-class CacheReuse:
-    """What a generation's answer says about its prompt (llama-server's ``timings``): ``cache_n``
-    tokens taken from the slot's KV cache, ``prompt_n`` evaluated; ``id_slot`` the slot that answered
-    (None: the answer does not say; OpenAI-style answers never do)."""
-
-    cache_n: int
-    prompt_n: int
-    id_slot: int | None
-
-
-@dataclass(frozen=True)
 class RequestCompleted(Input):
     """The front door saw a client's generation or embedding answered in full by server ``pid``, and
     the answer's own token counts (or vectors) prove the server decoded: real traffic, the first
     liveness signal (progress). Other answers (``/health``, ``/props``, any 2xx without tokens) are
-    never this (``llama_guard.front.decoded``). ``reuse``: the answer's cache figures (None: it gave
-    none), for the check of a restored slot's first client request."""
+    never this (``llama_guard.front.decoded``)."""
 
     pid: int
-    reuse: CacheReuse | None = None
 
 
 @dataclass(frozen=True)

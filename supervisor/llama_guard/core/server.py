@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import re
 import signal
+import stat
 from collections.abc import Awaitable, Callable
 from typing import TextIO
 
@@ -34,6 +36,7 @@ from llama_guard.core.tasks import TaskSet
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
 from llama_guard.core.watcher import Context
+from llama_guard.safe_files import kind_of
 from llama_guard.vocab.phases import Phase
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
@@ -55,13 +58,26 @@ PROBE_CLOSE_TIMEOUT_S = 5.0
 def open_server_log(path: str, emit: Callable[..., None]) -> TextIO | None:
     """``[log].server_log_file`` opened for appending the server's lines; None (reported as
     ``config_error``) when it cannot be opened. O_NONBLOCK: a FIFO without a reader fails at once
-    (ENXIO) instead of wedging the loop; later writes that would block are dropped."""
+    (ENXIO) instead of wedging the loop; later writes that would block are dropped. O_NOFOLLOW: a
+    symbolic link there (one planted by a user who can write the log's directory) is refused, never
+    followed; so is a regular file with more than one name (a hard link to another file)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o640)
-        return open(fd, "a", buffering=1, encoding="utf-8", errors="replace")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
     except OSError as exc:
-        emit("config_error", reason=f"cannot open server_log_file {path}: {exc.strerror}")
+        reason = "it is a symbolic link (never followed: name the file itself)" if exc.errno == errno.ELOOP \
+            else exc.strerror
+        emit("config_error", reason=f"cannot open server_log_file {path}: {reason}")
         return None
+    st = os.fstat(fd)
+    refusal = ("" if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode) or
+               (stat.S_ISREG(st.st_mode) and st.st_nlink == 1) else
+               f"it has {st.st_nlink} hard links (another name of another file)" if stat.S_ISREG(st.st_mode)
+               else f"it is {kind_of(st.st_mode)}")
+    if refusal:
+        os.close(fd)
+        emit("config_error", reason=f"cannot open server_log_file {path}: {refusal}")
+        return None
+    return open(fd, "a", buffering=1, encoding="utf-8", errors="replace")
 
 
 class ServerWatch:

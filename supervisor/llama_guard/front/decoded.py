@@ -13,10 +13,6 @@ answer while a decode is wedged. Only these count (:meth:`Witness.decoded`):
 - an embedding (or rerank) whose answer holds a vector: ``"embedding"`` followed by a number in its
   first :data:`HEAD_BYTES`.
 
-The same kept bytes give :meth:`Witness.reuse`: the answer's ``timings.cache_n`` and ``prompt_n``
-(the last of each in the tail) and ``"id_slot"`` (native answers; the first in the head, else the last
-in the tail), with which the slots watcher checks a restored slot's first client request.
-
 Parsing is bounded: the witness keeps the first :data:`HEAD_BYTES` and the last :data:`TAIL_BYTES` of the
 body, never the whole of it. A compressed answer (``Content-Encoding`` other than identity) proves
 nothing (the liveness rounds' canary then judges). Shapes: llama.cpp's ``tools/server/server-task.cpp``
@@ -28,16 +24,12 @@ from __future__ import annotations
 
 import re
 
-from llama_guard.core.inputs import CacheReuse
 from llama_guard.front.endpoints import Work
 
 HEAD_BYTES = 4096
 TAIL_BYTES = 8192
 _COUNT = re.compile(rb'"(?:predicted_n|completion_tokens|output_tokens|tokens_predicted)"\s*:\s*(\d+)')
 _VECTOR = re.compile(rb'"embedding"\s*:\s*\[[\s\[]*-?\d')
-_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
-_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
-_ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
 
 
 class Witness:
@@ -66,15 +58,3 @@ class Witness:
             counts = _COUNT.findall(self._tail)
             return bool(counts) and int(counts[-1]) > 0
         return False
-
-    def reuse(self) -> CacheReuse | None:
-        """A generation's ``timings.cache_n``/``prompt_n`` and its ``id_slot`` (None when the answer
-        has no timings in its tail)."""
-        if self.work is not Work.GENERATION:
-            return None
-        cache_n, prompt_n = _CACHE_N.findall(self._tail), _PROMPT_N.findall(self._tail)
-        if not cache_n or not prompt_n:
-            return None
-        head = _ID_SLOT.search(self._head)
-        slots = [head.group(1)] if head is not None else _ID_SLOT.findall(self._tail)
-        return CacheReuse(int(cache_n[-1]), int(prompt_n[-1]), int(slots[-1]) if slots else None)

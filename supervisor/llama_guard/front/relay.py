@@ -175,7 +175,7 @@ class Relay:
                 await out.write_eof()
             self._metrics.requests.labels(str(upstream.status)).inc()
             if witness is not None and witness.decoded():
-                self._post(RequestCompleted(pid, witness.reuse()))
+                self._post(RequestCompleted(pid))
             elif upstream.status >= 500:
                 self._post(UpstreamError(pid, upstream.status))
             return out

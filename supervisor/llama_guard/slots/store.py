@@ -1,20 +1,30 @@
-"""The slot files llama-guard keeps: one file per slot id, written by llama-server, committed
-with a sidecar manifest, refused before they reach llama-server when they do not check out.
+"""The slot files llama-guard keeps: written by llama-server, committed with a sidecar manifest,
+refused before they reach llama-server when they do not check out.
 
-In the store directory (llama-server's ``--slot-save-path``), for slot ``N``:
-``llama-guard-slot-N.incoming`` is what llama-server writes on a save; :meth:`SlotStore.commit`
-checks it, hashes it and renames it to ``llama-guard-slot-N.bin``, then writes
-``llama-guard-slot-N.json`` (the :class:`Manifest`) by rename, so a crash at any point leaves either
-the previous pair, or a pair whose hash does not match (refused). Other files (the user's own, in a
-directory given by ``--slot-save-path``) are never touched.
+In the store directory (llama-server's ``--slot-save-path``, which belongs to llama-server's user),
+for slot ``N``: each save gets a new name, ``llama-guard-slot-N-<hex>.bin`` (:meth:`SlotStore.new_name`),
+which llama-server writes; :meth:`SlotStore.commit` checks and hashes it, then writes the manifest
+``llama-guard-slot-N.json`` (the :class:`Manifest`, naming its ``.bin``) by an atomic rename, and only
+then removes the previous ``.bin``. A crash at any point leaves the last good pair whole: before the
+manifest's rename, the old manifest still names the old file (the new one is an orphan, removed by
+:meth:`SlotStore.prepare`); after it, the new pair. Other files (the user's own, in a directory given
+by ``--slot-save-path``) are never touched.
+
+Nothing llama-server's user plants there steers llama-guard (see docs/slots.md, "What llama-guard
+touches"): every file is handled through :mod:`llama_guard.safe_files` (no link followed, a slot
+file only when it is a regular file of llama-server's user of at most ``budget_bytes``, a manifest
+only when it is llama-guard's own of at most :data:`SMALL_FILE_BYTES`, every read bounded by the
+store's deadline ``io_timeout_s``, temporaries created exclusively), and a manifest names only a
+slot file of its own slot.
 
 A file is refused (:class:`Refusal`) when it has no readable manifest, is shorter or longer than its
 manifest says (truncated), its sha256 or llama.cpp's header (``ggsq`` magic, version
 :data:`SEQ_VERSION`, the token list, llama.cpp ``src/llama-context.cpp`` ``state_seq_save_file``
-and ``tools/server/server-common.cpp`` ``server_tokens::serialize``) do not check out (corrupt), or
-it was written by a server with another :class:`~.fingerprint.Fingerprint` (foreign). A refused
-file is removed. Models whose restores reused nothing are remembered in ``unrestorable.json``.
-All methods block (file I/O): call them off the event loop.
+and ``tools/server/server-common.cpp`` ``server_tokens::serialize``) do not check out (corrupt), it
+was written by a server with another :class:`~.fingerprint.Fingerprint` (foreign), or it is not a
+file llama-guard may read (unsafe). A refused file is removed. Verifications that reused nothing
+are counted per model and build in ``unrestorable.json``: :data:`UNRESTORABLE_AFTER` in a row stop
+the carry-over for them. All methods block (file I/O): call them off the event loop.
 """
 
 from __future__ import annotations
@@ -25,21 +35,29 @@ import errno
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llama_guard.safe_files import FileRefused, SafeDir, read_through
 from llama_guard.slots.fingerprint import Fingerprint
 
 PREFIX = "llama-guard-slot-"
 UNRESTORABLE = "unrestorable.json"
+UNRESTORABLE_AFTER = 2  # verifications in a row that reused nothing before restores stop for good
+SMALL_FILE_BYTES = 1 << 16  # a manifest or unrestorable.json: anything larger is not llama-guard's
+IO_TIMEOUT_S = 50.0  # one store call's reads end by then (seconds): hashing a few GiB of slot files
 SEQ_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC
 SEQ_VERSION = 4  # LLAMA_STATE_SEQ_VERSION of the builds this reader knows
 TOKENS_STATE_MARK = 0xFFFFFFFF  # server_tokens::serialize starts with LLAMA_TOKEN_NULL, then its version
 TOKENS_STATE_VERSION = 1
-HASH_CHUNK = 1 << 22
+MAX_TOKENS = 1 << 24  # a header claiming more tokens than any context holds is not read (its list: 64 MiB)
+_BIN = re.compile(rf"{PREFIX}(\d+)(?:-[0-9a-f]+)?\.bin\Z")  # -<hex>: this version's names; none: older ones
+_MANIFEST = re.compile(rf"{PREFIX}(\d+)\.json\Z")
+_LEFTOVER = re.compile(rf"({PREFIX}\d+.*|{re.escape(UNRESTORABLE)})\.(incoming|tmp)\Z")
 
 
 class Refusal(enum.Enum):
@@ -49,6 +67,7 @@ class Refusal(enum.Enum):
     TRUNCATED = "truncated"      # its size is not the manifest's (or the file is gone)
     CORRUPT = "corrupt"          # its sha256 or its llama.cpp header does not check out
     FOREIGN = "foreign"          # written by a server with another fingerprint
+    UNSAFE = "unsafe"            # a link, FIFO, device, another user's file, larger than the budget: never read
 
 
 class StoreError(Exception):
@@ -58,8 +77,9 @@ class StoreError(Exception):
 @dataclass(frozen=True)
 class Manifest:
     """What llama-guard knows of one committed slot file: the fingerprint (``fingerprint_key``, and the
-    fields for reports), ``slot_id``, ``n_tokens`` (the slot's tokens), ``bytes``, ``sha256`` (hex) and
-    ``saved_at`` (Unix seconds: the oldest is dropped first)."""
+    fields for reports), ``slot_id``, ``n_tokens`` (the slot's tokens), ``bytes``, ``sha256`` (hex),
+    ``saved_at`` (Unix seconds: the oldest is dropped first) and ``file``, the slot file's name in the
+    store (what llama-server is told)."""
 
     fingerprint_key: str
     fingerprint: dict[str, object]
@@ -68,11 +88,7 @@ class Manifest:
     bytes: int
     sha256: str
     saved_at: float
-
-    @property
-    def file(self) -> str:
-        """The slot file's name in the store (what llama-server is told)."""
-        return f"{PREFIX}{self.slot_id}.bin"
+    file: str
 
 
 @dataclass(frozen=True)
@@ -84,19 +100,27 @@ class Refused:
     detail: str
 
 
-def read_tokens(path: Path) -> list[int]:
-    """The token ids of slot file ``path`` (its header). Raises StoreError when the header is not
-    one this reader knows or the file ends inside it, OSError when it cannot be read."""
-    with path.open("rb") as handle:
-        head = handle.read(12)
-        if len(head) < 12:
-            raise StoreError("shorter than a slot file's header")
-        magic, version, n_packed = struct.unpack("<III", head)
-        if magic != SEQ_MAGIC or version != SEQ_VERSION:
-            raise StoreError(f"not a slot file of a known version (magic {magic:#x}, version {version})")
-        raw = handle.read(4 * n_packed)
-        if len(raw) < 4 * n_packed:
-            raise StoreError("ends inside its token list")
+def _slot_of(name: str, pattern: re.Pattern[str]) -> int | None:
+    match = pattern.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _tokens(fd: int, size: int) -> list[int]:
+    """The token ids in the header of the slot file open as ``fd`` (``size`` bytes). Raises StoreError
+    when the header is not one this reader knows or the file ends inside it."""
+    head = os.pread(fd, 12, 0)
+    if len(head) < 12:
+        raise StoreError("shorter than a slot file's header")
+    magic, version, n_packed = struct.unpack("<III", head)
+    if magic != SEQ_MAGIC or version != SEQ_VERSION:
+        raise StoreError(f"not a slot file of a known version (magic {magic:#x}, version {version})")
+    if n_packed > MAX_TOKENS:
+        raise StoreError(f"its header claims {n_packed} tokens, more than any context holds")
+    if 12 + 4 * n_packed > size:
+        raise StoreError("ends inside its token list")
+    raw = os.pread(fd, 4 * n_packed, 12)
+    if len(raw) < 4 * n_packed:
+        raise StoreError("ends inside its token list")
     packed = list(struct.unpack(f"<{n_packed}I", raw))
     if packed[:2] != [TOKENS_STATE_MARK, TOKENS_STATE_VERSION]:
         return [t for t in struct.unpack(f"<{n_packed}i", raw)]  # builds before server_tokens' own state
@@ -108,156 +132,282 @@ def read_tokens(path: Path) -> list[int]:
     return packed[3:3 + n]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 class SlotStore:
-    """The slot files under ``root`` (created 0700 by :meth:`prepare`), at most ``budget_bytes`` in all."""
+    """The slot files under ``root`` (created 0700 by :meth:`prepare`), at most ``budget_bytes`` in all;
+    each store call's reads end within ``io_timeout_s`` seconds. ``file_owner``: the uid whose slot
+    files are accepted (llama-server's user; set by :meth:`prepare`, llama-guard's own until then)."""
 
-    def __init__(self, root: Path, budget_bytes: int) -> None:
+    def __init__(self, root: Path, budget_bytes: int, io_timeout_s: float = IO_TIMEOUT_S) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
+        self.io_timeout_s = io_timeout_s
+        self.file_owner = os.geteuid()
+        self._set_aside: list[Refused] = []
+
+    def take_set_aside(self) -> list[Refused]:
+        """What stood in place of ``unrestorable.json`` and was removed since the last call (to report)."""
+        out, self._set_aside = self._set_aside, []
+        return out
+
+    def _dir(self) -> SafeDir:
+        return SafeDir(self.root)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.io_timeout_s
 
     def prepare(self, owner_uid: int | None = None, owner_gids: tuple[int, ...] = ()) -> None:
         """Create the directory (0700; owned by ``owner_uid`` when given: llama-server writes the files)
-        and remove files a crash left half-done. Raises OSError, also when llama-server's user
-        (``owner_uid`` with the groups ``owner_gids``) could not reach it through its parents."""
+        and remove what a crash left half-done (temporaries, a slot file no manifest names). Raises
+        OSError: FileRefused when the directory is a link or not a directory, EACCES when
+        llama-server's user (``owner_uid`` with the groups ``owner_gids``) could not reach it."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if owner_uid is not None:
-            blocked = unsearchable_parent(self.root, owner_uid, owner_gids)
-            if blocked is not None:
-                mode = blocked.stat().st_mode & 0o777
-                raise OSError(errno.EACCES, f"uid {owner_uid} cannot enter {blocked} (mode {mode:o})")
-            if self.root.stat().st_uid != owner_uid:
-                os.chown(self.root, owner_uid, -1)
-        for path in self.root.glob(f"{PREFIX}*"):
-            if path.name.endswith((".incoming", ".tmp")):
-                path.unlink(missing_ok=True)
+        with self._dir() as d:
+            if owner_uid is not None:
+                blocked = unsearchable_parent(self.root, owner_uid, owner_gids)
+                if blocked is not None:
+                    mode = blocked.stat().st_mode & 0o777
+                    raise OSError(errno.EACCES, f"uid {owner_uid} cannot enter {blocked} (mode {mode:o})")
+                if os.fstat(d.fd).st_uid != owner_uid:
+                    os.fchown(d.fd, owner_uid, -1)
+                self.file_owner = owner_uid
+            deadline = self._deadline()
+            named = {m.file for m in self._manifests(d, deadline)}
+            for name in d.names():
+                orphan = _slot_of(name, _BIN) is not None and "-" in name[len(PREFIX):] and name not in named
+                if orphan or _LEFTOVER.match(name):
+                    self._remove_quietly(d, name)
+
+    def new_name(self, slot_id: int) -> str:
+        """A name llama-server saves slot ``slot_id`` under, new to the store (before :meth:`commit`)."""
+        return f"{PREFIX}{slot_id}-{time.time_ns():x}.bin"
+
+    def commit(self, slot_id: int, name: str, fingerprint: Fingerprint) -> Manifest:
+        """Check and hash ``name``, which llama-server just saved for ``slot_id``, and make it the slot's
+        file: its manifest replaces the previous one by rename, then the previous file is removed.
+        Raises StoreError (the file is removed; the previous pair stays) or OSError."""
+        if _slot_of(name, _BIN) != slot_id:
+            raise StoreError(f"{name!r} is not a slot file name of slot {slot_id}")
+        deadline = self._deadline()
+        with self._dir() as d:
+            try:
+                fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
+            except FileNotFoundError:
+                raise StoreError(f"llama-server's file {name} is missing") from None
+            except FileRefused as exc:
+                self._remove_quietly(d, name)
+                raise StoreError(str(exc)) from None
+            try:
+                tokens = _tokens(fd, size)
+                sha256 = self._sha256(fd, size, deadline, name)
+            except StoreError as exc:
+                self._remove_quietly(d, name)
+                raise StoreError(f"{d.path / name}: {exc}") from None
+            except FileRefused as exc:
+                self._remove_quietly(d, name)
+                raise StoreError(str(exc)) from None
+            finally:
+                os.close(fd)
+            previous = self._read_manifest(d, slot_id, deadline, quiet=True)
+            manifest = Manifest(fingerprint.key, fingerprint.as_dict(), slot_id, len(tokens), size, sha256,
+                                time.time(), name)
+            d.write_new(self._manifest_name(slot_id), json.dumps(asdict(manifest), sort_keys=True).encode())
+            if isinstance(previous, Manifest) and previous.file != name:
+                self._remove_quietly(d, previous.file)  # an orphan otherwise: prepare removes it
+        return manifest
 
     @staticmethod
-    def incoming(slot_id: int) -> str:
-        """The name llama-server saves slot ``slot_id`` under, before :meth:`commit`."""
-        return f"{PREFIX}{slot_id}.incoming"
+    def _remove_quietly(d: SafeDir, name: str) -> None:
+        with contextlib.suppress(OSError):
+            d.remove(name)
 
-    def commit(self, slot_id: int, fingerprint: Fingerprint) -> Manifest:
-        """Check, hash and rename the file llama-server just saved for ``slot_id``; write its
-        manifest. Raises StoreError (the file is removed) or OSError."""
-        src = self.root / self.incoming(slot_id)
+    @staticmethod
+    def _sha256(fd: int, size: int, deadline: float, name: str) -> str:
+        digest = hashlib.sha256()
+        read_through(fd, size, deadline, digest.update, name)
+        return digest.hexdigest()
+
+    @staticmethod
+    def _manifest_name(slot_id: int) -> str:
+        return f"{PREFIX}{slot_id}.json"
+
+    def _read_manifest(self, d: SafeDir, slot_id: int, deadline: float, quiet: bool = False) -> Manifest | str | None:
+        """Slot ``slot_id``'s manifest; None when there is none; else why it cannot be used (a
+        FileRefused is raised instead unless ``quiet``)."""
         try:
-            tokens = read_tokens(src)
-        except StoreError:
-            src.unlink(missing_ok=True)
-            raise
-        manifest = Manifest(fingerprint.key, fingerprint.as_dict(), slot_id, len(tokens), src.stat().st_size,
-                            _sha256(src), time.time())
-        os.replace(src, self.root / manifest.file)
-        _write_atomic(self._manifest_path(slot_id), json.dumps(asdict(manifest), sort_keys=True))
-        return manifest
-
-    def _manifest_path(self, slot_id: int) -> Path:
-        return self.root / f"{PREFIX}{slot_id}.json"
-
-    def _read_manifest(self, path: Path) -> Manifest | None:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            manifest = Manifest(**data)
-        except (OSError, ValueError, TypeError):
+            raw = d.read_bytes(self._manifest_name(slot_id), owners={os.geteuid()}, max_bytes=SMALL_FILE_BYTES,
+                               deadline=deadline)
+        except FileNotFoundError:
             return None
+        except FileRefused as exc:
+            if quiet:
+                return str(exc)
+            raise
+        try:
+            data = json.loads(raw)
+            data.setdefault("file", f"{PREFIX}{slot_id}.bin")  # written before names had a generation
+            manifest = Manifest(**data)
+        except (ValueError, TypeError):
+            return "its manifest does not parse"
         ints = (manifest.slot_id, manifest.n_tokens, manifest.bytes)
         if not all(isinstance(v, int) for v in ints) or not isinstance(manifest.sha256, str):
-            return None
+            return "its manifest does not parse"
+        named = _slot_of(manifest.file, _BIN) if isinstance(manifest.file, str) else None
+        if manifest.slot_id != slot_id or named != slot_id:
+            return f"its manifest names {manifest.file!r}, not a slot file of slot {slot_id}"
         return manifest
 
-    def _remove(self, slot_id: int) -> None:
-        for path in (self.root / f"{PREFIX}{slot_id}.bin", self._manifest_path(slot_id)):
-            with contextlib.suppress(OSError):
-                path.unlink()
+    def _manifests(self, d: SafeDir, deadline: float) -> list[Manifest]:
+        found: list[Manifest] = []
+        for name in d.names():
+            slot_id = _slot_of(name, _MANIFEST)
+            if slot_id is not None and isinstance(m := self._read_manifest(d, slot_id, deadline, quiet=True), Manifest):
+                found.append(m)
+        return sorted(found, key=lambda m: m.saved_at)
 
     def committed(self) -> list[Manifest]:
         """The manifests that parse, oldest first (nothing is checked or removed)."""
-        found = [m for p in self.root.glob(f"{PREFIX}*.json") if (m := self._read_manifest(p)) is not None]
-        return sorted(found, key=lambda m: m.saved_at)
+        with self._dir() as d:
+            return self._manifests(d, self._deadline())
 
     def check(self, fingerprint: Fingerprint) -> tuple[list[Manifest], list[Refused]]:
-        """The files that may be restored into a server of ``fingerprint``, and those refused (removed)."""
+        """The files that may be restored into a server of ``fingerprint``, and those refused (removed
+        with their manifest). Raises FileRefused (``errno.ETIMEDOUT``) when the reads did not end
+        within ``io_timeout_s``: nothing is removed then."""
         good: list[Manifest] = []
         refused: list[Refused] = []
-        ids = {int(p.name[len(PREFIX):].split(".")[0]) for p in self.root.glob(f"{PREFIX}*")
-               if p.name[len(PREFIX):].split(".")[0].isdigit()}
-        for slot_id in sorted(ids):
-            verdict = self._check_one(slot_id, fingerprint)
-            if isinstance(verdict, Refused):
-                self._remove(slot_id)
-                refused.append(verdict)
-            else:
-                good.append(verdict)
+        deadline = self._deadline()
+        with self._dir() as d:
+            names = d.names()
+            bins: dict[int, list[str]] = {}
+            for name in names:
+                if (slot_id := _slot_of(name, _BIN)) is not None:
+                    bins.setdefault(slot_id, []).append(name)
+            ids = set(bins) | {s for name in names if (s := _slot_of(name, _MANIFEST)) is not None}
+            for slot_id in sorted(ids):
+                verdict = self._check_one(d, slot_id, bins.get(slot_id, []), fingerprint, deadline)
+                keep = verdict.file if isinstance(verdict, Manifest) else None
+                for name in bins.get(slot_id, []):
+                    if name != keep:
+                        self._remove_quietly(d, name)
+                if isinstance(verdict, Refused):
+                    self._remove_quietly(d, self._manifest_name(slot_id))
+                    refused.append(verdict)
+                else:
+                    good.append(verdict)
         return good, refused
 
-    def _check_one(self, slot_id: int, fingerprint: Fingerprint) -> Manifest | Refused:
-        name = f"{PREFIX}{slot_id}.bin"
-        manifest = self._read_manifest(self._manifest_path(slot_id))
-        if manifest is None or manifest.slot_id != slot_id:
-            return Refused(name, Refusal.NO_MANIFEST, "no readable manifest beside it")
+    def _check_one(self, d: SafeDir, slot_id: int, bins: list[str], fingerprint: Fingerprint,
+                   deadline: float) -> Manifest | Refused:
+        name = ", ".join(bins) or self._manifest_name(slot_id)
+        try:
+            manifest = self._read_manifest(d, slot_id, deadline)
+        except FileRefused as exc:
+            return Refused(name, Refusal.UNSAFE, f"its manifest {exc.reason}")
+        if manifest is None:
+            return Refused(name, Refusal.NO_MANIFEST, "no manifest beside it")
+        if isinstance(manifest, str):
+            return Refused(name, Refusal.NO_MANIFEST, manifest)
+        name = manifest.file
         if manifest.fingerprint_key != fingerprint.key:
             theirs, ours = manifest.fingerprint, fingerprint.as_dict()
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             return Refused(name, Refusal.FOREIGN, f"written by a server with another {', '.join(differ) or 'layout'}")
-        path = self.root / name
         try:
-            size = path.stat().st_size
-        except OSError:
+            fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
+        except FileNotFoundError:
             return Refused(name, Refusal.TRUNCATED, "the file is missing")
-        if size != manifest.bytes:
-            return Refused(name, Refusal.TRUNCATED, f"{size} bytes, its manifest says {manifest.bytes}")
+        except FileRefused as exc:
+            return Refused(name, Refusal.UNSAFE, exc.reason)
         try:
-            if _sha256(path) != manifest.sha256:
+            if size != manifest.bytes:
+                return Refused(name, Refusal.TRUNCATED, f"{size} bytes, its manifest says {manifest.bytes}")
+            if self._sha256(fd, size, deadline, name) != manifest.sha256:
                 return Refused(name, Refusal.CORRUPT, "its sha256 is not its manifest's")
-            if len(read_tokens(path)) != manifest.n_tokens:
+            if len(_tokens(fd, size)) != manifest.n_tokens:
                 return Refused(name, Refusal.CORRUPT, "its token count is not its manifest's")
+        except FileRefused as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                raise  # a slow disk, not a bad file: nothing is removed, the next start checks again
+            return Refused(name, Refusal.UNSAFE, exc.reason)
         except (StoreError, OSError) as exc:
-            return Refused(name, Refusal.CORRUPT, str(exc))
+            return Refused(name, Refusal.CORRUPT, str(exc) or type(exc).__name__)
+        finally:
+            os.close(fd)
         return manifest
+
+    def tokens(self, manifest: Manifest) -> list[int]:
+        """The token ids of committed ``manifest``'s file (its header), read safely. Raises StoreError or
+        OSError (FileRefused: the file is no longer a regular file of llama-server's user)."""
+        with self._dir() as d:
+            fd, size = d.open_regular(manifest.file, owners={self.file_owner}, max_bytes=self.budget_bytes)
+            try:
+                return _tokens(fd, size)
+            finally:
+                os.close(fd)
 
     def prune(self) -> list[Manifest]:
         """Drop the oldest committed files until the rest fit the budget; the dropped ones."""
-        kept = self.committed()
-        dropped: list[Manifest] = []
-        while kept and sum(m.bytes for m in kept) > self.budget_bytes:
-            oldest = kept.pop(0)
-            self._remove(oldest.slot_id)
-            dropped.append(oldest)
+        with self._dir() as d:
+            kept = self._manifests(d, self._deadline())
+            dropped: list[Manifest] = []
+            while kept and sum(m.bytes for m in kept) > self.budget_bytes:
+                oldest = kept.pop(0)
+                self._remove_quietly(d, self._manifest_name(oldest.slot_id))
+                self._remove_quietly(d, oldest.file)
+                dropped.append(oldest)
         return dropped
 
     def unrestorable(self, fingerprint: Fingerprint) -> bool:
-        """Whether a restore with this model and build reused nothing before (remembered on disk)."""
-        return fingerprint.model_build_key in self._marks()
+        """Whether :data:`UNRESTORABLE_AFTER` verifications in a row with this model and build reused
+        nothing (remembered on disk)."""
+        with self._dir() as d:
+            mark = self._marks(d).get(fingerprint.model_build_key)
+        return isinstance(mark, dict) and _count(mark) >= UNRESTORABLE_AFTER
 
-    def mark_unrestorable(self, fingerprint: Fingerprint) -> None:
-        """Remember that restores with this model and build reuse nothing."""
-        marks = self._marks()
-        marks[fingerprint.model_build_key] = {"model": fingerprint.model.path, "build": fingerprint.build}
-        _write_atomic(self.root / UNRESTORABLE, json.dumps(marks, sort_keys=True))
+    def note_unused(self, fingerprint: Fingerprint) -> int:
+        """Count one more verification with this model and build that reused nothing; the count in a row
+        (:data:`UNRESTORABLE_AFTER` or more: restores stop for them)."""
+        with self._dir() as d:
+            marks = self._marks(d)
+            mark = marks.get(fingerprint.model_build_key)
+            count = (_count(mark) if isinstance(mark, dict) else 0) + 1
+            marks[fingerprint.model_build_key] = {"model": fingerprint.model.path, "build": fingerprint.build,
+                                                  "unused": count}
+            d.write_new(UNRESTORABLE, json.dumps(marks, sort_keys=True).encode())
+        return count
 
-    def _marks(self) -> dict[str, object]:
+    def note_reused(self, fingerprint: Fingerprint) -> None:
+        """A verification with this model and build reused its tokens: the count starts again."""
+        with self._dir() as d:
+            marks = self._marks(d)
+            if marks.pop(fingerprint.model_build_key, None) is not None:
+                d.write_new(UNRESTORABLE, json.dumps(marks, sort_keys=True).encode())
+
+    def _marks(self, d: SafeDir) -> dict[str, object]:
+        """unrestorable.json's entries; {} when it is absent or does not parse. Something else in its
+        place (a link, a FIFO, another user's file) is removed (the name itself) and kept for
+        :meth:`take_set_aside`; {} then too."""
         try:
-            data = json.loads((self.root / UNRESTORABLE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            raw = d.read_bytes(UNRESTORABLE, owners={os.geteuid()}, max_bytes=SMALL_FILE_BYTES,
+                               deadline=self._deadline())
+        except FileNotFoundError:
+            return {}
+        except FileRefused as exc:
+            self._remove_quietly(d, UNRESTORABLE)  # the next note writes a file of llama-guard's own
+            self._set_aside.append(Refused(UNRESTORABLE, Refusal.UNSAFE, exc.reason))
+            return {}
+        try:
+            data = json.loads(raw)
+        except ValueError:
             return {}
         return data if isinstance(data, dict) else {}
+
+
+def _count(mark: dict[object, object]) -> int:
+    """The verifications in a row that reused nothing, of one unrestorable.json entry (1 for one an
+    older version wrote after a single observation)."""
+    count = mark.get("unused", 1)
+    return count if isinstance(count, int) else 1
 
 
 def unsearchable_parent(path: Path, uid: int, gids: tuple[int, ...]) -> Path | None:

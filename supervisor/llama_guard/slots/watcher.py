@@ -14,12 +14,12 @@
 - Every start: after ``/health`` 200 and before the server is called ready (:meth:`restore`:
   clients are still held), each committed file of this server's fingerprint is restored into its
   slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
-  the whole within ``[slots].restore_timeout_s``. A restore that reused nothing is reported with the
-  model and build, and restores stop for them (remembered on disk).
-- The first client answer from each restored slot (:meth:`SlotsSource.on_transition`: the front door's
-  ``RequestCompleted`` with the answer's ``timings``) must have reused its cache too: a prompt at least
-  as long as the restored conversation with ``cache_n`` 0 is the same "reused nothing". The slot is
-  known from the answer's ``id_slot``, or is slot 0 of a one-slot server; else it is not judged.
+  the whole within ``[slots].restore_timeout_s``. A verification that reused nothing is reported with
+  the model and build and ends this start's restores; :data:`~.store.UNRESTORABLE_AFTER` of them in a
+  row stop the carry-over for them for good (counted on disk; a verification that reused its tokens
+  starts the count again). Only a restore's own verification can say so: a client's answer cannot
+  (a raw ``/completion``, ``/v1/completions`` or ``/infill`` prompt shares nothing with the restored
+  one when it is another conversation).
 
 The verification's completion also marks the slot as holding a conversation in ``/slots``, so the
 liveness canary (which only takes a slot without one) leaves a restored slot alone.
@@ -37,7 +37,6 @@ from typing import TypeVar
 
 from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_save_dir
 from llama_guard.config.server import ServerConfig
-from llama_guard.core.inputs import RequestCompleted
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.core.transition import Transition
@@ -45,11 +44,11 @@ from llama_guard.core.types import AfterStop
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
-from llama_guard.slots.store import SlotStore, StoreError, read_tokens
+from llama_guard.slots.store import IO_TIMEOUT_S, UNRESTORABLE_AFTER, SlotStore, StoreError
 from llama_guard.units import MIB
 from llama_guard.vocab.phases import Phase
 
-SLOT_FILES_TIMEOUT_S = 60.0  # one slot-file step: hashing and checking a file of up to a few GiB (seconds)
+SLOT_FILES_TIMEOUT_S = IO_TIMEOUT_S + 10.0  # one slot-file step on its lane (seconds): its reads end by IO_TIMEOUT_S
 T = TypeVar("T")
 
 
@@ -70,12 +69,10 @@ class SlotsSource(Watcher):
         self._lock = asyncio.Lock()  # one save or restore pass at a time
         self._off_reason: str | None = None  # why the carry-over is off now (said once)
         self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
-        self._awaiting: dict[int, int] = {}  # restored slot id -> its tokens, until a client's first answer from it
         # The policy as the loop's last record showed it: the server it holds READY (None: none), and
         # whether the stop under way ends in the daemon's exit.
         self._ready_pid: int | None = None
         self._exiting = False
-        self._marking: asyncio.Task[None] | None = None  # remembering a model and build whose restores reuse nothing
 
     async def _on_files(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` (the store's blocking file work) on the slot-files lane, within
@@ -156,13 +153,13 @@ class SlotsSource(Watcher):
         if self.store is None:
             return
         async with self._lock:
-            self._pid, self._saved, self._failed, self._awaiting = pid, {}, {}, {}
+            self._pid, self._saved, self._failed = pid, {}, {}
             self._fp = await self._fingerprint(ctx, self._spawned or ctx.config.server)
             bound = ctx.config.slots.restore_timeout_s
             try:
                 await asyncio.wait_for(self._restore_all(ctx, self.store), bound)
             except OSError as exc:  # the slot store on a disk that fails or does not answer
-                ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid, error=f"the slot store: {exc}")
+                ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid, error=f"the slot store: {_why(exc)}")
             except asyncio.TimeoutError:
                 ctx.emit("slot_restore_failed", slot_id=None, server_pid=pid,
                          error=f"the restores took longer than [slots].restore_timeout_s ({bound:g} s); "
@@ -171,9 +168,10 @@ class SlotsSource(Watcher):
     async def _restore_all(self, ctx: Context, store: SlotStore) -> None:
         fingerprint = self._fp
         if fingerprint is None or await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?"):
+            self._report_set_aside(ctx, store)
             return
         good, refused = await self._on_files(lambda: store.check(fingerprint), f"checking {store.root}")
-        for item in refused:
+        for item in [*store.take_set_aside(), *refused]:
             ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
         if not good:
             return  # nothing to restore: the server is not asked anything (no delay to its readiness)
@@ -182,52 +180,42 @@ class SlotsSource(Watcher):
             for manifest in good:
                 try:
                     moved = await client.restore(manifest.slot_id, manifest.file)
-                    tokens = await self._on_files(partial(read_tokens, store.root / manifest.file), manifest.file)
+                    tokens = await self._on_files(partial(store.tokens, manifest), manifest.file)
                     cache_n = await client.reuse(manifest.slot_id, tokens)
                 except (SlotCallError, StoreError, OSError) as exc:
-                    ctx.emit("slot_restore_failed", slot_id=manifest.slot_id, server_pid=self._pid, error=str(exc))
+                    ctx.emit("slot_restore_failed", slot_id=manifest.slot_id, server_pid=self._pid, error=_why(exc))
                     continue
-                if cache_n < len(tokens) - 1:
+                if cache_n == 0 and len(tokens) > 1:
+                    count = await self._on_files(lambda: store.note_unused(fingerprint), "counting a restore unused")
+                    until = ("for good (remembered in unrestorable.json)" if count >= UNRESTORABLE_AFTER else
+                             f"for this server ({count} of {UNRESTORABLE_AFTER} in a row before they stop for good)")
                     ctx.emit("slot_restore_unused", slot_id=manifest.slot_id, n_tokens=len(tokens), cache_n=cache_n,
-                             model=fingerprint.model.path, build=fingerprint.build, by="verification")
-                    await self._on_files(lambda: store.mark_unrestorable(fingerprint), "marking unrestorable")
+                             model=fingerprint.model.path, build=fingerprint.build, by="verification",
+                             until=until, server_pid=self._pid)
                     return
+                if cache_n < len(tokens) - 1:
+                    ctx.emit("slot_restore_failed", slot_id=manifest.slot_id, server_pid=self._pid,
+                             error=f"its verification reused only {cache_n} of its {len(tokens)} tokens")
+                    continue
                 ctx.emit("slot_restored", slot_id=manifest.slot_id, n_tokens=moved.n_tokens, bytes=moved.n_bytes,
                          restore_ms=moved.ms, cache_n=cache_n, server_pid=self._pid)
-                self._awaiting[manifest.slot_id] = len(tokens)
+                await self._on_files(lambda: store.note_reused(fingerprint), "counting a restore reused")
             with contextlib.suppress(SlotCallError):  # what is in the slots now needs no save
                 self._saved = {s.id: (s.id_task, s.n_tokens) for s in await client.slots()}
         finally:
             await client.aclose()
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
-        """A client's first answer from a restored slot: reused nothing (``cache_n`` 0 for a prompt at
-        least as long as what was restored) is ``slot_restore_unused``, and restores stop for this model
-        and build, as when the verification reused nothing. Cheap: the front door's figures, no call."""
+        """Follow the loop's records: the server the policy holds READY and whether the stop under way
+        ends in the daemon's exit (cheap: no call)."""
         after = step.after
         self._ready_pid = after.pid if after.phase is Phase.READY else None
         self._exiting = after.after_stop is AfterStop.EXIT
-        event, store, fingerprint = step.input, self.store, self._fp
-        if (not isinstance(event, RequestCompleted) or event.reuse is None or event.pid != self._pid
-                or store is None or fingerprint is None or not self._awaiting):
-            return
-        slot = event.reuse.id_slot
-        if slot is None and fingerprint.parallel == 1:
-            slot = 0
-        n_tokens = self._awaiting.pop(slot, None) if slot is not None else None
-        if n_tokens is None or event.reuse.cache_n > 0 or event.reuse.prompt_n < n_tokens:
-            return
-        self._awaiting.clear()
-        ctx.emit("slot_restore_unused", slot_id=slot, n_tokens=n_tokens, cache_n=0, prompt_n=event.reuse.prompt_n,
-                 model=fingerprint.model.path, build=fingerprint.build, server_pid=event.pid, by="client request")
-        self._marking = asyncio.ensure_future(self._mark_unrestorable(ctx, store, fingerprint))
 
-    async def _mark_unrestorable(self, ctx: Context, store: SlotStore, fingerprint: Fingerprint) -> None:
-        try:
-            await self._on_files(lambda: store.mark_unrestorable(fingerprint), "marking unrestorable")
-        except OSError as exc:
-            ctx.emit("slot_restore_failed", slot_id=None, server_pid=self._pid,
-                     error=f"could not remember that restores reuse nothing: {exc}")
+    @staticmethod
+    def _report_set_aside(ctx: Context, store: SlotStore) -> None:
+        for item in store.take_set_aside():
+            ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
 
     # ------------------------------------------------------------ saves
 
@@ -278,10 +266,12 @@ class SlotsSource(Watcher):
             if store is None or self._pid != pid or fingerprint is None:
                 return  # a server whose restore pass did not run (slots were off): nothing to label its files with
             try:
-                if await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?"):
-                    return
+                unrestorable = await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?")
             except OSError as exc:
-                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"the slot store: {exc}")
+                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"the slot store: {_why(exc)}")
+                return
+            self._report_set_aside(ctx, store)
+            if unrestorable:
                 return
             client = self._client(ctx)
             try:
@@ -291,7 +281,7 @@ class SlotsSource(Watcher):
             try:
                 dropped = await self._on_files(store.prune, "pruning the slot files")
             except OSError as exc:
-                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"pruning the slot files: {exc}")
+                ctx.emit("slot_save_failed", slot_id=None, server_pid=pid, error=f"pruning the slot files: {_why(exc)}")
                 return
             for item in dropped:
                 ctx.emit("slot_dropped", file=item.file, bytes=item.bytes, budget_mib=store.budget_bytes / MIB)
@@ -310,12 +300,18 @@ class SlotsSource(Watcher):
                     or self._saved.get(slot.id) == seen or (not retry_failed and self._failed.get(slot.id) == seen)):
                 continue
             try:
-                moved = await client.save(slot.id, store.incoming(slot.id))
-                manifest = await self._on_files(partial(store.commit, slot.id, fingerprint), f"slot {slot.id}")
+                name = store.new_name(slot.id)
+                moved = await client.save(slot.id, name)
+                manifest = await self._on_files(partial(store.commit, slot.id, name, fingerprint), f"slot {slot.id}")
             except (SlotCallError, StoreError, OSError) as exc:
                 self._failed[slot.id] = seen  # tried once per change: a failing save is not repeated every interval
-                ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=str(exc))
+                ctx.emit("slot_save_failed", slot_id=slot.id, server_pid=pid, error=_why(exc))
                 continue
             self._saved[slot.id] = seen
             ctx.emit("slot_saved", slot_id=slot.id, n_tokens=manifest.n_tokens, bytes=manifest.bytes,
                      save_ms=moved.ms, reason=reason, server_pid=pid, file=str(Path(store.root) / manifest.file))
+
+
+def _why(exc: BaseException) -> str:
+    """What went wrong, never empty (an exception without a message is named by its type)."""
+    return str(exc) or type(exc).__name__

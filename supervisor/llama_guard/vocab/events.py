@@ -910,22 +910,28 @@ EVENTS: tuple[EventSpec, ...] = (
                     "removed. Foreign files come from a server with another model file, build, context size, "
                     "slot\n"
                     "count, KV cache type or KV-layout flag; truncated or corrupt ones from a crash or a "
-                    "disk fault."),
+                    "disk fault;\n"
+                    "unsafe ones are not a regular file of llama-server's user within [slots].budget_mib (a "
+                    "link, a\n"
+                    "FIFO, a device): never opened nor followed, the name itself removed."),
               readme=("a slot file refused before it reached llama-server (truncated, corrupt, foreign, no "
-                      "manifest) and removed")),
+                      "manifest, unsafe: a link, FIFO, device or other file in its place) and removed")),
     EventSpec("slot_restore_unused", _S.ERROR,
               ("a restored slot was not reused ({cache_n} of {n_tokens} tokens) with model {model} and "
-               "build {build}: restores stop for this model and build"),
+               "build {build}: restores stop {until}"),
               subject="a restored slot was not reused: restores stop for this model and build",
               body=("A slot was restored but evaluating its own tokens reused @CACHE_N@ of @N_TOKENS@ from "
                     "it, with\n"
                     "model @MODEL@ and build @BUILD@. Models with recurrent or hybrid layers or "
                     "sliding-window\n"
-                    "attention can do this. llama-guard no longer saves or restores slots for this model and "
-                    "build\n"
-                    "(remembered in unrestorable.json in the slot directory; delete that file to try again)."),
-              readme=("a restore that reused nothing, at its verification or in the first client answer from "
-                      "that slot (`by`) — the model and build are named and restores stop for them")),
+                    "attention can do this. Restores stop @UNTIL@: the first time for this server only; after "
+                    "two\n"
+                    "such verifications in a row llama-guard no longer saves or restores slots for this model "
+                    "and\n"
+                    "build (remembered in unrestorable.json in the slot directory; delete that file to try "
+                    "again)."),
+              readme=("a restore whose verification reused nothing — the model and build are named and "
+                      "restores stop for this start, for good after two in a row (`until`)")),
     EventSpec("slot_dropped", _S.INFO,
               ("dropped slot file {file} ({bytes} bytes): the slot files exceed [slots].budget_mib "
                "{budget_mib:.0f} MiB"),
