@@ -43,6 +43,7 @@ from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.relay import Relay, Unanswered
 
 CONNECT_TIMEOUT_S = 5.0
+FINGERPRINT_INLINE_BYTES = 64 * 1024  # larger bodies are fingerprinted on a thread (a JSON parse: ~10 ms/MiB)
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
 
 
@@ -50,6 +51,14 @@ def _not_replayed(method: str, target: str, pid: int) -> str:
     return (f"llama-server (pid {pid}) failed before answering {method} {path_of(target)}; it is not sent again: "
             "only GET/HEAD and inference requests (completions, chat, embeddings, tokenize, ...) are replayed, "
             "a request that may change the server's state (slots, LoRA adapters, props) or an unknown one is not")
+
+
+async def fingerprint(method: str, target: str, data: bytes) -> Fingerprint:
+    """The crash fingerprint of a request (:meth:`Fingerprint.of`); a body over
+    :data:`FINGERPRINT_INLINE_BYTES` is parsed on a thread, so that the loop goes on meanwhile."""
+    if len(data) <= FINGERPRINT_INLINE_BYTES:
+        return Fingerprint.of(method, target, data)
+    return await asyncio.to_thread(Fingerprint.of, method, target, data)
 
 
 class Forwarder:
@@ -111,7 +120,7 @@ class Forwarder:
         target = origin_form(request) or "/"
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
-        fp = Fingerprint(request.method, target, body.sha256)
+        fp = await fingerprint(request.method, target, body.data)
         replayed = replay_counted = False
         in_lane = False
         tries = 0
@@ -144,6 +153,8 @@ class Forwarder:
                 if self.suspects.check(fp) and not in_lane:
                     in_lane = await self._enter_lane(since, hold_timeout_s)
                     continue  # the server may have changed while it waited in the lane
+                if in_lane:
+                    self.suspects.sent_alone(fp, pid)
                 self._enter()
                 if replayed and not replay_counted:  # counted when it goes, not when it was decided
                     replay_counted = True
