@@ -145,6 +145,20 @@ def test_two_suspects_sent_to_one_crash_are_neither_charged() -> None:
     assert refused_fps == [] and admit(book, INNOCENT, 3.0)[0] is Admit.SERIAL
 
 
+def test_a_suspect_answered_before_the_culprit_went_alone_shields_nothing() -> None:
+    # The lane sends an innocent suspect first (answered in full), then the poisoned one to the same
+    # server: the crash is the poisoned one's.
+    book = Book()
+    for fp in (POISON, INNOCENT):
+        book, _ = in_flight(book, fp, 100, 1.0, REFUSE_S)
+    book, _ = ended(book, 100, True, 1.5, REFUSE_S)
+    book = answered(sent_alone(book, INNOCENT, 200), INNOCENT)
+    book = sent_alone(book, POISON, 200)
+    book, _ = in_flight(book, POISON, 200, 2.0, REFUSE_S)
+    book, refused_fps = ended(book, 200, True, 2.5, REFUSE_S)
+    assert refused_fps == [POISON] and not book.alone[200] - {POISON}
+
+
 def test_a_crash_sent_alone_that_is_the_first_charges_nothing() -> None:
     book = sent_alone(Book(), INNOCENT, 100)  # left in the lane after it was cleared: one crash only
     book, _ = in_flight(book, INNOCENT, 100, 1.0, REFUSE_S)

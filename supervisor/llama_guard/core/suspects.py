@@ -23,11 +23,11 @@ rule, pure (no I/O, no clock reads; times are monotonic seconds given by the cal
   the next server through the suspects' lane, one suspect at a time, while other traffic flows
   normally), or ``REFUSE`` (charged: refused until ``refused_until``).
 - A request is *charged* with the crashes it was in flight at only when it was the one suspect sent to
-  a server (:func:`sent_alone`) and that server crashed under it, after an earlier crash it was in flight
-  at too: that is the one case where the request alone can be shown to end the server. Being in flight
-  at two crashes among other requests charges nobody. Once charged, it is refused for ``refuse_s``, and
-  every other request is cleared of the crashes charged to it (an innocent that was in flight at them
-  is no suspect any more).
+  a server and not answered (:func:`sent_alone`, :func:`answered`) and that server crashed under it,
+  after an earlier crash it was in flight at too: that is the one case where the request alone can be
+  shown to end the server. Being in flight at two crashes among other requests charges nobody. Once
+  charged, it is refused for ``refuse_s``, and every other request is cleared of the crashes charged to
+  it (an innocent that was in flight at them is no suspect any more).
 - A suspect that got an answer is cleared (:func:`answered`). Marks expire ``refuse_s`` after they were
   made (a refused one at ``refused_until``), and at most :data:`MAX_MARKS` are kept (the oldest go first),
   so the book is bounded whatever the traffic.
@@ -167,7 +167,10 @@ def ended(book: Book, pid: int, crash: bool, now: float, refuse_s: float) -> tup
 
 
 def answered(book: Book, fp: Fingerprint) -> Book:
-    """A request ``fp`` got an answer from a server: it is no suspect (a refused mark stays)."""
+    """A request ``fp`` got an answer from a server: it is no suspect (a refused mark stays), and no
+    longer one of the suspects a server was sent (a crash after it is not its doing)."""
+    if any(fp in fps for fps in book.alone.values()):
+        book = replace(book, alone=MappingProxyType({pid: fps - {fp} for pid, fps in book.alone.items()}))
     mark = book.marks.get(fp)
     if mark is None or mark.refused_until is not None:
         return book
