@@ -5,9 +5,11 @@ cleared, and the fingerprint sees through what does not change the computation."
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 
 from llama_guard.core.suspects import (
+    CANONICAL_MAX_BYTES,
     MAX_MARKS,
     Admit,
     Book,
@@ -65,6 +67,12 @@ def test_a_body_that_is_no_json_object_is_known_by_its_bytes() -> None:
                  b'{"prompt": "\\ud800"}'):
         assert Fingerprint.of("POST", "/completion", body).body_sha256 == hashlib.sha256(body).hexdigest(), body
     assert Fingerprint.of("POST", "/completion", b"a  b") != Fingerprint.of("POST", "/completion", b"a b")
+    # A body over CANONICAL_MAX_BYTES: its bytes, as hashed while they arrived (or here).
+    big = json.dumps({"prompt": "x" * CANONICAL_MAX_BYTES, "seed": 1}).encode()
+    assert Fingerprint.of("POST", "/completion", big).body_sha256 == hashlib.sha256(big).hexdigest()
+    assert Fingerprint.of("POST", "/completion", big, body_sha256="ab" * 32).body_sha256 == "ab" * 32
+    assert Fingerprint.of("POST", "/completion", big[:-1] + b', "seed": 2}') != Fingerprint.of(
+        "POST", "/completion", big)
 
 
 def test_which_server_ends_a_request_can_cause() -> None:

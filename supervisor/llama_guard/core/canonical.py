@@ -10,7 +10,7 @@ is a new request and costs crashes of its own. The rule, pure:
   ``/completion``, ``/v1/chat/completions`` is ``/chat/completions``, …). The query string of a POST to
   an inference route is dropped (those handlers read no query parameter); any other target is kept whole.
 - A body that is a JSON object (up to its whole size) is parsed, the top-level keys of
-  :data:`IGNORED_KEYS` are dropped (fields that name, route or deliver the request, and the seed), every
+  :data:`IGNORED_KEYS` are dropped (fields that name, route or deliver the request, and the sampling seed), every
   string is taken with its runs of whitespace as one space and no whitespace at either end, a float
   with an integral value is that integer (``0.0`` is ``0``), and it is written back with sorted keys
   and no spacing: key order and the JSON's own formatting do not count either.

@@ -8,7 +8,8 @@ rule, pure (no I/O, no clock reads; times are monotonic seconds given by the cal
 - A request is known by its :class:`Fingerprint`: method, route and the SHA-256 of the canonical form
   of its body (:mod:`llama_guard.core.canonical`) — a client's retry has the same one, and so has a
   variant that changes nothing the server computes (another seed, other whitespace, another client
-  id, ``stream`` flipped, the keys in another order, an alias of the route).
+  id, ``stream`` flipped, the keys in another order, an alias of the route). A body over
+  :data:`CANONICAL_MAX_BYTES` is known by its bytes (its parse would hold the event loop).
 - A request whose connection to server ``pid`` failed before the answer began (or while it was being
   relayed) was *in flight* at that server's end (:func:`in_flight`). How the server ended is learnt
   from the policy (:func:`ended`); only an ending a request can cause counts as a crash
@@ -47,6 +48,7 @@ from llama_guard.core.types import RestartCause
 
 MAX_MARKS = 4096  # fingerprints remembered at once
 MAX_ENDINGS = 64  # server ends remembered (pid → crash or not), and servers' lone suspects
+CANONICAL_MAX_BYTES = 256 * 1024  # bodies up to this size are fingerprinted by their canonical form
 #: Restart causes a request can bring about (with :func:`is_crash`'s exception for SIGKILL).
 REQUEST_CAUSES = frozenset({RestartCause.CRASH, RestartCause.OOM, RestartCause.CUDA_ERROR})
 
@@ -62,10 +64,16 @@ class Fingerprint:
     body_sha256: str
 
     @classmethod
-    def of(cls, method: str, target: str, body: bytes) -> Fingerprint:
-        """The fingerprint of a request (``target``: origin form; ``body``: its bytes as received).
-        Costs a JSON parse of ``body``: about 10 ms per MiB."""
-        return cls(method, route(method, target), hashlib.sha256(canonical_body(body)).hexdigest())
+    def of(cls, method: str, target: str, body: bytes, *, body_sha256: str | None = None) -> Fingerprint:
+        """The fingerprint of a request (``target``: origin form; ``body``: its bytes as received). A
+        body over :data:`CANONICAL_MAX_BYTES` is known by its bytes: ``body_sha256`` (their hex SHA-256,
+        hashed as they arrived) when given, else hashed here. The canonical form costs a JSON parse:
+        at most a few ms on the event loop, whatever the body."""
+        if len(body) > CANONICAL_MAX_BYTES:
+            digest = body_sha256 or hashlib.sha256(body).hexdigest()
+        else:
+            digest = hashlib.sha256(canonical_body(body)).hexdigest()
+        return cls(method, route(method, target), digest)
 
 
 class Admit(enum.Enum):

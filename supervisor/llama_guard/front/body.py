@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 from collections.abc import Callable
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
@@ -85,6 +86,7 @@ class HeldBody:
         self.taken = 0  # bytes held of the budget
         self._chunks: list[bytes] = []
         self._data: bytes | None = None
+        self._sha256 = hashlib.sha256()  # hashed as it arrives: the fingerprint never waits on a whole body
 
     def add(self, chunk: bytes) -> bool:
         """Keep ``chunk`` (read from the client); False when the budget has no room for it."""
@@ -92,7 +94,13 @@ class HeldBody:
             return False
         self.taken += len(chunk)
         self._chunks.append(chunk)
+        self._sha256.update(chunk)
         return True
+
+    @property
+    def sha256(self) -> str:
+        """The hex SHA-256 of the bytes added so far (the whole body, once complete)."""
+        return self._sha256.hexdigest()
 
     def complete(self) -> None:
         """The body has fully arrived: join the chunks into one block (the chunks are freed)."""

@@ -43,7 +43,6 @@ from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.relay import Relay, Unanswered
 
 CONNECT_TIMEOUT_S = 5.0
-FINGERPRINT_INLINE_BYTES = 64 * 1024  # larger bodies are fingerprinted on a thread (a JSON parse: ~10 ms/MiB)
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
 
 
@@ -51,14 +50,6 @@ def _not_replayed(method: str, target: str, pid: int) -> str:
     return (f"llama-server (pid {pid}) failed before answering {method} {path_of(target)}; it is not sent again: "
             "only GET/HEAD and inference requests (completions, chat, embeddings, tokenize, ...) are replayed, "
             "a request that may change the server's state (slots, LoRA adapters, props) or an unknown one is not")
-
-
-async def fingerprint(method: str, target: str, data: bytes) -> Fingerprint:
-    """The crash fingerprint of a request (:meth:`Fingerprint.of`); a body over
-    :data:`FINGERPRINT_INLINE_BYTES` is parsed on a thread, so that the loop goes on meanwhile."""
-    if len(data) <= FINGERPRINT_INLINE_BYTES:
-        return Fingerprint.of(method, target, data)
-    return await asyncio.to_thread(Fingerprint.of, method, target, data)
 
 
 class Forwarder:
@@ -120,7 +111,7 @@ class Forwarder:
         target = origin_form(request) or "/"
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
-        fp = await fingerprint(request.method, target, body.data)
+        fp = Fingerprint.of(request.method, target, body.data, body_sha256=body.sha256)
         replayed = replay_counted = False
         in_lane = False
         tries = 0
