@@ -143,8 +143,10 @@ def post_raw(run: Any, target: str, body: dict[str, Any], *, indent: int | None 
 def test_variants_of_a_poisoned_prompt_cost_two_crashes_in_all_and_innocents_get_200(
         tmp_path: Path, fake_server: Path, real_model: Path, variants: list[tuple[str, dict[str, Any]]]) -> None:
     # max_restarts at its default (7): before, each variant cost two crashes and the fourth ended the daemon.
+    # The two crashes chain (the same abort line): without the charge, the start after the second would be
+    # held back repeat_confirm_s (300 s), and the innocents held for it would get 503 after hold_timeout_s.
     with started(tmp_path, fake_server, real_model, {"FAKE_LLAMA_ABORT_PROMPT": POISON, "FAKE_LLAMA_DECODE_S": "0.5"},
-                 recovery={"max_restarts": 7, "stable_after_s": 60.0}) as run:
+                 recovery={"max_restarts": 7, "stable_after_s": 60.0, "repeat_confirm_s": 300.0}) as run:
         with Monitor(run, every_s=0.3, prompt="hello") as innocent:  # in flight at the crashes, same body each time
             first = post_raw(run, *variants[0])
             answers = [(target, post_raw(run, target, body, indent=2 if i % 2 else None))
