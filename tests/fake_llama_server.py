@@ -54,6 +54,9 @@ later, default 0: a test widens the moment in which a client could still send on
 
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
+``$FAKE_LLAMA_HANG_WHILE`` names a file: while it exists, every completion hangs as in ``completion_hang``
+(once one has hung, the others do too, the file gone or not: a test makes the servers started meanwhile
+hang, whatever request they get, and lets the next one be healthy).
 
 ``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
@@ -90,6 +93,7 @@ EVENT_S = float(os.environ.get("FAKE_LLAMA_EVENT_S", "0.013"))
 STREAM_GATE = os.environ.get("FAKE_LLAMA_STREAM_GATE", "")
 CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
 HEADERS_THEN_ABORT = os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT", "")
+HANG_WHILE = os.environ.get("FAKE_LLAMA_HANG_WHILE", "")
 HEADERS_THEN_ABORT_TIMES = int(os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES", "1"))
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
@@ -295,7 +299,7 @@ class Handler(BaseHTTPRequestHandler):
             cuda_block("out of memory")
             os.kill(os.getpid(), signal.SIGABRT)
             return
-        if FAULT == "completion_hang":
+        if FAULT == "completion_hang" or (HANG_WHILE and os.path.exists(HANG_WHILE)):
             WEDGED.set()
             time.sleep(3600)
             return

@@ -303,7 +303,7 @@ def test_foreign_process_on_the_port_is_not_called_ready(tmp_path: Path, fake_se
                                    "directory"])
 def test_server_log_file_planted_by_another_user_is_refused_never_written_through(tmp_path: Path,
                                                                                   plant: str) -> None:
-    """Issue 34 (security): [log].server_log_file in a directory llama-server's user can write: a link
+    """Security: [log].server_log_file in a directory llama-server's user can write: a link
     there made llama-guard (root) append the server's lines to any file (or create one where the link
     points). Now a link or a second name is refused (config_error), the file behind it untouched."""
     from llama_guard.core.server import open_server_log

@@ -27,10 +27,10 @@ POISON = "BOOM-crashes-the-server"
 
 @contextlib.contextmanager
 def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, str],
-            recovery: dict[str, object] | None = None) -> Iterator[Any]:
-    """A started daemon before the test double with ``env`` (the fault cues) and ``recovery`` keys
-    over the test's own; ``front``/``metrics`` its ports, ``requests`` the file of POSTs the servers
-    received."""
+            recovery: dict[str, object] | None = None, health: dict[str, object] | None = None) -> Iterator[Any]:
+    """A started daemon before the test double with ``env`` (the fault cues) and ``recovery`` and
+    ``health`` keys over the test's own; ``front``/``metrics`` its ports, ``requests`` the file of POSTs
+    the servers received."""
     pool = RunPool()
     front, metrics = free_port(), free_port()
     requests = tmp_path / "requests.log"
@@ -38,7 +38,7 @@ def started(tmp_path: Path, fake_server: Path, real_model: Path, env: dict[str, 
         "server": {"env": {**env, "FAKE_LLAMA_REQUESTS": str(requests)}},
         "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 60.0},
         "metrics": {"listen": f"127.0.0.1:{metrics}"},
-        "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
+        "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5, **(health or {})},
         "recovery": {"max_restarts": 10, "stable_after_s": 1.0, **(recovery or {})}})
     run.front, run.metrics_port, run.requests = front, metrics, requests
     run.start()

@@ -157,7 +157,7 @@ class TestServingFaults:
         assert s.deadline == pytest.approx(9.5)  # 2 s: doubled
 
     def test_first_failure_after_a_stable_run_restarts_at_once_despite_earlier_failures(self) -> None:
-        s = replace(ready(now=1.0), failures=(0.5,), next_backoff_s=4.0)
+        s = replace(ready(now=1.0), failures=((0.5, 10),), next_backoff_s=4.0)
         s, _ = decide(s, Tick(), 70.0)  # stayed ready past stable_after_s
         assert s.stable
         s, acts = decide(s, Exited(100, -9), 80.0)
@@ -197,7 +197,7 @@ class TestServingFaults:
         assert any(isinstance(a, ExitDaemon) and a.code == EXIT_CRASH_LOOP for a in acts)
 
     def test_failures_outside_the_window_do_not_count(self) -> None:
-        s = replace(ready(now=500.0), failures=(1.0, 2.0, 3.0))
+        s = replace(ready(now=500.0), failures=((1.0, 10), (2.0, 11), (3.0, 12)))
         s, _acts = decide(s, Exited(100, 1), 501.0)
         assert s.phase is Phase.BACKOFF and len(s.failures) == 1
 

@@ -320,3 +320,63 @@ def test_a_charge_while_the_next_server_starts_breaks_the_chain_without_touching
     deadline = s.deadline
     s, _ = decide(s, CrashesCharged((100,)), 6.0)
     assert s.identical == 0 and s.deadline == deadline and s.phase is Phase.STARTING
+
+
+def abort_after_ready(s: State, pid: int, now: float, status: int = -signal.SIGABRT) -> tuple[State, list[object]]:
+    """Server ``pid`` becomes ready and then dies (a poisoned prompt's abort: SIGABRT), at ``now + 1``."""
+    s, _ = decide(s, HealthOk(pid), now + 0.5)
+    return decide(s, Exited(pid, status), now + 1.0)
+
+
+def test_crashes_charged_to_requests_leave_the_crash_loop_window_and_the_backoff() -> None:
+    """Four variants of one poisoned prompt, each crashing two servers and then charged by the front
+    door: eight crashes within the window, one more than max_restarts — restarts, never the crash loop
+    (exit 75); after each charge the backoff is back at its start and the wait the crash began ends."""
+    params = replace(P, max_restarts=7, backoff_initial_s=2.0, backoff_factor=2.0, backoff_max_s=60.0)
+    s, _ = decide(initial_state(params), Boot(), 0.0)
+    now = 0.0
+    for i in range(8):
+        pid = 100 + i
+        s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
+        s, acts = abort_after_ready(s, pid, now)
+        assert exit_code(acts) is None and s.phase is Phase.BACKOFF, (i, names(acts))
+        now += 1.0
+        if i % 2:  # the variant's second crash, sent alone: charged with both
+            assert s.deadline is not None and s.deadline > now
+            s, acts = decide(s, CrashesCharged((pid - 1, pid)), now)
+            assert acts == [] and s.failures == () and s.next_backoff_s == 2.0 and s.deadline == now
+        now = max(now, s.deadline or now)
+        s, _ = decide(s, Tick(), now)
+    assert s.phase is Phase.STARTING
+
+
+def test_a_charge_keeps_the_other_failures_and_the_backoff_they_made() -> None:
+    params = replace(P, max_restarts=10, backoff_initial_s=2.0, backoff_factor=2.0, backoff_max_s=60.0)
+    s, _ = decide(initial_state(params), Boot(), 0.0)
+    now = 0.0
+    for i in range(5):
+        pid = 100 + i
+        s, _ = decide(s, Spawned(pid, ("llama-server",)), now)
+        s, _ = abort_after_ready(s, pid, now, status=1 + i)  # differing exits: no chain
+        now = s.deadline or now
+        if i < 4:
+            s, _ = decide(s, Tick(), now)
+    assert s.next_backoff_s == 32.0 and s.phase is Phase.BACKOFF
+    s, acts = decide(s, CrashesCharged((103, 104)), now - 10.0)
+    assert acts == [] and [pid for _, pid in s.failures] == [100, 101, 102]
+    assert s.next_backoff_s == 8.0 and s.deadline == now - 10.0  # as after three failures; the wait ends
+
+
+def test_a_charge_of_an_earlier_crash_leaves_the_current_wait() -> None:
+    s, _ = decide(initial_state(P), Boot(), 0.0)
+    now = 0.0
+    for i in range(2):
+        s, _ = decide(s, Spawned(100 + i, ("llama-server",)), now)
+        s, _ = abort_after_ready(s, 100 + i, now, status=1 + i)
+        now = s.deadline or now
+        if i == 0:
+            s, _ = decide(s, Tick(), now)
+    deadline = s.deadline
+    assert s.phase is Phase.BACKOFF and deadline is not None
+    s, _ = decide(s, CrashesCharged((100,)), deadline - 0.5)
+    assert [pid for _, pid in s.failures] == [101] and s.deadline == deadline

@@ -137,7 +137,7 @@ def test_a_tampered_slot_file_is_refused_and_the_server_serves(carry: Any) -> No
 
 @pytest.mark.parametrize("endpoint", ["/completion", "/v1/completions"])
 def test_a_new_raw_completion_after_a_restore_does_not_stop_the_carry_over(carry: Any, endpoint: str) -> None:
-    """Issue 34: after a restore, one new raw conversation (no chat template: /completion,
+    """After a restore, one new raw conversation (no chat template: /completion,
     /v1/completions) at least as long as the restored one, with another prompt, shares nothing with
     it (``cache_n`` 0, an ordinary event): it was judged ``slot_restore_unused`` "by client request"
     and ``unrestorable.json`` stopped the carry-over for good. Only a restore's own verification may."""
@@ -170,7 +170,7 @@ def restored_dir(run: Any) -> str:
 
 def test_what_llama_servers_user_plants_in_the_slot_directory_never_steers_llama_guard(carry: Any,
                                                                                       tmp_path: Path) -> None:
-    """Issue 34 (security), with the real llama-server and daemon: the committed slot file swapped for a
+    """Security, with the real llama-server and daemon: the committed slot file swapped for a
     link to /dev/zero, a link ``llama-guard-slot-0.json.tmp`` -> a root-only file and a FIFO in place of
     ``unrestorable.json``. Before: the root-only file truncated and overwritten at the next save, the
     hash of /dev/zero endless (+30 s on every start, every later save off), the link never removed, an
@@ -225,7 +225,7 @@ if _at:
 
 def test_a_daemon_killed_at_the_worst_point_of_a_save_keeps_the_last_good_pair(
         tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
-    """Issue 34: a daemon SIGKILLed 120 ms into a save left a new file beside the old manifest: both
+    """A daemon SIGKILLed 120 ms into a save left a new file beside the old manifest: both
     conversations lost. Now the daemon is killed just before the manifest of its second save replaces
     the first's; the next daemon restores the first save's conversation."""
     hook = tmp_path / "hook"

@@ -5,7 +5,7 @@ each plant — a symbolic link to a root-only file, a hard link to it, a FIFO, a
 was, end (never block or hash forever), be refused with a message that says what it is, be removed
 (the name itself) or set aside, and leave later saves working.
 
-Regression (issue 34): a link ``llama-guard-slot-0.json.tmp`` -> a root-only file was truncated and
+Regression: a link ``llama-guard-slot-0.json.tmp`` -> a root-only file was truncated and
 overwritten at the next save; a ``.bin`` linked to /dev/zero (or a FIFO) was hashed forever, the link
 never removed, the error message empty, and every later save off.
 """

@@ -350,7 +350,7 @@ async def test_a_slot_whose_rolling_save_failed_is_still_saved_before_a_stop(rig
 
 
 async def test_one_verification_that_reused_nothing_stops_only_this_servers_restores(rig: Rig) -> None:
-    """Issue 34: one observation stopped the carry-over for good. Now one verification that reused
+    """One observation stopped the carry-over for good. Now one verification that reused
     nothing stops this start's restores; only a second in a row stops them for good."""
     rig.fake.now = [idle(0, 5, 10), idle(1, 6, 20)]
     await rolling(rig)

@@ -6,7 +6,7 @@ system calls it makes (open, write, fsync, rename, unlink, close) counted, and t
 itself just before call number ``k``; ``k`` runs over every call of the commit, then one past the
 last (no kill). After each, a new store (the next daemon's) prepares and checks the directory.
 
-Regression (issue 34): the old commit renamed the new file over the old one before it wrote the
+Regression: the old commit renamed the new file over the old one before it wrote the
 manifest: a kill between the two (120 ms into a save on the attacker's host) left a new file beside
 the old manifest, both refused: both conversations lost.
 """

@@ -52,8 +52,9 @@ class FrontConfig(Listener):
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
     ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
     is stopped, while new ones get 503 at once (0 = stop at once).
-    ``crash_refuse_s``: a request (method, target, body) in flight at two llama-server crashes is
-    answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
+    ``crash_refuse_s``: a request (its fingerprint: method, route, body as computed) sent alone into its
+    second llama-server crash is answered 422 for this many seconds after it, its retries and variants
+    included (docs/front.md, "Requests that crash the server").
     """
 
     hold_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 120.0

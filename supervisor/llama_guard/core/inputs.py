@@ -312,8 +312,9 @@ class UpstreamError(Input):
 
 @dataclass(frozen=True)
 class CrashesCharged(Input):
-    """The front door refused a client request (its method, target and body) that was in flight at the
-    crashes of servers ``pids``: those crashes are that request's doing, not the build's nor the
+    """The front door charged a client request (its fingerprint) with the crashes of servers ``pids``
+    (it was the one suspect sent to the last of them, and in flight at the others) and refuses it from
+    now on: those crashes are that request's doing, not the server's, the build's nor the
     configuration's (:mod:`llama_guard.core.suspects`)."""
 
     pids: tuple[int, ...]

@@ -224,7 +224,7 @@ class State:
     killed: bool = False
     grace_s: float = 0.0         # the stop under way: seconds between its SIGTERM and its SIGKILL
     saving: bool = False        # STOPPING: the slots are being saved before SIGTERM (``deadline`` bounds it)
-    failures: tuple[float, ...] = ()
+    failures: tuple[tuple[float, int | None], ...] = ()  # (when, server pid) of the failures counted in the window
     next_backoff_s: float = 1.0
     stable: bool = False
     strikes: int = 0

@@ -1,9 +1,10 @@
 """The front door's side of the crash-suspect rule (:mod:`llama_guard.core.suspects`: the rule
 itself, pure): which requests were in flight at each server's end, the lane suspects go through
-one at a time, and the refusal of one in flight at two crashes.
+one at a time (and which suspect each server was sent alone), and the refusal of one charged with
+crashes (sent alone to a server that crashed under it, after an earlier crash).
 
-A request is known by its :class:`~llama_guard.core.suspects.Fingerprint` (method, target, body
-sha256). Times are monotonic seconds from ``clock``; a refusal raises
+A request is known by its :class:`~llama_guard.core.suspects.Fingerprint` (method, route, sha256 of
+its body's canonical form). Times are monotonic seconds from ``clock``; a refusal raises
 :class:`~llama_guard.front.admission.Refused` (``CRASHED_TWICE``), naming until when (UTC).
 """
 
@@ -14,7 +15,17 @@ import contextlib
 import datetime
 from collections.abc import Callable
 
-from llama_guard.core.suspects import Admit, Book, Fingerprint, admit, answered, ended, in_flight, is_crash
+from llama_guard.core.suspects import (
+    Admit,
+    Book,
+    Fingerprint,
+    admit,
+    answered,
+    ended,
+    in_flight,
+    is_crash,
+    sent_alone,
+)
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.endpoints import path_of
@@ -48,14 +59,15 @@ class CrashSuspects:
 
     def check(self, fp: Fingerprint) -> bool:
         """Whether ``fp`` is a suspect (it goes alone, through :attr:`lane`). Raises :class:`Refused`
-        (CRASHED_TWICE, naming until when) for a request in flight at two crashes."""
+        (CRASHED_TWICE, naming until when) for a request charged with crashes."""
         verdict, until = admit(self.book, fp, self._clock())
         if verdict is Admit.REFUSE:
             assert until is not None
             crashes = ", ".join(str(p) for p in self.book.crashes(fp))
             raise Refused(FailReason.CRASHED_TWICE, (
                 f"this request ({fp.method} {path_of(fp.target)}, body sha256 {fp.body_sha256[:16]}) was in flight "
-                f"at two llama-server crashes (pids {crashes}) and is refused until "
+                f"at two llama-server crashes (pids {crashes}), the last one as the only suspect sent to that "
+                f"server, and is refused until "
                 f"{wall_time(until - self._clock())} ([front].crash_refuse_s)"))
         return verdict is Admit.SERIAL
 
@@ -66,6 +78,10 @@ class CrashSuspects:
         while pid not in self.book.endings and self._clock() < until:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._judgement.wait(), until - self._clock())
+
+    def sent_alone(self, fp: Fingerprint, pid: int) -> None:
+        """Suspect ``fp`` goes to server ``pid`` through :attr:`lane` (it holds the lane)."""
+        self.book = sent_alone(self.book, fp, pid)
 
     def failed_under(self, fp: Fingerprint, pid: int) -> None:
         """``fp`` was in flight at server ``pid`` when its connection failed — or when its client left

@@ -111,7 +111,7 @@ class Forwarder:
         target = origin_form(request) or "/"
         url = URL(self.base_url + target, encoded=True)
         headers = end_to_end(request.headers, REQUEST_DROP)
-        fp = Fingerprint(request.method, target, body.sha256)
+        fp = Fingerprint.of(request.method, target, body.data, body_sha256=body.sha256)
         replayed = replay_counted = False
         in_lane = False
         tries = 0
@@ -144,6 +144,8 @@ class Forwarder:
                 if self.suspects.check(fp) and not in_lane:
                     in_lane = await self._enter_lane(since, hold_timeout_s)
                     continue  # the server may have changed while it waited in the lane
+                if in_lane:
+                    self.suspects.sent_alone(fp, pid)
                 self._enter()
                 if replayed and not replay_counted:  # counted when it goes, not when it was decided
                     replay_counted = True

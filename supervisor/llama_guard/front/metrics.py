@@ -31,9 +31,9 @@ class FrontMetrics:
                             registry=reg)
         self.replayed = Counter("llama_guard_front_requests_replayed", "requests sent once more to the next "
                                 "server (no byte had come back)", registry=reg)
-        self.crash_refusals = Counter("llama_guard_front_crash_refusals", "requests (a method, target and body) "
-                                      "found in flight at two llama-server crashes, refused from then on for "
-                                      "[front].crash_refuse_s", registry=reg)
+        self.crash_refusals = Counter("llama_guard_front_crash_refusals", "requests (a fingerprint: method, "
+                                      "route, body as computed) charged with llama-server crashes, refused "
+                                      "from then on for [front].crash_refuse_s", registry=reg)
         self.failed = Counter("llama_guard_front_requests_failed", "requests that failed around a restart, "
                               "by reason", ["reason"], registry=reg)
         for reason in FailReason:

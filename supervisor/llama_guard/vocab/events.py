@@ -846,8 +846,10 @@ EVENTS: tuple[EventSpec, ...] = (
                     "(grammar, JSON schema, chat template, image input are the usual causes); report the "
                     "crash to\n"
                     "llama.cpp with them, or upgrade llama-server."),
-              readme=("a request (method, path, body SHA-256) was in flight at two llama-server crashes: it "
-                      "and its retries get 422 until the time named (`[front].crash_refuse_s`)")),
+              readme=("a request (method, route, SHA-256 of its body's canonical form) was in flight at two "
+                      "llama-server crashes, the last as the only suspect sent to that server: it, its retries "
+                      "and its variants get 422 until the time named (`[front].crash_refuse_s`); those crashes "
+                      "leave the crash-loop count and the backoff")),
     EventSpec("server_stream_stalled", _S.WARNING,
               ("a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s (stall "
                "{stalls} of {hang_strikes})"),

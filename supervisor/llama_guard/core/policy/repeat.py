@@ -130,15 +130,25 @@ def repeat_verdict(state: State, now: float) -> tuple[State, Emit | None, list[A
 
 
 def on_crashes_charged(state: State, event: CrashesCharged, now: float) -> tuple[State, list[Action]]:
-    """Crashes the front door charged to a client request (:class:`CrashesCharged`) say nothing about
-    the build: the chain of identical failures is broken (a client that sends one crashing prompt
-    after another never makes a verdict that ends the daemon), and a start held back to confirm that
-    chain (``repeat_confirm_s``) goes now — the request is refused from now on."""
-    if not state.identical:
+    """Crashes the front door charged to a client request (:class:`CrashesCharged`: it was the one
+    suspect sent to the last of them) are that request's failures, not the server's: they leave the
+    crash-loop window (``max_restarts`` in ``restart_window_s``), the backoff is what the failures
+    left would have made it (``next_backoff_s``; a backoff wait the last of them began ends now), and
+    the chain of identical failures is broken (a client that sends one crashing prompt after another
+    never makes a verdict that ends the daemon; a start held back to confirm that chain,
+    ``repeat_confirm_s``, goes now) — the request is refused from now on."""
+    p = state.params
+    charged = frozenset(event.pids)
+    kept = tuple((t, pid) for t, pid in state.failures if pid not in charged)
+    if len(kept) == len(state.failures) and not state.identical:
         return state, []
-    held = state.phase is Phase.BACKOFF and state.identical == state.params.identical_failures - 1
-    state = replace(state, boot_signature="", identical=0, fault_signals=frozenset())
-    if held and state.deadline is not None and state.deadline > now:
+    last_charged = bool(state.failures) and state.failures[-1][1] in charged
+    held = state.identical == p.identical_failures - 1
+    backoff = min(state.next_backoff_s, p.backoff_max_s,
+                  p.backoff_initial_s * p.backoff_factor ** max(0, len(kept) - 1))
+    state = replace(state, failures=kept, next_backoff_s=backoff, boot_signature="", identical=0,
+                    fault_signals=frozenset())
+    if (held or last_charged) and state.phase is Phase.BACKOFF and state.deadline is not None and state.deadline > now:
         state = replace(state, deadline=now)
     return state, []
 

@@ -159,7 +159,7 @@ def count_failure(state: State, now: float, *, judged: bool = True) -> Result:
 
 def _back_off(state: State, now: float) -> Result:
     p = state.params
-    recent = (*(t for t in state.failures if now - t < p.restart_window_s), now)
+    recent = (*((t, pid) for t, pid in state.failures if now - t < p.restart_window_s), (now, state.pid))
     state = replace(state, failures=recent, pid=None)
     if len(recent) > p.max_restarts:
         new, actions = exit_daemon(state, EXIT_CRASH_LOOP, f"crash loop: {state.failure.text}")
