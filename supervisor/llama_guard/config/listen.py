@@ -53,6 +53,10 @@ class FrontConfig(Listener):
     is stopped, while new ones get 503 at once (0 = stop at once).
     ``crash_refuse_s``: a request (method, target, body) in flight at two llama-server crashes is
     answered 422 for this many seconds after the second (docs/front.md, "Requests that crash the server").
+    ``hold_after_errors``: that many 5xx answers from llama-server in a row, with no request completed
+    between (501, "not implemented", never counts), are reported (``server_http_errors``) and make the
+    front door hold new requests while one liveness round confirms at once: a canary that fails too is
+    the verdict (the held requests go to the next server), one that answers releases them (0 = off).
     """
 
     hold_timeout_s: PositiveFloat = 120.0
@@ -65,6 +69,7 @@ class FrontConfig(Listener):
     max_connections: int = Field(16384, ge=1)
     stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
     crash_refuse_s: PositiveFloat = 600.0
+    hold_after_errors: int = Field(3, ge=0)
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""

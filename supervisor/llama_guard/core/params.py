@@ -47,4 +47,6 @@ def params_from(config: Config, *, reset_possible: bool = False) -> Params:
         port_wait_s=config.recovery.port_wait_s,
         repeat_confirm_s=config.recovery.repeat_confirm_s,
         silent_limit_s=config.health.silent_limit_s,
+        hold_after_errors=config.front.hold_after_errors,
+        canary=config.health.canary,
     )

@@ -169,7 +169,7 @@ CATALOG: dict[EventName, EventSpec] = {
                   "llama-server pid {server_pid} is not responding ({failures} failed probes): {reason}"),
         EventSpec("server_completion_error", _S.ERROR,
                   "llama-server pid {server_pid} answers /health but its completions fail: HTTP {status_code}: "
-                  "{error} ({failures} rounds in a row)"),
+                  "{error} ({failures} canary rounds in a row, after {client_errors} client requests answered 5xx)"),
         EventSpec("server_load_timeout", _S.ERROR,
                   "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s"),
         EventSpec("server_load_stalled", _S.ERROR,
@@ -296,7 +296,7 @@ CATALOG: dict[EventName, EventSpec] = {
                   "(stall {stalls} of {hang_strikes})"),
         EventSpec("server_http_errors", _S.WARNING,
                   "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
-                  "(last {status})"),
+                  "(last {status}); new requests held while a liveness round confirms: {held}"),
         # Each slot's KV cache carried across restarts (llama_guard.slots).
         EventSpec("slot_saved", _S.INFO,
                   "saved slot {slot_id} ({n_tokens} tokens, {bytes} bytes) in {save_ms:.0f} ms ({reason})"),

@@ -239,19 +239,27 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
         recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")
         state = replace(state, alloc_failure="")
     failed, silent = completion_failed(event), silent_too_long(event, state.params)
+    # A confirming round (the front door holds requests after a run of 5xx answers): a failing canary
+    # confirms the clients' errors at once; any other round releases the hold (no further run, no hold).
+    confirmed = failed and event.confirm and state.confirming
+    client_errors = state.http_errors
+    if event.confirm and state.confirming and not failed:
+        state = replace(state, http_errors=0)
     if not (failed or silent) and (answered(event) or moving):
         return (replace(state, strikes=0) if state.strikes else state), recovered
     strikes = state.strikes + 1
-    if strikes < state.params.hang_strikes and not silent:
+    if strikes < state.params.hang_strikes and not silent and not confirmed:
         return replace(state, strikes=strikes), recovered
     assert state.pid is not None
     if failed:  # it answers, and says its completions fail: not a hang
+        # Judged broken: its graceful stop cannot help the clients (a wedged server may ignore SIGTERM).
         reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
         new = replace(fail(state, RestartCause.COMPLETION_ERROR, reason), strikes=strikes)
-        new, actions = stop(new, now, AfterStop.FAILURE, reason)
+        new, actions = stop(new, now, AfterStop.FAILURE, reason, grace_s=HUNG_GRACE_S)
         return new, [*recovered, Emit("server_completion_error", {
             "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
-            "error": event.canary_error, "phase": state.phase.value}), *actions]
+            "error": event.canary_error, "phase": state.phase.value,
+            "client_errors": client_errors if confirmed else 0}), *actions]
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
     if silent:
         reason += (f"; no HTTP answer at all for {event.silent_s:.0f} s (silent_limit_s "
