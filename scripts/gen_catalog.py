@@ -333,6 +333,11 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "every 2 s for [recovery].port_wait_s (@PORT_WAIT_S@ s), then exits 78 naming the holder.\n"
         "Stop that process (an old llama-guard, or llama-server started by hand on the clients'\n"
         "port) or choose another [front].listen."),
+    "metrics_port_taken": (
+        "the metrics listener's port is held by another process",
+        "The metrics listener cannot listen on @LISTEN@: @HOLDER@ holds that port. llama-guard retries\n"
+        "every 2 s for [recovery].port_wait_s (@PORT_WAIT_S@ s), then exits 78 naming the holder.\n"
+        "Stop that process (an old llama-guard, another exporter) or choose another [metrics].listen."),
     "front_held": (
         "requests held while llama-server was not ready",
         "While llama-server was @PHASE@ the front door held @HELD@ requests (the longest @LONGEST_S@ s,\n"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +22,8 @@ from prometheus_client import CollectorRegistry
 from llama_guard.config import Config
 from llama_guard.config.listen import host_port
 from llama_guard.core.inputs import CrashesCharged, StreamStalled
-from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.params import params_from
-from llama_guard.core.policy.port import holder_text
-from llama_guard.core.procs import port_holder
+from llama_guard.core.listen_wait import bind_waiting
+from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Watcher
@@ -42,16 +39,6 @@ if TYPE_CHECKING:  # aiohttp (~0.2 s of imports) only when the front door is on:
 
 CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
-
-
-async def _holder(lane: Lane, port: int) -> tuple[int, str] | None:
-    """Who listens on TCP ``port`` (a /proc scan on ``lane``, bounded by PROC_TIMEOUT_S); None when
-    it cannot be told."""
-    try:
-        pid, name = await lane.run(lambda: port_holder(port), PROC_TIMEOUT_S, f"who holds port {port}")
-    except (CallTimeout, LaneBusy):
-        return None
-    return (pid, name) if pid is not None else None
 
 
 class FrontSource(Watcher):
@@ -108,28 +95,10 @@ class FrontSource(Watcher):
         return None
 
     async def _listen(self, ctx: Context, app: FrontApp, address: tuple[str, int]) -> tuple[str, int] | str:
-        """Bind the front door's ``address``: the bound address, or why it cannot be bound. A port another
-        process holds is retried every ``port_retry_s`` for ``[recovery].port_wait_s`` (as
-        llama-server's port is), the holder named (``front_port_taken``) when first seen and
-        whenever it changes; then the refusal names it."""
-        front, params = ctx.config.front, params_from(ctx.config)
-        since, named = ctx.clock(), ""
-        while True:
-            try:
-                return await app.listen(*address)
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
-            holder = holder_text(await _holder(self._proc, address[1]))
-            waited = ctx.clock() - since
-            if waited >= params.port_wait_s:
-                return (f"[front].listen = {front.listen!r}: port {address[1]} is held by {holder}, still after "
-                        f"{waited:.0f} s of retries; fix: stop that process or choose another [front].listen")
-            if holder != named:
-                named = holder
-                ctx.emit("front_port_taken", listen=host_port(*address), holder=holder, waited_s=round(waited, 1),
-                         port_wait_s=params.port_wait_s)
-            await asyncio.sleep(min(params.port_retry_s, params.port_wait_s - waited))
+        """Bind the front door's ``address``: the bound address, or why it cannot be bound; a port another
+        process holds is waited for (``front_port_taken``: :func:`~llama_guard.core.listen_wait.bind_waiting`)."""
+        return await bind_waiting(ctx, self._proc, lambda: app.listen(*address), setting="[front].listen",
+                                  value=ctx.config.front.listen, address=address, taken="front_port_taken")
 
     async def run(self, ctx: Context) -> None:
         if self.forwarder is None or self.admission is None:

@@ -126,6 +126,7 @@ EventName = Literal[
     "gpu_watchdog_repeated",
     "front_listening",
     "front_port_taken",
+    "metrics_port_taken",
     "front_held",
     "front_request_refused",
     "server_stream_stalled",
@@ -283,6 +284,9 @@ CATALOG: dict[EventName, EventSpec] = {
                   "(at most {max_connections} connections)"),
         EventSpec("front_port_taken", _S.WARNING,
                   "the front door's address {listen} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
+                  "(taken for {waited_s:.0f} s so far)"),
+        EventSpec("metrics_port_taken", _S.WARNING,
+                  "the metrics listener's address {listen} is held by {holder}; retrying, at most {port_wait_s:.0f} s "
                   "(taken for {waited_s:.0f} s so far)"),
         EventSpec("front_held", _S.NOTICE,
                   "front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} s "
