@@ -60,7 +60,9 @@ later, default 0: a test widens the moment in which a client could still send on
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
 ``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
-``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
+``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s); ``$FAKE_LLAMA_LOAD_GATE`` names a file: /health
+answers 503 ("Loading model") until it exists (a load, or a slot restore, that takes as long as a test wants).
+``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
 where it can produce the fault; this double stands in for what needs a GPU.
@@ -82,6 +84,7 @@ _OOM_WHILE = os.environ.get("FAKE_LLAMA_OOM_WHILE", "")
 if _OOM_WHILE and os.path.exists(_OOM_WHILE):
     FAULT = "oom_at_load"
 LOAD_S = float(os.environ.get("FAKE_LLAMA_LOAD_S", "0.2"))
+LOAD_GATE = os.environ.get("FAKE_LLAMA_LOAD_GATE", "")
 MARKS = os.environ.get("FAKE_LLAMA_MARKS", "")
 T0 = time.monotonic()
 READY = threading.Event()
@@ -388,6 +391,8 @@ def main(argv: list[str]) -> int:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     time.sleep(LOAD_S)
+    while LOAD_GATE and not os.path.exists(LOAD_GATE):
+        time.sleep(0.05)
     log("I", "srv ", "llama_server: model loaded")
     log("I", "srv ", f"llama_server: listening on http://{host}:{port}")
     if FAULT != "ready_line_no_health":

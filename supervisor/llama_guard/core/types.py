@@ -265,6 +265,9 @@ class State:
     last_request_at: float | None = None  # when the front door last saw a request completed (progress)
     stalls: int = 0             # stalled streams since the last progress of the current server
     http_errors: int = 0        # 5xx answers in a row (no 2xx in between) from the current server
+    # An operator's restart asked for while the server loads (or restores its slots): (cause, reason), carried
+    # out once it is ready; a new spawn meanwhile (a crash, changed flags) fulfils it (None: none asked).
+    deferred_restart: tuple[RestartCause, str] | None = None
     # When the last serving server stopped serving (its stop began, or its exit was seen): the start
     # of the restart that server_ready's restart_to_ready_s and restart_first_token time (None: the
     # first start, or the restart's first token was reported).
