@@ -28,7 +28,7 @@ from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
-from llama_guard.front.admission import Admission, Episode
+from llama_guard.front.admission import Admission, Episode, Gate, gate_of
 from llama_guard.front.crashes import wall_time
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
@@ -55,6 +55,7 @@ class FrontSource(Watcher):
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
         self.listening: tuple[str, int] | None = None
+        self.activated = False  # it serves a socket systemd passed (shared with the service manager)
         self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
 
     async def start(self, ctx: Context) -> str | None:
@@ -88,7 +89,7 @@ class FrontSource(Watcher):
         if isinstance(bound, str):
             await forwarder.close()
             return bound
-        self.listening = bound
+        self.listening, self.activated = bound, activated is not None
         self.admission, self.forwarder, self.app = admission, forwarder, app
         ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
                  max_connections=app.max_connections, activated=activated is not None)
@@ -117,6 +118,10 @@ class FrontSource(Watcher):
             self.forwarder.suspects.observe(step.after)  # before the gate opens to the next server
         if self.admission is not None:
             self.admission.update(step.after)
+        if self.app is not None and self.activated and gate_of(step.after) is Gate.CLOSED:
+            # The daemon ends: the next one (systemd restarts it, or the socket starts it) takes the new
+            # connections from the kernel's queue, instead of this one answering them 503 while it drains.
+            self.app.stop_accepting()
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.forwarder is not None:
