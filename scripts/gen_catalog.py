@@ -87,9 +87,11 @@ TEXT: dict[EventName, tuple[str, str]] = {
     "server_completion_error": (
         "llama-server answers /health but its completions fail",
         "llama-server pid @SERVER_PID@ answered the 1-token canary completion with HTTP\n"
-        "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes): @ERROR@.\n"
-        "The server is up (/health says 200) but cannot serve. llama-guard stops it and starts\n"
-        "it again, like a crash (backoff, crash-loop limit).\n\n"
+        "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes), or in the one round\n"
+        "that confirmed @CLIENT_ERRORS@ client requests answered 5xx in a row ([front].hold_after_errors):\n"
+        "@ERROR@. The server is up (/health says 200) but cannot serve. llama-guard stops it (SIGKILL\n"
+        "1 s after SIGTERM: a wedged server may ignore SIGTERM) and starts it again, like a crash\n"
+        "(backoff, crash-loop limit); the requests held meanwhile go to the next server.\n\n"
         "Read the error message: a GPU fault, a memory pool exhausted, a broken build. If it\n"
         "repeats after restarts, the journal's server_line events before it name the cause."),
     "server_load_stalled": (
@@ -363,8 +365,10 @@ TEXT: dict[EventName, tuple[str, str]] = {
     "server_http_errors": (
         "llama-server answers with HTTP 5xx",
         "llama-server @SERVER_PID@ answered @ERRORS@ client requests in a row with a 5xx status (the\n"
-        "last @STATUS@). llama-guard does not restart for this (a client can cause 500s); read the\n"
-        "server's lines around it (server_log_file, journalctl) for the cause."),
+        "last @STATUS@; [front].hold_after_errors). llama-guard does not restart for this alone (a client\n"
+        "can cause 500s): with the canary on (held: @HELD@) the front door holds new requests while one\n"
+        "liveness round confirms at once; a canary answered 5xx too is server_completion_error, any\n"
+        "other answer releases them. Read the server's lines around it (server_log_file, journalctl)."),
     "restart_first_token": (
         "first answer after a restart",
         "A client request the front door held while llama-server restarted got the first byte of its\n"
