@@ -24,6 +24,10 @@ lines (docs/llama-server.md), serves ``/health``, ``/completion``, ``/v1/chat/co
 - ``completion_500``: ready, /health, /slots and /metrics answer, and every completion answers
   HTTP 500 with llama-server's error body (``{"error": {"code": 500, "message": ..., "type":
   "server_error"}}``), as a server whose compute fails per request does.
+- ``wedged``: a wedged server (a reported router-child failure): ready, /health answers 200, /slots shows
+  idle slots, /metrics answers, every completion answers HTTP 500 as ``completion_500`` does, and SIGTERM
+  is ignored. With ``$FAKE_LLAMA_WEDGED_ONCE`` naming a file, only the server that creates that file is
+  wedged; the later ones (the replacement) answer normally.
 - ``ptx_unsupported``: ready, then every request prints the "provided PTX was compiled with an
   unsupported toolchain" abort block (as a CUDA binary on a too-old driver does) and aborts (SIGABRT).
 - ``alloc_recovered``: at load the failed-allocation block of a pipeline-parallel compute buffer,
@@ -59,7 +63,9 @@ test creates it when another process is made to hold the GPU's memory, and remov
 hang, whatever request they get, and lets the next one be healthy).
 
 ``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
-``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
+``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s); ``$FAKE_LLAMA_LOAD_GATE`` names a file: /health
+answers 503 ("Loading model") until it exists (a load, or a slot restore, that takes as long as a test wants).
+``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
 where it can produce the fault; this double stands in for what needs a GPU.
@@ -81,6 +87,7 @@ _OOM_WHILE = os.environ.get("FAKE_LLAMA_OOM_WHILE", "")
 if _OOM_WHILE and os.path.exists(_OOM_WHILE):
     FAULT = "oom_at_load"
 LOAD_S = float(os.environ.get("FAKE_LLAMA_LOAD_S", "0.2"))
+LOAD_GATE = os.environ.get("FAKE_LLAMA_LOAD_GATE", "")
 MARKS = os.environ.get("FAKE_LLAMA_MARKS", "")
 T0 = time.monotonic()
 READY = threading.Event()
@@ -101,6 +108,23 @@ COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
 # The one slot as /slots shows it: no "id_task" until a request ran; then the last request's params.
 SLOT: dict[str, object] = {"id": 0, "n_ctx": 2048}
 COMPLETION_ERROR = "llama_decode failed: compute error (fake)"
+WEDGED_ONCE = os.environ.get("FAKE_LLAMA_WEDGED_ONCE", "")
+
+
+def wedged_now() -> bool:
+    """Whether this server is the wedged one (``wedged``; with ``$FAKE_LLAMA_WEDGED_ONCE``, only the first)."""
+    if FAULT != "wedged":
+        return False
+    if not WEDGED_ONCE:
+        return True
+    try:
+        os.close(os.open(WEDGED_ONCE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+COMPUTE_FAILS = FAULT == "completion_500"  # every completion answers 500 (set at start for ``wedged``)
 
 
 def mark(text: str, when: float) -> None:
@@ -276,7 +300,7 @@ class Handler(BaseHTTPRequestHandler):
         if FAULT == "replay_request_abort":
             replay_and_abort()
             return
-        if FAULT == "completion_500":
+        if COMPUTE_FAILS:
             log("E", "srv ", f"   send_error: task id = 1, error: {COMPLETION_ERROR}")
             self.reply(500, {"error": {"code": 500, "message": COMPLETION_ERROR, "type": "server_error"}})
             return
@@ -331,6 +355,10 @@ def main(argv: list[str]) -> int:
             host = argv[i + 1]
         elif word == "--port":
             port = int(argv[i + 1])
+    global COMPUTE_FAILS
+    if wedged_now():
+        COMPUTE_FAILS = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if FAULT == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log("I", "srv ", "llama_server: initializing ...")
@@ -367,6 +395,8 @@ def main(argv: list[str]) -> int:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     time.sleep(LOAD_S)
+    while LOAD_GATE and not os.path.exists(LOAD_GATE):
+        time.sleep(0.05)
     log("I", "srv ", "llama_server: model loaded")
     log("I", "srv ", f"llama_server: listening on http://{host}:{port}")
     if FAULT != "ready_line_no_health":

@@ -15,7 +15,6 @@ from llama_guard.config import ConfigError, load_config
 from llama_guard.core.actions import Emit, Terminate
 from llama_guard.core.inputs import Probe, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy import decide
-from llama_guard.core.policy.traffic import HTTP_ERRORS_REPORTED
 from llama_guard.core.types import AfterStop, Params, State
 from llama_guard.front.admission import Admission, Episode, FailReason, Gate, Refused, gate_of
 from llama_guard.front.headers import REQUEST_DROP, end_to_end
@@ -146,9 +145,9 @@ def test_token_progress_or_a_completion_clears_the_stalls() -> None:
 
 
 def test_5xx_answers_are_reported_once_and_never_restart() -> None:
-    state = READY
+    state = replace(READY, params=replace(READY.params, canary=False))  # no confirming round (test_policy_error_run)
     names: list[str] = []
-    for i in range(2 * HTTP_ERRORS_REPORTED):
+    for i in range(2 * state.params.hold_after_errors):
         state, actions = decide(state, UpstreamError(42, 500), float(i))
         names += [a.name for a in actions if isinstance(a, Emit)]
         assert state.phase is Phase.READY

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import threading
@@ -37,9 +38,10 @@ class Clock:
         return self.now
 
 
-def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None,
-         usage: UsageSample | None = None) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
-    cfg = Config.model_validate({"runtime": {"dir": str(tmp)}, "metrics": {"listen": listen}})
+def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None, usage: UsageSample | None = None,
+         port_wait_s: float = 30.0) -> tuple[MetricsSource, Context, dict[str, State], Clock]:
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp)}, "metrics": {"listen": listen},
+                                 "recovery": {"port_wait_s": port_wait_s}})
     holder = {"state": State()}
     clock = Clock()
     ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
@@ -135,9 +137,10 @@ async def test_served_only_when_listen_is_set_and_bound_to_loopback(tmp_path: Pa
         async with httpx.AsyncClient() as client:
             body = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
         assert "llama_guard_phase" in body
-        busy, ctx3, _, _ = make(tmp_path, listen=str(port))
+        # A port held (here by this very process) is named; with no wait allowed, refused at once.
+        busy, ctx3, _, _ = make(tmp_path, listen=str(port), port_wait_s=0.0)
         reason = await busy.start(ctx3)
-        assert reason is not None and "cannot listen" in reason
+        assert reason is not None and f"port {port} is held by pid {os.getpid()}" in reason, reason
     finally:
         await on.close()
 

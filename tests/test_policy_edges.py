@@ -71,13 +71,6 @@ def test_before_the_spawn_answers_only_the_spawn_counts() -> None:
     assert new.phase is Phase.STARTING and acts == [] and new.gpu_lost
 
 
-def test_a_plain_restart_request_while_loading_is_ignored_with_an_event() -> None:
-    s = started()
-    new, acts = decide(s, RestartRequest("SIGUSR1"), 0.5)
-    assert new == s
-    assert emitted(acts, "restart_requested").fields["ignored"] == "the server is still loading"
-
-
 def test_changed_server_flags_while_loading_stop_the_load_and_restart() -> None:
     s, acts = decide(started(), RestartRequest("flags changed", cause=RestartCause.CONFIG_CHANGE), 0.5)
     assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.RESTART and Terminate(100) in acts
@@ -90,12 +83,6 @@ def test_a_server_behind_a_wrapper_is_named_by_its_port_owner() -> None:
     _s, acts = decide(started(), HealthOk(100, port_pid=101, port_comm="llama-server"), 2.0)
     fields = emitted(acts, "server_ready").fields
     assert fields["port_pid"] == 101 and fields["port_owner"] == "descendant pid 101 (llama-server) of pid 100"
-
-
-def test_a_restart_request_while_draining_is_ignored() -> None:
-    s, _ = decide(ready(), RestartRequest("first"), 5.0)
-    assert s.phase is Phase.DRAINING
-    assert decide(s, RestartRequest("second"), 6.0) == (s, [])
 
 
 def test_an_undrained_restart_request_stops_at_once() -> None:

@@ -193,7 +193,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
         print(f"llama-guard: no running daemon found (none serves {runtime_dir})", file=sys.stderr)
         return EXIT_FAILURE
     os.kill(pid, signal.SIGUSR1)
-    print(f"asked llama-guard pid {pid} for a graceful server restart (it drains busy slots first)")
+    print(f"asked llama-guard pid {pid} for a graceful server restart (it drains busy slots first; while the "
+          "server still loads or restores its slots, once it is ready). Its restart_requested event says what "
+          "became of it: deferred, under_way or refused, with the reason, when not done at once")
     return EXIT_OK
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from llama_guard.config.base import HOSTNAME, PositiveFloat, Reload, Section
+from llama_guard.config.base import HOSTNAME, Policy, PositiveFloat, Reload, Section
 
 
 class Listener(Section):
@@ -55,6 +55,10 @@ class FrontConfig(Listener):
     ``crash_refuse_s``: a request (its fingerprint: method, route, body as computed) sent alone into its
     second llama-server crash is answered 422 for this many seconds after it, its retries and variants
     included (docs/front.md, "Requests that crash the server").
+    ``hold_after_errors``: that many 5xx answers from llama-server in a row, with no request completed
+    between (501, "not implemented", never counts), are reported (``server_http_errors``) and make the
+    front door hold new requests while one liveness round confirms at once: a canary that fails too is
+    the verdict (the held requests go to the next server), one that answers releases them (0 = off).
     """
 
     hold_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 120.0
@@ -67,6 +71,7 @@ class FrontConfig(Listener):
     max_connections: int = Field(16384, ge=1)
     stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
     crash_refuse_s: PositiveFloat = 600.0
+    hold_after_errors: Annotated[int, Field(ge=0), Reload.LIVE, Policy()] = 3
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``"9400"`` → ``("127.0.0.1", 9400)``; ``"0.0.0.0:9400"``; ``"[::1]:9400"``. Raises ValueError."""

@@ -27,7 +27,7 @@ class HealthConfig(Section):
     timeout_s: Annotated[PositiveFloat, Reload.NEXT_SERVER] = 3.0
     load_timeout_s: Annotated[PositiveFloat, Reload.LIVE, Policy()] = 900.0
     startup_poll_s: Annotated[PositiveFloat, Reload.LIVE] = 0.1
-    canary: Annotated[bool, Reload.NEXT_SERVER] = True
+    canary: Annotated[bool, Reload.NEXT_SERVER, Policy()] = True
     canary_timeout_s: Annotated[PositiveFloat, Reload.NEXT_SERVER] = 30.0
     hang_strikes: Annotated[int, Field(ge=1), Reload.LIVE, Policy()] = 3
     load_stall_s: Annotated[float, Field(ge=0.0), Policy()] = 60.0

@@ -54,6 +54,16 @@ class StartDrain(Action):
 
 
 @dataclass(frozen=True)
+class ConfirmCompletions(Action):
+    """Run a liveness round on server ``pid`` now, its canary sent whatever the traffic since the
+    previous round (on any idle slot when every one holds a conversation), and answer its
+    :class:`~llama_guard.core.inputs.Probe` with ``confirm`` set: the front door saw a run of 5xx answers and
+    holds new requests meanwhile."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class SaveSlots(Action):
     """Save the changed idle slots of server ``pid`` before it is stopped for a GPU reset (bounded:
     ``Params.reset_save_s``); answer :class:`SlotsSaved`. Slots that are processing are left alone."""

@@ -16,6 +16,7 @@ from typing import Any
 from llama_guard.core.actions import (
     Action,
     CheckVram,
+    ConfirmCompletions,
     Emit,
     ExitDaemon,
     FindPortHolder,
@@ -79,6 +80,9 @@ class Executor:
         elif isinstance(action, StartDrain):
             if gen is not None and gen.pid == action.pid:
                 gen.drain()
+        elif isinstance(action, ConfirmCompletions):
+            if gen is not None and gen.pid == action.pid:
+                gen.confirm()
         elif isinstance(action, SaveSlots):
             if gen is not None and gen.pid == action.pid:
                 gen.save_slots()

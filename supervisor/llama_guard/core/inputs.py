@@ -192,7 +192,8 @@ class Probe(Input):
     last answered any HTTP request, is bounded (``Params.silent_limit_s``) whatever the progress
     signals say, and a canary the server answered with an error (``canary_status``, the HTTP
     status, with the server's message ``canary_error``) is a failure, not an unknown. ``loop_ok``:
-    the server's main loop answered a task (``/metrics``) this round.
+    the server's main loop answered a task (``/metrics``) this round. ``confirm``: the round asked by
+    :class:`~llama_guard.core.actions.ConfirmCompletions` (its canary sent whatever the traffic).
     """
 
     pid: int
@@ -208,6 +209,7 @@ class Probe(Input):
     canary_status: int | None = None
     canary_error: str = ""
     loop_ok: bool = True
+    confirm: bool = False
 
 
 @dataclass(frozen=True)

@@ -270,11 +270,14 @@ class ServerProbe:
         self._canaries += 1
         return CanaryOutcome.OK, None, ""
 
-    async def liveness(self, completed_at: float | None = None) -> LivenessRound:
+    async def liveness(self, completed_at: float | None = None, *, confirm: bool = False) -> LivenessRound:
         """One round: /health; if it answered 200, one /metrics; then, only when the server is
         idle and no request completed since the previous round (``completed_at``: monotonic time
         a request other than the canary last completed, from whoever saw it, e.g. a front door),
-        the canary on a slot that holds no conversation (read from /slots)."""
+        the canary on a slot that holds no conversation (read from /slots). ``confirm``: a round
+        that confirms a run of 5xx answers while the front door holds new requests: the canary goes
+        whatever the traffic, and on whichever idle slot llama-server picks when every idle slot holds
+        a conversation (a server whose completions all fail keeps no conversation worth the wait)."""
         start = self._clock()
         previous_round, self._round_at = self._round_at, start
         status = await self.health_status()
@@ -299,9 +302,9 @@ class ServerProbe:
             detail = f"/metrics gave no answer within {self.timeout_s:.1f} s"
         elif busy:
             detail = "a request is processing" + ("" if progressed else " and the counters did not move")
-        elif self.canary and not traffic:
+        elif self.canary and (confirm or not traffic):
             slots = await self.slots()
-            if slots is not None and not slots.busy and slots.canary_slot is not None:
+            if slots is not None and not slots.busy and (slots.canary_slot is not None or confirm):
                 sent = self._clock()
                 outcome, code, detail = await self.canary_completion(slots.canary_slot)
                 self._canary_window = (sent, self._clock())

@@ -116,12 +116,14 @@ class ServerWatch:
         # The policy as the loop's records show it: its phase, the server it names (None: the spawn is
         # not answered yet) and when the front door last saw a request completed (monotonic s).
         self._phase, self._policy_pid, self._last_request_at = state.phase, state.pid, state.last_request_at
+        self._confirming = state.confirming  # the policy holds requests until a liveness round confirms
         self._moved = asyncio.Event()  # set when a record changes the phase or the pid
+        self._confirm = asyncio.Event()  # set by confirm(): the next liveness round starts at once
 
     def on_transition(self, step: Transition) -> None:
         """One step of the loop (called by the daemon before it carries out the step's actions)."""
         after = step.after
-        self._last_request_at = after.last_request_at
+        self._last_request_at, self._confirming = after.last_request_at, after.confirming
         if (after.phase, after.pid) != (self._phase, self._policy_pid):
             self._phase, self._policy_pid = after.phase, after.pid
             self._moved.set()
@@ -158,6 +160,11 @@ class ServerWatch:
         """Before the stop for a GPU reset: the slot port's :meth:`~SlotPort.before_reset_stop`, then
         posts SlotsSaved (the policy bounds the wait; the task ends with this server's tasks)."""
         self.tasks.append(self._taskset.start(self._save_slots(), "slot saves before a reset"))
+
+    def confirm(self) -> None:
+        """Start a confirming liveness round now (:class:`~llama_guard.core.actions.ConfirmCompletions`);
+        a round under way is followed at once by the confirming one."""
+        self._confirm.set()
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the server's process group."""
@@ -222,14 +229,16 @@ class ServerWatch:
             # Rounds start interval_s apart (not interval_s after the previous one ended): a probe
             # that times out does not stretch the cycle, so a hang is found within
             # hang_strikes x interval_s + timeout_s of its start.
-            await asyncio.sleep(max(MIN_ROUND_GAP_S, round_at + ctx.get_config().health.interval_s - ctx.clock()))
-            round_at = ctx.clock()
+            # A confirming round (confirm()) starts at once.
+            await sleep_or_wake(max(MIN_ROUND_GAP_S, round_at + ctx.get_config().health.interval_s - ctx.clock()),
+                                self._confirm)
+            confirm, round_at = self._confirming, ctx.clock()
             if not self._serving():
                 return
             # A request that completed since the previous round (the server's own log line for it, or
             # the front door's last_request_at) already showed progress: no canary in that round.
             seen = [t for t in (self.completed_at, self._last_request_at) if t is not None]
-            result = await self.probe.liveness(completed_at=max(seen) if seen else None)
+            result = await self.probe.liveness(completed_at=max(seen) if seen else None, confirm=confirm)
             self.answering = result.answered
             moved = await self._sample(sampler)
             cpu_s = None if moved.cpu_s is None else round(moved.cpu_s, 3)
@@ -237,11 +246,12 @@ class ServerWatch:
                      canary_ok=result.canary_ok, canary=result.canary.value, busy=result.busy,
                      progressed=result.progressed, traffic=result.traffic, detail=result.detail,
                      elapsed_s=round(result.elapsed_s, 3), silent_s=round(result.silent_s, 1),
-                     cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy)
+                     cpu_s=cpu_s, lines=moved.lines, gpu_busy=moved.gpu_busy, confirm=confirm)
             ctx.post(Probe(pid, result.health_ok, result.canary_ok, result.busy,
                            result.progressed, result.detail, cpu_s=moved.cpu_s,
                            lines=moved.lines, gpu_busy=moved.gpu_busy, silent_s=result.silent_s,
-                           canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok))
+                           canary_status=result.status, canary_error=result.error, loop_ok=result.loop_ok,
+                           confirm=confirm))
 
     async def _load_progress(self, sampler: ProgressSampler, answered: bool) -> None:
         """Report the progress signals of a loading server (lines, CPU time, any HTTP answer from

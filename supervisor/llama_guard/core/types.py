@@ -16,6 +16,7 @@ import signal
 from dataclasses import dataclass, field
 
 from llama_guard.config.gpu import GpuConfig
+from llama_guard.config.listen import FrontConfig
 from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
@@ -131,7 +132,7 @@ class Failure:
 # what depends on the host (a watched GPU, its index, a possible reset) defaults to "none".
 # [schedule]'s defaults unvalidated: its default cron is parsed (APScheduler loaded) only where a
 # configuration uses it.
-_HEALTH, _GPU, _RECOVERY = HealthConfig(), GpuConfig(), RecoveryConfig()
+_HEALTH, _GPU, _RECOVERY, _FRONT = HealthConfig(), GpuConfig(), RecoveryConfig(), FrontConfig()
 _SCHEDULE = ScheduleConfig.model_construct()
 _SLOTS = SlotsConfig()
 
@@ -204,6 +205,10 @@ class Params:
     port_wait_s: float = _RECOVERY.port_wait_s  # a port taken by another process is retried this long, then exit 78
     port_retry_s: float = 2.0   # ... every this many seconds
     silent_limit_s: float = _HEALTH.silent_limit_s  # no HTTP answer this long: hung, whatever the CPU does
+    # 5xx client answers in a row (no request completed between) that are reported and, with the canary on,
+    # hold new requests while a liveness round confirms ([front].hold_after_errors; 0: off).
+    hold_after_errors: int = _FRONT.hold_after_errors
+    canary: bool = _HEALTH.canary  # [health].canary: the liveness rounds may send the canary completion
 
 
 # ---------------------------------------------------------------- state
@@ -262,6 +267,9 @@ class State:
     last_request_at: float | None = None  # when the front door last saw a request completed (progress)
     stalls: int = 0             # stalled streams since the last progress of the current server
     http_errors: int = 0        # 5xx answers in a row (no 2xx in between) from the current server
+    # An operator's restart asked for while the server loads (or restores its slots): (cause, reason), carried
+    # out once it is ready; a new spawn meanwhile (a crash, changed flags) fulfils it (None: none asked).
+    deferred_restart: tuple[RestartCause, str] | None = None
     # When the last serving server stopped serving (its stop began, or its exit was seen): the start
     # of the restart that server_ready's restart_to_ready_s and restart_first_token time (None: the
     # first start, or the restart's first token was reported).
@@ -271,6 +279,14 @@ class State:
         """Whether the front door saw a client request completed at or after monotonic ``since``
         (the liveness rounds send no canary then: real traffic already showed progress)."""
         return self.last_request_at is not None and self.last_request_at >= since
+
+    @property
+    def confirming(self) -> bool:
+        """The front door saw ``hold_after_errors`` 5xx answers in a row from the ready server: it holds
+        new requests until a liveness round confirms (a failing canary: a verdict) or clears it."""
+        runs = self.params.hold_after_errors
+        return (self.params.canary and runs > 0 and self.http_errors >= runs
+                and self.phase is Phase.READY and self.pid is not None)
 
     def next_deadline(self) -> float | None:
         """When the daemon must send a Tick at the latest (None: no timer is running)."""

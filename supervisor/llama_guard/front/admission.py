@@ -1,6 +1,7 @@
 """Holding requests while llama-server is not ready: the gate, the bounded queue, arrival order.
 
-The gate is read from the policy's state only (:func:`gate_of`): OPEN while the phase is READY,
+The gate is read from the policy's state only (:func:`gate_of`): OPEN while the phase is READY (unless
+a run of 5xx answers is being confirmed: :attr:`~llama_guard.core.types.State.confirming`),
 CLOSED once a verdict ends the daemon (EXITED, or a stop, a drain or a GPU reset that ends in an
 exit: held and new requests get their 503 at once), HOLD otherwise —
 starting, restarting after a crash, in backoff, draining for a planned restart, during a GPU reset,
@@ -78,6 +79,9 @@ class Refused(Exception):
         return self.detail or _MESSAGE[self.reason]
 
 
+#: How an episode names the hold of a ready server whose run of 5xx answers is being confirmed.
+CONFIRMING = "confirming its 5xx answers"
+
 #: The phases in which a pending exit (``after_stop`` EXIT) closes the gate: a stop, a drain before
 #: one, a stop that waits for a GPU reset command.
 ENDING = frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RESETTING})
@@ -87,7 +91,7 @@ def gate_of(state: State) -> Gate:
     """The gate for the policy's ``state``."""
     if state.phase is Phase.EXITED or (state.phase in ENDING and state.after_stop is AfterStop.EXIT):
         return Gate.CLOSED
-    if state.phase is Phase.READY and state.pid is not None:
+    if state.phase is Phase.READY and state.pid is not None and not state.confirming:
         return Gate.OPEN
     return Gate.HOLD
 
@@ -179,8 +183,9 @@ class Admission:
         """Follow the policy's ``state``: release the held requests in arrival order when the gate
         opens, refuse them when it closes; hold their deadlines while a planned drain lasts."""
         gate = gate_of(state)
-        if gate is Gate.HOLD and state.phase.value not in self.episode.phases[-1:]:
-            self.episode.phases.append(state.phase.value)
+        phase = CONFIRMING if state.confirming else state.phase.value
+        if gate is Gate.HOLD and phase not in self.episode.phases[-1:]:
+            self.episode.phases.append(phase)
         draining = gate is Gate.HOLD and state.phase is Phase.DRAINING
         if draining is not self.draining:
             self.draining = draining

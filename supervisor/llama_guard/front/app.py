@@ -151,13 +151,21 @@ class FrontApp:
         bound = self._listener.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
 
+    def stop_accepting(self) -> None:
+        """Stop accepting connections; the open ones and their requests in flight go on. For a socket
+        systemd passed: only this process's descriptor is closed (never ``shutdown``, which would end it for
+        the service manager's copy too), so new connections wait in the kernel's queue for the next daemon
+        instead of being answered 503. (A request on a connection accepted before gets its 503 with
+        ``Connection: close``: its retry connects anew, into that queue.)"""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, then close every connection (bounded by ``timeout_s``): an idle keep-alive
         one at once, one with a request once its answer is written. (aiohttp's ``shutdown`` alone
         waits the whole ``timeout_s`` for an idle connection's next request.)"""
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self.stop_accepting()
         if self._server is not None:
             for connection in self._server.connections:
                 connection.close()
@@ -221,8 +229,11 @@ class FrontApp:
 
     def _refused(self, refused: Refused) -> web.Response:
         self.metrics.failed.labels(refused.reason.value).inc()
-        return self._answer(error_response(refused.status, refused.message,
-                                           retry_after=RETRY_AFTER_S if refused.status == 503 else None))
+        response = error_response(refused.status, refused.message,
+                                  retry_after=RETRY_AFTER_S if refused.status == 503 else None)
+        if refused.reason is FailReason.DAEMON_EXITING:
+            response.force_close()  # the client's retry connects anew: to the next daemon (socket activation)
+        return self._answer(response)
 
     def _answer(self, response: web.Response) -> web.Response:
         self.metrics.requests.labels(str(response.status)).inc()

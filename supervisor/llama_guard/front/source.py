@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +22,14 @@ from prometheus_client import CollectorRegistry
 from llama_guard.config import Config
 from llama_guard.config.listen import host_port
 from llama_guard.core.inputs import CrashesCharged, StreamStalled
-from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.params import params_from
-from llama_guard.core.policy.port import holder_text
-from llama_guard.core.procs import port_holder
+from llama_guard.core.listen_wait import bind_waiting
+from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
-from llama_guard.front.admission import Admission, Episode
+from llama_guard.front.admission import Admission, Episode, Gate, gate_of
 from llama_guard.front.crashes import wall_time
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
@@ -43,16 +40,6 @@ if TYPE_CHECKING:  # aiohttp (~0.2 s of imports) only when the front door is on:
 
 CHECK_S = 1.0  # how often stalled streams are looked for
 CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to finish
-
-
-async def _holder(lane: Lane, port: int) -> tuple[int, str] | None:
-    """Who listens on TCP ``port`` (a /proc scan on ``lane``, bounded by PROC_TIMEOUT_S); None when
-    it cannot be told."""
-    try:
-        pid, name = await lane.run(lambda: port_holder(port), PROC_TIMEOUT_S, f"who holds port {port}")
-    except (CallTimeout, LaneBusy):
-        return None
-    return (pid, name) if pid is not None else None
 
 
 class FrontSource(Watcher):
@@ -69,6 +56,7 @@ class FrontSource(Watcher):
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
         self.listening: tuple[str, int] | None = None
+        self.activated = False  # it serves a socket systemd passed (shared with the service manager)
         self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
         self._state: State | None = None  # the policy's state: at start, then as each record of the loop leaves it
 
@@ -104,35 +92,17 @@ class FrontSource(Watcher):
         if isinstance(bound, str):
             await forwarder.close()
             return bound
-        self.listening = bound
+        self.listening, self.activated = bound, activated is not None
         self.admission, self.forwarder, self.app = admission, forwarder, app
         ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
                  max_connections=app.max_connections, activated=activated is not None)
         return None
 
     async def _listen(self, ctx: Context, app: FrontApp, address: tuple[str, int]) -> tuple[str, int] | str:
-        """Bind the front door's ``address``: the bound address, or why it cannot be bound. A port another
-        process holds is retried every ``port_retry_s`` for ``[recovery].port_wait_s`` (as
-        llama-server's port is), the holder named (``front_port_taken``) when first seen and
-        whenever it changes; then the refusal names it."""
-        front, params = ctx.config.front, params_from(ctx.config)
-        since, named = ctx.clock(), ""
-        while True:
-            try:
-                return await app.listen(*address)
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    return f"[front].listen = {front.listen!r}: cannot listen: {exc.strerror or exc}"
-            holder = holder_text(await _holder(self._proc, address[1]))
-            waited = ctx.clock() - since
-            if waited >= params.port_wait_s:
-                return (f"[front].listen = {front.listen!r}: port {address[1]} is held by {holder}, still after "
-                        f"{waited:.0f} s of retries; fix: stop that process or choose another [front].listen")
-            if holder != named:
-                named = holder
-                ctx.emit("front_port_taken", listen=host_port(*address), holder=holder, waited_s=round(waited, 1),
-                         port_wait_s=params.port_wait_s)
-            await asyncio.sleep(min(params.port_retry_s, params.port_wait_s - waited))
+        """Bind the front door's ``address``: the bound address, or why it cannot be bound; a port another
+        process holds is waited for (``front_port_taken``: :func:`~llama_guard.core.listen_wait.bind_waiting`)."""
+        return await bind_waiting(ctx, self._proc, lambda: app.listen(*address), setting="[front].listen",
+                                  value=ctx.config.front.listen, address=address, taken="front_port_taken")
 
     async def run(self, ctx: Context) -> None:
         if self.forwarder is None or self.admission is None:
@@ -157,6 +127,10 @@ class FrontSource(Watcher):
             self.forwarder.suspects.observe(step.after)  # before the gate opens to the next server
         if self.admission is not None:
             self.admission.update(step.after)
+        if self.app is not None and self.activated and gate_of(step.after) is Gate.CLOSED:
+            # The daemon ends: the next one (systemd restarts it, or the socket starts it) takes the new
+            # connections from the kernel's queue, instead of this one answering them 503 while it drains.
+            self.app.stop_accepting()
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         if self.forwarder is not None:

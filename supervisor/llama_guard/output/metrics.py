@@ -31,6 +31,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from llama_guard.core.listen_wait import bind_waiting
+from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import State
 from llama_guard.core.watcher import Context, Watcher
@@ -110,6 +112,7 @@ class MetricsSource(Watcher, Collector):
         self.ready_since_wall: float | None = None
         self.listening: tuple[str, int] | None = None
         self._listener: MetricsListener | None = None
+        self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
 
     # -- Watcher ---------------------------------------------------------------------------------
     async def start(self, ctx: Context) -> str | None:
@@ -122,10 +125,12 @@ class MetricsSource(Watcher, Collector):
 
             # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
             listener = MetricsListener(self.registry, lambda: self._state)
-            try:
-                self.listening = await listener.listen(address[0], address[1])
-            except OSError as exc:
-                return f"[metrics].listen = {ctx.config.metrics.listen!r}: cannot listen: {exc.strerror or exc}"
+            # A port another process holds is waited for, as the front door's and llama-server's are.
+            bound = await bind_waiting(ctx, self._proc, lambda: listener.listen(*address), setting="[metrics].listen",
+                                       value=ctx.config.metrics.listen, address=address, taken="metrics_port_taken")
+            if isinstance(bound, str):
+                return bound
+            self.listening = bound
             self._listener = listener
         return None
 

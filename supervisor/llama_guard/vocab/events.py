@@ -142,6 +142,7 @@ EventName = Literal[
     "server_unauthenticated",
     "front_listening",
     "front_port_taken",
+    "metrics_port_taken",
     "front_held",
     "front_request_refused",
     "server_stream_stalled",
@@ -295,17 +296,23 @@ EVENTS: tuple[EventSpec, ...] = (
                       "rounds, or no HTTP answer at all for `silent_limit_s` whatever the CPU does")),
     EventSpec("server_completion_error", _S.ERROR,
               ("llama-server pid {server_pid} answers /health but its completions fail: HTTP "
-               "{status_code}: {error} ({failures} rounds in a row)"),
+               "{status_code}: {error} ({failures} canary rounds in a row, after {client_errors} client "
+               "requests answered 5xx)"),
               subject="llama-server answers /health but its completions fail",
               body=("llama-server pid @SERVER_PID@ answered the 1-token canary completion with HTTP\n"
-                    "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes): @ERROR@.\n"
-                    "The server is up (/health says 200) but cannot serve. llama-guard stops it and starts\n"
-                    "it again, like a crash (backoff, crash-loop limit).\n"
+                    "@STATUS_CODE@ in @FAILURES@ rounds in a row ([health].hang_strikes), or in the one round\n"
+                    "that confirmed @CLIENT_ERRORS@ client requests answered 5xx in a row "
+                    "([front].hold_after_errors):\n"
+                    "@ERROR@. The server is up (/health says 200) but cannot serve. llama-guard stops it (SIGKILL\n"
+                    "1 s after SIGTERM: a wedged server may ignore SIGTERM) and starts it again, like a crash\n"
+                    "(backoff, crash-loop limit); the requests held meanwhile go to the next server.\n"
                     "\n"
                     "Read the error message: a GPU fault, a memory pool exhausted, a broken build. If it\n"
                     "repeats after restarts, the journal's server_line events before it name the cause."),
               readme=("`/health` says 200 but the canary completion answers HTTP 5xx for `hang_strikes` "
-                      "rounds: the status code and the server's error message; restarted")),
+                      "rounds, or in the one round that confirms a run of `[front].hold_after_errors` client "
+                      "5xx answers: the status code and the server's error message; stopped with a 1 s grace "
+                      "and restarted")),
     EventSpec("server_load_timeout", _S.ERROR,
               "llama-server pid {server_pid} did not become ready within {load_timeout_s:.0f} s",
               subject="llama-server did not become ready in time",
@@ -660,7 +667,10 @@ EVENTS: tuple[EventSpec, ...] = (
               "restart of llama-server requested: {reason}",
               subject="restart of llama-server requested",
               body="A restart of llama-server was requested: @REASON@ (SIGUSR1 or `llama-guard restart`).",
-              readme="an asked-for restart (`llama-guard restart`, SIGUSR1), drained first"),
+              readme=("an asked-for restart (`llama-guard restart`, SIGUSR1), drained first; always answered: "
+                      "while the server loads or restores its slots it is `deferred` (carried out once ready), "
+                      "while a restart, GPU reset or VRAM wait is on its way it is that one (`under_way`), "
+                      "while the daemon stops it is `refused` with the reason")),
     EventSpec("scheduled_restart_skipped", _S.INFO,
               "planned restart skipped: {reason}",
               subject="planned restart skipped",
@@ -810,6 +820,17 @@ EVENTS: tuple[EventSpec, ...] = (
                     "port) or choose another [front].listen."),
               readme=("the front door's port is held by another process (named: pid and name): retried every 2 "
                       "s for `[recovery].port_wait_s`, then `server_boot_failure` naming the holder, exit 78")),
+    EventSpec("metrics_port_taken", _S.WARNING,
+              ("the metrics listener's address {listen} is held by {holder}; retrying, at most "
+               "{port_wait_s:.0f} s (taken for {waited_s:.0f} s so far)"),
+              subject="the metrics listener's port is held by another process",
+              body=("The metrics listener cannot listen on @LISTEN@: @HOLDER@ holds that port. llama-guard "
+                    "retries\n"
+                    "every 2 s for [recovery].port_wait_s (@PORT_WAIT_S@ s), then exits 78 naming the holder.\n"
+                    "Stop that process (an old llama-guard, another exporter) or choose another "
+                    "[metrics].listen."),
+              readme=("the `[metrics].listen` port is held by another process (named): retried every 2 s for "
+                      "`[recovery].port_wait_s`, then exit 78 naming the holder")),
     EventSpec("front_held", _S.NOTICE,
               ("front door held {held} requests while llama-server was {phase} (longest {longest_s:.1f} "
                "s from arrival): {forwarded} forwarded, {replayed} replayed, {failed} failed, {gone} "
@@ -863,14 +884,20 @@ EVENTS: tuple[EventSpec, ...] = (
                       "them with no progress between: `server_hang`)")),
     EventSpec("server_http_errors", _S.WARNING,
               ("llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx (last "
-               "{status})"),
+               "{status}); new requests held while a liveness round confirms: {held}"),
               subject="llama-server answers with HTTP 5xx",
               body=("llama-server @SERVER_PID@ answered @ERRORS@ client requests in a row with a 5xx status "
                     "(the\n"
-                    "last @STATUS@). llama-guard does not restart for this (a client can cause 500s); read "
-                    "the\n"
-                    "server's lines around it (server_log_file, journalctl) for the cause."),
-              readme="the server answered 5 requests in a row with 5xx (reported, never a restart)"),
+                    "last @STATUS@; [front].hold_after_errors). llama-guard does not restart for this alone (a "
+                    "client\n"
+                    "can cause 500s): with the canary on (held: @HELD@) the front door holds new requests while "
+                    "one\n"
+                    "liveness round confirms at once; a canary answered 5xx too is server_completion_error, any\n"
+                    "other answer releases them. Read the server's lines around it (server_log_file, "
+                    "journalctl)."),
+              readme=("the server answered `[front].hold_after_errors` requests in a row with 5xx: new requests "
+                      "are held while one liveness round confirms at once (a 5xx canary: "
+                      "`server_completion_error`; anything else releases them)")),
     # Each slot's KV cache carried across restarts (llama_guard.slots).
     EventSpec("slot_saved", _S.INFO,
               "saved slot {slot_id} ({n_tokens} tokens, {bytes} bytes) in {save_ms:.0f} ms ({reason})",

@@ -38,7 +38,7 @@ from llama_guard.core.inputs import (
     StopRequest,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
-from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped
+from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped, restart_meanwhile
 from llama_guard.core.policy.port import on_port_holder
 from llama_guard.core.policy.repeat import on_crashes_charged
 from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
@@ -78,6 +78,8 @@ def _decide(state: State, event: Input, now: float) -> Result:
         return replace(state, build=event.text), []
     if isinstance(event, CrashesCharged):
         return on_crashes_charged(state, event, now)
+    if isinstance(event, RestartRequest) and state.phase in _RESTART_UNDER_WAY:
+        return restart_meanwhile(state, event)
     return _HANDLERS[state.phase](state, event, now)
 
 
@@ -88,6 +90,10 @@ def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
         return decide(state, RestartRequest("configuration changed", cause=RestartCause.CONFIG_CHANGE), now)
     return state, []
 
+
+#: The phases in which a restart asked for is either the one under way or refused (the daemon ends); a
+#: changed configuration's restart is the start's own business there too (it spawns with the new flags).
+_RESTART_UNDER_WAY = frozenset({Phase.STOPPED, Phase.WAITING_VRAM, Phase.RESETTING, Phase.STOPPING})
 
 #: Each phase's handler (every phase but EXITED, which ignores every input).
 _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {

@@ -73,10 +73,15 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
-        if event.cause is not RestartCause.CONFIG_CHANGE:
-            # Restarting a load does not make it faster: a plain request waits for READY.
+        if event.cause is RestartCause.OPERATOR:
+            # Restarting a load does not make it faster: an operator's request (the load may hang, a slot
+            # restore too) is carried out once the server is ready (on_starting's HealthOk).
+            return replace(state, deferred_restart=(event.cause, event.reason)), [Emit("restart_requested", {
+                "server_pid": state.pid, "reason": event.reason,
+                "deferred": "the server is still loading; it restarts once ready"})]
+        if event.cause is not RestartCause.CONFIG_CHANGE:  # a plan: the server being started is a fresh one
             return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason,
-                                                      "ignored": "the server is still loading"})]
+                                                      "refused": "the server is still loading: a fresh one"})]
         # Changed server flags: the process being started has the old argv (even before its pid is
         # known: the stop then waits for the spawn to answer).
         new, actions = stop(restart_for(state, event.cause), now, AfterStop.RESTART, event.reason)
@@ -102,7 +107,12 @@ def on_starting(state: State, event: Input, now: float) -> Result:
             fields["port_pid"] = event.port_pid
             fields["port_owner"] = (f"descendant pid {event.port_pid}"
                                     f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
-        return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
+        ready_actions: list[Action] = [*recovered, Emit("server_ready", fields), NotifyReady()]
+        if state.deferred_restart is not None:  # asked for while it loaded: now
+            cause, reason = state.deferred_restart
+            new, restart = on_serving(replace(new, deferred_restart=None), RestartRequest(reason, cause=cause), now)
+            ready_actions += restart
+        return new, ready_actions
     if isinstance(event, LoadProgress) and event.pid == state.pid:
         return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:
@@ -209,7 +219,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         return state, []
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
-            return state, []
+            return restart_meanwhile(state, event)
         state = restart_for(state, event.cause)
         uptime = now - (state.ready_at or now)
         emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
@@ -239,19 +249,27 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
         recovered = alloc_recovered(state, "the server still serves (the failing request got an error)")
         state = replace(state, alloc_failure="")
     failed, silent = completion_failed(event), silent_too_long(event, state.params)
+    # A confirming round (the front door holds requests after a run of 5xx answers): a failing canary
+    # confirms the clients' errors at once; any other round releases the hold (no further run, no hold).
+    confirmed = failed and event.confirm and state.confirming
+    client_errors = state.http_errors
+    if event.confirm and state.confirming and not failed:
+        state = replace(state, http_errors=0)
     if not (failed or silent) and (answered(event) or moving):
         return (replace(state, strikes=0) if state.strikes else state), recovered
     strikes = state.strikes + 1
-    if strikes < state.params.hang_strikes and not silent:
+    if strikes < state.params.hang_strikes and not silent and not confirmed:
         return replace(state, strikes=strikes), recovered
     assert state.pid is not None
     if failed:  # it answers, and says its completions fail: not a hang
+        # Judged broken: its graceful stop cannot help the clients (a wedged server may ignore SIGTERM).
         reason = f"completion_error: HTTP {event.canary_status}: {event.canary_error}"
         new = replace(fail(state, RestartCause.COMPLETION_ERROR, reason), strikes=strikes)
-        new, actions = stop(new, now, AfterStop.FAILURE, reason)
+        new, actions = stop(new, now, AfterStop.FAILURE, reason, grace_s=HUNG_GRACE_S)
         return new, [*recovered, Emit("server_completion_error", {
             "server_pid": state.pid, "failures": strikes, "status_code": event.canary_status,
-            "error": event.canary_error, "phase": state.phase.value}), *actions]
+            "error": event.canary_error, "phase": state.phase.value,
+            "client_errors": client_errors if confirmed else 0}), *actions]
     reason = event.detail or ("/health failed" if not event.health_ok else "canary completion failed")
     if silent:
         reason += (f"; no HTTP answer at all for {event.silent_s:.0f} s (silent_limit_s "
@@ -263,6 +281,18 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     new, actions = stop(new, now, AfterStop.FAILURE, "hang", grace_s=HUNG_GRACE_S)
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
+
+
+def restart_meanwhile(state: State, event: RestartRequest) -> Result:
+    """A restart asked for while the server is neither serving, loading nor backing off (draining,
+    stopping, resetting the GPU, waiting for VRAM): a stop that ends the daemon refuses it; otherwise
+    the restart or start under way is the one asked for. Either way it is said (``restart_requested``)."""
+    fields: dict[str, object] = {"server_pid": state.pid, "reason": event.reason}
+    if state.phase in (Phase.DRAINING, Phase.STOPPING, Phase.RESETTING) and state.after_stop is AfterStop.EXIT:
+        fields["refused"] = f"llama-guard is stopping ({state.exit_reason or 'asked to'}): no server follows"
+    else:
+        fields["under_way"] = f"a new server is already on its way ({state.phase.value})"
+    return state, [Emit("restart_requested", fields)]
 
 
 def on_backoff(state: State, event: Input, now: float) -> Result:

@@ -5,21 +5,27 @@ proves the server decoded (never a mere 2xx: a ``/health`` poller proves nothing
 clears the hang strikes, and the liveness round after it sends no canary); a response that had begun and then
 got no byte for ``[front].stall_timeout_s`` is a stall — ``hang_strikes`` stalls with no progress in
 between (no completed request, no movement of the token counters) are a hang, found by the traffic
-itself. 5xx answers are counted and reported, never a reason to restart on their own: a client can
-make llama-server answer 500 at will, and one bad client must not restart the server for everyone.
+itself. 5xx answers are counted, never a reason to restart on their own: a client can make
+llama-server answer 500 at will, and one bad client must not restart the server for everyone. A run of
+``hold_after_errors`` of them with no request completed between is reported and, with the canary on,
+makes the front door hold new requests (:attr:`State.confirming`) while one liveness round confirms at
+once (:class:`ConfirmCompletions`): its canary failing too is the verdict (:mod:`.phases`), so that a
+wedged server (``/health`` 200, every completion 500) costs its clients that run, not ``hang_strikes``
+rounds of 500s. 501 (a feature the server was not started for) says nothing about the server and
+never counts.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.actions import Emit
+from llama_guard.core.actions import Action, ConfirmCompletions, Emit
 from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.policy.steps import Result, fail, stop
 from llama_guard.core.types import AfterStop, RestartCause, State
 
-#: 5xx answers in a row (no 2xx between them) after which ``server_http_errors`` is reported, once per run.
-HTTP_ERRORS_REPORTED = 5
+#: The 5xx status a client's request earns alone (llama-server was not started for what it asks).
+NOT_IMPLEMENTED = 501
 
 
 def on_traffic(state: State, event: Input, now: float) -> Result | None:
@@ -34,13 +40,16 @@ def on_traffic(state: State, event: Input, now: float) -> Result | None:
             "server_pid": state.pid, "restart_to_first_token_s": round(now - state.restart_at, 3)})]
     if isinstance(event, StreamStalled) and event.pid == state.pid:
         return _stalled(state, event, now)
-    if isinstance(event, UpstreamError) and event.pid == state.pid:
-        errors = state.http_errors + 1
-        actions: list[Emit] = []
-        if errors == HTTP_ERRORS_REPORTED:
-            actions.append(Emit("server_http_errors", {"server_pid": state.pid, "errors": errors,
-                                                       "status": event.status}))
-        return replace(state, http_errors=errors), list(actions)
+    if isinstance(event, UpstreamError) and event.pid == state.pid and event.status != NOT_IMPLEMENTED:
+        new = replace(state, http_errors=state.http_errors + 1)
+        if new.http_errors != state.params.hold_after_errors:
+            return new, []
+        held = new.confirming
+        actions: list[Action] = [Emit("server_http_errors", {"server_pid": state.pid, "errors": new.http_errors,
+                                                             "status": event.status, "held": held})]
+        if held:
+            actions.append(ConfirmCompletions(state.pid))
+        return new, actions
     return None
 
 
