@@ -34,7 +34,7 @@ _LIVE: dict[str, frozenset[str]] = {
     # The front door reads these per request; listen, header_timeout_s and max_connections are fixed
     # when its listener opens.
     "front": frozenset({"hold_timeout_s", "max_held", "max_body_bytes", "max_buffered_bytes", "body_timeout_s",
-                        "stall_timeout_s"}),
+                        "stall_timeout_s", "first_event_timeout_s"}),
 }
 # Keys fixed when a server starts: in force from the next start (no restart is forced for them).
 _NEXT_SERVER: dict[str, frozenset[str]] = {

@@ -31,6 +31,8 @@ class FrontMetrics:
                             registry=reg)
         self.replayed = Counter("llama_guard_front_requests_replayed", "requests sent once more to the next "
                                 "server (no byte had come back)", registry=reg)
+        self.resumed = Counter("llama_guard_front_streams_resumed", "streams of generated text cut by a server's "
+                               "end and continued by the next server from the text already sent", registry=reg)
         self.crash_refusals = Counter("llama_guard_front_crash_refusals", "requests (a method, target and body) "
                                       "found in flight at two llama-server crashes, refused from then on for "
                                       "[front].crash_refuse_s", registry=reg)
