@@ -6,18 +6,23 @@ The rules (ours; the HTTP work is aiohttp's):
 - A connection llama-server refused or did not accept (it died, or is not listening yet) was never
   sent: the request waits again (held, bounded by ``hold_timeout_s``) and is tried again.
 - A request that was sent and got no byte of its answer's body back before the connection failed (the
-  server died under it) is sent once more, to the next ready server, if that is safe (a GET/HEAD or
-  an inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why). The status line and
-  headers alone do not count: an answer of known length is held until its first body bytes
-  (:meth:`Relay.opening`), and a stream — whose headers llama-server sends when it takes the request,
+  server died under it) is sent again, to the next ready server, if that is safe (a GET/HEAD or an
+  inference POST: :mod:`llama_guard.front.endpoints`; else 502 naming why) — after each server end, as
+  long as its answer has not begun, each wait for the next server a hold of its own (the ends are bounded
+  by the policy's restart rules). The status line and headers alone do not count, nor SSE comments
+  (llama-server's pings): an answer of known length is held until its first body bytes
+  (:meth:`Relay.opening`), and a stream — whose headers llama-server sends when a slot takes the request,
   before its prefill, and the front door sends on at once — is continued by the next server's stream
-  (:class:`~llama_guard.front.relay.Unanswered`). A second such failure is answered 502 — 422 when
-  the request was in flight at both as crashes (an SSE error event with that code for a stream whose
-  headers went out): requests in flight at a crash are suspects, sent alone
+  (:class:`~llama_guard.front.relay.Unanswered`). A failure under a server that had failed it before is
+  answered 502 — 422 when the request was in flight at two crashes (an SSE error event with that code
+  for a stream whose headers went out): requests in flight at a crash are suspects, sent alone
   (:mod:`llama_guard.front.crashes`, its lane), and one in flight at two crashes is refused for
   ``[front].crash_refuse_s``, its retries included.
-- Once the answer has begun (its first body byte reached the client) nothing is replayed: the answer
-  is relayed (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy inputs, stalled streams).
+- Once the answer has begun (its first event reached the client) it is not sent again as it was: a stream
+  of generated text cut by a server's end is resumed (:class:`~llama_guard.front.relay.Cut`,
+  :mod:`llama_guard.front.resume`: the next server continues from the text already sent), any other
+  answer is relayed to its cut (:mod:`llama_guard.front.relay`: its cut, its outcomes as policy inputs,
+  stalled streams, the bound on a first event).
 - Headers and bodies pass through untouched but for the hop-by-hop headers
   (:mod:`llama_guard.front.headers`). Nothing here logs a header or a body.
 """

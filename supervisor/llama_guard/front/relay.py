@@ -1,14 +1,17 @@
 """Relaying an answer that began in llama-server to the client, byte for byte as it comes.
 
-An answer begins with its first body byte; until then the request may still be replayed
-(:meth:`Relay.opening`, :class:`Unanswered`), nothing of a begun answer is. A body cut by a server failure ends, for
-``text/event-stream``, with one SSE error event and a closed body (:mod:`llama_guard.front.sse`);
-any other body is cut short (the connection is closed before its end), so that the client can tell
-it is incomplete. Outcomes are typed inputs to the policy: a generation or embedding answered in
-full whose answer proves the server decoded (:mod:`llama_guard.front.decoded`; any other 2xx proves
-nothing) is :class:`RequestCompleted`, a 5xx is :class:`UpstreamError`, the first byte of a held
-request's 2xx answer is :class:`FirstToken`; :meth:`Relay.stalled` finds streams that stopped
-(seconds of monotonic ``clock``).
+An answer begins with its first event — its first body byte, but for SSE comments (llama-server's
+pings); until then the request may still be replayed (:meth:`Relay.opening`, :class:`Unanswered`).
+A stream of generated text cut after that raises :class:`Cut` for the forwarder to resume
+(:mod:`llama_guard.front.resume`); any other body cut by a server failure ends, for
+``text/event-stream``, with one SSE error event and a closed body (:mod:`llama_guard.front.sse`), and
+is otherwise cut short (the connection is closed before its end), so that the client can tell it is
+incomplete. An answer a slot took (its headers came) whose first event does not come within
+``[front].first_event_timeout_s`` ends with 504 and is reported as a stall. Outcomes are typed inputs
+to the policy: a generation or embedding answered in full whose answer proves the server decoded
+(:mod:`llama_guard.front.decoded`; any other 2xx proves nothing) is :class:`RequestCompleted`, a 5xx
+is :class:`UpstreamError`, the first event of a held request's 2xx answer is :class:`FirstToken`;
+:meth:`Relay.stalled` finds streams that stopped (seconds of monotonic ``clock``).
 """
 
 from __future__ import annotations
