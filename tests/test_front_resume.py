@@ -66,6 +66,8 @@ def test_a_chat_gets_the_text_sent_back_as_the_start_of_the_assistants_message()
     assert isinstance(body, dict)
     assert body["messages"] == [{"role": "user", "content": "A poem"}, {"role": "assistant", "content": "The sea"}]
     assert body["max_completion_tokens"] == 18
+    # said outright: llama-server's stream then leaves out the text given back (it would send it again)
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
 
 
 def test_a_chat_with_its_own_prefill_is_continued_after_it() -> None:

@@ -3,8 +3,8 @@
 A client's stream that had begun (its first event went out) and was cut by llama-server's end is
 continued by the next server: the request is sent again with the text the client already has given
 back — appended to the raw prompt (``/completion``, ``/completions``, ``/v1/completions``), or as the
-start of the assistant's message (``/chat/completions``, ``/v1/chat/completions``: llama-server's
-assistant prefill, a trailing assistant message continued, not closed) — and the token budget
+start of the assistant's message (``/chat/completions``, ``/v1/chat/completions``: a trailing assistant
+message continued, not closed, with ``continue_final_message``) — and the token budget
 (``n_predict`` / ``max_tokens`` / ``max_completion_tokens``) less the tokens that text took. At
 temperature 0 the continuation is the uncut answer's rest.
 
@@ -185,6 +185,10 @@ def continuation(api: Api, body: bytes, transcript: Transcript, *, chat_prefill:
         else:
             messages.append({"role": "assistant", "content": text})
         out["messages"] = messages
+        # Said outright (not left to the prefill llama-server infers from a trailing assistant message):
+        # only then does its stream leave out the text given back (task_result_state, is_continuation).
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
     else:
         prompt = _prompt(request.get("prompt"), text)
         if isinstance(prompt, str):
