@@ -100,7 +100,7 @@ class Outcome(enum.Enum):
     """How a held request's hold ended (each ends in exactly one)."""
 
     FORWARDED = "forwarded"  # released to the ready server
-    REPLAYED = "replayed"    # released to the ready server, sent once more (the first got no byte back)
+    REPLAYED = "replayed"    # released to the ready server, sent again (a server failed it before its answer began)
     FAILED = "failed"        # answered 503 by the front door (held past its deadline, or the daemon is ending)
     GONE = "gone"            # the client left while it was held
 

@@ -292,7 +292,7 @@ CATALOG: dict[EventName, EventSpec] = {
                   "a request ({method} {path}, body sha256 {body_sha256}) was in flight at two llama-server "
                   "crashes (pids {server_pids}): refused with 422 until {until} ({refuse_s} s)"),
         EventSpec("server_stream_stalled", _S.WARNING,
-                  "a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s "
+                  "a response of llama-server pid {server_pid} got no event for {stalled_s:.0f} s "
                   "(stall {stalls} of {hang_strikes})"),
         EventSpec("server_http_errors", _S.WARNING,
                   "llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx "
