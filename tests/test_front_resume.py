@@ -105,8 +105,9 @@ def test_nothing_generated_yet_sends_the_same_request_again() -> None:
     (Api.NATIVE, {"prompt": "x", "stream": True}, sse({"content": "", "stop": True}), "last event"),
     (Api.NATIVE, {"prompt": "x", "stream": True}, b'data: {"error": {"code": 500}}\n\n', "error event"),
     (Api.COMPLETIONS, {"prompt": "x", "stream": True, "echo": True}, b"", "echoes"),
+    (Api.NATIVE, {"prompt": "x", "stream": True, "n_predict": 2}, sse(native("a", 1), native("b", 2)), "budget"),
 ], ids=["chat-logprobs", "n_probs", "n", "n_cmpl", "tools", "tool-call-half-sent", "reasoning", "json", "grammar",
-        "several-prompts", "cut-inside-an-event", "complete", "error-event", "echo"])
+        "several-prompts", "cut-inside-an-event", "complete", "error-event", "echo", "budget-spent"])
 def test_a_stream_that_cannot_be_continued_exactly_says_why(api: Api, request_: dict[str, Any], stream: bytes,
                                                              why: str) -> None:
     reason = resumed(api, request_, stream)

@@ -197,7 +197,9 @@ def continuation(api: Api, body: bytes, transcript: Transcript, *, chat_prefill:
     for key in BUDGET_KEYS:
         value = request.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            out[key] = max(0, value - transcript.tokens)
+            if value <= transcript.tokens:  # llama-server predicts one token even for a budget of 0
+                return "the answer's token budget was spent: only its last event was missing"
+            out[key] = value - transcript.tokens
     return json.dumps(out, ensure_ascii=False).encode()
 
 
