@@ -49,6 +49,16 @@ completion takes (so that other requests are in flight when it ends). Every POST
 in a stream's prefill, or whose other thread crashes between cpp-httplib's header and body writes; then
 servers answer normally.
 
+``$FAKE_LLAMA_HEADERS_THEN_SIGNAL`` (default ``ABRT``): the signal those deaths are by — ``KILL`` stands for a
+kill -9 from outside (no crash a request causes). ``$FAKE_LLAMA_PING_FIRST`` (``1``): a stream sends an SSE
+comment (``:``, llama-server's ping) right after its headers, also before such a death.
+
+``$FAKE_LLAMA_SILENT_AFTER`` (a number N): a completion sends its headers (a stream's, or a whole answer's
+``Content-Length``) and N events, then nothing more, ever (a decode wedged while the HTTP thread lives); with
+``$FAKE_LLAMA_PING_S``, the silence is filled with SSE pings that often (as llama-server's
+``--sse-ping-interval`` does). ``$FAKE_LLAMA_CUT_AFTER`` (a number N): a stream sends N events, then the
+server dies by SIGKILL — once: the file ``$FAKE_LLAMA_CUT_MARK`` names counts it.
+
 A ``/completion`` with ``"stream": true`` is answered as llama-server streams (Server-Sent Events, one HTTP
 chunk per event, the headers first): ``n_predict`` events of one token each, ``$FAKE_LLAMA_EVENT_S``
 (default 0.013 s) apart, then the final event with ``timings``; when ``$FAKE_LLAMA_STREAM_GATE`` names a
@@ -102,6 +112,12 @@ CLOSE_AFTER_S = float(os.environ.get("FAKE_LLAMA_CLOSE_AFTER_S", "0"))
 HEADERS_THEN_ABORT = os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT", "")
 HANG_WHILE = os.environ.get("FAKE_LLAMA_HANG_WHILE", "")
 HEADERS_THEN_ABORT_TIMES = int(os.environ.get("FAKE_LLAMA_HEADERS_THEN_ABORT_TIMES", "1"))
+HEADERS_THEN_SIGNAL = getattr(signal, "SIG" + os.environ.get("FAKE_LLAMA_HEADERS_THEN_SIGNAL", "ABRT"))
+PING_FIRST = os.environ.get("FAKE_LLAMA_PING_FIRST", "") == "1"
+SILENT_AFTER = int(os.environ.get("FAKE_LLAMA_SILENT_AFTER", "-1"))
+PING_S = float(os.environ.get("FAKE_LLAMA_PING_S") or "0")
+CUT_AFTER = int(os.environ.get("FAKE_LLAMA_CUT_AFTER", "-1"))
+CUT_MARK = os.environ.get("FAKE_LLAMA_CUT_MARK", "")
 BUSY_UNTIL = [0.0]  # monotonic end of the busy batch (busy_http)
 LOCK = threading.Lock()
 COUNTERS = {"n_decode_total": 0, "tokens_predicted_total": 0}
@@ -209,14 +225,17 @@ class Handler(BaseHTTPRequestHandler):
         after the one before (the first after the headers) — but when ``$FAKE_LLAMA_STREAM_GATE`` names a
         file, the second not before that file exists; then the final event with ``timings``."""
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        self.wfile.flush()
-        events = [{"content": "x", "stop": False}] * tokens
+        self.stream_headers()
+        events = [{"content": "x", "stop": False, "tokens_predicted": i + 1} for i in range(tokens)]
         events.append({"content": "", "stop": True, "timings": {**timings, "predicted_n": tokens}})
+        cut = CUT_AFTER >= 0 and not os.path.exists(CUT_MARK)
         for i, event in enumerate(events):
+            if i == SILENT_AFTER:
+                self.silence()
+            if cut and i == CUT_AFTER:
+                with open(CUT_MARK, "a", encoding="utf-8") as f:
+                    f.write(f"{os.getpid()}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
             if i == 1 and STREAM_GATE:
                 while not os.path.exists(STREAM_GATE):
                     time.sleep(0.01)
@@ -227,6 +246,24 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         time.sleep(CLOSE_AFTER_S)
         self.close_connection = True  # as llama-server does after a streamed answer (its Keep-Alive header aside)
+
+    def stream_headers(self) -> None:
+        """A stream's status line and headers (and a ping, with ``$FAKE_LLAMA_PING_FIRST``)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if PING_FIRST:
+            self.wfile.write(b"3\r\n:\n\n\r\n")
+        self.wfile.flush()
+
+    def silence(self) -> None:
+        """Send nothing more, ever — but a ping each ``$FAKE_LLAMA_PING_S`` (a chunked stream only)."""
+        while True:
+            time.sleep(PING_S or 3600)
+            if PING_S:
+                self.wfile.write(b"3\r\n:\n\n\r\n")
+                self.wfile.flush()
 
     def do_GET(self) -> None:
         if self.path != "/health":
@@ -285,18 +322,25 @@ class Handler(BaseHTTPRequestHandler):
         if HEADERS_THEN_ABORT and deaths_so_far() < HEADERS_THEN_ABORT_TIMES:
             with open(HEADERS_THEN_ABORT, "a", encoding="utf-8") as f:
                 f.write(f"{os.getpid()}\n")
-            self.send_response(200)
             if body.get("stream"):
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
+                self.stream_headers()
             else:
+                self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", "227")
+                self.end_headers()
+                self.wfile.flush()
+            if HEADERS_THEN_SIGNAL == signal.SIGABRT:
+                raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
+            os.kill(os.getpid(), HEADERS_THEN_SIGNAL)
+            return
+        if SILENT_AFTER == 0 and not body.get("stream"):  # a whole answer's headers, then no byte of it
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "227")
             self.end_headers()
             self.wfile.flush()
-            raw("/src/ggml/src/ggml-cuda/ggml-cuda.cu:97: CUDA error")
-            os.kill(os.getpid(), signal.SIGABRT)
-            return
+            self.silence()
         if FAULT == "replay_request_abort":
             replay_and_abort()
             return

@@ -150,10 +150,12 @@ def test_server_never_ready_held_requests_get_503_within_hold_timeout(front: Any
     assert metric(run, "llama_guard_front_requests_failed_total") == 3
 
 
-def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: Any) -> None:
+def test_stream_that_cannot_be_resumed_ends_with_an_sse_error_naming_why_and_is_not_replayed(front: Any) -> None:
+    # The stream asks for logprobs (n_probs): a resume would compute them from another context, so the
+    # kill -9 mid-stream ends it as before — one error event that says why — and nothing is sent again.
     run = front().start()
     first = run.wait_event("server_ready", 60)["server_pid"]
-    body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True, "n_probs": 1}
     lines: list[str] = []
     with httpx.stream("POST", f"http://127.0.0.1:{run.front}/completion", json=body, timeout=120.0) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
@@ -163,10 +165,11 @@ def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: A
             if len(lines) == 2:
                 os.kill(first, signal.SIGKILL)
     events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-    filled = [line for line in lines if line]
+    filled = [line for line in lines if line and not line.startswith(":")]
     assert filled[-2] == "event: error" and filled[-1].startswith("data: ")
     error = json.loads(events[-1])
     assert error["type"] == "error" and error["error"]["code"] == 502 and "incomplete" in error["error"]["message"]
+    assert "cannot be resumed" in error["error"]["message"] and "logprobs" in error["error"]["message"], error
     assert all("content" in json.loads(e) for e in events[:-1])  # the tokens that came before, untouched
     assert "[DONE]" not in lines
     second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
@@ -175,6 +178,53 @@ def test_stream_cut_by_crash_ends_with_an_sse_error_and_is_not_replayed(front: A
     assert not any("launch_slot" in line or "processing task" in line for line in lines_of_second)
     assert metric(run, "llama_guard_front_requests_replayed_total") == 0
     assert metric(run, 'llama_guard_front_requests_failed_total{reason="stream_cut"}') == 1
+
+
+RESUMED = [  # (path, body, the text of one event): raw prompt, OpenAI completions, OpenAI chat
+    ("/completion", {"prompt": "Once upon a time, in a quiet vil", "n_predict": 16}, lambda e: e.get("content", "")),
+    ("/v1/completions", {"prompt": "The three primary colors are", "max_tokens": 16},
+     lambda e: e["choices"][0]["text"] if e.get("choices") else ""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+                              "max_tokens": 16},
+     lambda e: (e["choices"][0]["delta"].get("content") or "") if e.get("choices") else ""),
+]
+
+
+def _streamed_text(port: int, path: str, body: dict[str, Any], text_of: Any, kill: int | None = None) -> str:
+    """The text of one stream through the front door, read as an SDK that cannot retry it reads it
+    (an error event or a transport error fails the test); ``kill``: kill -9 that pid after 5 events."""
+    events = 0
+    text = ""
+    with httpx.stream("POST", f"http://127.0.0.1:{port}{path}", timeout=240.0,
+                      json={**body, "stream": True, "temperature": 0}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            assert not line.startswith("event: error"), line
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            text += text_of(event)
+            events += 1
+            if kill is not None and events == 5:
+                os.kill(kill, signal.SIGKILL)
+    return text
+
+
+@pytest.mark.timeout(900)  # two streams and a restart, at a loaded 2-core host's speed
+@pytest.mark.parametrize(("path", "body", "text_of"), RESUMED, ids=["completion", "v1-completions", "chat"])
+def test_a_stream_cut_by_kill_9_mid_way_is_resumed_with_the_uncut_text(front: Any, path: str, body: dict[str, Any],
+                                                                       text_of: Any) -> None:
+    """kill -9 of the real llama-server after 5 events of a stream at temperature 0: the next server
+    continues from the text already sent (after the raw prompt; as the start of the assistant's
+    message for a chat) with the rest of the token budget, and the client's one stream ends as the
+    uncut one does, text for text."""
+    run = front().start()
+    pid = run.wait_event("server_ready", 90)["server_pid"]
+    reference = _streamed_text(run.front, path, body, text_of)
+    assert _streamed_text(run.front, path, body, text_of, kill=pid) == reference
+    assert metric(run, "llama_guard_front_streams_resumed_total") == 1
+    assert metric(run, "llama_guard_front_requests_failed_total") == 0
 
 
 def test_first_event_is_relayed_before_the_server_sends_the_second(front: Any, tmp_path: Path) -> None:
@@ -277,7 +327,9 @@ def _sse_stream(port: int, n_predict: int) -> tuple[int, str]:
     has ``"stop": true``, "error": an SSE error event, "json": the front door's own JSON error)."""
     body = {"prompt": "Write a long story about a lighthouse.", "n_predict": n_predict, "ignore_eos": True,
             "stream": True, "cache_prompt": False}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/completion", json=body, timeout=120.0) as resp:
+    # Every stream is now served to its end — replayed at each server end before its first event, resumed
+    # after it — so the last of 64 waits in llama-server's queue (4 slots) behind the others' tokens.
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/completion", json=body, timeout=600.0) as resp:
         lines = list(resp.iter_lines())
     if resp.status_code != 200:
         return resp.status_code, "json" if lines and json.loads(lines[0])["error"] else "?"
@@ -286,6 +338,7 @@ def _sse_stream(port: int, n_predict: int) -> tuple[int, str]:
     return 200, ended
 
 
+@pytest.mark.timeout(900)
 def test_three_kills_under_64_streams_every_client_gets_an_end_and_nothing_stays_held(front: Any) -> None:
     """kill -9 three times in a row while 64 streams run through the front door, the second one as soon as
     the restarted server is ready (while the held requests are being released): every client gets an end
@@ -296,7 +349,7 @@ def test_three_kills_under_64_streams_every_client_gets_an_end_and_nothing_stays
                  "front": {"hold_timeout_s": 120.0}}).start()
     run.wait_event("server_ready", 60)
     with ThreadPoolExecutor(64) as pool:
-        streams = [pool.submit(_sse_stream, run.front, 24) for _ in range(64)]
+        streams = [pool.submit(_sse_stream, run.front, 12) for _ in range(64)]
         wait_for(lambda: metric(run, "llama_guard_front_requests_in_flight") >= 4, 30, "streams in flight")
         for kill in range(3):
             pid = run.wait_event("server_ready", 90, skip=kill)["server_pid"]

@@ -27,3 +27,18 @@ SECRET_NAME = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)(_|$)", r
 def is_secret_env(name: str) -> bool:
     """Whether an environment variable (or flag) named ``name`` carries a secret by its name."""
     return SECRET_NAME.search(name.replace("-", "_")) is not None
+
+
+# Switches that keep llama-server from continuing a trailing assistant message (its assistant prefill,
+# on by default), with the environment variables that set them (llama.cpp's common/arg.cpp).
+_NO_PREFILL_FLAGS = frozenset({"--no-prefill-assistant", "--no-jinja"})
+_PREFILL_ENV = ("LLAMA_ARG_PREFILL_ASSISTANT", "LLAMA_ARG_JINJA")
+_FALSEY = frozenset({"off", "disabled", "false", "0"})  # common_arg_utils::is_falsey
+
+
+def chat_prefill(extra_args: list[str], env: dict[str, str]) -> bool:
+    """Whether llama-server, started with ``extra_args`` and ``env``, continues a chat whose last
+    message is the assistant's (the prefill: Jinja templates on, ``--prefill-assistant`` not turned off)."""
+    if any(arg in _NO_PREFILL_FLAGS for arg in extra_args):
+        return False
+    return not any(env.get(name, "").strip().lower() in _FALSEY for name in _PREFILL_ENV)

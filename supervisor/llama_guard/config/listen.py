@@ -48,7 +48,11 @@ class FrontConfig(Listener):
     ``header_timeout_s``: a connection must deliver a request's head within this many seconds of
     connecting or of its previous answer (else closed); ``body_timeout_s``: the whole body within
     this many seconds (else 408). ``stall_timeout_s``: a response that had begun and then gets no
-    byte for this long is reported to the policy as stalled (0 = off). ``max_connections``: client
+    event for this long is reported to the policy as stalled (0 = off; SSE comments, llama-server's
+    pings, are no event). ``first_event_timeout_s``: an answer whose headers came (llama-server took the
+    request into a slot: its prefill runs) and whose first event (a stream's first SSE data event, another
+    answer's first body byte) has not come within this many seconds is ended with 504 (an SSE error event
+    for a stream) and reported to the policy as stalled (0 = off). ``max_connections``: client
     connections open at once (more are closed at once; the daemon's RLIMIT_NOFILE must allow them).
     ``stop_drain_s``: on SIGTERM/SIGINT, how long the requests in flight may finish before llama-server
     is stopped, while new ones get 503 at once (0 = stop at once).
@@ -68,6 +72,7 @@ class FrontConfig(Listener):
     header_timeout_s: PositiveFloat = 15.0
     body_timeout_s: Annotated[PositiveFloat, Reload.LIVE] = 60.0
     stall_timeout_s: Annotated[float, Field(ge=0.0), Reload.LIVE] = 120.0
+    first_event_timeout_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False), Reload.LIVE] = 300.0
     max_connections: int = Field(16384, ge=1)
     stop_drain_s: float = Field(120.0, ge=0.0, allow_inf_nan=False)
     crash_refuse_s: PositiveFloat = 600.0

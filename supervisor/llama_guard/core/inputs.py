@@ -297,8 +297,9 @@ class FirstToken(Input):
 
 @dataclass(frozen=True)
 class StreamStalled(Input):
-    """A response from server ``pid`` had begun and then got no byte for ``stalled_s`` seconds
-    (``[front].stall_timeout_s``): a decode that stopped under a client."""
+    """A response from server ``pid`` had begun and then got no event for ``stalled_s`` seconds
+    (``[front].stall_timeout_s``), or was taken by a slot and sent no first event within
+    ``[front].first_event_timeout_s``: a decode (or prefill) that stopped under a client."""
 
     pid: int
     stalled_s: float

@@ -45,23 +45,27 @@ class FailReason(enum.Enum):
     STREAM_CUT = "stream_cut"            # a response that had begun was cut by a server failure
     NOT_REPLAYABLE = "not_replayable"    # the server failed before answering; not safe to send again
     CRASHED_TWICE = "crashed_twice"      # in flight at two llama-server crashes: refused for a while
+    FIRST_EVENT_TIMEOUT = "first_event_timeout"  # taken by a slot, no first event within [front].first_event_timeout_s
 
 
-_STATUS = {FailReason.UPSTREAM_FAILED: 502, FailReason.NOT_REPLAYABLE: 502, FailReason.CRASHED_TWICE: 422}
+_STATUS = {FailReason.UPSTREAM_FAILED: 502, FailReason.NOT_REPLAYABLE: 502, FailReason.CRASHED_TWICE: 422,
+           FailReason.STREAM_CUT: 502, FailReason.FIRST_EVENT_TIMEOUT: 504}
 _MESSAGE = {
     FailReason.HOLD_TIMEOUT: "llama-server did not become ready within [front].hold_timeout_s",
     FailReason.QUEUE_FULL: "too many requests are waiting for llama-server ([front].max_held)",
     FailReason.BUFFER_FULL: "too many request bytes are waiting for llama-server ([front].max_buffered_bytes)",
     FailReason.DAEMON_EXITING: "llama-guard is stopping llama-server",
-    FailReason.UPSTREAM_FAILED: "llama-server failed twice before answering this request",
+    FailReason.UPSTREAM_FAILED: "llama-server failed this request twice before answering it",
     FailReason.NOT_REPLAYABLE: "llama-server failed before answering this request, which is not sent again",
     FailReason.CRASHED_TWICE: "this request was in flight at two llama-server crashes and is refused for now",
     FailReason.STREAM_CUT: "llama-server failed while this response was streaming",
+    FailReason.FIRST_EVENT_TIMEOUT: ("llama-server took this request (its answer's headers came) and sent no byte of "
+                                     "its answer within [front].first_event_timeout_s"),
 }
 
 
 class Refused(Exception):
-    """A request the front door answers itself (503 with ``Retry-After``, 502, 422); ``detail``: the
+    """A request the front door answers itself (503 with ``Retry-After``, 502, 504, 422); ``detail``: the
     message for this request, when the reason's own one is not enough."""
 
     def __init__(self, reason: FailReason, detail: str = "") -> None:
@@ -71,7 +75,7 @@ class Refused(Exception):
 
     @property
     def status(self) -> int:
-        """The HTTP status the client gets: 502, 422, else 503 (with ``Retry-After``)."""
+        """The HTTP status the client gets: 502, 504, 422, else 503 (with ``Retry-After``)."""
         return _STATUS.get(self.reason, 503)
 
     @property
@@ -100,7 +104,7 @@ class Outcome(enum.Enum):
     """How a held request's hold ended (each ends in exactly one)."""
 
     FORWARDED = "forwarded"  # released to the ready server
-    REPLAYED = "replayed"    # released to the ready server, sent once more (the first got no byte back)
+    REPLAYED = "replayed"    # released to the ready server, sent again (a server failed it before its answer began)
     FAILED = "failed"        # answered 503 by the front door (held past its deadline, or the daemon is ending)
     GONE = "gone"            # the client left while it was held
 

@@ -29,8 +29,10 @@ class FrontMetrics:
                                       "ready server", buckets=HELD_BUCKETS, registry=reg)
         self.held = Counter("llama_guard_front_requests_held", "requests held while the server was not ready",
                             registry=reg)
-        self.replayed = Counter("llama_guard_front_requests_replayed", "requests sent once more to the next "
-                                "server (no byte had come back)", registry=reg)
+        self.replayed = Counter("llama_guard_front_requests_replayed", "requests sent again to the next "
+                                "server (a server failed it before its answer began)", registry=reg)
+        self.resumed = Counter("llama_guard_front_streams_resumed", "streams of generated text cut by a server's "
+                               "end and continued by the next server from the text already sent", registry=reg)
         self.crash_refusals = Counter("llama_guard_front_crash_refusals", "requests (a fingerprint: method, "
                                       "route, body as computed) charged with llama-server crashes, refused "
                                       "from then on for [front].crash_refuse_s", registry=reg)

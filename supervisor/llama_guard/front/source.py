@@ -33,6 +33,7 @@ from llama_guard.front.admission import Admission, Episode, Gate, gate_of
 from llama_guard.front.crashes import wall_time
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
+from llama_guard.server_flags import chat_prefill
 
 if TYPE_CHECKING:  # aiohttp (~0.2 s of imports) only when the front door is on: see start()
     from llama_guard.front.app import FrontApp
@@ -79,7 +80,9 @@ class FrontSource(Watcher):
         forwarder = Forwarder(ctx.config.server.base_url, admission, metrics, post=ctx.post, clock=ctx.clock,
                               limits=lambda: (ctx.config.front.hold_timeout_s, ctx.config.front.max_held),
                               refuse_s=lambda: ctx.config.front.crash_refuse_s,
-                              announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
+                              announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s),
+                              first_event_s=lambda: ctx.config.front.first_event_timeout_s,
+                              chat_prefill=lambda: chat_prefill(ctx.config.server.extra_args, ctx.config.server.env))
         forwarder.suspects.observe(state)
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, last_state=self._policy)
         await forwarder.open()

@@ -33,3 +33,10 @@ def error_event(message: str, code: int = 502) -> bytes:
     that it is an event of its own even when the cut left an event unfinished."""
     payload = {"type": "error", "error": {"code": code, "message": FRONT_DOOR + message, "type": "server_error"}}
     return b"\n\nevent: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def is_comment(chunk: bytes) -> bool:
+    """Whether ``chunk`` holds SSE comment lines only (``:`` first; llama-server's ping is ``:\\n\\n``,
+    sent while a stream stays silent for ``--sse-ping-interval`` seconds): no event, nothing a client
+    acts on, and no sign that the server computes — its HTTP thread sends it while the decode may hang."""
+    return chunk[:1] == b":" and all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))

@@ -872,15 +872,18 @@ EVENTS: tuple[EventSpec, ...] = (
                       "and its variants get 422 until the time named (`[front].crash_refuse_s`); those crashes "
                       "leave the crash-loop count and the backoff")),
     EventSpec("server_stream_stalled", _S.WARNING,
-              ("a response of llama-server pid {server_pid} got no byte for {stalled_s:.0f} s (stall "
+              ("a response of llama-server pid {server_pid} got no event for {stalled_s:.0f} s (stall "
                "{stalls} of {hang_strikes})"),
               subject="a streaming response stalled",
-              body=("A response of llama-server @SERVER_PID@ had begun and then got no byte for @STALLED_S@ "
-                    "s.\n"
+              body=("A response of llama-server @SERVER_PID@ had begun and then got no event for @STALLED_S@ "
+                    "s\n"
+                    "([front].stall_timeout_s; SSE pings are no event), or a slot took it and it sent no first\n"
+                    "event within [front].first_event_timeout_s (the client got 504).\n"
                     "[health].hang_strikes stalls with no completed request and no token progress between "
                     "them\n"
                     "are a hang: the server is restarted (server_hang)."),
-              readme=("a response that had begun got no byte for `[front].stall_timeout_s` (`hang_strikes` of "
+              readme=("a response that had begun got no event for `[front].stall_timeout_s`, or sent no first "
+                      "event within `[front].first_event_timeout_s` of its headers (504) (`hang_strikes` of "
                       "them with no progress between: `server_hang`)")),
     EventSpec("server_http_errors", _S.WARNING,
               ("llama-server pid {server_pid} answered {errors} requests in a row with HTTP 5xx (last "

@@ -2,9 +2,10 @@
 
 Real traffic is the first liveness signal: a generation or embedding answered in full whose answer
 proves the server decoded (never a mere 2xx: a ``/health`` poller proves nothing) is progress (it
-clears the hang strikes, and the liveness round after it sends no canary); a response that had begun and then
-got no byte for ``[front].stall_timeout_s`` is a stall — ``hang_strikes`` stalls with no progress in
-between (no completed request, no movement of the token counters) are a hang, found by the traffic
+clears the hang strikes, and the liveness round after it sends no canary); a response that had begun
+and then got no event for ``[front].stall_timeout_s`` (or that a slot took and that sent no first
+event within ``[front].first_event_timeout_s``) is a stall — ``hang_strikes`` stalls with no progress
+in between (no completed request, no movement of the token counters) are a hang, found by the traffic
 itself. 5xx answers are counted, never a reason to restart on their own: a client can make
 llama-server answer 500 at will, and one bad client must not restart the server for everyone. A run of
 ``hold_after_errors`` of them with no request completed between is reported and, with the canary on,
@@ -60,7 +61,7 @@ def _stalled(state: State, event: StreamStalled, now: float) -> Result:
                                           "stalls": stalls, "hang_strikes": p.hang_strikes})
     if stalls < p.hang_strikes:
         return replace(state, stalls=stalls), [emit]
-    reason = (f"{stalls} streaming responses got no byte for {event.stalled_s:.0f} s each, with no request "
+    reason = (f"{stalls} streaming responses got no event for {event.stalled_s:.0f} s each, with no request "
               "completed and no token counter moving in between")
     new = replace(fail(state, RestartCause.HANG, f"hang: {reason}"), stalls=stalls)
     new, actions = stop(new, now, AfterStop.FAILURE, "hang")
