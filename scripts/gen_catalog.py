@@ -371,6 +371,36 @@ TEXT: dict[EventName, tuple[str, str]] = {
         "(@MODEL_MIB@ MiB) in the page cache, so the new server reads it from RAM. The host has only\n"
         "@AVAILABLE_MIB@ MiB available: the new server reads (part of) the file from disk, and the\n"
         "restart takes longer. Free RAM on the host, or accept the slower restart."),
+    "upgrade_preflight_passed": (
+        "a new llama-server build passed preflight",
+        "The reload names llama-server build @BUILD@ (@BINARY@), other than the serving @SERVING_BUILD@.\n"
+        "It answered --version and its --help lists every flag llama-guard passes, checked while the\n"
+        "old server kept serving. The server is restarted on it (drained, clients held) and the build\n"
+        "serves on probation ([upgrade].probation_s): a crash in it rolls back (upgrade_rolled_back)."),
+    "upgrade_refused": (
+        "a llama-server build was refused",
+        "llama-server build @BUILD@ at @BINARY@ failed preflight: @CAUSE@.\n"
+        "@OUTCOME@. Serving build: @SERVING_BUILD@. Fix the build (or [server].extra_args) and reload\n"
+        "again; `llama-guard check` names every flag the configured build does not know and its version."),
+    "upgrade_rolled_back": (
+        "llama-server rolled back to the last good build",
+        "The build @FROM_BUILD@ (@FROM_BINARY@) failed: @CAUSE@.\n"
+        "llama-server is started from the last good build @TO_BUILD@ (@TO_BINARY@) instead - the one\n"
+        "that served before, or the copy kept under the state directory. The configuration still names\n"
+        "the failing build: fix or replace it and reload; `llama-guard status` shows both builds."),
+    "upgrade_kept": (
+        "a new llama-server build passed its probation",
+        "llama-server build @BUILD@ (@BINARY@) served @PROBATION_S@ s without an exit llama-guard did\n"
+        "not ask for; it is now the last good build in place of @PREVIOUS_BUILD@, and a copy of it is kept."),
+    "upgrade_copy_kept": (
+        "a copy of a good llama-server build is kept",
+        "The executable and the shared libraries beside it of build @BUILD@ were copied to @DIR@\n"
+        "(read-only, with their SHA-256 in manifest.json); @KEPT@ builds are kept (at most two). A\n"
+        "build overwritten in place that fails is rolled back to this copy."),
+    "upgrade_copy_failed": (
+        "a kept llama-server build cannot be used or made",
+        "The kept copy of build @BUILD@ in @DIR@: @REASON@. It is not used for a roll-back. Check the\n"
+        "disk and the state directory (StateDirectory=, else [runtime].dir)."),
     "config_reloaded": (
         "configuration reloaded",
         "llama-guard reloaded @CONFIG_PATH@ (SIGHUP, `systemctl reload llama-guard`)."),

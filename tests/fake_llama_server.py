@@ -55,7 +55,8 @@ later, default 0: a test widens the moment in which a client could still send on
 ``$FAKE_LLAMA_OOM_WHILE`` names a file: while it exists, the server behaves as ``oom_at_load`` (a
 test creates it when another process is made to hold the GPU's memory, and removes it with that).
 
-``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
+``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does;
+``--help`` prints a usage listing of the flags of :data:`HELP_FLAGS` (llama-server's spelling) and exits 0.
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s). ``$FAKE_LLAMA_MARKS`` names a file to which
 every printed line is appended as ``<pid> <time.time() just before the write> <line>`` (the wall-clock
 emission time, for benchmarks/bench_supervision.py); the output itself is unchanged. Only the real llama-server is used
@@ -317,9 +318,20 @@ class Handler(BaseHTTPRequestHandler):
                          "timings": timings})
 
 
+# The flags this double's --help lists (it accepts any argv; only --host and --port matter).
+HELP_FLAGS = ("-h, --help", "--version", "-t, --threads N", "-tb, --threads-batch N", "-c, --ctx-size N",
+              "-b, --batch-size N", "-ub, --ubatch-size N", "-fa, --flash-attn [on|off|auto]", "--mlock",
+              "-ctk, --cache-type-k TYPE", "-ctv, --cache-type-v TYPE", "-ngl, --gpu-layers, --n-gpu-layers N",
+              "-m, --model FNAME", "--host HOST", "--port PORT", "-np, --parallel N", "--metrics",
+              "--api-key-file FNAME", "--slot-save-path PATH", "-cram, --cache-ram N")
+
+
 def main(argv: list[str]) -> int:
     if "--version" in argv:
         raw("version: 4242 (fake0001)\nbuilt with GNU 12.2.0 for Linux x86_64")
+        return 0
+    if "--help" in argv:
+        sys.stdout.write("----- common params -----\n\n" + "".join(f"{flag}\n" for flag in HELP_FLAGS))
         return 0
     host, port = "127.0.0.1", 8080
     for i, word in enumerate(argv):

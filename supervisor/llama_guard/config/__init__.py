@@ -42,6 +42,7 @@ from llama_guard.config.sections import (
     RuntimeConfig,
     ScheduleConfig,
     SlotsConfig,
+    UpgradeConfig,
 )
 from llama_guard.config.server import ServerConfig
 
@@ -87,6 +88,7 @@ class Config(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     front: FrontConfig = Field(default_factory=FrontConfig)
     slots: SlotsConfig = Field(default_factory=SlotsConfig)
+    upgrade: UpgradeConfig = Field(default_factory=UpgradeConfig)
 
     @model_validator(mode="after")
     def _ports(self) -> Config:

@@ -31,6 +31,7 @@ _LIVE: dict[str, frozenset[str]] = {
     "schedule": frozenset({"*"}),
     "log": frozenset({"level"}),
     "runtime": frozenset({"*"}),
+    "upgrade": frozenset({"*"}),
     # The front door reads these per request; listen, header_timeout_s and max_connections are fixed
     # when its listener opens.
     "front": frozenset({"hold_timeout_s", "max_held", "max_body_bytes", "max_buffered_bytes", "body_timeout_s",

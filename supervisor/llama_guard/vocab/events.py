@@ -143,6 +143,12 @@ EventName = Literal[
     "slot_dropped",
     "restart_first_token",
     "model_page_cache_short",
+    "upgrade_preflight_passed",
+    "upgrade_refused",
+    "upgrade_rolled_back",
+    "upgrade_kept",
+    "upgrade_copy_kept",
+    "upgrade_copy_failed",
 ]
 
 
@@ -319,6 +325,21 @@ CATALOG: dict[EventName, EventSpec] = {
         EventSpec("model_page_cache_short", _S.WARNING,
                   "the host's RAM cannot keep the model file {model} ({model_mib:.0f} MiB) in the page cache "
                   "({available_mib:.0f} MiB available): the next start reads it from disk"),
+        # New llama-server builds (llama_guard.upgrade; README "Upgrading llama-server").
+        EventSpec("upgrade_preflight_passed", _S.NOTICE,
+                  "llama-server build {build} at {binary} passed preflight (it starts, every flag is known); "
+                  "it replaces {serving_build}"),
+        EventSpec("upgrade_refused", _S.ERROR,
+                  "llama-server build {build} at {binary} refused: {cause}; {outcome}"),
+        EventSpec("upgrade_rolled_back", _S.ERROR,
+                  "rolled back from llama-server build {from_build} ({from_binary}) to {to_build} ({to_binary}): "
+                  "{cause}"),
+        EventSpec("upgrade_kept", _S.NOTICE,
+                  "llama-server build {build} at {binary} kept after {probation_s:.0f} s of probation "
+                  "(it replaced {previous_build})"),
+        EventSpec("upgrade_copy_kept", _S.INFO,
+                  "kept a copy of llama-server build {build} in {dir} ({files} files; {kept} builds kept)"),
+        EventSpec("upgrade_copy_failed", _S.WARNING, "kept copy of llama-server build {build} in {dir}: {reason}"),
         # The server's own output, one event per line (debug level).
         EventSpec("server_line", _S.DEBUG, "{line}"),
         EventSpec("server_probe", _S.DEBUG,
