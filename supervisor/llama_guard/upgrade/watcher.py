@@ -34,7 +34,7 @@ from llama_guard.core.inputs import Exited
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import exit_text
+from llama_guard.core.types import AfterStop, exit_text
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
@@ -53,8 +53,14 @@ class _Refusal:
 
 
 def _unplanned(step: Transition) -> bool:
-    """Whether this step is the exit of a server the daemon did not stop (it was loading or serving)."""
-    return isinstance(step.input, Exited) and step.before.phase in (Phase.STARTING, Phase.READY)
+    """Whether this step is the exit of a server that failed: it exited while loading or serving, or
+    the daemon was stopping it for a fault (a CUDA error line, a hang) — not for a planned restart
+    or the daemon's own stop."""
+    if not isinstance(step.input, Exited):
+        return False
+    before = step.before
+    return before.phase in (Phase.STARTING, Phase.READY) or (
+        before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
 class UpgradeSource(Watcher):
@@ -246,8 +252,8 @@ class UpgradeSource(Watcher):
     def _ready(self, build: Build, at: float) -> None:
         if build.same_as(self.serving):
             return
-        if self.serving is not None and self._proven:
-            self._previous = self.serving
+        if self.serving is not None and (self._proven or self._previous is None):
+            self._previous = self.serving  # the build that served before (proven if one was)
         self.serving, self._serving_since, self._proven = build, at, False
 
     def _last_good_build(self) -> Build | None:
@@ -269,7 +275,7 @@ class UpgradeSource(Watcher):
             return
         assert isinstance(step.input, Exited)
         how = exit_text(step.input.returncode)
-        when = ("while loading" if step.before.phase is Phase.STARTING else
+        when = ("while loading" if self._serving_since is None or not on_probation else
                 f"{step.at - (self._serving_since or step.at):.0f} s into its probation")
         self._failed[build.sha256] = f"llama-server {build.short} {how} {when}"
         if on_probation:
