@@ -13,6 +13,8 @@ import contextlib
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import FAKE_SERVER, RunPool, free_port
+from harness import FAKE_SERVER, ROOT, RunPool, free_port
 from llama_guard.output.status import read_status
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -34,8 +36,10 @@ def script(path: Path, body: str) -> Path:
 
 
 def help_without(path: Path, real: Path, flag: str) -> Path:
-    """A build whose --help lacks ``flag`` (llama.cpp removed it), otherwise ``real``."""
+    """A build without ``flag`` (llama.cpp removed it): its --help lacks it and a start that passes
+    it fails as llama-server does; otherwise ``real``."""
     return script(path, f'case "$*" in *--help*) "{real}" "$@" 2>&1 | grep -v -- "{flag}"; exit 0;; esac\n'
+                        f'case "$*" in *"{flag} "*) echo "error: invalid argument: {flag}" >&2; exit 1;; esac\n'
                         f'exec "{real}" "$@"\n')
 
 
@@ -160,6 +164,10 @@ def test_a_build_whose_help_lacks_a_flag_is_refused_and_the_old_server_goes_on_s
         assert status["build"]["refused"]["binary"] == str(new)
         assert "--metrics" in status["build"]["refused"]["cause"]
         assert status["server_pid"] == pid and status["phase"] == "ready"
+        shown = subprocess.run([sys.executable, "-m", "llama_guard", "status", "--config", str(run.config)],
+                               capture_output=True, text=True, timeout=60, cwd=str(ROOT)).stdout
+        assert f"at {llama_server_bin}" in shown, shown
+        assert f"at {new}: " in shown and "does not know --metrics" in shown, shown
         wait_until(lambda: clients.done >= 3, 120)
     assert clients.failures == [] and clients.done >= 3
 
@@ -247,3 +255,24 @@ def test_status_without_a_daemon_binary_change_is_unchanged(tmp_path: Path, real
         run.wait_event("config_reloaded", 60)
         assert not [n for n in run.names() if n.startswith("upgrade_") and n != "upgrade_copy_kept"]
 
+
+
+def test_a_build_overwritten_while_the_daemon_was_stopped_is_found_at_its_next_start(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """The kept copy outlives the daemon (state directory): the next daemon's first start finds the
+    configured path holding a build that dies at --version and starts the copy instead."""
+    path = copy_build(llama_server_bin, tmp_path / "bin")
+    with serving(tmp_path, path, real_model) as run:
+        kept_dir = Path(run.wait_event("upgrade_copy_kept", 60)["dir"])
+        run.signal(signal.SIGTERM)
+        assert run.wait_exit(60) == 0
+        path.unlink()
+        script(path, "kill -SEGV $$\n")
+        run.start()
+        refused = run.wait_event("upgrade_refused", 60)
+        assert refused["cause"] == f"{path} --version died by SIGSEGV", refused
+        back = run.wait_event("upgrade_rolled_back", 60)
+        assert Path(back["to_binary"]) == kept_dir / path.name
+        run.wait_event("server_ready", 120, skip=1)
+        assert httpx.post(f"http://127.0.0.1:{run.front}/completion", json={"prompt": "Hi", "n_predict": 1},
+                          timeout=120).status_code == 200

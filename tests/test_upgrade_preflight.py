@@ -24,9 +24,12 @@ def script(tmp_path: Path, name: str, body: str) -> Path:
 
 
 def without_flag(tmp_path: Path, real: Path, flag: str, name: str = "llama-server-new") -> Path:
-    """A build whose ``--help`` is the real one without ``flag`` (as after llama.cpp removed it)."""
-    return script(tmp_path, name, f'case "$*" in *--help*) "{real}" "$@" 2>&1 | grep -v -- "{flag}"; exit 0;; esac\n'
-                                  f'exec "{real}" "$@"\n')
+    """A build without ``flag`` (as after llama.cpp removed it): its ``--help`` is the real one without
+    it, and a start that passes it fails as llama-server does."""
+    return script(tmp_path, name,
+                  f'case "$*" in *--help*) "{real}" "$@" 2>&1 | grep -v -- "{flag}"; exit 0;; esac\n'
+                  f'case "$*" in *"{flag} "*) echo "error: invalid argument: {flag}" >&2; exit 1;; esac\n'
+                  f'exec "{real}" "$@"\n')
 
 
 @pytest.mark.parametrize(("text", "release"), [
@@ -56,10 +59,13 @@ def test_a_run_is_bounded_in_time_and_output(tmp_path: Path) -> None:
     assert "did not finish within 1 s" in ran.failure("endless", 1.0)
 
 
-def config_for(tmp_path: Path, binary: Path, model: Path, extra: list[str] | None = None) -> Config:
+def config_for(tmp_path: Path, binary: Path, model: Path, extra: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Config:
     sections = base_sections(tmp_path, str(binary), str(model), free_port())
     if extra:
         sections["server"]["extra_args"] = extra
+    if env:
+        sections["server"]["env"] = env
     path = tmp_path / "config.toml"
     path.write_text(config_text(sections))
     return load_config(path)
@@ -128,3 +134,14 @@ def test_check_names_every_unknown_flag_and_the_build(tmp_path: Path, llama_serv
     assert lines["binary"].split()[0] == "OK", out.stdout
     assert " build b" in lines["binary"] or " build v" in lines["binary"], out.stdout
     assert out.returncode == 78
+
+
+@pytest.mark.real
+def test_the_build_runs_with_the_environment_llama_server_gets(tmp_path: Path, llama_server_bin: Path,
+                                                               real_model: Path) -> None:
+    """A build that finds its libraries only through ``[server].env`` (LD_LIBRARY_PATH there) passes."""
+    new = script(tmp_path, "llama-server-env", '[ "$BUILD_LIBS" = here ] || { echo "llama-server: error while '
+                 'loading shared libraries: libggml.so" >&2; exit 127; }\n' f'exec "{llama_server_bin}" "$@"\n')
+    assert not preflight(config_for(tmp_path, new, real_model), new).passed
+    result = preflight(config_for(tmp_path, new, real_model, env={"BUILD_LIBS": "here"}), new)
+    assert result.passed, result.cause

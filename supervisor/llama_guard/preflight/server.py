@@ -24,7 +24,7 @@ def check_binary(config: Config) -> list[CheckResult]:
         return [CheckResult("binary", Verdict.FAIL, f"{config.server.binary!r} not found (set [server].binary)")]
     if not os.access(binary, os.X_OK):
         return [CheckResult("binary", Verdict.FAIL, f"{binary} is not executable")]
-    build, failure = identify(binary)
+    build, failure = identify(binary, env=child_environ(os.environ, config.server.env))
     if build is None:
         return [CheckResult("binary", Verdict.FAIL, failure)]
     try:

@@ -14,6 +14,7 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,13 +50,15 @@ class Ran:
         return ""
 
 
-def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX) -> Ran:
-    """Run ``argv`` (stdin from /dev/null, in a session of its own) for at most ``timeout_s``
-    seconds, keeping at most ``max_bytes`` of its output. Killed with its whole process group at
-    the deadline (``returncode`` None). Raises OSError when it cannot be executed."""
+def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX,
+                env: Mapping[str, str] | None = None) -> Ran:
+    """Run ``argv`` (stdin from /dev/null, in a session of its own, with ``env``, else this process's
+    environment) for at most ``timeout_s`` seconds, keeping at most ``max_bytes`` of its output.
+    Killed with its whole process group at the deadline (``returncode`` None). Raises OSError when
+    it cannot be executed."""
     deadline = time.monotonic() + timeout_s
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=None if env is None else dict(env))
     assert proc.stdout is not None
     chunks: list[bytes] = []
     kept = 0

@@ -7,12 +7,15 @@ Blocking (runs the binary twice, each bounded): call it off the event loop.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.argv import build_argv, flags_in
 from llama_guard.config import Config
+from llama_guard.core.child import child_environ
 from llama_guard.upgrade.build import (
     HELP_TIMEOUT_S,
     VERSION_TIMEOUT_S,
@@ -46,14 +49,15 @@ def unknown_flags(argv: list[str], help_listing: str) -> tuple[str, ...]:
     return tuple(sorted({flag for flag in flags_in(argv) if not listed(flag)}))
 
 
-def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S) -> tuple[Build | None, str]:
-    """``binary``'s :class:`Build` from its hash and a bounded ``--version``, and "" — or None and
-    why it cannot be a build that starts (a signal, a non-zero exit, no answer in time, not
-    executable)."""
+def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,
+             env: Mapping[str, str] | None = None) -> tuple[Build | None, str]:
+    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``), and
+    "" — or None and why it cannot be a build that starts (a signal, a non-zero exit, no answer in
+    time, not executable)."""
     what = f"{binary} --version"
     try:
         sha = file_sha256(binary)
-        ran = run_bounded([str(binary), "--version"], timeout_s)
+        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
     except OSError as exc:
         return None, f"{what}: {exc.strerror or exc}"
     failure = ran.failure(what, timeout_s)
@@ -64,13 +68,15 @@ def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S) -> tuple[Build 
 
 def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSION_TIMEOUT_S,
               help_timeout_s: float = HELP_TIMEOUT_S) -> Preflight:
-    """Preflight ``binary`` for ``config`` (see the module docstring)."""
-    build, failure = identify(binary, version_timeout_s)
+    """Preflight ``binary`` for ``config`` (see the module docstring), run with the environment
+    llama-server would get (``[server].env`` over llama-guard's)."""
+    env = child_environ(os.environ, config.server.env)
+    build, failure = identify(binary, version_timeout_s, env)
     if build is None:
         return Preflight(None, failure)
     what = f"{binary} --help"
     try:
-        ran = run_bounded([str(binary), "--help"], help_timeout_s)
+        ran = run_bounded([str(binary), "--help"], help_timeout_s, env=env)
     except OSError as exc:
         return Preflight(build, f"{what}: {exc.strerror or exc}")
     failure = ran.failure(what, help_timeout_s)
