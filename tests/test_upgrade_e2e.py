@@ -168,6 +168,8 @@ def test_a_build_whose_help_lacks_a_flag_is_refused_and_the_old_server_goes_on_s
                                capture_output=True, text=True, timeout=60, cwd=str(ROOT)).stdout
         assert f"at {llama_server_bin}" in shown, shown
         assert f"at {new}: " in shown and "does not know --metrics" in shown, shown
+        run.signal(signal.SIGHUP)  # the same bad build again: reported again
+        assert "does not know --metrics" in run.wait_event("upgrade_refused", 60, skip=1)["cause"]
         wait_until(lambda: clients.done >= 3, 120)
     assert clients.failures == [] and clients.done >= 3
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
@@ -39,10 +38,10 @@ from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
 from llama_guard.upgrade.preflight import Preflight, preflight
+from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -88,10 +87,7 @@ class UpgradeSource(Watcher):
 
     # ------------------------------------------------------------ helpers
 
-    async def _on(self, lane: Lane, fn: Callable[[], T], timeout_s: float, what: str) -> T:
-        return await lane.run(fn, timeout_s, what)
-
-    def _emit(self, name: Any, **fields: object) -> None:
+    def _emit(self, name: EventName, **fields: object) -> None:
         if self._ctx is not None:
             self._ctx.emit(name, **fields)
 
@@ -108,7 +104,7 @@ class UpgradeSource(Watcher):
         if key in self._passed:
             return Preflight(self._passed[key], "")
         try:
-            result = await self._on(self._probe, lambda: preflight(config, binary), PREFLIGHT_CALL_S,
+            result = await self._probe.run(lambda: preflight(config, binary), PREFLIGHT_CALL_S,
                                     f"preflight of {binary}")
         except (CallTimeout, LaneBusy) as exc:
             return Preflight(None, str(exc))
@@ -116,11 +112,13 @@ class UpgradeSource(Watcher):
             self._passed[key] = result.build
         return result
 
-    def _refuse(self, binary: Path, result: Preflight, serving_text: str) -> None:
+    def _refuse(self, binary: Path, result: Preflight, serving_text: str, *, once: bool) -> None:
+        """``upgrade_refused`` for ``binary`` (``once``: not again for the same build, as each start
+        of a failing build would repeat it; a reload always reports its outcome)."""
         shown = result.build.short if result.build is not None else "unknown"
         self.refused = _Refusal(str(binary), shown, result.cause)
         mark = ("upgrade_refused", result.build.sha256 if result.build is not None else str(binary))
-        if mark in self._reported:
+        if once and mark in self._reported:
             return
         self._reported.add(mark)
         self._emit("upgrade_refused", binary=str(binary), build=shown, cause=result.cause,
@@ -135,6 +133,7 @@ class UpgradeSource(Watcher):
             return ReloadBuild.SAME  # the reload's own check refuses it, naming the path
         result = await self._preflight(new, binary)
         if result.passed and result.build is not None:
+            self.refused = None  # the configuration now names a build that passes
             if self.serving is None or result.build.same_as(self.serving):
                 return ReloadBuild.SAME
             self._emit("upgrade_preflight_passed", binary=str(binary), build=result.build.short,
@@ -143,7 +142,7 @@ class UpgradeSource(Watcher):
         if result.build is not None and result.build.same_content(self.serving):
             self._emit("config_error", reason=f"{result.cause} (keeping the running configuration)")
         else:
-            self._refuse(binary, result, "the running configuration and build go on serving")
+            self._refuse(binary, result, "the running configuration and build go on serving", once=False)
         return ReloadBuild.REFUSED
 
     async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
@@ -157,12 +156,12 @@ class UpgradeSource(Watcher):
         good = await self._last_good(ctx.config, exclude=build)
         if good is None:
             if not result.passed:
-                self._refuse(binary, result, "no last good build is kept to fall back to")
+                self._refuse(binary, result, "no last good build is kept to fall back to", once=True)
             return BuildRefused(cause)
         if result.passed:  # it passed preflight but failed to load or in its probation
             self.refused = _Refusal(str(binary), build.short if build is not None else "unknown", cause)
         else:
-            self._refuse(binary, result, f"rolling back to {good[0].short}")
+            self._refuse(binary, result, f"rolling back to {good[0].short}", once=True)
         mark = ("upgrade_rolled_back", build.sha256 if build is not None else str(binary))
         if mark not in self._reported:
             self._reported.add(mark)
@@ -179,19 +178,19 @@ class UpgradeSource(Watcher):
                 continue
             path = build.path
             try:
-                digest = await self._on(self._files, partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
+                digest = await self._files.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
             except (OSError, CallTimeout, LaneBusy):
                 continue
             if digest == build.sha256:
                 return build, BuildChoice(path, self._library_dir(config, path))
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
-            self._kept = await self._on(self._files, partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+            self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         for kept in self._kept:
             if kept.build.sha256 in self._failed or kept.build.same_content(exclude):
                 continue
             try:
-                problem = await self._on(self._files, partial(verified, kept), COPY_TIMEOUT_S,
+                problem = await self._files.run(partial(verified, kept), COPY_TIMEOUT_S,
                                          f"checking {kept.dir}")
             except (CallTimeout, LaneBusy) as exc:
                 problem = str(exc)
@@ -212,7 +211,7 @@ class UpgradeSource(Watcher):
         self._ctx = ctx
         root = self._root(ctx.config)
         try:
-            self._kept = await self._on(self._files, partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+            self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         except (CallTimeout, LaneBusy):
             self._kept = []
         return None
@@ -223,11 +222,11 @@ class UpgradeSource(Watcher):
             build = await self._to_keep.get()
             root = self._root(ctx.config)
             try:
-                kept = await self._on(self._files, partial(keep, build, root), COPY_TIMEOUT_S, f"keeping {build.path}")
+                kept = await self._files.run(partial(keep, build, root), COPY_TIMEOUT_S, f"keeping {build.path}")
             except (OSError, CallTimeout, LaneBusy) as exc:
                 ctx.emit("upgrade_copy_failed", build=build.short, dir=str(root), reason=str(exc))
                 continue
-            self._kept = await self._on(self._files, partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+            self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
             ctx.emit("upgrade_copy_kept", build=kept.build.short, dir=str(kept.dir), files=len(kept.files),
                      kept=len(self._kept))
 
