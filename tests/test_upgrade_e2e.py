@@ -195,7 +195,9 @@ def test_a_build_that_dies_loading_is_rolled_back_to_the_serving_one(
 def test_a_good_new_build_is_kept_and_a_copy_of_it_made(
         tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
     new = copy_build(llama_server_bin, tmp_path / "new-build")
-    with serving(tmp_path, llama_server_bin, real_model) as run, ClientLoop(run.front) as clients:
+    metrics = free_port()
+    with serving(tmp_path, llama_server_bin, real_model, metrics={"listen": f"127.0.0.1:{metrics}"}) as run, \
+            ClientLoop(run.front) as clients:
         run.wait_event("upgrade_copy_kept", 60)  # the first build, after its probation
         reload_with(run, new)
         passed = run.wait_event("upgrade_preflight_passed", 60)
@@ -205,6 +207,10 @@ def test_a_good_new_build_is_kept_and_a_copy_of_it_made(
         run.wait_event("upgrade_copy_kept", 60, skip=1)
         assert started_binaries(run) == [str(llama_server_bin), str(new)]
         assert "upgrade_rolled_back" not in run.names() and "upgrade_refused" not in run.names()
+        info = [line for line in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=30).text.splitlines()
+                if line.startswith("llama_guard_server_build_info{")]
+        assert len(info) == 1 and f'binary="{new}"' in info[0] and info[0].endswith(" 1.0"), info
+        assert 'release="v' in info[0] or 'release="b' in info[0], info
     assert clients.failures == [] and clients.done >= 1
 
 

@@ -71,11 +71,11 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
     slots = SlotsSource()
-    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
+    builds = UpgradeSource()
+    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage, build=lambda: builds.serving)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
     # metrics go to the exporter's registry.
     front = FrontSource(registry=metrics.registry, passed=activation.take())
-    builds = UpgradeSource()
-    watchers: list[Watcher] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), slots, front, metrics, builds]
+    watchers: list[Watcher] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), slots, builds, front, metrics]
     return Watchers(watchers, gpu=gpu, child=limits, slots=slots, front=front, exporter=metrics, builds=builds)
