@@ -68,3 +68,32 @@ def test_the_copies_live_in_the_state_directory(tmp_path: Path) -> None:
     assert builds_dir(tmp_path / "run", {"STATE_DIRECTORY": "/var/lib/llama-guard:/x"}) == \
         Path("/var/lib/llama-guard/builds")
     assert builds_dir(tmp_path / "run", {}) == tmp_path / "run" / "builds"
+
+
+async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binary on a hung filesystem (a FIFO nobody writes: reading it for its hash never returns) is
+    no build fault: the start goes on with the configured binary (as before preflights existed)."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.core.ports import BuildChoice
+    from llama_guard.core.types import State
+    from llama_guard.core.watcher import Context
+    from llama_guard.upgrade import watcher
+
+    monkeypatch.setattr(watcher, "PREFLIGHT_CALL_S", 0.5)
+    hung = tmp_path / "llama-server"
+    os.mkfifo(hung)
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": str(hung)}})
+    events: list[tuple[str, dict[str, object]]] = []
+    ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda name, **f: events.append((name, f)),
+                  post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
+                  loop=asyncio.get_running_loop())
+    source = watcher.UpgradeSource()
+    await source.start(ctx)
+    assert await source.before_spawn(ctx, hung) == BuildChoice(hung)
+    assert events == [("blocking_call_timeout", {"call": f"preflight of {hung}", "timeout_s": 0.5,
+                                                 "effect": "the server is started without it"})]
+    os.close(os.open(hung, os.O_WRONLY | os.O_NONBLOCK))  # the reader left on its lane gets its end of file
+

@@ -94,8 +94,10 @@ class UpgradeSource(Watcher):
     def _root(self, config: Config) -> Path:
         return builds_dir(config.runtime.dir)
 
-    async def _preflight(self, config: Config, binary: Path) -> Preflight:
-        """:func:`preflight` on the probe lane; a timeout or a busy lane is a failed preflight."""
+    async def _preflight(self, config: Config, binary: Path, effect: str) -> Preflight | None:
+        """:func:`preflight` on the probe lane; None when it did not return in time (a hung
+        filesystem: the runs themselves are bounded) or the lane is busy, reported as
+        ``blocking_call_timeout`` with ``effect`` (what the caller does then)."""
         try:
             stamp = stamp_of(binary)
         except OSError as exc:
@@ -103,11 +105,12 @@ class UpgradeSource(Watcher):
         key = (str(binary), stamp, config.server.model_dump_json())
         if key in self._passed:
             return Preflight(self._passed[key], "")
+        what = f"preflight of {binary}"
         try:
-            result = await self._probe.run(lambda: preflight(config, binary), PREFLIGHT_CALL_S,
-                                    f"preflight of {binary}")
-        except (CallTimeout, LaneBusy) as exc:
-            return Preflight(None, str(exc))
+            result = await self._probe.run(lambda: preflight(config, binary), PREFLIGHT_CALL_S, what)
+        except (CallTimeout, LaneBusy):
+            self._emit("blocking_call_timeout", call=what, timeout_s=PREFLIGHT_CALL_S, effect=effect)
+            return None
         if result.passed and result.build is not None:
             self._passed[key] = result.build
         return result
@@ -131,7 +134,10 @@ class UpgradeSource(Watcher):
         binary = resolve_binary(new.server.binary)
         if binary is None:
             return ReloadBuild.SAME  # the reload's own check refuses it, naming the path
-        result = await self._preflight(new, binary)
+        result = await self._preflight(new, binary, "the reload is refused; the running configuration stays")
+        if result is None:  # the running configuration stays: it is known to serve
+            self.refused = _Refusal(str(binary), "unknown", f"the preflight of {binary} did not finish")
+            return ReloadBuild.REFUSED
         if result.passed and result.build is not None:
             self.refused = None  # the configuration now names a build that passes
             if self.serving is None or result.build.same_as(self.serving):
@@ -147,7 +153,10 @@ class UpgradeSource(Watcher):
 
     async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
         self._ctx = ctx
-        result = await self._preflight(ctx.config, binary)
+        result = await self._preflight(ctx.config, binary, "the server is started without it")
+        if result is None:  # started unverified, as before preflights: a hung disk is no build fault
+            self._chosen = None
+            return BuildChoice(binary)
         build = result.build
         if result.passed and build is not None and build.sha256 not in self._failed:
             self._chosen = build
