@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import ROOT, base_sections, config_text, free_port
 from llama_guard.config import Config, load_config
@@ -57,6 +58,16 @@ def test_a_run_is_bounded_in_time_and_output(tmp_path: Path) -> None:
     assert ran.returncode is None  # killed at the deadline, with its process group
     assert len(ran.text) == 4096
     assert "did not finish within 1 s" in ran.failure("endless", 1.0)
+
+
+def test_a_run_ends_when_the_build_exits_though_a_process_it_left_holds_its_output(tmp_path: Path) -> None:
+    """A wrapper that leaves ``setsid sleep`` behind: the pipe stays open, the build has exited."""
+    leaves = script(tmp_path, "leaves", "setsid sleep 30 &\necho 'version: 4242 (abc1234)'\n")
+    ran = run_bounded([str(leaves)], 20.0)
+    assert ran.returncode == 0 and "version: 4242" in ran.text
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [])[:2] == ["sleep", "30"]:
+            proc.kill()
 
 
 def config_for(tmp_path: Path, binary: Path, model: Path, extra: list[str] | None = None,

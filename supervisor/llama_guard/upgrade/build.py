@@ -23,6 +23,7 @@ HELP_TIMEOUT_S = 20.0  # ``--help`` (seconds)
 OUTPUT_MAX = 1 << 20  # bytes read of one run's output (llama-server's --help: ~40 KB); the rest is cut
 VERSION_SHOWN_MAX = 200  # characters of the --version text kept
 HASH_CHUNK = 1 << 20
+EXITED_POLL_S = 0.05  # while its output is quiet, how often a run is checked for having exited (seconds)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ class Ran:
 def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX,
                 env: Mapping[str, str] | None = None) -> Ran:
     """Run ``argv`` (stdin from /dev/null, in a session of its own, with ``env``, else this process's
-    environment) for at most ``timeout_s`` seconds, keeping at most ``max_bytes`` of its output.
+    environment) for at most ``timeout_s`` seconds, keeping at most ``max_bytes`` of its output, read
+    until the end of the pipe or until it exited with the pipe empty (a process it started in the
+    background, outside its session, may hold the pipe open for long).
     Killed with its whole process group at the deadline (``returncode`` None). Raises OSError when
     it cannot be executed."""
     deadline = time.monotonic() + timeout_s
@@ -70,7 +73,9 @@ def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX,
             if left <= 0:
                 timed_out = True
                 break
-            if not sel.select(left):
+            if not sel.select(min(left, EXITED_POLL_S)):
+                if proc.poll() is not None:
+                    break  # it exited and the pipe is empty: a process it left behind may hold the pipe
                 continue
             data = os.read(proc.stdout.fileno(), 65536)
             if not data:
