@@ -90,6 +90,7 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
     ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda name, **f: events.append((name, f)),
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
                   loop=asyncio.get_running_loop())
+    keep(a_build(tmp_path / "good", "1"), tmp_path / "builds")  # a last good build is at hand: preflights run
     source = watcher.UpgradeSource()
     await source.start(ctx)
     assert await source.before_spawn(ctx, hung) == BuildChoice(hung)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
+from llama_guard.core.child import child_environ
 from llama_guard.core.inputs import Exited
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
@@ -37,11 +39,20 @@ from llama_guard.core.types import AfterStop, exit_text
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
-from llama_guard.upgrade.preflight import Preflight, preflight
+from llama_guard.upgrade.preflight import Preflight, identify, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
+
+
+@dataclass(frozen=True)
+class _Identify:
+    """Identify the build of server ``pid`` (started from ``path`` unverified), ready since ``at``."""
+
+    path: Path
+    pid: int
+    at: float
 
 
 @dataclass(frozen=True)
@@ -69,21 +80,21 @@ class UpgradeSource(Watcher):
     name = "build"
 
     def __init__(self) -> None:
-        self._probe = Lane(LaneKind.PROBE)  # running the builds
+        self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
         self._files = Lane(LaneKind.CONFIG, max_calls=1)  # hashing and copying kept builds
         self._ctx: Context | None = None
         self._passed: dict[tuple[str, tuple[int, int, int, int], str], Build] = {}
         self._failed: dict[str, str] = {}  # sha256 → why that build is not started again
         self._reported: set[tuple[str, str]] = set()  # (event, sha256 or path) already emitted
-        self._pids: dict[int, Build] = {}
-        self._chosen: Build | None = None
+        self._pids: dict[int, Build | Path] = {}
+        self._chosen: Build | Path | None = None  # a Path: not identified yet
         self.serving: Build | None = None
         self._serving_since: float | None = None
         self._proven = False
         self._previous: Build | None = None  # the good build before the one on probation
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
-        self._to_keep: asyncio.Queue[Build] = asyncio.Queue()
+        self._jobs: asyncio.Queue[Build | _Identify] = asyncio.Queue()  # copies to keep, builds to identify
 
     # ------------------------------------------------------------ helpers
 
@@ -131,6 +142,7 @@ class UpgradeSource(Watcher):
     # ------------------------------------------------------------ the port
 
     async def vet_reload(self, old: Config, new: Config) -> ReloadBuild:
+        await self._identify_serving()
         binary = resolve_binary(new.server.binary)
         if binary is None:
             return ReloadBuild.SAME  # the reload's own check refuses it, naming the path
@@ -153,6 +165,11 @@ class UpgradeSource(Watcher):
 
     async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
         self._ctx = ctx
+        if self.serving is None and self._previous is None and not self._kept:
+            # Nothing to fall back to: started as before (llama-server names what it refuses, and
+            # the policy judges it); the build is identified once it is ready.
+            self._chosen = binary
+            return BuildChoice(binary)
         result = await self._preflight(ctx.config, binary, "the server is started without it")
         if result is None:  # started unverified, as before preflights: a hung disk is no build fault
             self._chosen = None
@@ -226,10 +243,14 @@ class UpgradeSource(Watcher):
         return None
 
     async def run(self, ctx: Context) -> None:
-        """Keep a copy of each build that passed its probation, one at a time."""
+        """Identify the build of a server started unverified once it is ready; keep a copy of each
+        build that passed its probation; one at a time."""
         while True:
-            build = await self._to_keep.get()
-            root = self._root(ctx.config)
+            job = await self._jobs.get()
+            if isinstance(job, _Identify):
+                await self._identify(ctx, job)
+                continue
+            build, root = job, self._root(ctx.config)
             try:
                 kept = await self._files.run(partial(keep, build, root), COPY_TIMEOUT_S, f"keeping {build.path}")
             except (OSError, CallTimeout, LaneBusy) as exc:
@@ -238,6 +259,25 @@ class UpgradeSource(Watcher):
             self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
             ctx.emit("upgrade_copy_kept", build=kept.build.short, dir=str(kept.dir), files=len(kept.files),
                      kept=len(self._kept))
+
+    async def _identify(self, ctx: Context, job: _Identify) -> None:
+        env = child_environ(os.environ, ctx.config.server.env)
+        try:
+            build, _ = await self._probe.run(partial(identify, job.path, VERSION_TIMEOUT_S, env), PREFLIGHT_CALL_S,
+                                             f"{job.path} --version")
+        except (CallTimeout, LaneBusy):
+            return
+        if build is not None and job.pid in self._pids:
+            self._pids[job.pid] = build
+            self._ready(build, job.at)
+
+    async def _identify_serving(self) -> None:
+        """Identify the ready server's build now when it was started unverified and is not yet."""
+        ctx = self._ctx
+        pid = ctx.state.pid if ctx is not None else None
+        entry = self._pids.get(pid) if pid is not None else None
+        if ctx is not None and pid is not None and isinstance(entry, Path) and ctx.state.phase is Phase.READY:
+            await self._identify(ctx, _Identify(entry, pid, ctx.clock()))
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
         if self._chosen is not None:
@@ -249,9 +289,15 @@ class UpgradeSource(Watcher):
     def on_transition(self, ctx: Context, step: Transition) -> None:
         pid = step.after.pid
         if step.entered(Phase.READY) and pid is not None and pid in self._pids:
-            self._ready(self._pids[pid], step.at)
-        elif isinstance(step.input, Exited) and step.input.pid in self._pids and _unplanned(step):
-            self._failed_exit(self._pids[step.input.pid], step)
+            entry = self._pids[pid]
+            if isinstance(entry, Path):
+                self._jobs.put_nowait(_Identify(entry, pid, step.at))
+            else:
+                self._ready(entry, step.at)
+        elif isinstance(step.input, Exited) and _unplanned(step):
+            failed = self._pids.get(step.input.pid)
+            if isinstance(failed, Build):
+                self._failed_exit(failed, step)
         if (self.serving is not None and not self._proven and self._serving_since is not None
                 and step.after.phase is Phase.READY
                 and step.at - self._serving_since >= ctx.config.upgrade.probation_s):
@@ -298,7 +344,7 @@ class UpgradeSource(Watcher):
                      previous_build=previous.short, probation_s=ctx.config.upgrade.probation_s)
         self._previous = None
         if self._library_dir(ctx.config, self.serving.path) is None:
-            self._to_keep.put_nowait(self.serving)
+            self._jobs.put_nowait(self.serving)
 
     def snapshot(self) -> dict[str, Any] | None:
         def shown(build: Build | None) -> dict[str, str] | None:
