@@ -4,11 +4,12 @@
   ``[server]`` differs is preflighted (:mod:`.preflight`) while the running server serves; a failure
   is ``upgrade_refused`` naming the flag or the cause (``config_error`` when the build is the serving
   one and only the flags changed), and the running configuration stays.
-- Every start (:meth:`UpgradeSource.before_spawn`): a build not seen before (a binary replaced in
-  place, the first start) is preflighted too; one that fails, or that failed to load or crashed in its
-  probation, is replaced by the last good build — the serving one while its file is unchanged, else
-  a kept copy (:mod:`.kept`), verified by hash — with ``upgrade_rolled_back``. With no last good
-  build at hand, the start is refused with the cause (exit 78, as before).
+- Every start (:meth:`UpgradeSource.before_spawn`) while a last good build is at hand: a build not
+  seen before (a binary replaced in place) is preflighted too; one that fails, or that failed to load
+  or crashed in its probation, is replaced by the last good build — the serving one while its file is
+  unchanged, else a kept copy (:mod:`.kept`), verified by hash — with ``upgrade_rolled_back``. With
+  none at hand (a first start on a fresh state directory) the configured build starts as before
+  (llama-server names what it refuses; the policy judges it) and is identified once ready.
 - A new build that becomes ready is on probation for ``[upgrade].probation_s``: an exit of it that
   the daemon did not ask for (died loading, crashed on its first requests) marks it failed and the
   next start rolls back. After the probation it is the last good build (``upgrade_kept`` when it
