@@ -72,7 +72,8 @@ test creates it when another process is made to hold the GPU's memory, and remov
 (once one has hung, the others do too, the file gone or not: a test makes the servers started meanwhile
 hang, whatever request they get, and lets the next one be healthy).
 
-``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does.
+``--version`` prints ``version: 4242 (fake0001)`` and a "built with" line, as llama.cpp does;
+``--help`` prints a usage listing of the flags of :data:`HELP_FLAGS` (llama-server's spelling) and exits 0.
 ``$FAKE_LLAMA_LOAD_S`` delays readiness (default 0.2 s); ``$FAKE_LLAMA_LOAD_GATE`` names a file: /health
 answers 503 ("Loading model") until it exists (a load, or a slot restore, that takes as long as a test wants).
 ``$FAKE_LLAMA_MARKS`` names a file to which
@@ -389,9 +390,20 @@ class Handler(BaseHTTPRequestHandler):
                          "timings": timings})
 
 
+# The flags this double's --help lists (it accepts any argv; only --host and --port matter).
+HELP_FLAGS = ("-h, --help", "--version", "-t, --threads N", "-tb, --threads-batch N", "-c, --ctx-size N",
+              "-b, --batch-size N", "-ub, --ubatch-size N", "-fa, --flash-attn [on|off|auto]", "--mlock",
+              "-ctk, --cache-type-k TYPE", "-ctv, --cache-type-v TYPE", "-ngl, --gpu-layers, --n-gpu-layers N",
+              "-m, --model FNAME", "--host HOST", "--port PORT", "-np, --parallel N", "--metrics",
+              "--api-key-file FNAME", "--slot-save-path PATH", "-cram, --cache-ram N")
+
+
 def main(argv: list[str]) -> int:
     if "--version" in argv:
         raw("version: 4242 (fake0001)\nbuilt with GNU 12.2.0 for Linux x86_64")
+        return 0
+    if "--help" in argv:
+        sys.stdout.write("----- common params -----\n\n" + "".join(f"{flag}\n" for flag in HELP_FLAGS))
         return 0
     host, port = "127.0.0.1", 8080
     for i, word in enumerate(argv):

@@ -118,6 +118,7 @@ def test_a_load_that_stalls_at_the_same_line_on_every_start_is_78_naming_it(
     stall = tmp_path / "stalling-llama-server"
     stall.write_text("#!/bin/sh\n"
                      'if [ "$1" = "--version" ]; then echo "version: 4242 (fake0001)"; exit 0; fi\n'
+                     f'if [ "$1" = "--help" ]; then exec "{FAKE_SERVER}" --help; fi\n'  # it answers --help
                      "echo '0.00.120.000 I llama_model_loader: - kv  22: tokenizer.ggml.merges arr[str,48900]' >&2\n"
                      "exec sleep 600\n")
     stall.chmod(0o755)

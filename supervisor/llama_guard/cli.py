@@ -99,7 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         emitter = make_emitter(config)
         made = make_watchers(config, nvml_module=args.nvml_module, emitter=emitter)
         daemon = Daemon(config, path, emitter, notifier=make_notifier(), watchers=made.watchers, gpu=made.gpu,
-                        child=made.child, slots=made.slots, front=made.front, exporter=made.exporter)
+                        child=made.child, slots=made.slots, front=made.front, exporter=made.exporter,
+                        builds=made.builds)
         return uvloop.run(daemon.run())  # libuv's loop: the relay's socket work in C (docs/front.md)
     finally:
         output.drain()

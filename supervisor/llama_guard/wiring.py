@@ -7,7 +7,7 @@ from typing import Any
 
 from llama_guard.config import Config
 from llama_guard.core.gpu_port import GpuPort
-from llama_guard.core.ports import ChildSetupPort, FrontPort, Listening, SlotPort
+from llama_guard.core.ports import BuildPort, ChildSetupPort, FrontPort, Listening, SlotPort
 from llama_guard.core.service import ServiceNotifier
 from llama_guard.core.watcher import Watcher
 from llama_guard.output.eventlog import Emitter
@@ -45,6 +45,7 @@ class Watchers:
     slots: SlotPort
     front: FrontPort
     exporter: Listening
+    builds: BuildPort
 
 
 def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) -> Watchers:
@@ -52,7 +53,8 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     metrics (served when [metrics].listen is set; it counts every event of ``emitter``), the front door
     (when [front].listen is set, on the socket systemd passed if any). Among them the ports: the GPU
     watcher is the GPU port, the limits watcher the child set-up, the slots watcher the KV slot port,
-    the front door the front door port, the metrics watcher the exporter.
+    the front door the front door port, the metrics watcher the exporter, the upgrade watcher the
+    build port (preflight, probation and roll-back of llama-server builds).
     ``nvml_module``: the pynvml module the GPU watcher uses (None: the real ``pynvml``; tests inject a
     fake)."""
     from llama_guard.front import activation
@@ -64,14 +66,16 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     from llama_guard.output.metrics import MetricsSource
     from llama_guard.restarts.watcher import ScheduleSource
     from llama_guard.slots.watcher import SlotsSource
+    from llama_guard.upgrade.watcher import UpgradeSource
 
     gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
     slots = SlotsSource()
-    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage)
+    builds = UpgradeSource()
+    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage, build=lambda: builds.serving)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
     # metrics go to the exporter's registry.
     front = FrontSource(registry=metrics.registry, passed=activation.take())
-    watchers: list[Watcher] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), slots, front, metrics]
-    return Watchers(watchers, gpu=gpu, child=limits, slots=slots, front=front, exporter=metrics)
+    watchers: list[Watcher] = [limits, gpu, ScheduleSource(gpu_sample=gpu.last_sample), slots, builds, front, metrics]
+    return Watchers(watchers, gpu=gpu, child=limits, slots=slots, front=front, exporter=metrics, builds=builds)

@@ -42,6 +42,7 @@ from llama_guard.config.sections import (
     RuntimeConfig,
     ScheduleConfig,
     SlotsConfig,
+    UpgradeConfig,
 )
 from llama_guard.config.server import ServerConfig
 from llama_guard.config.tune import TuneConfig
@@ -89,6 +90,7 @@ class Config(BaseSettings):
     front: FrontConfig = Field(default_factory=FrontConfig)
     slots: SlotsConfig = Field(default_factory=SlotsConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
+    upgrade: UpgradeConfig = Field(default_factory=UpgradeConfig)
 
     @model_validator(mode="after")
     def _ports(self) -> Config:

@@ -1,6 +1,7 @@
 """The daemon's own sections: ``[health]`` (probes), ``[recovery]`` (restarts, crash loops, GPU
-reset), ``[limits]`` (rlimits), ``[schedule]`` (planned restarts), ``[log]``, ``[runtime]`` and
-``[slots]`` (the KV cache carried across restarts). Durations in seconds; what the validators lean
+reset), ``[limits]`` (rlimits), ``[schedule]`` (planned restarts), ``[log]``, ``[runtime]``,
+``[slots]`` (the KV cache carried across restarts) and ``[upgrade]`` (new llama-server builds).
+Durations in seconds; what the validators lean
 on lives beside: the ``[limits]`` value syntax (:mod:`llama_guard.limit_values`) and the cron
 syntax (:mod:`llama_guard.cron`)."""
 
@@ -208,3 +209,16 @@ class SlotsConfig(Section):
         if "\0" in value or value == ".":
             raise ValueError("dir must name a directory (or be empty for the state directory's slots/)")
         return value
+
+
+class UpgradeConfig(Section):
+    """``[upgrade]``: new llama-server builds (see README, "Upgrading llama-server").
+
+    ``probation_s``: how long a new build serves on probation (seconds): an exit of it the daemon did
+    not ask for (a crash on its first requests, a crash loop) rolls back to the last good build; after
+    it, the build is the last good one and a copy of it is kept.
+    """
+
+    reload: ClassVar[Reload] = Reload.LIVE
+
+    probation_s: PositiveFloat = 300.0

@@ -51,7 +51,7 @@ from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
 from llama_guard.core.policy import decide
-from llama_guard.core.ports import ChildSetupPort, FrontPort, Listening, SlotPort
+from llama_guard.core.ports import BuildPort, ChildSetupPort, FrontPort, Listening, SlotPort
 from llama_guard.core.reloader import Reloader, warn_unauthenticated
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
@@ -84,13 +84,14 @@ class Daemon:
     def __init__(self, config: Config, config_path: Path, emitter: Emitter, *,
                  notifier: ServiceNotifier | None = None, watchers: list[Watcher] | None = None,
                  gpu: GpuPort | None = None, child: ChildSetupPort | None = None, slots: SlotPort | None = None,
-                 front: FrontPort | None = None, exporter: Listening | None = None,
+                 front: FrontPort | None = None, exporter: Listening | None = None, builds: BuildPort | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``watchers``: each started in this order, supervised, told of every step. The ports, each
         None when absent (a port that is a watcher is among ``watchers`` too): ``gpu``, the GPU port
         (None: no GPU watched); ``child``, the child set-up (rlimits and its check before each
         spawn); ``slots``, the KV slot carry-over; ``front``, the front door (the drain's count of
-        requests in flight); ``exporter``, the metrics listener. ``front`` and ``exporter`` name the
+        requests in flight); ``exporter``, the metrics listener; ``builds``, llama-server builds (the
+        preflight of a new one, which executable each start runs). ``front`` and ``exporter`` name the
         addresses a reload must not give llama-server."""
         self.config = config
         self.config_path = config_path
@@ -107,7 +108,7 @@ class Daemon:
         self.tasks = TaskSet(emitter.emit, self._fail, clock)
         # Blocking calls, each kind on a lane of its own: one stuck call starves nothing else.
         self.lanes = daemon_lanes()
-        self.spawner = Spawner(emitter.emit, self.lanes, clock, child=child, gpu=gpu, slots=slots)
+        self.spawner = Spawner(emitter.emit, self.lanes, clock, child=child, gpu=gpu, slots=slots, builds=builds)
         self.start_timeout = StartTimeout(self.notifier, clock)
         self.stop_timeout = StopTimeout(self.notifier, clock)
         self.ctx: Context | None = None
@@ -125,7 +126,7 @@ class Daemon:
                                  tuple(p for p in (front, exporter) if p is not None),
                                  get_config=lambda: self.config, set_config=self._set_config,
                                  on_reload=self._on_reload, post=self.queue.put_nowait,
-                                 reset_possible=lambda: self._reset_possible)
+                                 reset_possible=lambda: self._reset_possible, builds=builds)
 
     def _set_config(self, config: Config) -> None:
         self.config = config

@@ -10,12 +10,19 @@ watchers.
 - :class:`Listening` and :class:`FrontPort`: what this daemon itself serves on (the front door, the
   metrics exporter: the reload's port-clash check); the front door's count of requests in flight
   (the drain).
+- :class:`BuildPort`: llama-server builds (the upgrade watcher): a reload's new build preflighted
+  before it replaces the running configuration, and which executable each start runs (the
+  configured one once it passed preflight, or the last good build).
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+from llama_guard.config import Config
 from llama_guard.core.watcher import Context
 
 RlimitSettings = tuple[tuple[int, tuple[int, int]], ...]
@@ -71,3 +78,38 @@ class FrontPort(Listening, Protocol):
     async def wait_requests_done(self) -> bool:
         """When the front door is on (it sees every client request): wait until none is in flight,
         then return True. Off: return False at once (the drain asks llama-server's ``/slots``)."""
+
+
+class ReloadBuild(enum.Enum):
+    """What a reload's llama-server build is to the running one (:meth:`BuildPort.vet_reload`)."""
+
+    SAME = "same"  # the serving build (flags preflighted when [server] changed)
+    NEW = "new"  # another build that passed preflight: the server is restarted on it (drained)
+    REFUSED = "refused"  # it failed preflight: the running configuration stays
+
+
+@dataclass(frozen=True)
+class BuildChoice:
+    """The executable a start runs, and the directory of its shared libraries when they are not
+    where it was built (a kept copy: put first on ``LD_LIBRARY_PATH``)."""
+
+    binary: Path
+    library_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class BuildRefused:
+    """No build can be started: the configured one failed and no last good build is at hand."""
+
+    cause: str
+
+
+class BuildPort(Protocol):
+    """llama-server builds as the daemon uses them (:class:`llama_guard.upgrade.watcher.UpgradeSource`)."""
+
+    async def vet_reload(self, old: Config, new: Config) -> ReloadBuild:
+        """Whether ``new`` may replace ``old``: its build (the path, or new content at the path) and
+        flags preflighted (bounded) while the running server serves; a refusal is reported by the port."""
+
+    async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
+        """Which executable this start runs, ``binary`` being the configured one (bounded)."""

@@ -4,7 +4,9 @@
 The candidate file is loaded and checked by :func:`~llama_guard.core.reload.load_candidate` on
 the ``config`` lane; one that could not start a server, or that would give llama-server a port
 this daemon listens on (:func:`~llama_guard.core.reload.port_clash`), is refused with
-``config_error`` and the running configuration stays. An accepted one replaces it: the log level,
+``config_error`` and the running configuration stays; so is one whose llama-server build (or ``[server]``) fails its
+preflight through the build port (:class:`~llama_guard.core.ports.BuildPort`: reported by the port,
+the running server goes on serving). An accepted one replaces it: the log level,
 ``[runtime].dir`` (the status file moves; a directory that cannot be used is a ``config_error``
 and the old one stays), the watchers' ``on_reload``, ``config_reloaded``, and new policy
 parameters (``ParamsChanged``; a changed ``[server]``, ``[limits]`` or API key restarts the
@@ -22,7 +24,7 @@ from llama_guard.core.announcer import Announcer
 from llama_guard.core.inputs import Input, ParamsChanged
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.params import params_from
-from llama_guard.core.ports import Listening
+from llama_guard.core.ports import BuildPort, Listening, ReloadBuild
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.spawner import Spawner
 from llama_guard.core.tasks import TaskSet
@@ -38,13 +40,14 @@ def warn_unauthenticated(emit: Callable[..., None], config: Config) -> None:
 class Reloader:
     """Reloads ``config_path`` into the daemon: ``get_config``/``set_config`` are the daemon's
     configuration, ``on_reload(old, new)`` tells the watchers, ``post`` queues the policy's new
-    parameters, ``reset_possible`` whether a GPU reset can be verified (a parameter)."""
+    parameters, ``reset_possible`` whether a GPU reset can be verified (a parameter), ``builds`` the
+    build port (None: no preflight of a new build)."""
 
     def __init__(self, config_path: Path, emitter: Emitter, lanes: dict[LaneKind, Lane], tasks: TaskSet,
                  spawner: Spawner, announcer: Announcer, listeners: Sequence[Listening], *,
                  get_config: Callable[[], Config], set_config: Callable[[Config], None],
                  on_reload: Callable[[Config, Config], None], post: Callable[[Input], None],
-                 reset_possible: Callable[[], bool]) -> None:
+                 reset_possible: Callable[[], bool], builds: BuildPort | None = None) -> None:
         self.config_path = config_path
         self._emitter = emitter
         self._lanes = lanes
@@ -57,6 +60,7 @@ class Reloader:
         self._on_reload = on_reload
         self._post = post
         self._reset_possible = reset_possible
+        self._builds = builds
         self.task: asyncio.Task[None] | None = None
 
     def begin(self, *, ending: bool) -> None:
@@ -88,9 +92,19 @@ class Reloader:
             announcer.ready()
             return
         old, new = self._get_config(), candidate.config
+        build = await self._builds.vet_reload(old, new) if self._builds is not None else ReloadBuild.SAME
+        if build is ReloadBuild.REFUSED:
+            announcer.ready()
+            return
+        if announcer.stopping_sent:
+            emit("reload_ignored", reason="llama-guard began stopping during the reload")
+            return
+        old = self._get_config()
         key_changed = candidate.key != self._spawner.live_key
-        # A new key (same file, new content) reaches llama-server only by a (drained) restart.
-        server_changed = new.server != old.server or new.limits != old.limits or key_changed
+        # A new key (same file, new content) or a new build at the same path reaches llama-server only
+        # by a (drained) restart.
+        server_changed = (new.server != old.server or new.limits != old.limits or key_changed
+                          or build is ReloadBuild.NEW)
         self._set_config(new)
         self._spawner.identity = candidate.identity
         if new.log.level != old.log.level:

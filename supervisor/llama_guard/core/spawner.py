@@ -27,7 +27,7 @@ from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.ports import ChildSetupPort, SlotPort
+from llama_guard.core.ports import BuildPort, BuildRefused, ChildSetupPort, SlotPort
 from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
 from llama_guard.core.watcher import Context
 
@@ -58,14 +58,15 @@ class Spawner:
 
     Holds what carries from one start to the next: the identity to drop to, the API key the running
     server was started with (``live_key``, which the probes send; never emitted), the last server's
-    pid (for the checks before the next spawn). ``child``, ``gpu``, ``slots``: the daemon's ports
-    (None: absent).
+    pid (for the checks before the next spawn). ``child``, ``gpu``, ``slots``, ``builds``: the
+    daemon's ports (None: absent).
     """
 
     def __init__(self, emit: Callable[..., None], lanes: dict[LaneKind, Lane], clock: Callable[[], float], *,
                  child: ChildSetupPort | None = None, gpu: GpuPort | None = None,
-                 slots: SlotPort | None = None) -> None:
+                 slots: SlotPort | None = None, builds: BuildPort | None = None) -> None:
         self._emit = emit
+        self._builds = builds
         self._child = child
         self._gpu = gpu
         self._slots = slots
@@ -90,6 +91,12 @@ class Spawner:
         binary = resolve_binary(server_cfg.binary)
         if binary is None:
             return SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found")
+        library_dir: Path | None = None
+        if self._builds is not None:  # the configured build once preflighted, or the last good one
+            choice = await self._builds.before_spawn(ctx, binary)
+            if isinstance(choice, BuildRefused):
+                return SpawnFailed(choice.cause)
+            binary, library_dir = choice.binary, choice.library_dir
         model = Path(server_cfg.model)
         try:
             problem = await self._lanes[LaneKind.CONFIG].run(lambda: model_problem(model), MODEL_CHECK_TIMEOUT_S,
@@ -110,6 +117,8 @@ class Spawner:
             # no binary: plain --mlock
             argv = [str(binary), *build_argv(server_cfg, None, config.slots, config.runtime)[1:]]
         env = child_environ(os.environ, server_cfg.env)
+        if library_dir is not None:  # a kept copy: its own libraries, not those where it was built
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library_dir), env.get("LD_LIBRARY_PATH")) if p)
         refused = await self._child.before_spawn(ctx, self.last_pid) if self._child is not None else None
         if not refused and self._gpu is not None:
             refused = await self._gpu.before_spawn(ctx, self.last_pid)

@@ -38,6 +38,7 @@ from llama_guard.core.types import State
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
 from llama_guard.limits.usage import UsageSample
+from llama_guard.upgrade.build import Build
 from llama_guard.vocab.phases import Phase
 
 if TYPE_CHECKING:
@@ -86,15 +87,18 @@ class Histogram:
 
 class MetricsSource(Watcher, Collector):
     """Counts events, times phases, and exports everything on scrape. ``gpu_sample``: the GPU
-    watcher's latest NVML sample; ``usage``: the limits watcher's latest reading of the server (each
-    None when unknown). ``llama-guard bench``'s last result is read from ``[runtime].dir``."""
+    watcher's latest NVML sample; ``usage``: the limits watcher's latest reading of the server;
+    ``build``: the serving llama-server build (each None when unknown). ``llama-guard bench``'s last
+    result is read from ``[runtime].dir``."""
 
     name = "metrics"
 
     def __init__(self, *, gpu_sample: Callable[[], GpuSample | None] = lambda: None,
-                 usage: Callable[[], UsageSample | None] = lambda: None, serve: bool = True) -> None:
+                 usage: Callable[[], UsageSample | None] = lambda: None,
+                 build: Callable[[], Build | None] = lambda: None, serve: bool = True) -> None:
         self._gpu_sample = gpu_sample
         self._usage = usage
+        self._build = build
         self.serve = serve
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -239,6 +243,13 @@ class MetricsSource(Watcher, Collector):
         yield SummaryMetricFamily("llama_guard_vram_wait_seconds", "waits for the previous server's VRAM",
                                   count_value=self.vram_wait[0], sum_value=self.vram_wait[1])
         yield from self._peer_metrics()
+        build = self._build()
+        if build is not None:
+            info = GaugeMetricFamily("llama_guard_server_build_info", "1 for the serving llama-server build: its "
+                                     "release (SemVer or build number and commit), --version text and SHA-256",
+                                     labels=["release", "version", "sha256", "binary"])
+            info.add_metric([build.release, build.version, build.sha256, str(build.path)], 1.0)
+            yield info
         yield from self._bench_metrics(ctx.config.runtime.dir)
 
     def _peer_metrics(self) -> Iterator[Any]:

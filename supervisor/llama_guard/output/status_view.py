@@ -6,7 +6,7 @@ JSON schema 1 (docs/status.md): every key of the snapshot as the daemon wrote it
 ``updated``, ``events``, ``liveness`` (``answering``: the server answered the last liveness
 round; ``silent_s``: seconds since it last answered any request; null before the first round),
 and one object per watcher: ``gpu``, ``limits``, ``planned_restarts``,
-``metrics``, ``front``), plus ``schema`` (1), ``ready`` (bool), ``snapshot_age_s``, ``daemon_uptime_s`` and
+``metrics``, ``front``, ``build``), plus ``schema`` (1), ``ready`` (bool), ``snapshot_age_s``, ``daemon_uptime_s`` and
 ``server_uptime_s`` (seconds, null when unknown). Keys are only ever added within a schema version.
 
 Exit codes (so that ``llama-guard status`` can be a health check): :data:`EXIT_READY` 0 when the
@@ -135,6 +135,7 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
             if isinstance(down, (int, float)):
                 text += f", unavailable {down:.1f} s"
             rows.append(("last planned restart", text))
+    rows += _build_rows(doc.get("build"))
     rows.append(("GPU", _gpu_line(doc.get("gpu"))))
     front = doc.get("front") or {}
     if front.get("listen"):
@@ -154,6 +155,21 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ev.get("time", 0))))
             lines.append(f"    {stamp} {ev.get('event')}: {ev.get('message')}")
     return lines
+
+
+def _build_rows(build: Any) -> list[tuple[str, str]]:
+    """The serving llama-server build (on probation or not) and the last one refused, with its cause."""
+    if not isinstance(build, dict):
+        return []
+    rows = []
+    serving = build.get("serving")
+    if isinstance(serving, dict):
+        rows.append(("build", f"{serving.get('build')} at {serving.get('binary')}"
+                              f"{' (on probation)' if build.get('on_probation') else ''}"))
+    refused = build.get("refused")
+    if isinstance(refused, dict):
+        rows.append(("refused build", f"{refused.get('build')} at {refused.get('binary')}: {refused.get('cause')}"))
+    return rows
 
 
 def _silence(doc: dict[str, Any]) -> str:

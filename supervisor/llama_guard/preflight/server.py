@@ -6,31 +6,36 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llama_guard.argv import HELP_TIMEOUT_S, build_argv, flags_in, help_text, list_devices, resolve_binary
+from llama_guard.argv import HELP_TIMEOUT_S, build_argv, help_text, list_devices, resolve_binary
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.output.instance import port_daemon
+from llama_guard.upgrade.preflight import identify, unknown_flags
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
 def check_binary(config: Config) -> list[CheckResult]:
-    """The binary exists and runs, and its ``--help`` lists every flag we would pass."""
+    """The binary exists and starts (``--version``: its release shown), and its ``--help`` lists
+    every flag we would pass (each one it does not know is named)."""
     binary = resolve_binary(config.server.binary)
     if binary is None:
         return [CheckResult("binary", Verdict.FAIL, f"{config.server.binary!r} not found (set [server].binary)")]
     if not os.access(binary, os.X_OK):
         return [CheckResult("binary", Verdict.FAIL, f"{binary} is not executable")]
+    build, failure = identify(binary, env=child_environ(os.environ, config.server.env))
+    if build is None:
+        return [CheckResult("binary", Verdict.FAIL, failure)]
     try:
         listed = help_text(binary, HELP_TIMEOUT_S)
     except OSError as exc:
         return [CheckResult("binary", Verdict.FAIL, f"{binary} --help failed: {exc}")]
-    results = [CheckResult("binary", Verdict.OK, str(binary))]
-    unknown = [f for f in flags_in(build_argv(config.server, binary, config.slots, config.runtime)) if f not in listed]
+    results = [CheckResult("binary", Verdict.OK, f"{binary}: build {build.release} ({build.version})")]
+    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime), listed)
     if unknown:
         results.append(CheckResult("flags", Verdict.FAIL,
-                                   f"{binary} does not know: {' '.join(sorted(set(unknown)))}"))
+                                   f"{binary} (build {build.release}) does not know: {' '.join(unknown)}"))
     else:
         results.append(CheckResult("flags", Verdict.OK, "every flag is listed by --help"))
     return results

@@ -156,6 +156,12 @@ EventName = Literal[
     "slot_dropped",
     "restart_first_token",
     "model_page_cache_short",
+    "upgrade_preflight_passed",
+    "upgrade_refused",
+    "upgrade_rolled_back",
+    "upgrade_kept",
+    "upgrade_copy_kept",
+    "upgrade_copy_failed",
     "server_line",
     "server_probe",
 ]
@@ -996,6 +1002,66 @@ EVENTS: tuple[EventSpec, ...] = (
               readme=("before a planned restart: the host's available RAM cannot keep the model file in the "
                       "page cache (the new server reads it from disk)")),
     # The server's own output, one event per line (debug level).
+    # New llama-server builds (llama_guard.upgrade; README "Upgrading llama-server").
+    EventSpec("upgrade_preflight_passed", _S.NOTICE,
+              ("llama-server build {build} at {binary} passed preflight (it starts, every flag is known); "
+               "it replaces {serving_build}"),
+              subject="a new llama-server build passed preflight",
+              body=("The reload names llama-server build @BUILD@ (@BINARY@), other than the serving "
+                    "@SERVING_BUILD@.\n"
+                    "It answered --version and its --help lists every flag llama-guard passes, checked while "
+                    "the\n"
+                    "old server kept serving. The server is restarted on it (drained, clients held) and the "
+                    "build\n"
+                    "serves on probation ([upgrade].probation_s): a crash in it rolls back "
+                    "(upgrade_rolled_back)."),
+              readme=("a new build passed preflight (`--version` read, every flag in its `--help`) and serves on "
+                      "probation")),
+    EventSpec("upgrade_refused", _S.ERROR,
+              "llama-server build {build} at {binary} refused: {cause}; {outcome}",
+              subject="a llama-server build was refused",
+              body=("llama-server build @BUILD@ at @BINARY@ failed preflight: @CAUSE@.\n"
+                    "@OUTCOME@. Serving build: @SERVING_BUILD@. Fix the build (or [server].extra_args) and "
+                    "reload\n"
+                    "again; `llama-guard check` names every flag the configured build does not know and its "
+                    "version."),
+              readme=("a new llama-server build failed preflight (the flag or the cause named); the old server "
+                      "goes on serving")),
+    EventSpec("upgrade_rolled_back", _S.ERROR,
+              ("rolled back from llama-server build {from_build} ({from_binary}) to {to_build} ({to_binary}): "
+               "{cause}"),
+              subject="llama-server rolled back to the last good build",
+              body=("The build @FROM_BUILD@ (@FROM_BINARY@) failed: @CAUSE@.\n"
+                    "llama-server is started from the last good build @TO_BUILD@ (@TO_BINARY@) instead - the "
+                    "one\n"
+                    "that served before, or the copy kept under the state directory. The configuration still "
+                    "names\n"
+                    "the failing build: fix or replace it and reload; `llama-guard status` shows both builds."),
+              readme=("a new build failed to load or in its probation (a crash, a fault): started again from the "
+                      "last good build, both named")),
+    EventSpec("upgrade_kept", _S.NOTICE,
+              ("llama-server build {build} at {binary} kept after {probation_s:.0f} s of probation "
+               "(it replaced {previous_build})"),
+              subject="a new llama-server build passed its probation",
+              body=("llama-server build @BUILD@ (@BINARY@) served @PROBATION_S@ s without an exit llama-guard "
+                    "did\n"
+                    "not ask for; it is now the last good build in place of @PREVIOUS_BUILD@, and a copy of it "
+                    "is kept."),
+              readme="a new build passed its probation and is the last good build"),
+    EventSpec("upgrade_copy_kept", _S.INFO,
+              "kept a copy of llama-server build {build} in {dir} ({files} files; {kept} builds kept)",
+              subject="a copy of a good llama-server build is kept",
+              body=("The executable and the shared libraries beside it of build @BUILD@ were copied to @DIR@\n"
+                    "(read-only, with their SHA-256 in manifest.json); @KEPT@ builds are kept (at most two). A\n"
+                    "build overwritten in place that fails is rolled back to this copy."),
+              readme="a read-only, hashed copy of a good build is kept under the state directory (the last two)"),
+    EventSpec("upgrade_copy_failed", _S.WARNING,
+              "kept copy of llama-server build {build} in {dir}: {reason}",
+              subject="a kept llama-server build cannot be used or made",
+              body=("The kept copy of build @BUILD@ in @DIR@: @REASON@. It is not used for a roll-back. Check "
+                    "the\n"
+                    "disk and the state directory (StateDirectory=, else [runtime].dir)."),
+              readme="a kept copy cannot be made or was changed: not used for a roll-back"),
     EventSpec("server_line", _S.DEBUG,
               "{line}",
               subject="llama-server output line",

@@ -1,0 +1,89 @@
+"""Preflight of a llama-server build, run while the serving server goes on serving: the build starts
+at all (``--version`` exits 0 in time: no missing shared library, no signal), and every flag
+llama-guard would pass it (:func:`~llama_guard.argv.build_argv`) is in its ``--help``.
+
+Blocking (runs the binary twice, each bounded): call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_guard.argv import build_argv, flags_in
+from llama_guard.config import Config
+from llama_guard.core.child import child_environ
+from llama_guard.upgrade.build import (
+    HELP_TIMEOUT_S,
+    VERSION_TIMEOUT_S,
+    Build,
+    file_sha256,
+    release_of,
+    run_bounded,
+    version_shown,
+)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """The outcome: ``build`` (None when not even its hash or ``--version`` could be read) and
+    ``cause``, "" when it passed; ``unknown_flags``: the flags its ``--help`` does not list."""
+
+    build: Build | None
+    cause: str
+    unknown_flags: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.cause
+
+
+def unknown_flags(argv: list[str], help_listing: str) -> tuple[str, ...]:
+    """The flags of ``argv`` (without the binary) that ``help_listing`` does not name as a whole
+    word (``--mlock`` is not found in ``--mlock-all``), sorted, each once."""
+    def listed(flag: str) -> bool:
+        return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_listing) is not None
+    return tuple(sorted({flag for flag in flags_in(argv) if not listed(flag)}))
+
+
+def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,
+             env: Mapping[str, str] | None = None) -> tuple[Build | None, str]:
+    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``), and
+    "" — or None and why it cannot be a build that starts (a signal, a non-zero exit, no answer in
+    time, not executable)."""
+    what = f"{binary} --version"
+    try:
+        sha = file_sha256(binary)
+        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
+    except OSError as exc:
+        return None, f"{what}: {exc.strerror or exc}"
+    failure = ran.failure(what, timeout_s)
+    if failure:
+        return None, failure
+    return Build(binary, sha, version_shown(ran.text), release_of(ran.text)), ""
+
+
+def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSION_TIMEOUT_S,
+              help_timeout_s: float = HELP_TIMEOUT_S) -> Preflight:
+    """Preflight ``binary`` for ``config`` (see the module docstring), run with the environment
+    llama-server would get (``[server].env`` over llama-guard's)."""
+    env = child_environ(os.environ, config.server.env)
+    build, failure = identify(binary, version_timeout_s, env)
+    if build is None:
+        return Preflight(None, failure)
+    what = f"{binary} --help"
+    try:
+        ran = run_bounded([str(binary), "--help"], help_timeout_s, env=env)
+    except OSError as exc:
+        return Preflight(build, f"{what}: {exc.strerror or exc}")
+    failure = ran.failure(what, help_timeout_s)
+    if failure:
+        return Preflight(build, failure)
+    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime), ran.text)
+    if unknown:
+        return Preflight(build, f"{binary} ({build.release}) does not know {' '.join(unknown)}, which llama-guard "
+                                "passes (its --help lists no such flag)", unknown)
+    return Preflight(build, "")
