@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from llama_guard.argv import user_endpoints
 from llama_guard.config import Config
-from llama_guard.config.listen import host_port
+from llama_guard.config.listen import host_port, listen_text
 from llama_guard.core.inputs import CrashesCharged, StreamStalled
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.params import params_from
@@ -55,8 +56,9 @@ async def _holder(lane: Lane, port: int) -> tuple[int, str] | None:
 
 
 class FrontSource(Watcher):
-    """Serves ``[front].listen`` — on the socket systemd passed (``passed``: :func:`activation.take`),
-    if any, else on one it binds; its metrics go into ``registry`` (the exporter's, when there is one)."""
+    """Serves ``[front].listen`` — each of its addresses on the socket systemd passed for it (``passed``:
+    :func:`activation.take`), if any, else on one it binds; its metrics go into ``registry`` (the
+    exporter's, when there is one)."""
 
     name = "front"
 
@@ -67,16 +69,17 @@ class FrontSource(Watcher):
         self.admission: Admission | None = None
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
-        self.listening: tuple[str, int] | None = None
+        self.listening: tuple[str, int] | None = None  # the first bound address (its port is every address's)
+        self.addresses: list[tuple[str, int]] = []  # every bound address
         self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
 
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
-        address = front.address
-        activated = activation.front_socket(self._passed, front.listen, address)
+        addresses = front.addresses
+        activated = activation.front_socket(self._passed, front.listen, addresses)
         if isinstance(activated, str):
             return activated
-        if address is None:
+        if not addresses:
             return None
         from llama_guard.front.app import FrontApp
         from llama_guard.front.forward import Forwarder
@@ -90,20 +93,26 @@ class FrontSource(Watcher):
                               refuse_s=lambda: ctx.config.front.crash_refuse_s,
                               announce=lambda fp, pids, refuse_s: self._crash_refused(ctx, fp, pids, refuse_s))
         forwarder.suspects.observe(ctx.state)
-        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state)
+        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, get_state=ctx.get_state,
+                       get_endpoints=lambda: user_endpoints(ctx.config.server))
         await forwarder.open()
+        bound: list[tuple[str, int]] = []
         try:
-            bound = await (app.listen(*address, sock=activated) if activated is not None
-                           else self._listen(ctx, app, address))
+            for address in addresses:  # the socket systemd passed serves its own address; the others are bound
+                served = activated is not None and activation.serves(activated, address)
+                one = await (app.listen(*address, sock=activated) if served else self._listen(ctx, app, address))
+                if isinstance(one, str):
+                    await app.close(CLOSE_TIMEOUT_S)
+                    await forwarder.close()
+                    return one
+                bound.append(one)
         except BaseException:  # a stop while the port is waited for
+            await app.close(CLOSE_TIMEOUT_S)
             await forwarder.close()
             raise
-        if isinstance(bound, str):
-            await forwarder.close()
-            return bound
-        self.listening = bound
+        self.listening, self.addresses = bound[0], bound
         self.admission, self.forwarder, self.app = admission, forwarder, app
-        ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
+        ctx.emit("front_listening", listen=listen_text(bound), upstream=ctx.config.server.base_url,
                  max_connections=app.max_connections, activated=activated is not None)
         return None
 
@@ -176,7 +185,7 @@ class FrontSource(Watcher):
     def snapshot(self) -> dict[str, Any] | None:
         if self.listening is None or self.admission is None or self.forwarder is None or self.app is None:
             return None
-        return {"listen": host_port(*self.listening), "waiting": self.admission.waiting,
+        return {"listen": listen_text(self.addresses), "waiting": self.admission.waiting,
                 "in_flight": self.forwarder.in_flight, "connections": self.app.connections}
 
     async def close(self) -> None:
