@@ -4,8 +4,9 @@ llama-guard starts llama-server with ``--metrics`` and ``--slots`` (its liveness
 carry-over read them) and, for the carry-over, ``--slot-save-path`` on its own slot directory. A client
 of the front door must not see more than llama-server would show under the user's flags
 (:func:`llama_guard.argv.user_endpoints`): what the user did not enable is answered here exactly as
-llama-server answers it when off (``tools/server/server-context.cpp`` in llama.cpp: 501 and
-``{"error": {"code": 501, "message": ..., "type": "not_supported_error"}}``), and never reaches the
+llama-server answers it when off (``tools/server/server-context.cpp`` in llama.cpp: 501, ``Server:
+llama.cpp`` and ``{"error":{"code":501,"message":...,"type":"not_supported_error"}}``, checked byte for
+byte against the real binary in tests/test_front_transparency_e2e.py), and never reaches the
 server — a ``POST /slots/{id}?action=save|restore|erase`` in particular would otherwise read and write
 files in llama-guard's own slot directory.
 
@@ -25,7 +26,7 @@ from llama_guard.argv import Endpoints
 from llama_guard.front.endpoints import path_of
 
 NOT_SUPPORTED = 501  # llama-server's ERROR_TYPE_NOT_SUPPORTED
-# llama-server's messages when the endpoint is off (server-context.cpp, llama.cpp b7xxx and later).
+# llama-server's messages when the endpoint is off (server-context.cpp).
 METRICS_OFF = "This server does not support metrics endpoint. Start it with `--metrics`"
 SLOTS_OFF = "This server does not support slots endpoint. Start it with `--slots`"
 SLOT_ACTIONS_OFF = "This server does not support slots action. Start it with `--slot-save-path`"
@@ -56,4 +57,5 @@ def not_enabled(method: str, target: str, endpoints: Endpoints) -> web.Response 
         return None
     body = json.dumps({"error": {"code": NOT_SUPPORTED, "message": message, "type": "not_supported_error"}},
                       separators=(",", ":"))
-    return web.Response(status=NOT_SUPPORTED, text=body, content_type="application/json", charset="utf-8")
+    return web.Response(status=NOT_SUPPORTED, text=body, content_type="application/json", charset="utf-8",
+                        headers={hdrs.SERVER: "llama.cpp"})
