@@ -15,9 +15,12 @@ download). Each suite test is bounded by pytest-timeout (a hang fails it, bare o
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +37,17 @@ SUBSET = [
     "unit/test_basic.py::test_server_props",
     "unit/test_basic.py::test_server_models",
     "unit/test_basic.py::test_server_slots",
-    "unit/test_basic.py::test_no_ui",
     "unit/test_metrics.py::test_metrics_disabled",
     "unit/test_metrics.py::test_metrics_prometheus_format",
     "unit/test_security.py::test_access_public_endpoint",
     "unit/test_security.py::test_incorrect_api_key",
     "unit/test_security.py::test_correct_api_key",
     "unit/test_security.py::test_cors_options",
-    "unit/test_tokenize.py",
-    "unit/test_slot_save.py::test_slot_save_restore",
-    "unit/test_slot_save.py::test_slot_erase",
+    "unit/test_tokenize.py::test_tokenize_detokenize",
+    "unit/test_tokenize.py::test_tokenize_with_pieces",
 ]
+# Left out because they fail bare on the test model (SmolLM2, not the suite's stories260K), so they compare
+# nothing and only cost time: test_no_ui, test_tokenize_with_bos, test_slot_save.py's save/restore and erase.
 #: Suite tests that may pass bare and fail guarded, each with the reason (none today: the two that did,
 #: test_metrics_disabled and test_server_multiple_addresses, pass guarded since issue 34).
 EXCLUDED: dict[str, str] = {}
@@ -56,15 +59,14 @@ PER_TEST_TIMEOUT_S = 300
 def run_suite(mode: str, tmp: Path) -> dict[str, str]:
     """The subset run in ``mode`` (``bare``/``guarded``): each test's id (``unit/test_x.py::name[param]``)
     and outcome (``passed``, ``failed``, ``skipped``)."""
+    tmp.mkdir(exist_ok=True)
     shim = tmp / f"llama-server-{mode}"
     shim.write_text(f"#!/bin/sh\nexec {sys.executable} {PLUGIN_DIR / 'wrapper.py'} \"$@\"\n")
     shim.chmod(0o755)
     report = tmp / f"{mode}.xml"
     env = {**os.environ, "LLAMA_SUITE_MODE": mode, "LLAMA_SERVER_BIN_PATH": str(shim),
-           "LLAMA_GUARD_PYTHON": sys.executable, "PYTHONPATH": str(PLUGIN_DIR), "PORT": str(free_port()),
-           "LLAMA_CACHE": str(tmp / "cache")}
-    env = {k: v for k, v in env.items() if not k.startswith("LLAMA_GUARD_") or k in ("LLAMA_GUARD_TEST_MODEL",
-                                                                                   "LLAMA_GUARD_PYTHON")}
+           "LLAMA_SUITE_PYTHON": sys.executable, "PYTHONPATH": str(PLUGIN_DIR), "PORT": str(free_port()),
+           "LLAMA_SUITE_TMP": str(tmp), "LLAMA_CACHE": str(tmp / "cache")}
     proc = subprocess.run([str(SUITE_DIR / "venv" / "bin" / "pytest"), "-p", "suite_plugin", "-p", "no:cacheprovider",
                            "-q", "-m", "not slow", f"--timeout={PER_TEST_TIMEOUT_S}", f"--junitxml={report}",
                            *SUBSET], cwd=SUITE_DIR / "tests", env=env, capture_output=True, text=True, check=False)
@@ -81,12 +83,22 @@ def run_suite(mode: str, tmp: Path) -> dict[str, str]:
     return outcomes
 
 
-def test_every_suite_test_that_passes_bare_passes_guarded(tmp_path: Path, llama_server_bin: Path,
+@pytest.fixture
+def own_tmp() -> Iterator[Path]:
+    """A directory of this test's own: a run lasts minutes, and pytest's numbered temporary directories
+    are pruned meanwhile by other pytest sessions of the same user."""
+    path = Path(tempfile.mkdtemp(prefix="llama-server-suite-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_every_suite_test_that_passes_bare_passes_guarded(own_tmp: Path, llama_server_bin: Path,
                                                           real_model: Path) -> None:
     if not (SUITE_DIR / "venv" / "bin" / "pytest").is_file():
         unavailable(f"llama.cpp's server test suite is not installed at {SUITE_DIR} (make server-tests)")
-    bare = run_suite("bare", tmp_path)
-    guarded = run_suite("guarded", tmp_path)
+    bare = run_suite("bare", own_tmp / "bare")
+    guarded = run_suite("guarded", own_tmp / "guarded")
+    print(f"bare: {bare}\nguarded: {guarded}")
     passed_bare = {name for name, outcome in bare.items() if outcome == "passed"}
     for name in MUST_PASS_BARE:
         assert name in passed_bare, f"{name} does not pass bare: the comparison would not cover it ({bare})"

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
         server += [item for flag, value in known.items() if flag in TYPED or flag == "--api-key"
                    for item in (flag, value)]
         os.execv(server[0], [*server, *rest])
-    work = Path(tempfile.mkdtemp(prefix="llama-guard-suite-"))
+    work = Path(tempfile.mkdtemp(prefix="llama-guard-", dir=os.environ.get("LLAMA_SUITE_TMP")))
     keys: dict[str, object] = {**DEFAULTS, "parallel": 4}
     extra = list(rest)
     if not any(flag in known for flag in ("--parallel", "-np")) and "--kv-unified" not in extra:
@@ -107,8 +107,9 @@ def main(argv: list[str]) -> None:
         "slots": {"dir": str(work / "slots")},
         "log": {"format": "json"},
     }))
-    daemon = [os.environ["LLAMA_GUARD_PYTHON"], "-m", "llama_guard", "run", "--config", str(config)]
-    os.execv(daemon[0], daemon)
+    daemon = [os.environ["LLAMA_SUITE_PYTHON"], "-m", "llama_guard", "run", "--config", str(config)]
+    # LLAMA_GUARD_* names are configuration overrides to the daemon: none of the test run's may reach it
+    os.execve(daemon[0], daemon, {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GUARD_")})
 
 
 if __name__ == "__main__":
