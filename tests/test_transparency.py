@@ -98,3 +98,15 @@ def test_a_missing_own_slot_save_path_is_a_problem_and_stays_missing(tmp_path: P
     assert "not a directory" in own_slot_save_problem(ServerConfig(extra_args=[f"--slot-save-path={afile}"]))
     assert own_slot_save_problem(ServerConfig(extra_args=["--slot-save-path", str(tmp_path)])) == ""
     assert own_slot_save_problem(ServerConfig()) == ""
+
+
+def test_check_fails_a_missing_own_slot_save_path_and_says_nothing_without_one(tmp_path: Path) -> None:
+    from llama_guard.config import Config
+    from llama_guard.preflight.server import check_slot_save_path
+    from llama_guard.vocab.verdicts import Verdict
+
+    assert check_slot_save_path(Config()) == []
+    (row,) = check_slot_save_path(Config(server=ServerConfig(extra_args=["--slot-save-path", str(tmp_path / "x")])))
+    assert row.verdict is Verdict.FAIL and "not a directory" in row.detail and not (tmp_path / "x").exists()
+    (row,) = check_slot_save_path(Config(server=ServerConfig(extra_args=["--slot-save-path", str(tmp_path)])))
+    assert row.verdict is Verdict.OK
