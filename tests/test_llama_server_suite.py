@@ -41,13 +41,16 @@ SUBSET = [
     "unit/test_metrics.py::test_metrics_prometheus_format",
     "unit/test_security.py::test_access_public_endpoint",
     "unit/test_security.py::test_incorrect_api_key",
-    "unit/test_security.py::test_correct_api_key",
     "unit/test_security.py::test_cors_options",
     "unit/test_tokenize.py::test_tokenize_detokenize",
     "unit/test_tokenize.py::test_tokenize_with_pieces",
 ]
 # Left out because they fail bare on the test model (SmolLM2, not the suite's stories260K), so they compare
 # nothing and only cost time: test_no_ui, test_tokenize_with_bos, test_slot_save.py's save/restore and erase.
+# And test_security.py::test_correct_api_key: a 64-token completion at 0.3 tokens/s on this shared host (230 s
+# bare, 165 s guarded, measured one after the other) outruns PER_TEST_TIMEOUT_S at random, bare or guarded;
+# the API key's way through the front door is covered by test_incorrect_api_key and the 401/200 of
+# test_server_multiple_addresses (a key on every request).
 #: Suite tests that may pass bare and fail guarded, each with the reason (none today: the two that did,
 #: test_metrics_disabled and test_server_multiple_addresses, pass guarded since issue 34).
 EXCLUDED: dict[str, str] = {}
