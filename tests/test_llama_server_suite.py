@@ -7,9 +7,10 @@ front door is transparent to the suite.
 A subset (:data:`SUBSET`): one server start per test and completions of up to 64 tokens make the whole
 suite take far longer than its minutes on a 4-core GitHub runner on a shared 2-core host; the subset
 holds what a front door can change — routes and their errors, the endpoints a flag turns on or off,
-the addresses listened on, API keys, CORS, tokenizer calls, a completion, slot save/restore — and not
+the addresses listened on, API keys, CORS, tokenizer calls, short completions and streams — and not
 what only the model computes (tool calls, templates, vision, speculative decoding, LoRA, models to
-download). Each suite test is bounded by pytest-timeout (a hang fails it, bare or guarded).
+download) nor long generations. 17 tests: 2 min bare, 2.3 min guarded on the shared 2-core host (load ~20).
+Each suite test is bounded by pytest-timeout (a hang fails it, bare or guarded).
 """
 
 from __future__ import annotations
