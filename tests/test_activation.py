@@ -24,10 +24,10 @@ from llama_guard.front.activation import front_socket
 CHILD = """
 import fcntl, json, os, sys
 from llama_guard.front.activation import front_socket, take
-from llama_guard.config.listen import parse_listen
+from llama_guard.config.listen import parse_listens
 listen = sys.argv[1]
 passed = take()
-chosen = front_socket(passed, listen, parse_listen(listen) if listen else None)
+chosen = front_socket(passed, listen, parse_listens(listen) if listen else [])
 print(json.dumps({
     "names": [name for name, _ in passed],
     "cloexec": [bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC) for _, s in passed],
@@ -85,7 +85,7 @@ def test_sockets_meant_for_another_pid_are_not_taken(listeners: list[socket.sock
 def test_a_passed_socket_that_is_not_listening_is_refused() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        reason = front_socket([("front", sock)], "x", ("127.0.0.1", sock.getsockname()[1]))
+        reason = front_socket([("front", sock)], "x", [("127.0.0.1", sock.getsockname()[1])])
     assert isinstance(reason, str) and "not a listening TCP socket" in reason
 
 

@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
 from llama_guard.config.server import ServerConfig
+from llama_guard.server_flags import ENDPOINT_FLAGS, METRICS_ENV, SLOTS_ENV
 
 SLOT_SAVE_FLAG = "--slot-save-path"
 
@@ -36,6 +38,52 @@ def own_slot_save_path(server: ServerConfig) -> Path | None:
     return Path(value) if value else None
 
 
+def own_slot_save_problem(server: ServerConfig) -> str:
+    """Why llama-server would refuse the user's own ``--slot-save-path`` ("" when there is none or it is
+    a directory): llama-server stops at once on a path that is not a directory ("not a directory"), and
+    llama-guard, which never creates the user's own directory, refuses the start as a configuration
+    error too. Blocking (a stat): call it with a deadline."""
+    own = own_slot_save_path(server)
+    if own is None or own.is_dir():
+        return ""
+    return (f"extra_args {SLOT_SAVE_FLAG} {own}: not a directory (llama-server refuses to start on it); create it, "
+            "writable by [server].user, or drop the flag: llama-guard then keeps slot files in [slots].dir")
+
+
+def _truthy(value: str) -> bool | None:
+    """A llama.cpp boolean environment value (common/arg.cpp ``is_truthy``/``is_falsey``); None: neither."""
+    return True if value in ("on", "enabled", "true", "1") else False if value in ("off", "disabled", "false", "0") \
+        else None
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What llama-server would serve under the user's own flags (``extra_args`` and the environment):
+    ``metrics`` (``GET /metrics``: ``--metrics``), ``slots`` (``GET /slots``: on unless ``--no-slots``)
+    and ``slot_actions`` (``POST /slots/{id}``: ``--slot-save-path``). llama-guard starts llama-server with
+    all three for itself (its probes, drains and KV carry-over); the front door answers the ones the user
+    did not ask for as llama-server would (:mod:`llama_guard.front.exposed`)."""
+
+    metrics: bool
+    slots: bool
+    slot_actions: bool
+
+
+def user_endpoints(server: ServerConfig, environ: Mapping[str, str] = os.environ) -> Endpoints:
+    """The :class:`Endpoints` of ``server``'s own flags: ``extra_args`` (the last ``--slots``/``--no-slots``
+    wins) over ``[server].env`` over ``environ`` (llama-server's environment: ``LLAMA_ARG_ENDPOINT_METRICS``,
+    ``LLAMA_ARG_ENDPOINT_SLOTS``), as llama.cpp reads them: the command line wins over the environment."""
+    env = {**environ, **server.env}
+    metrics = _truthy(env.get(METRICS_ENV, "")) is True
+    slots = _truthy(env.get(SLOTS_ENV, "")) is not False
+    for arg in server.extra_args:
+        if arg == "--metrics":
+            metrics = True
+        elif arg in ("--slots", "--no-slots"):
+            slots = arg == "--slots"
+    return Endpoints(metrics, slots, own_slot_save_path(server) is not None)
+
+
 def slot_save_dir(server: ServerConfig, slots: SlotsConfig, runtime: RuntimeConfig,
                   environ: Mapping[str, str] = os.environ) -> Path:
     """Where slot files live: the user's own ``--slot-save-path`` when ``extra_args`` has one, else
@@ -59,9 +107,12 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
     to start on a path that is not a directory), unless ``extra_args`` has the user's own. Blocking
     (a stat), like the ``--help`` probe beside it.
 
-    ``--metrics`` is always on: the liveness probe reads the decode counters from ``/metrics``.
+    ``--metrics`` and ``--slots`` are always on: the liveness probe reads the decode counters from
+    ``/metrics``, the probes, drains and carry-over read ``/slots``. The user's own ``--metrics``,
+    ``--slots`` and ``--no-slots`` in ``extra_args`` are not passed on: they say what clients may see
+    (:func:`user_endpoints`), which the front door answers.
     ``--api-key-file`` comes from ``[server].api_key_file``.
-    ``extra_args`` come last, verbatim (validated not to repeat a typed flag).
+    ``extra_args`` come last, verbatim but for those endpoint switches (validated not to repeat a typed flag).
     """
     exe = str(binary) if binary is not None else server.binary
     argv = [
@@ -78,6 +129,7 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
         "--cache-type-v", server.cache_type_v,
         "--flash-attn", server.flash_attn,
         "--metrics",
+        "--slots",
     ]
     if server.threads is not None:
         argv += ["--threads", str(server.threads)]
@@ -91,7 +143,7 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
         save_dir = slot_save_dir(server, slots, runtime)
         if save_dir.is_dir():
             argv += [SLOT_SAVE_FLAG, str(save_dir)]
-    argv += server.extra_args
+    argv += [arg for arg in server.extra_args if arg not in ENDPOINT_FLAGS]
     return argv
 
 

@@ -15,8 +15,19 @@ OWNED_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "-ngl", "--gpu-layers", "--n-gpu-layers", "-c", "--ctx-size",
     "-np", "--parallel", "-b", "--batch-size", "-ub", "--ubatch-size", "-ctk", "--cache-type-k",
     "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-t", "--threads", "-tb", "--threads-batch",
-    "--metrics", "--mlock", "--api-key-file",
+    "--mlock", "--api-key-file",
 })
+# Endpoint switches llama-guard sets itself for its own probes (--metrics, --slots): in extra_args they
+# say what the user's clients may see, which the front door answers as llama-server would under them
+# (argv.user_endpoints); they never reach llama-server's argv from extra_args.
+ENDPOINT_FLAGS = frozenset({"--metrics", "--slots", "--no-slots"})
+# Environment variables of the same switches (llama.cpp common/arg.cpp; a command-line flag wins).
+METRICS_ENV = "LLAMA_ARG_ENDPOINT_METRICS"
+SLOTS_ENV = "LLAMA_ARG_ENDPOINT_SLOTS"
+# llama-server's router mode (no --model: one child llama-server per model, started on demand): llama-guard
+# supervises one server on one model and cannot run it.
+ROUTER_FLAGS = frozenset({"--models-dir", "--models-max", "--models-preset", "--no-models-autoload",
+                          "--models-autoload"})
 # Flags whose value is a secret: refused in extra_args, since a secret in llama-server's argv shows
 # in events, journald, status.json and `ps`; the key belongs in [server].api_key_file.
 SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})

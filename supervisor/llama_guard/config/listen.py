@@ -21,24 +21,37 @@ class Listener(Section):
     @classmethod
     def _listen(cls, value: str) -> str:
         if value:
-            parse_listen(value)  # ValueError names the problem
+            parse_listens(value)  # ValueError names the problem
         return value
 
     @property
     def address(self) -> tuple[str, int] | None:
-        """``(host, port)`` to bind, or None when off."""
-        return parse_listen(self.listen) if self.listen else None
+        """``(host, port)`` to bind (the first of :attr:`addresses`), or None when off."""
+        return self.addresses[0] if self.listen else None
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Every ``(host, port)`` to bind, in the order given (one port for all); empty when off."""
+        return parse_listens(self.listen) if self.listen else []
 
 
 class MetricsConfig(Listener):
-    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set)."""
+    """``[metrics]``: the Prometheus endpoint (off unless ``listen`` is set; one address)."""
+
+    @field_validator("listen")
+    @classmethod
+    def _one(cls, value: str) -> str:
+        if value and len(parse_listens(value)) > 1:
+            raise ValueError(f"{value!r}: the exporter listens on one address")
+        return value
 
 
 class FrontConfig(Listener):
     """``[front]``: the front door, a reverse proxy that holds requests while llama-server is not
     ready (off unless ``listen`` is set; see docs/front.md).
 
-    ``listen``: ``"HOST:PORT"`` (or ``"PORT"``, bound to 127.0.0.1) where clients connect; then
+    ``listen``: ``"HOST:PORT"`` (or ``"PORT"``, bound to 127.0.0.1) where clients connect, or several
+    comma-separated on one port (``"127.0.0.1:8080,[::1]:8080"``, as llama-server's ``--host A,B``); then
     ``[server].host``/``port`` are llama-server's private address. ``hold_timeout_s``: how long a
     request may wait for a ready server (seconds) before it gets 503 with ``Retry-After``.
     ``max_held``: requests held at once (more get 503 at once). ``max_body_bytes``: the largest request
@@ -101,6 +114,23 @@ def parse_listen(value: str) -> tuple[str, int]:
         if not HOSTNAME.fullmatch(host):
             raise ValueError(f"{value!r}: {host!r} is not an IP address or host name") from None
     return host, int(port_text)
+
+
+def parse_listens(value: str) -> list[tuple[str, int]]:
+    """A comma-separated list of :func:`parse_listen` addresses on one port (``"127.0.0.1:8080,[::1]:8080"``),
+    in order; an address given twice, addresses on different ports or an empty item raise ValueError."""
+    addresses = [parse_listen(item) for item in value.split(",")] if "," in value else [parse_listen(value)]
+    if len(set(addresses)) < len(addresses):
+        raise ValueError(f"{value!r}: an address is given twice")
+    ports = {port for _, port in addresses}
+    if len(ports) > 1:
+        raise ValueError(f"{value!r}: every address takes the same port (as llama-server's --host A,B --port P)")
+    return addresses
+
+
+def listen_text(addresses: list[tuple[str, int]]) -> str:
+    """``addresses`` as :func:`parse_listens` reads them back: ``host:port`` joined by commas."""
+    return ",".join(host_port(*address) for address in addresses)
 
 
 def host_port(host: str, port: int) -> str:

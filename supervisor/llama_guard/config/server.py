@@ -12,7 +12,14 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from llama_guard.config.base import HOSTNAME, Policy, Reload, Section
-from llama_guard.server_flags import OWNED_FLAGS, QUANTIZED_CACHE_TYPES, SECRET_FLAGS, SECRET_NAME, CacheType
+from llama_guard.server_flags import (
+    OWNED_FLAGS,
+    QUANTIZED_CACHE_TYPES,
+    ROUTER_FLAGS,
+    SECRET_FLAGS,
+    SECRET_NAME,
+    CacheType,
+)
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10}")
@@ -105,6 +112,10 @@ class ServerConfig(Section):
             if flag in OWNED_FLAGS:
                 hint = " (api_key_file)" if flag == "--api-key-file" else ""
                 raise ValueError(f"extra_args repeats {flag!r}, which is set by a typed [server] key{hint}")
+            if flag in ROUTER_FLAGS:
+                raise ValueError(f"extra_args has {flag!r}, a flag of llama-server's router mode (no --model: a "
+                                 "child server per model, loaded on demand), which llama-guard cannot run: it "
+                                 "supervises one llama-server on one [server].model (run one llama-guard per model)")
         for key in self.env:
             if key == "NOTIFY_SOCKET" or key.startswith("WATCHDOG_"):
                 raise ValueError(f"env may not set {key}: it belongs to llama-guard's service manager")

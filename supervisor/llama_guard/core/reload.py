@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llama_guard.argv import resolve_binary
+from llama_guard.argv import own_slot_save_problem, resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
 from llama_guard.config.base import Reload, reload_of
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
@@ -149,7 +149,10 @@ def startable(config: Config) -> str:
     if resolve_binary(config.server.binary) is None:
         return f"server.binary: {config.server.binary!r} not found"
     problem = model_problem(Path(config.server.model))
-    return f"server.model: {problem}" if problem else ""
+    if problem:
+        return f"server.model: {problem}"
+    problem = own_slot_save_problem(config.server)
+    return f"server.{problem}" if problem else ""
 
 
 @dataclass(frozen=True)

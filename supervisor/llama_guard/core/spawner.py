@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.api_key import read_api_key
-from llama_guard.argv import build_argv, resolve_binary
+from llama_guard.argv import build_argv, own_slot_save_problem, resolve_binary
 from llama_guard.config import Config, ConfigError
 from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.gpu_port import GpuPort
@@ -107,6 +107,13 @@ class Spawner:
             return SpawnFailed(f"server.model: {exc}", fatal=False)
         if problem:  # a FIFO, a directory, not GGUF ...: a configuration error (exit 78)
             return SpawnFailed(f"server.model: {problem}")
+        try:
+            problem = await self._lanes[LaneKind.CONFIG].run(lambda: own_slot_save_problem(server_cfg),
+                                                             MODEL_CHECK_TIMEOUT_S, "checking --slot-save-path")
+        except (CallTimeout, LaneBusy) as exc:
+            return SpawnFailed(f"server.extra_args: {exc}", fatal=False)
+        if problem:  # llama-server refuses a --slot-save-path that is not a directory: so does llama-guard
+            return SpawnFailed(f"server.{problem}")
         try:
             argv = await self._lanes[LaneKind.PROBE].run(
                 lambda: build_argv(server_cfg, binary, config.slots, config.runtime), HELP_PROBE_TIMEOUT_S,

@@ -56,11 +56,12 @@ def take(environ: MutableMapping[str, str] | None = None) -> list[tuple[str, soc
 
 
 def front_socket(passed: list[tuple[str, socket.socket]], listen: str,
-                 address: tuple[str, int] | None) -> socket.socket | str | None:
+                 addresses: list[tuple[str, int]]) -> socket.socket | str | None:
     """The passed socket that serves the front door: the one named :data:`FRONT_NAME`, else the
-    only one passed. None when none was passed; a reason (str) when it cannot serve ``address``
-    (``[front].listen`` = ``listen``; None: the front door is off): not a listening TCP socket, or
-    bound to another port, or to another IP address than the one configured."""
+    only one passed. None when none was passed; a reason (str) when it cannot serve one of ``addresses``
+    (``[front].listen`` = ``listen``; empty: the front door is off): not a listening TCP socket, or
+    bound to another port, or to another IP address than those configured. The front door binds the
+    other addresses itself (:func:`serves` tells which one the socket serves)."""
     if not passed:
         return None
     named = [sock for name, sock in passed if name == FRONT_NAME]
@@ -79,13 +80,22 @@ def front_socket(passed: list[tuple[str, socket.socket]], listen: str,
     if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM or not listening:
         return "the socket systemd passed is not a listening TCP socket (ListenStream= in llama-guard.socket)"
     where = host_port(str(bound[0]), int(bound[1]))
-    if address is None:
+    if not addresses:
         return (f"systemd passed a socket on {where} but [front].listen is off: set it to {where!r}, or disable "
                 "llama-guard.socket")
-    if int(bound[1]) != address[1] or not _same_host(address[0], str(bound[0])):
+    if not any(serves(sock, address) for address in addresses):
         return (f"systemd passed a socket on {where} but [front].listen = {listen!r}: make ListenStream= in "
                 "llama-guard.socket and [front].listen name the same address")
     return sock
+
+
+def serves(sock: socket.socket, address: tuple[str, int]) -> bool:
+    """Whether the listening ``sock`` is bound to ``address`` (a configured host name: any address)."""
+    try:
+        bound = sock.getsockname()
+    except OSError:
+        return False
+    return int(bound[1]) == address[1] and _same_host(address[0], str(bound[0]))
 
 
 def _same_host(configured: str, bound: str) -> bool:

@@ -27,10 +27,12 @@ from collections.abc import Callable
 
 from aiohttp import hdrs, web
 
+from llama_guard.argv import Endpoints
 from llama_guard.config.listen import FrontConfig
 from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.body import Budget, HeldBody, pin_mmap_threshold
+from llama_guard.front.exposed import not_enabled
 from llama_guard.front.forward import Forwarder
 from llama_guard.front.headers import origin_form
 from llama_guard.front.metrics import FrontMetrics
@@ -101,20 +103,23 @@ class _Refuse(asyncio.Protocol):
 
 
 class FrontApp:
-    """Serves the front door on one listening socket; ``get_config`` is read live, ``last_state`` is the
-    policy's state as the loop's last record left it (the health answers)."""
+    """Serves the front door on its listening sockets; ``get_config`` is read live, ``last_state`` is the
+    policy's state as the loop's last record left it (the health answers), and ``get_endpoints`` is read
+    live (what llama-server serves under the user's own flags: the rest is answered here)."""
 
     def __init__(self, forwarder: Forwarder, metrics: FrontMetrics, *,
-                 get_config: Callable[[], FrontConfig], last_state: Callable[[], State]) -> None:
+                 get_config: Callable[[], FrontConfig], last_state: Callable[[], State],
+                 get_endpoints: Callable[[], Endpoints]) -> None:
         self.forwarder = forwarder
         self.metrics = metrics
         self._config = get_config
         self._state = last_state
+        self._endpoints = get_endpoints
         self._seq = itertools.count()
         self.budget = Budget(lambda: self._config().max_buffered_bytes)
         pin_mmap_threshold()
         self._server: web.Server | None = None
-        self._listener: asyncio.base_events.Server | None = None
+        self._listeners: list[asyncio.base_events.Server] = []  # one per address of [front].listen
         self.max_connections = 0  # in force once listening
 
     @property
@@ -124,13 +129,15 @@ class FrontApp:
     async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> tuple[str, int]:
         """Serve on ``sock`` (a listening socket passed by systemd's socket activation) or else open
         a listening socket on ``host:port`` (OSError when it cannot be bound); returns the bound
-        address."""
+        address. Called once per address of ``[front].listen``: every socket serves the same requests,
+        and ``max_connections`` bounds their connections together."""
         front = self._config()
-        self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
-                                  logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s,
-                                  lingering_time=LINGER_S)
-        max_connections = effective_max_connections(front.max_connections)
-        self.max_connections = max_connections
+        if self._server is None:
+            self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
+                                      logger=_quiet_logger(), keepalive_timeout=front.header_timeout_s,
+                                      lingering_time=LINGER_S)
+            self.max_connections = effective_max_connections(front.max_connections)
+        max_connections = self.max_connections
         server = self._server
 
         def factory() -> asyncio.Protocol:
@@ -143,12 +150,13 @@ class FrontApp:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         try:
-            self._listener = await loop.create_server(factory, sock=sock, backlog=ACCEPT_SLICE)
+            listener = await loop.create_server(factory, sock=sock, backlog=ACCEPT_SLICE)
         except BaseException:
             sock.close()
             raise
+        self._listeners.append(listener)
         sock.listen(LISTEN_BACKLOG)  # asyncio listened with its slice: the kernel's queue gets the full length
-        bound = self._listener.sockets[0].getsockname()
+        bound = listener.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
 
     def stop_accepting(self) -> None:
@@ -157,9 +165,9 @@ class FrontApp:
         the service manager's copy too), so new connections wait in the kernel's queue for the next daemon
         instead of being answered 503. (A request on a connection accepted before gets its 503 with
         ``Connection: close``: its retry connects anew, into that queue.)"""
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, then close every connection (bounded by ``timeout_s``): an idle keep-alive
@@ -175,8 +183,12 @@ class FrontApp:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in HEALTH_PATHS:
             return health_response(request.path, self._state())
-        if origin_form(request) is None:
+        target = origin_form(request)
+        if target is None:
             return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))
+        off = not_enabled(request.method, target, self._endpoints())
+        if off is not None:
+            return self._answer(off)
         seq = next(self._seq)
         front = self._config()
         body = HeldBody(self.budget)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 
 from llama_guard.config import Config
-from llama_guard.config.listen import host_port
+from llama_guard.config.listen import host_port, listen_text
 from llama_guard.output.instance import port_daemon
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
@@ -43,26 +43,33 @@ def check_front(config: Config) -> CheckResult:
     could go around the front door) or the front address is held by something other than this user's
     llama-guard."""
     server = f"{config.server.host}:{config.server.port}"
-    address = config.front.address
-    if address is None:
+    addresses = config.front.addresses
+    if not addresses:
         return CheckResult("front door", Verdict.NOTE, f"off: clients connect to llama-server at {server} directly "
-                           "and see every restart (set [front].listen to hold their requests)")
-    listen = host_port(*address)
-    family = _family(*address)
-    if isinstance(family, str):
-        return CheckResult("front door", Verdict.FAIL, f"[front].listen = {config.front.listen!r}: host "
-                           f"{address[0]!r} does not resolve ({family})")
-    text = f"clients connect to {listen}; llama-server listens privately on {server}"
+                           "and see every restart and every endpoint llama-guard enables for itself (/metrics, "
+                           "/slots and slot actions; set [front].listen to hold their requests)")
+    families = []
+    for address in addresses:
+        family = _family(*address)
+        if isinstance(family, str):
+            return CheckResult("front door", Verdict.FAIL, f"[front].listen = {config.front.listen!r}: host "
+                               f"{address[0]!r} does not resolve ({family})")
+        families.append(family)
+    text = f"clients connect to {listen_text(addresses)}; llama-server listens privately on {server}"
     if not config.server.loopback:
         return CheckResult("front door", Verdict.WARN, f"{text}, beyond loopback: clients can go around the front "
                            'door (set [server].host = "127.0.0.1")')
-    problem = _bind_problem(family, address)
-    if isinstance(problem, int):
-        return CheckResult("front door", Verdict.OK, f"{text}; served now by the running llama-guard (pid {problem})")
-    if problem:
-        return CheckResult("front door", Verdict.WARN, f"{text}; {listen} cannot be bound now ({problem}): "
-                           "held by something other than llama-guard; the front door would not start unless that "
-                           "is llama-guard.socket (socket activation)")
+    daemon = None
+    for family, address in zip(families, addresses, strict=True):
+        problem = _bind_problem(family, address)
+        if isinstance(problem, int):
+            daemon = problem
+        elif problem:
+            return CheckResult("front door", Verdict.WARN, f"{text}; {host_port(*address)} cannot be bound now "
+                               f"({problem}): held by something other than llama-guard; the front door would not "
+                               "start unless that is llama-guard.socket (socket activation)")
+    if daemon is not None:
+        return CheckResult("front door", Verdict.OK, f"{text}; served now by the running llama-guard (pid {daemon})")
     return CheckResult("front door", Verdict.OK, text)
 
 

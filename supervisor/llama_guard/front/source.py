@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from llama_guard.argv import user_endpoints
 from llama_guard.config import Config
-from llama_guard.config.listen import host_port
+from llama_guard.config.listen import listen_text
 from llama_guard.core.inputs import CrashesCharged, StreamStalled
 from llama_guard.core.listen_wait import bind_waiting
 from llama_guard.core.offload import Lane, LaneKind
@@ -44,8 +45,9 @@ CLOSE_TIMEOUT_S = 5.0  # at shutdown: how long open connections may take to fini
 
 
 class FrontSource(Watcher):
-    """Serves ``[front].listen`` — on the socket systemd passed (``passed``: :func:`activation.take`),
-    if any, else on one it binds; its metrics go into ``registry`` (the exporter's, when there is one)."""
+    """Serves ``[front].listen`` — each of its addresses on the socket systemd passed for it (``passed``:
+    :func:`activation.take`), if any, else on one it binds; its metrics go into ``registry`` (the
+    exporter's, when there is one)."""
 
     name = "front"
 
@@ -56,18 +58,19 @@ class FrontSource(Watcher):
         self.admission: Admission | None = None
         self.forwarder: Forwarder | None = None
         self.app: FrontApp | None = None
-        self.listening: tuple[str, int] | None = None
+        self.listening: tuple[str, int] | None = None  # the first bound address (its port is every address's)
+        self.addresses: list[tuple[str, int]] = []  # every bound address
         self.activated = False  # it serves a socket systemd passed (shared with the service manager)
         self._proc = Lane(LaneKind.PROC)  # who holds the port, while it waits for it
         self._state: State | None = None  # the policy's state: at start, then as each record of the loop leaves it
 
     async def start(self, ctx: Context) -> str | None:
         front = ctx.config.front
-        address = front.address
-        activated = activation.front_socket(self._passed, front.listen, address)
+        addresses = front.addresses
+        activated = activation.front_socket(self._passed, front.listen, addresses)
         if isinstance(activated, str):
             return activated
-        if address is None:
+        if not addresses:
             return None
         from llama_guard.front.app import FrontApp
         from llama_guard.front.forward import Forwarder
@@ -84,20 +87,26 @@ class FrontSource(Watcher):
                               first_event_s=lambda: ctx.config.front.first_event_timeout_s,
                               chat_prefill=lambda: chat_prefill(ctx.config.server.extra_args, ctx.config.server.env))
         forwarder.suspects.observe(state)
-        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, last_state=self._policy)
+        app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, last_state=self._policy,
+                       get_endpoints=lambda: user_endpoints(ctx.config.server))
         await forwarder.open()
+        bound: list[tuple[str, int]] = []
         try:
-            bound = await (app.listen(*address, sock=activated) if activated is not None
-                           else self._listen(ctx, app, address))
+            for address in addresses:  # the socket systemd passed serves its own address; the others are bound
+                served = activated is not None and activation.serves(activated, address)
+                one = await (app.listen(*address, sock=activated) if served else self._listen(ctx, app, address))
+                if isinstance(one, str):
+                    await app.close(CLOSE_TIMEOUT_S)
+                    await forwarder.close()
+                    return one
+                bound.append(one)
         except BaseException:  # a stop while the port is waited for
+            await app.close(CLOSE_TIMEOUT_S)
             await forwarder.close()
             raise
-        if isinstance(bound, str):
-            await forwarder.close()
-            return bound
-        self.listening, self.activated = bound, activated is not None
+        self.listening, self.addresses, self.activated = bound[0], bound, activated is not None
         self.admission, self.forwarder, self.app = admission, forwarder, app
-        ctx.emit("front_listening", listen=host_port(*self.listening), upstream=ctx.config.server.base_url,
+        ctx.emit("front_listening", listen=listen_text(bound), upstream=ctx.config.server.base_url,
                  max_connections=app.max_connections, activated=activated is not None)
         return None
 
@@ -162,7 +171,7 @@ class FrontSource(Watcher):
     def snapshot(self) -> dict[str, Any] | None:
         if self.listening is None or self.admission is None or self.forwarder is None or self.app is None:
             return None
-        return {"listen": host_port(*self.listening), "waiting": self.admission.waiting,
+        return {"listen": listen_text(self.addresses), "waiting": self.admission.waiting,
                 "in_flight": self.forwarder.in_flight, "connections": self.app.connections}
 
     async def close(self) -> None:

@@ -16,7 +16,14 @@ from typing import Any
 from llama_guard.config import Config
 from llama_guard.preflight.gpu import check_gpu, check_reset, check_vram
 from llama_guard.preflight.process import check_api_key, check_credentials, check_limits
-from llama_guard.preflight.server import check_binary, check_model, check_offload, check_port, check_settings
+from llama_guard.preflight.server import (
+    check_binary,
+    check_model,
+    check_offload,
+    check_port,
+    check_settings,
+    check_slot_save_path,
+)
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -28,6 +35,7 @@ def run_checks(config: Config, config_path: Path, *, nvml_module: Any = None) ->
     model = check_model(config)
     results.append(model)
     results += check_settings(config)
+    results += check_slot_save_path(config)
     results.append(check_port(config))
     from llama_guard.front.check import check_front, check_metrics  # they report in this module's terms
 

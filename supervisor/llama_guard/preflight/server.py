@@ -6,7 +6,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llama_guard.argv import HELP_TIMEOUT_S, build_argv, help_text, list_devices, resolve_binary
+from llama_guard.argv import (
+    HELP_TIMEOUT_S,
+    build_argv,
+    help_text,
+    list_devices,
+    own_slot_save_path,
+    own_slot_save_problem,
+    resolve_binary,
+)
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
@@ -74,6 +82,21 @@ def check_model(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> 
     if problem:
         return CheckResult("model", Verdict.FAIL, problem)
     return CheckResult("model", Verdict.OK, f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
+
+
+def check_slot_save_path(config: Config, *, timeout_s: float = MODEL_CHECK_TIMEOUT_S) -> list[CheckResult]:
+    """The user's own ``--slot-save-path`` (none: no row) is a directory: FAIL when it is not, since
+    llama-server refuses to start on it and llama-guard never creates it (:func:`own_slot_save_problem`)."""
+    own = own_slot_save_path(config.server)
+    if own is None:
+        return []
+    try:
+        problem = run_with_deadline(lambda: own_slot_save_problem(config.server), timeout_s, f"checking {own}")
+    except CallTimeout as exc:
+        return [CheckResult("slot save path", Verdict.FAIL, f"{own}: {exc} (a hung filesystem?)")]
+    if problem:
+        return [CheckResult("slot save path", Verdict.FAIL, problem)]
+    return [CheckResult("slot save path", Verdict.OK, f"{own} (the user's own; clients may save and restore slots)")]
 
 
 # llama-server's warm-up decodes a 2-token batch (BOS, EOS) per slot before it listens: a slot with a

@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from llama_guard.argv import build_of, own_slot_save_path, resolve_binary, slot_save_dir
+from llama_guard.argv import build_of, own_slot_save_path, own_slot_save_problem, resolve_binary, slot_save_dir
 from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
@@ -108,6 +108,8 @@ class SlotsSource(Watcher):
                 if config.server.user else None
             uid = who.uid if who is not None else None
             gids = tuple(g for g in (who.gid, *(who.groups or ())) if g is not None) if who is not None else ()
+            if await self._on_files(lambda: own_slot_save_problem(config.server), f"checking {root}"):
+                return  # the user's own --slot-save-path is never created: the start is refused (spawner)
             await self._on_files(lambda: store.prepare(uid, gids), f"preparing {root}")
         except (OSError, ValueError) as exc:
             reason = (f"the KV cache is not carried across restarts: cannot prepare the slot directory {root} "
