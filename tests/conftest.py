@@ -1,4 +1,6 @@
-"""Shared fixtures: the real llama-server and model (required in CI), and the fake server path."""
+"""Shared fixtures: the real llama-server and model (required in CI), and the fake server path; the private
+journald and ``systemd --user`` (systemd_fixtures.py) and the front door's daemon (front_fixtures.py); the
+suite's lanes (lanes.py: ``--fast``, the ``fast`` and ``serial`` markers)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import pytest
 from front_fixtures import door  # noqa: F401 (the front-door attack tests' fixture)
 from harness import FAKE_SERVER
 from needs import unavailable
+
+pytest_plugins = ["lanes", "systemd_fixtures"]
 
 
 def _required(var: str, what: str) -> Path:

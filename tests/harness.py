@@ -3,12 +3,14 @@ pure policy (``decide``) through a start and readiness and read the events it em
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +30,31 @@ FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
 FAKE_NVML_RUN = [sys.executable, str(Path(__file__).resolve().parent / "run_with_fake_nvml.py")]
 
 
+#: Ports handed out by :func:`free_port`, one file per port, shared by every pytest process on this host
+#: (xdist workers, other checkouts' runs): a port is not handed out again for :data:`PORT_HOLD_S` seconds.
+PORT_DIR = Path(tempfile.gettempdir()) / "llama-guard-test-ports"
+PORT_HOLD_S = 600.0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback TCP port free now and not handed out to any test process on this host in the last
+    :data:`PORT_HOLD_S` seconds (the kernel's choice, then an exclusive claim file in :data:`PORT_DIR`), so
+    parallel workers never configure the same port between this call and their daemon's bind."""
+    PORT_DIR.mkdir(mode=0o1777, exist_ok=True)
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        claim = PORT_DIR / str(port)
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return port
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - claim.stat().st_mtime > PORT_HOLD_S:
+                    claim.touch()  # an old claim: this port is ours again
+                    return port
+    raise RuntimeError(f"no unclaimed loopback port in 1000 tries ({PORT_DIR})")
 
 
 def toml_value(value: object) -> str:

@@ -25,7 +25,6 @@ from test_systemd_e2e import unit_text
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
 
-pytest_plugins = ["systemd_fixtures"]
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(120)]
 
 TESTS = Path(__file__).resolve().parent

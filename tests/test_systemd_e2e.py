@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from harness import free_port
 
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
 
-pytest_plugins = ["systemd_fixtures"]
 pytestmark = [pytest.mark.real, pytest.mark.systemd]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,12 +41,6 @@ _DROP = re.compile(r"^(User|Group|SupplementaryGroups|AmbientCapabilities|Capabi
                    r"ProtectControlGroups|ProtectClock|ProtectHostname|RestrictNamespaces|"
                    r"StateDirectory|LogsDirectory|WorkingDirectory|RuntimeDirectory|"
                    r"EnvironmentFile)=.*$", re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(path: Path, server: Path, port: int, runtime: Path, *, model: Path) -> Path:
@@ -108,7 +102,7 @@ def env(private_user_manager_with_journal: tuple[PrivateUserManager, PrivateJour
     manager, journal = private_user_manager_with_journal
     runtime = tmp_path / "runtime"
     runtime.mkdir()
-    config = write_config(tmp_path / "llama-guard.toml", server, _free_port(), runtime, model=real_model)
+    config = write_config(tmp_path / "llama-guard.toml", server, free_port(), runtime, model=real_model)
     yield manager, journal, config, extra
     manager.systemctl("stop", "llama-guard.service", timeout_s=60)
 
@@ -279,7 +273,7 @@ def _livez(port: int) -> str:
 def test_socket_activation_keeps_clients_connecting_across_a_restart_of_llama_guard(
         env: tuple[PrivateUserManager, PrivateJournald, Path, str]) -> None:
     manager, journal, config, extra = env
-    front = _free_port()
+    front = free_port()
     config.write_text(config.read_text() + f'\n[front]\nlisten = "127.0.0.1:{front}"\n')
     manager.install_unit("llama-guard.socket", SOCKET_UNIT.read_text().replace(
         "ListenStream=127.0.0.1:8080", f"ListenStream=127.0.0.1:{front}"))
