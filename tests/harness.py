@@ -148,6 +148,11 @@ class DaemonRun:
     def names(self) -> list[str]:
         return [e["event"] for e in self.events() if e["event"] != "server_line"]
 
+    def count(self, name: str, *, where: Callable[[dict[str, Any]], bool] = lambda e: True) -> int:
+        """How many events called ``name`` matching ``where`` were logged so far (a mark for
+        ``wait_event(..., skip=count)``: the next one after now)."""
+        return sum(1 for e in self.events() if e["event"] == name and where(e))
+
     def wait_event(self, name: str, timeout: float = 30.0, *, skip: int = 0,
                    where: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any]:
         """The (skip+1)-th event called ``name`` matching ``where``; fails after ``timeout`` seconds."""
