@@ -17,22 +17,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from harness import DaemonRun, RunPool, wait_gone
+from harness import wait_gone
 
 pytestmark = pytest.mark.real
-
-
-@pytest.fixture
-def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    pool = RunPool()
-
-    def make(extra: dict[str, dict[str, object]] | None = None) -> DaemonRun:
-        return pool.new(tmp_path, str(llama_server_bin), str(real_model), extra)
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 
 
 def chat(port: int, content: str = "Say hello", max_tokens: int = 16, timeout: float = 60.0,
