@@ -71,7 +71,10 @@ FAST_MODULES: frozenset[str] = frozenset((
 
 #: Test modules that must not share the CPU with other tests: they load it on purpose (busy prefill at the
 #: shipped liveness defaults) or bound the daemon's timing against its settings.
-SERIAL_MODULES: frozenset[str] = frozenset()
+SERIAL_MODULES: frozenset[str] = frozenset((
+    "test_judgement_real",  # a minute of long-prompt batches at the shipped liveness defaults; a SIGSTOP's 20 s bound
+    "test_liveness_real",  # a process spinning a core until the silence bound; turns between liveness rounds
+))
 
 
 class FastLaneViolation(RuntimeError):
