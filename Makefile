@@ -42,7 +42,7 @@ test-fast: venv
 # (pytest-xdist; they mostly wait on real processes, so more workers than cores; a module with a
 # module-scoped fixture stays on one worker), then the few that must have the CPU to themselves.
 TEST_WORKERS ?= 4
-test: venv real test-fast policy-coverage test-parallel test-serial
+test: venv test-fast policy-coverage real test-parallel test-serial
 test-parallel: venv real
 	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25 -m "not fast and not serial" -n $(TEST_WORKERS) --dist loadgroup
 test-serial: venv real
