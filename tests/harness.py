@@ -30,9 +30,9 @@ FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
 FAKE_NVML_RUN = [sys.executable, str(Path(__file__).resolve().parent / "run_with_fake_nvml.py")]
 
 
-#: Ports handed out by :func:`free_port`, one file per port, shared by every pytest process on this host
-#: (xdist workers, other checkouts' runs): a port is not handed out again for :data:`PORT_HOLD_S` seconds.
-PORT_DIR = Path(tempfile.gettempdir()) / "llama-guard-test-ports"
+#: Ports handed out by :func:`free_port`, one file per port, shared by every test process of this user on this
+#: host (xdist workers, other checkouts' runs): a port is not handed out again for :data:`PORT_HOLD_S` seconds.
+PORT_DIR = Path(tempfile.gettempdir()) / f"llama-guard-test-ports-{os.getuid()}"
 PORT_HOLD_S = 600.0
 
 
@@ -40,7 +40,7 @@ def free_port() -> int:
     """A loopback TCP port free now and not handed out to any test process on this host in the last
     :data:`PORT_HOLD_S` seconds (the kernel's choice, then an exclusive claim file in :data:`PORT_DIR`), so
     parallel workers never configure the same port between this call and their daemon's bind."""
-    PORT_DIR.mkdir(mode=0o1777, exist_ok=True)
+    PORT_DIR.mkdir(mode=0o700, exist_ok=True)
     for _ in range(1000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
