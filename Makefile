@@ -40,7 +40,7 @@ test-fast: venv
 # The whole test suite, against the real llama-server, journald and systemd user manager, in three lanes
 # (tests/lanes.py): the fast tests, the policy's coverage gate, then the process tests in parallel
 # (pytest-xdist; they mostly wait on real processes, so more workers than cores; a module with a
-# module-scoped fixture stays on one worker), then the few that must have the CPU to themselves.
+# module-scoped fixture stays on one worker), then the two that load the CPU on purpose, alone.
 TEST_WORKERS ?= 4
 test: venv test-fast policy-coverage real test-parallel test-serial
 test-parallel: venv real

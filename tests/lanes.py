@@ -2,9 +2,8 @@
 
 * ``fast`` (:data:`FAST_MODULES`, ``make test-fast``, ``pytest --fast``): modules that start no process and use
   no socket — seconds, run first and alone;
-* ``serial`` (:data:`SERIAL_MODULES`, ``pytest -m serial``): modules that load the CPU on purpose or judge
-  the daemon against a timing bound — run last, one test at a time, so that no parallel worker's load
-  decides their verdict;
+* ``serial`` (:data:`SERIAL_TESTS`, ``pytest -m serial``): the few tests that load the CPU on purpose — run
+  last, one at a time, so that their load decides no other test's verdict;
 * everything else — the real llama-server, journald, systemd — runs in parallel (``pytest -n``,
   pytest-xdist), each worker with its own ports (harness.free_port) and directories (``tmp_path``); the tests
   of a module-scoped fixture stay on one worker (an ``xdist_group`` per module, ``--dist loadgroup``).
@@ -69,11 +68,13 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_vram_wait_h200_fixture",
 ))
 
-#: Test modules that must not share the CPU with other tests: they load it on purpose (busy prefill at the
-#: shipped liveness defaults) or bound the daemon's timing against its settings.
-SERIAL_MODULES: frozenset[str] = frozenset((
-    "test_judgement_real",  # a minute of long-prompt batches at the shipped liveness defaults; a SIGSTOP's 20 s bound
-    "test_liveness_real",  # a process spinning a core until the silence bound; turns between liveness rounds
+#: Tests (``module::test``, or a whole module) that must not share the CPU with other tests: they load it on
+#: purpose for a minute, which would starve the fast-probing tests of the other workers.
+SERIAL_TESTS: frozenset[str] = frozenset((
+    # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
+    "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
+    # a process spinning a core until the 60 s silence bound
+    "test_liveness_real::test_a_spinning_process_whose_server_answers_nothing_is_hung_within_the_silence_bound",
 ))
 
 
@@ -101,7 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         stem = Path(str(item.fspath)).stem
         if stem in FAST_MODULES:
             item.add_marker(pytest.mark.fast)
-        if stem in SERIAL_MODULES:
+        if stem in SERIAL_TESTS or f"{stem}::{getattr(item, 'originalname', item.name)}" in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
         if _shares_a_fixture(item):  # one worker sets the module's fixture up once (--dist loadgroup)
             item.add_marker(pytest.mark.xdist_group(stem))
