@@ -51,7 +51,6 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_stop_drain",
     "test_policy_vram",
     "test_preflight_gpu",
-    "test_prometheus_rules",
     "test_public_reports",
     "test_recovery_defaults",
     "test_reload_values",
