@@ -33,7 +33,6 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_ceiling",
     "test_classify",
     "test_decay",
-    "test_event_names",
     "test_front_decoded",
     "test_front_hold",
     "test_gpu_h200_fixture",
