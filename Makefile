@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 REAL_ENV := .work/real/env
 
-.PHONY: venv real server-tests demo test policy-coverage lint bench clean
+.PHONY: venv real server-tests demo test test-fast test-parallel test-serial policy-coverage lint bench bench-ci clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -39,9 +39,21 @@ policy-coverage: venv
 	$(BIN)/pytest -q --cov=llama_guard.core.policy --cov-report=term-missing:skip-covered --cov-fail-under=100 \
 		$(POLICY_TESTS)
 
-# The whole test suite, against the real llama-server, journald and systemd user manager.
-test: venv real server-tests policy-coverage
-	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25
+# The tests that start no process and use no socket (tests/lanes.py FAST_MODULES; a guard fails any that
+# does): seconds, and first.
+test-fast: venv
+	$(BIN)/pytest -q --fast
+
+# The whole test suite, against the real llama-server, journald and systemd user manager, in three lanes
+# (tests/lanes.py): the fast tests, the policy's coverage gate, then the process tests in parallel
+# (pytest-xdist; they mostly wait on real processes, so more workers than cores; a module with a
+# module-scoped fixture stays on one worker), then the two that load the CPU on purpose, alone.
+TEST_WORKERS ?= 4
+test: venv test-fast policy-coverage real server-tests test-parallel test-serial
+test-parallel: venv real
+	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25 -m "not fast and not serial" -n $(TEST_WORKERS) --dist loadgroup
+test-serial: venv real
+	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=10 -m serial
 
 lint: venv
 	$(BIN)/ruff check .
@@ -50,6 +62,10 @@ lint: venv
 bench: venv real
 	. ./$(REAL_ENV) && for b in benchmarks/bench_*.py; do echo "== $$b"; t0=$$(date +%s); \
 		$(BIN)/python $$b || exit 1; echo "== $$b took $$(( $$(date +%s) - t0 )) s"; done
+
+# The same benchmarks and tables at their CI sizes (benchmarks/benchlib.py sized(): fewer rounds).
+bench-ci:
+	$(MAKE) bench BENCH_SIZE=ci
 
 clean:
 	rm -rf $(VENV) .work/run .work/demo.toml

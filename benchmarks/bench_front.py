@@ -53,7 +53,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import add_server_args, epoch  # noqa: E402
+from benchlib import add_server_args, epoch, sized  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
 
 WATCHDOG_USEC = 2_000_000
@@ -244,7 +244,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4)
     # Defaults fit a 2-core CPU host (`make bench`); on a GPU host: --tokens 256 --rounds 20.
     ap.add_argument("--tokens", type=int, default=16, help="tokens per stream of part 1 (the issue's figure: 256)")
-    ap.add_argument("--rounds", type=int, default=6, help="streams per path in part 1")
+    ap.add_argument("--rounds", type=int, default=sized(6, 3), help="streams per path in part 1 (6; CI 3)")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--stream-tokens", type=int, default=2, help="tokens per stream of parts 2 and 3")
     ap.add_argument("--idle", type=int, default=10_000, help="idle client connections of part 3's last column")

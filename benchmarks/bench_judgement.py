@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import epoch, print_table  # noqa: E402
+from benchlib import epoch, print_table, sized  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
 from llama_guard.config.sections import HealthConfig  # noqa: E402
 
@@ -102,7 +102,7 @@ def hang_rounds(rounds: int, tmp: Path, binary: str, model: str) -> tuple[list[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=sized(3, 2), help="rounds of each part (3; CI 2)")
     parser.add_argument("--load-stall", type=float, default=float(SHIPPED["load_stall_s"]),  # type: ignore[arg-type]
                         help="[health].load_stall_s for the frozen-at-load rounds (default: shipped)")
     args = parser.parse_args()

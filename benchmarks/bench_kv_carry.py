@@ -36,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import add_server_args  # noqa: E402
+from benchlib import add_server_args, sized  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge, terminate  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--facts", type=int, default=40, help="history size: 40 facts ~ 600 tokens")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--decode-rounds", type=int, default=6)
+    parser.add_argument("--decode-rounds", type=int, default=sized(6, 3), help="completions per daemon (6; CI 3)")
     parser.add_argument("--parts", default="carry,decode", help="which parts to run: carry, decode or both")
     args = parser.parse_args()
     parts = set(args.parts.split(","))

@@ -67,7 +67,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import poll_health_200  # noqa: E402
+from benchlib import poll_health_200, sized  # noqa: E402
 from harness import DaemonRun, config_text, free_port  # noqa: E402
 from llama_guard.argv import build_argv  # noqa: E402
 from llama_guard.config import load_config  # noqa: E402
@@ -381,8 +381,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extra-arg", action="append", help="one more llama-server argument (repeatable)")
     ap.add_argument("--gpu", default="off", choices=("off", "auto", "on"), help="[gpu].enabled when supervised")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=3, help="completions per mode per round")
+    ap.add_argument("--rounds", type=int, default=sized(3, 2), help="interleaved rounds of part 1 (3; CI 2)")
+    ap.add_argument("--runs", type=int, default=sized(3, 2), help="completions per mode per round (3; CI 2)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per completion (ignore_eos)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
@@ -392,7 +392,7 @@ def main() -> int:
     ap.add_argument("--chat-variants", default=",".join(DEFAULT_CHAT_VARIANTS),
                     help=f"part 2: comma-separated, of {','.join(CHAT_VARIANTS)}")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")
-    ap.add_argument("--calls", type=int, default=8, help="part 0: requests of each kind")
+    ap.add_argument("--calls", type=int, default=sized(8, 4), help="part 0: requests of each kind (8; CI 4)")
     ap.add_argument("--part", choices=("0", "1", "2", "all"), default="all")
     args = ap.parse_args()
     if not (args.binary and Path(args.binary).is_file() and args.model and Path(args.model).is_file()):

@@ -8,7 +8,8 @@ death → restart → load); each SIGHUP waits for its answer (``config_reloaded
 The daemon runs with ``[recovery] max_restarts`` high and a short ``restart_window_s``, so a kill
 is always the first failure in its window (restarted at once, no backoff); ``[log] level "info"``.
 
-    . .work/real/env && .venv/bin/python benchmarks/bench_soak.py              # 100 kills, 500 SIGHUPs (CI)
+    . .work/real/env && .venv/bin/python benchmarks/bench_soak.py              # 100 kills, 500 SIGHUPs
+    BENCH_SIZE=ci .venv/bin/python benchmarks/bench_soak.py                     # 30 kills, 150 SIGHUPs (CI)
     . .work/real/env && .venv/bin/python benchmarks/bench_soak.py --kills 1000 --hups 5000
 """
 
@@ -31,6 +32,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from benchlib import sized  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge  # noqa: E402
 
 Event = dict[str, Any]
@@ -111,8 +113,8 @@ def record(rows: list[tuple[str, dict[str, float]]], name: str, values: dict[str
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=100, help="kill -9 cycles (default 100; a long soak: 1000)")
-    ap.add_argument("--hups", type=int, default=500, help="SIGHUPs (default 500; a long soak: 5000)")
+    ap.add_argument("--kills", type=int, default=sized(100, 30), help="kill -9 cycles (100; CI 30; a long soak: 1000)")
+    ap.add_argument("--hups", type=int, default=sized(500, 150), help="SIGHUPs (500; CI 150; a long soak: 5000)")
     args = ap.parse_args()
     binary = os.environ.get("LLAMA_SERVER_BIN", "")
     model = os.environ.get("LLAMA_GUARD_TEST_MODEL", "")

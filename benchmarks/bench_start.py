@@ -69,7 +69,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "supervisor")]
 
-from benchlib import epoch, health_status, poll_health_200, print_table  # noqa: E402
+from benchlib import epoch, health_status, poll_health_200, print_table, sized  # noqa: E402
 from harness import DaemonRun, free_port  # noqa: E402
 
 Event = dict[str, Any]
@@ -333,8 +333,8 @@ def main() -> int:
     ap.add_argument("--ctk", default="f16")
     ap.add_argument("--fa", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--fail-starts", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=sized(5, 3), help="rounds (5; CI 3)")
+    ap.add_argument("--fail-starts", type=int, default=sized(5, 3), help="failing starts (5; CI 3)")
     ap.add_argument("--json", type=Path, help="write the raw figures here")
     ap.add_argument("--events-dir", type=Path, help="keep the first round's daemon events here (per tree)")
     args = ap.parse_args()

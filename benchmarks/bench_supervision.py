@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from benchlib import epoch, poll_health_200, print_table  # noqa: E402
+from benchlib import epoch, poll_health_200, print_table, sized  # noqa: E402
 from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge  # noqa: E402
 from llama_guard.argv import build_argv  # noqa: E402
 from llama_guard.config import load_config  # noqa: E402
@@ -311,7 +311,7 @@ def server_version(binary: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of each fault (default 3)")
+    ap.add_argument("--rounds", type=int, default=sized(3, 2), help="rounds of each fault (3; CI 2)")
     ap.add_argument("--interval", type=float, default=0.5, help="[health].interval_s for the hang rounds")
     ap.add_argument("--timeout", type=float, default=1.0, help="[health].timeout_s")
     ap.add_argument("--canary-timeout", type=float, default=2.0, help="[health].canary_timeout_s")

@@ -9,6 +9,19 @@ import statistics
 import time
 from datetime import datetime
 
+#: ``BENCH_SIZE=ci`` (``.ci/run``, ``make bench-ci``): every benchmark runs its CI size — fewer rounds, the same
+#: measurements and the same printed tables; unset (or ``full``), the sizes a user gets by default.
+BENCH_SIZE_ENV = "BENCH_SIZE"
+
+
+def sized(full: int, ci: int) -> int:
+    """A benchmark's default count: ``full`` for a user, ``ci`` under ``BENCH_SIZE=ci``; an explicit
+    command-line value always wins. Fails on any other ``BENCH_SIZE`` (a typo must not run the long size)."""
+    size = os.environ.get(BENCH_SIZE_ENV, "full")
+    if size not in ("full", "ci"):
+        raise SystemExit(f"{BENCH_SIZE_ENV}={size!r}: expected 'full' or 'ci'")
+    return ci if size == "ci" else full
+
 
 def add_server_args(parser: argparse.ArgumentParser, *, ctx: int, threads: int) -> None:
     """The options of a benchmark that starts the real llama-server: ``--server-bin`` and ``--model``

@@ -1,14 +1,19 @@
-"""Shared fixtures: the real llama-server and model (required in CI), and the fake server path."""
+"""Shared fixtures: the real llama-server and model (required in CI), and the fake server path; the private
+journald and ``systemd --user`` (systemd_fixtures.py) and the front door's daemon (front_fixtures.py); the
+suite's lanes (lanes.py: ``--fast``, the ``fast`` and ``serial`` markers)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from front_fixtures import door  # noqa: F401 (the front-door attack tests' fixture)
-from harness import FAKE_SERVER
+from front_fixtures import daemon_pool, door  # noqa: F401 (door: the front-door attack tests' fixture)
+from harness import FAKE_SERVER, DaemonRun, RunPool
 from needs import unavailable
+
+pytest_plugins = ["lanes", "systemd_fixtures"]
 
 
 def _required(var: str, what: str) -> Path:
@@ -45,3 +50,22 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("LLAMA_GUARD_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def pool() -> Iterator[RunPool]:
+    """The test's daemon runs (:class:`RunPool`), stopped afterwards; the test fails when a llama-server
+    outlived its daemon."""
+    with daemon_pool() as runs:
+        yield runs
+
+
+@pytest.fixture
+def real(tmp_path: Path, llama_server_bin: Path, real_model: Path, pool: RunPool) -> Callable[..., DaemonRun]:
+    """``make(extra=None, binary=None)``: a daemon (not started) supervising the real llama-server (or
+    ``binary``, e.g. a wrapper of it) on the real model, ``extra`` sections merged over the fast-probing
+    test configuration (harness.base_sections), on a port of its own (``run.port``)."""
+    def make(extra: dict[str, dict[str, object]] | None = None, binary: str | None = None) -> DaemonRun:
+        return pool.new(tmp_path, binary or str(llama_server_bin), str(real_model), extra)
+
+    return make

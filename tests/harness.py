@@ -3,12 +3,14 @@ pure policy (``decide``) through a start and readiness and read the events it em
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +30,31 @@ FAKE_SERVER = Path(__file__).resolve().parent / "fake_llama_server.py"
 FAKE_NVML_RUN = [sys.executable, str(Path(__file__).resolve().parent / "run_with_fake_nvml.py")]
 
 
+#: Ports handed out by :func:`free_port`, one file per port, shared by every test process of this user on this
+#: host (xdist workers, other checkouts' runs): a port is not handed out again for :data:`PORT_HOLD_S` seconds.
+PORT_DIR = Path(tempfile.gettempdir()) / f"llama-guard-test-ports-{os.getuid()}"
+PORT_HOLD_S = 600.0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback TCP port free now and not handed out to any test process on this host in the last
+    :data:`PORT_HOLD_S` seconds (the kernel's choice, then an exclusive claim file in :data:`PORT_DIR`), so
+    parallel workers never configure the same port between this call and their daemon's bind."""
+    PORT_DIR.mkdir(mode=0o700, exist_ok=True)
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        claim = PORT_DIR / str(port)
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return port
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - claim.stat().st_mtime > PORT_HOLD_S:
+                    claim.touch()  # an old claim: this port is ours again
+                    return port
+    raise RuntimeError(f"no unclaimed loopback port in 1000 tries ({PORT_DIR})")
 
 
 def toml_value(value: object) -> str:
@@ -125,6 +147,11 @@ class DaemonRun:
 
     def names(self) -> list[str]:
         return [e["event"] for e in self.events() if e["event"] != "server_line"]
+
+    def count(self, name: str, *, where: Callable[[dict[str, Any]], bool] = lambda e: True) -> int:
+        """How many events called ``name`` matching ``where`` were logged so far (a mark for
+        ``wait_event(..., skip=count)``: the next one after now)."""
+        return sum(1 for e in self.events() if e["event"] == name and where(e))
 
     def wait_event(self, name: str, timeout: float = 30.0, *, skip: int = 0,
                    where: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any]:

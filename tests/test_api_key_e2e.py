@@ -31,7 +31,6 @@ from llama_guard.restarts.watcher import ScheduleSource
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
 
-pytest_plugins = ["systemd_fixtures"]
 pytestmark = [pytest.mark.real, pytest.mark.timeout(240)]
 
 

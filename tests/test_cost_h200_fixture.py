@@ -7,18 +7,16 @@ sets; recorded are each configuration, the server's ``-lv 4`` buffer sizes, NVML
 index of the 15.2 GB file, no data), and today's budget, need estimate and ceiling are computed from it:
 nothing predicted is read from the fixture.
 
-Start-up (``start_before.json``: main's daemon before the need estimate left the spawn path;
-``start_after.json`` and one round's events, ``start_after_events.jsonl``: this code) and memory
-(``rss.json``): the recorded events go through today's event catalog, and the daemon's own share of each
-start is read from them. ``liveness_*.txt`` and ``front_smol.txt`` are the decode-speed and front-door
-tables of the same run on that machine (benchmarks/bench_liveness.py, bench_front.py), kept as printed.
+Start-up: one round's recorded daemon events (``start_after_events.jsonl``) go through today's event catalog.
+``start_before.json``, ``start_after.json``, ``rss.json``, ``liveness_*.txt`` and ``front_smol.txt`` are the
+start-up, memory, decode-speed and front-door tables of the same run on that machine (benchmarks/bench_start.py,
+bench_rss.py, bench_liveness.py, bench_front.py), kept as recorded: figures, not tests.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +32,6 @@ from llama_guard.vocab.events import CATALOG, render_message
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_synth_model  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from benchlib import epoch  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "h200_cost"
 SUMMARY: dict[str, Any] = json.loads((FIX / "insight" / "summary.json").read_text())
@@ -80,12 +75,9 @@ def test_check_predicts_nvmls_figure_within_5_percent(name: str, tmp_path: Path,
 def test_the_need_estimate_of_a_152k_vocabulary_is_cheap_and_below_what_the_server_took(
         tmp_path: Path, model_27b: Path) -> None:
     settings = settings_of("ref", tmp_path, model_27b)
-    t0 = time.monotonic()
-    need = need_mib_in_child(str(model_27b), settings)
-    took = time.monotonic() - t0
+    need = need_mib_in_child(str(model_27b), settings)  # header and tensor index only (a sparse file)
     measured = ROWS["ref"]["nvml_after_bench"]["pid_used_mib"]
     assert need is not None and 0.85 * measured <= need <= measured  # the admission waits for 90 %
-    assert took < 10.0, took  # the child: header and tensor index only (the package's reader took 28 s here)
 
 
 def test_benchs_ceiling_replays_to_the_recorded_verdicts(tmp_path: Path, model_27b: Path) -> None:
@@ -132,34 +124,3 @@ def test_the_recorded_daemon_events_render_with_todays_catalog() -> None:
 # Templates changed on purpose since the recording: the template the recorded message was made with.
 # limit_not_raised was "{limit}: {reason}", which named the limit twice (the reason starts with it).
 TEMPLATE_AT_RECORDING = {"limit_not_raised": "{limit}: {reason}"}
-
-
-def test_the_daemons_own_share_of_each_start_was_under_the_goal() -> None:
-    """From the recorded events: the daemon's own time between what it was told and the next
-    ``server_starting`` (the server's load and its own exit are the server's)."""
-    events = recorded_events()
-    names = [e["event"] for e in events]
-    at = [epoch(e["timestamp"]) for e in events]
-
-    def gap(after: str, skip: int = 0) -> float:
-        i = [k for k, n in enumerate(names) if n == after][skip]
-        j = next(k for k in range(i + 1, len(names)) if names[k] == "server_starting")
-        return at[j] - at[i]
-
-    assert gap("daemon_started") < 0.3  # first start: no GGUF read before the spawn any more
-    assert gap("server_exited") < 0.1  # kill -9 → the next start
-    assert gap("server_stopped") < 0.1  # planned restart: stopped → the next start
-    recorded = json.loads((FIX / "start_after.json").read_text())["results"]["this"]
-    before = json.loads((FIX / "start_before.json").read_text())["results"]["main"]
-    per_start = "failing start: daemon cost per start"
-    assert max(recorded[per_start]) < 0.15 < min(before[per_start])  # 54 ms now, 6.7 s before
-
-
-def test_nvmls_own_share_of_the_daemons_memory() -> None:
-    """The H200 RSS rows: what the daemon holds with the GPU watch on, less what a bare process that
-    only opens NVML adds over a bare interpreter (bindings + library), is under 60 MB."""
-    median = json.loads((FIX / "rss.json").read_text())["median"]
-    nvml_alone = median["python + NVML opened"]["rss"] - median["python (bare)"]["rss"]
-    on, off = median["[this] daemon, GPU watch on"]["rss"], median["[this] daemon, GPU watch off"]["rss"]
-    assert on - nvml_alone <= 60.0 and off <= 60.0
-    assert abs((on - off) - nvml_alone) < 0.25 * nvml_alone  # the GPU watch costs what NVML itself maps

@@ -488,17 +488,18 @@ def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
     a kill -9 of the server was noticed only ~29 s later, as a hang. Now the exit is seen from
     waitpid within about a second, the grandchild is named and killed."""
     started, ports = runs
-    wrapper = _script(tmp_path, "llama-server-setsid", (
-        "#!/bin/sh\n"
-        "setsid sleep 600 &\n"
-        f'exec "{llama_server_bin}" "$@"\n'))
     port = free_port()
     ports.append(port)
+    nap = f"600.{os.getpid()}{port}"  # this test's own sleeps (another worker may run one too)
+    wrapper = _script(tmp_path, "llama-server-setsid", (
+        "#!/bin/sh\n"
+        f"setsid sleep {nap} &\n"
+        f'exec "{llama_server_bin}" "$@"\n'))
     run = DaemonRun(tmp_path, _sections(tmp_path, str(wrapper), real_model, port)).start()
     started.append(run)
     pid = run.wait_event("server_ready", 120)["server_pid"]
     escaped = [p for p in psutil.process_iter(["pid", "cmdline"])
-               if (p.info["cmdline"] or [])[:2] == ["sleep", "600"] and p.pid != pid]
+               if (p.info["cmdline"] or [])[:2] == ["sleep", nap] and p.pid != pid]
     assert escaped, "the setsid grandchild did not start"
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -508,13 +509,13 @@ def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
     assert exited["signal"] == signal.SIGKILL
     named = run.wait_event("server_escaped_process", 5)
     assert named["escaped_pid"] in {p.pid for p in escaped} and named["escaped_name"] == "sleep"
-    # The one that held the server's output is gone; other "sleep 600"s are the wrapper's own runs
+    # The one that held the server's output is gone; other "sleep {nap}"s are the wrapper's own runs
     # for llama-guard's probes of the binary (--help, --version), which hold no server output.
     assert wait_gone(named["escaped_pid"], 5)
     assert "server_hang" not in run.names()
     run.wait_event("server_ready", 120, skip=1)
     for p in psutil.process_iter(["cmdline"]):
-        if (p.info["cmdline"] or [])[:2] == ["sleep", "600"]:
+        if (p.info["cmdline"] or [])[:2] == ["sleep", nap]:
             with contextlib.suppress(psutil.Error):
                 p.kill()
 

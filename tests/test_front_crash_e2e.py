@@ -214,8 +214,11 @@ def test_a_replay_whose_client_left_before_it_went_is_not_counted_as_replayed(
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"http://127.0.0.1:{run.front}/completion", timeout=1.0,
                        json={"prompt": "left while held", "n_predict": 3, "stream": True})
-        run.wait_event("server_ready", 30, skip=1)
-        time.sleep(0.5)  # a replay would go as soon as the server is ready
+        second = run.wait_event("server_ready", 30, skip=1)["server_pid"]
+        # A replay goes as soon as the server is ready: a request sent after that was answered by it
+        # (the marker), so any replay of the held one was sent before.
+        assert post(run, "/completion", "after the ready").status_code == 200
+        assert sent(run, "after the ready") == [str(second)]
         assert len(sent(run, "left while held")) == 1
         assert metric(run, "llama_guard_front_requests_replayed_total") == 0
         assert metric(run, "llama_guard_front_requests_waiting") == 0

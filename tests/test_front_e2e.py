@@ -173,9 +173,12 @@ def test_stream_that_cannot_be_resumed_ends_with_an_sse_error_naming_why_and_is_
     assert all("content" in json.loads(e) for e in events[:-1])  # the tokens that came before, untouched
     assert "[DONE]" not in lines
     second = run.wait_event("server_ready", 60, skip=1)["server_pid"]
-    time.sleep(1.5)  # a replay would be sent as soon as the next server is ready
+    # A replay would be sent as soon as the next server is ready: a request sent after that, and its end
+    # in the server's output, are the marker that the second server's task list is complete before it.
+    assert completion(run.front, n_predict=1).status_code == 200
+    run.wait_event("server_line", 60, where=lambda e: e["server_pid"] == second and "stop processing" in e["line"])
     lines_of_second = [e["line"] for e in run.events() if e["event"] == "server_line" and e["server_pid"] == second]
-    assert not any("launch_slot" in line or "processing task" in line for line in lines_of_second)
+    assert len([line for line in lines_of_second if "processing task" in line]) == 1, lines_of_second  # the marker
     assert metric(run, "llama_guard_front_requests_replayed_total") == 0
     assert metric(run, 'llama_guard_front_requests_failed_total{reason="stream_cut"}') == 1
 

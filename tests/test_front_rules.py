@@ -94,10 +94,9 @@ async def test_holding_is_bounded_by_max_held_and_the_deadline() -> None:
     with pytest.raises(Refused) as full:
         await hold(admission, 2, 10, max_held=1)
     assert full.value.reason is FailReason.QUEUE_FULL
-    start = time.monotonic()
     with pytest.raises(Refused) as late:
         await waiter
-    assert late.value.reason is FailReason.HOLD_TIMEOUT and 0.15 < time.monotonic() - start < 30.0  # bounded
+    assert late.value.reason is FailReason.HOLD_TIMEOUT  # its deadline ended the hold, not the queue
     assert admission.waiting == 0
 
 

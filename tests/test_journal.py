@@ -29,7 +29,6 @@ from llama_guard.vocab.events import CATALOG
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
 
-pytest_plugins = ["systemd_fixtures"]
 pytestmark = pytest.mark.systemd
 
 

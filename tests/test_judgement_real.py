@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import DaemonRun, RunPool
 from llama_guard.config.sections import HealthConfig
 
 pytestmark = pytest.mark.real
@@ -24,19 +23,6 @@ pytestmark = pytest.mark.real
 # The shipped [health] defaults (config.HealthConfig): the liveness judgement is tested as it ships.
 SHIPPED = {name: getattr(HealthConfig(), name) for name in ("interval_s", "timeout_s", "canary_timeout_s",
                                                             "hang_strikes", "load_stall_s", "progress_cpu_s")}
-
-
-@pytest.fixture
-def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    pool = RunPool()
-
-    def make(extra: dict[str, dict[str, object]] | None = None, binary: str | None = None) -> DaemonRun:
-        return pool.new(tmp_path, binary or str(llama_server_bin), str(real_model), extra)
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 
 
 def frozen_once(tmp: Path, binary: Path) -> Path:

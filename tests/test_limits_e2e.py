@@ -183,6 +183,11 @@ def daemon(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterator
 # --------------------------------------------------------------------------------------------
 
 
+def released(event: dict[str, Any]) -> bool:
+    """A server line that ends a request (llama-server's ``slot release ... stop processing``)."""
+    return "stop processing" in event["line"]
+
+
 def test_configured_limits_are_the_servers_effective_limits(daemon: Callable[..., DaemonRun]) -> None:
     own_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
     own_memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -373,10 +378,13 @@ def test_mlock_with_a_small_memlock_is_one_resource_exhausted_and_no_restart(
     assert any("Try increasing RLIMIT_MEMLOCK" in line for line in lines)
 
     # The server keeps running and serving: a configuration problem, no crash.
+    done = run.count("server_line", where=released)
     resp = httpx.post(f"http://127.0.0.1:{run.port}/v1/chat/completions", timeout=60,  # type: ignore[attr-defined]
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert resp.status_code == 200
-    time.sleep(1.0)  # any late duplicate would have arrived by now
+    # The daemon read the server's output past that request's end (its slot released), so any later
+    # duplicate of the load-time warning would be logged by now.
+    run.wait_event("server_line", 30, skip=done, where=released)
     names = run.names()
     assert names.count("resource_exhausted") == 1, names
     assert names.count("server_starting") == 1 and "server_exited" not in names

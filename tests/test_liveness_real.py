@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from harness import ROOT, DaemonRun, RunPool
+from harness import ROOT, DaemonRun
 from llama_guard.config.sections import HealthConfig
 
 pytestmark = pytest.mark.real
@@ -31,19 +31,6 @@ SYSTEM = ("You are a careful assistant for a harbour office. " + " ".join(
     f"Rule {i}: answer briefly, name the pier, the tide and the ship when you know them, and never invent a "
     f"timetable." for i in range(1, 31)))
 TURNS = ("Which pier does the morning ferry use?", "And when is high tide today?", "Thank you. Anything else?")
-
-
-@pytest.fixture
-def real(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Any:
-    pool = RunPool()
-
-    def make(extra: dict[str, dict[str, object]] | None = None, binary: str | None = None) -> DaemonRun:
-        return pool.new(tmp_path, binary or str(llama_server_bin), str(real_model), extra)
-
-    yield make
-    leftovers = pool.finish()
-    if leftovers:
-        pytest.fail(f"llama-server pids {leftovers} outlived their daemon")
 
 
 def stamp(event: dict[str, Any]) -> float:

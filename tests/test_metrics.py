@@ -7,13 +7,13 @@ import asyncio
 import json
 import os
 import re
-import socket
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+from harness import free_port
 from llama_guard.config import Config, ConfigError
 from llama_guard.config.listen import MetricsConfig, parse_listen
 from llama_guard.core.actions import Action, Emit, Spawn
@@ -117,12 +117,6 @@ async def test_bench_figures_exported_when_recorded(tmp_path: Path) -> None:
     m = scrape(src)
     assert m[("llama_guard_bench_eval_tokens_per_second", ())] == 123.4
     assert m[("llama_guard_bench_ceiling_tokens_per_second", ())] == 900.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_served_only_when_listen_is_set_and_bound_to_loopback(tmp_path: Path) -> None:

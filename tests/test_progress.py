@@ -8,26 +8,48 @@ import subprocess
 import sys
 import time
 
+import psutil
 from llama_guard.core.progress import ProgressSampler, tree_cpu_seconds
 
 SPIN = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+
+
+def _spinner(shell: int) -> psutil.Process:
+    """The shell's spinning child, once it runs (its interpreter started)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = psutil.Process(shell).children()
+        if children and children[0].cpu_times().user > 0:
+            return children[0]
+        time.sleep(0.02)
+    raise AssertionError("the spinning child did not start within 60 s")
+
+
+def _cpu(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
 
 
 def test_a_spinning_child_in_the_tree_counts_and_a_stopped_one_does_not() -> None:
     # A shell whose child spins: the CPU time is the tree's, not only the direct pid's.
     proc = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} -c '{SPIN}'; true"], start_new_session=True)
     try:
-        time.sleep(0.5)
+        spinner = _spinner(proc.pid)
         lines = [0]
         sampler = ProgressSampler(proc.pid, lambda: lines[0])
-        time.sleep(1.0)
+        # The marker: the kernel's own count for the child moved 0.3 CPU s (however long a busy host takes).
+        start = _cpu(spinner)
+        deadline = time.monotonic() + 60
+        while _cpu(spinner) - start < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.02)
         moved = sampler.sample()
         assert moved.cpu_s is not None and moved.cpu_s >= 0.3, moved
         assert moved.signals(0.05) == ("cpu",)
         os.killpg(proc.pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        while spinner.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
         sampler.sample()
-        time.sleep(1.0)
+        time.sleep(1.0)  # a second without CPU: a count of wall time instead of CPU time would show it
         lines[0] += 3
         stopped = sampler.sample()
         assert stopped.cpu_s is not None and stopped.cpu_s < 0.05 and stopped.lines == 3

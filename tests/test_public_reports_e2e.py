@@ -197,9 +197,10 @@ def test_real_server_handled_exceptions_change_nothing(real: Any) -> None:
         resp = httpx.post(f"http://127.0.0.1:{run.port}{path}", content=data, timeout=30.0,
                           headers={"Content-Type": "application/json"})
         assert 400 <= resp.status_code < 600, resp.text
+    rounds = run.count("server_probe")
     ok = httpx.post(f"http://127.0.0.1:{run.port}/completion", json={"prompt": "hi", "n_predict": 2}, timeout=60)
     assert ok.status_code == 200
-    time.sleep(1.5)  # a few liveness rounds
+    run.wait_event("server_probe", 60, skip=rounds + 2)  # three liveness rounds after the last request
     lines = [e for e in run.events() if e["event"] == "server_line"]
     handled = [e["line"] for e in lines if e["family"] == "handled_error"]
     assert any("got exception" in x for x in handled) and any("grammar" in x for x in handled), handled

@@ -25,7 +25,6 @@ from test_systemd_e2e import unit_text
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
 
-pytest_plugins = ["systemd_fixtures"]
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(120)]
 
 TESTS = Path(__file__).resolve().parent
@@ -88,14 +87,15 @@ def test_stop_during_a_reset_waits_for_the_command_and_ends_within_the_unit(
         time.sleep(0.05)
     seen = [e.get("LLAMA_GUARD_EVENT") for e in journal.entries("SYSLOG_IDENTIFIER=llama-guard")]
     assert _stub_running(tmp_path), seen
-    command_seen = time.monotonic()
     [started] = journal.entries("LLAMA_GUARD_EVENT=gpu_reset_started")
     assert "the reset command (up to 30 s" in started["WAITS_FOR"], started
     assert "server_oom" in started["TRIGGER"], started
 
     t0 = time.monotonic()
     assert mgr.systemctl("stop", "--no-block", "llama-guard.service", timeout_s=30).returncode == 0
-    time.sleep(1.0)
+    end = time.monotonic() + 30  # the daemon took the first stop (it says what it waits for)
+    while not journal.entries("LLAMA_GUARD_EVENT=daemon_stopping") and time.monotonic() < end:
+        time.sleep(0.1)
     # A second SIGTERM to the daemon: still no interruption.
     assert mgr.systemctl("kill", "--kill-whom=main", "-s", "TERM", "llama-guard.service").returncode == 0
     props = mgr.wait_for("llama-guard.service", RESET_S + 30, ActiveState="inactive")
@@ -106,7 +106,6 @@ def test_stop_during_a_reset_waits_for_the_command_and_ends_within_the_unit(
     # The reset command ran to its end (the stub records only then) and was not killed.
     [run] = [json.loads(x) for x in record.read_text().splitlines()]
     assert run["argv"][-3:] == ["--gpu-reset", "-i", "0"]
-    assert stop_s >= RESET_S - (t0 - command_seen) - 1.5, stop_s
     stopping = journal.entries("LLAMA_GUARD_EVENT=daemon_stopping")
     assert len(stopping) == 2, stopping
     assert all(e["WAITING_FOR"] == "gpu_reset" and "never interrupted" in e["REASON"] for e in stopping), stopping

@@ -1,0 +1,147 @@
+"""The suite's three lanes, one list each (file stems), so that ``make test`` runs fast first:
+
+* ``fast`` (:data:`FAST_MODULES`, ``make test-fast``, ``pytest --fast``): modules that start no process and use
+  no socket — seconds, run first and alone;
+* ``serial`` (:data:`SERIAL_TESTS`, ``pytest -m serial``): the few tests that load the CPU on purpose — run
+  last, one at a time, so that their load decides no other test's verdict;
+* everything else — the real llama-server, journald, systemd — runs in parallel (``pytest -n``,
+  pytest-xdist), each worker with its own ports (harness.free_port) and directories (``tmp_path``); the tests
+  of a module-scoped fixture stay on one worker (an ``xdist_group`` per module, ``--dist loadgroup``).
+
+A module nobody listed runs in the parallel lane. Under ``--fast`` a guard records
+every process start (``subprocess``, ``fork``, ``posix_spawn``) and every socket ``bind``,
+``connect`` or ``sendto`` a test makes, and fails the test at teardown naming the first one — even
+when the code under test caught the error the guard raised. ``socket.socketpair`` (asyncio's own
+wake-up pipe) is allowed: it reaches nothing outside the process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Test modules (file stems) that start no process and open no socket: ``make test-fast``.
+FAST_MODULES: frozenset[str] = frozenset((
+    "test_bench_size",
+    "test_budget",
+    "test_ceiling",
+    "test_classify",
+    "test_decay",
+    "test_front_decoded",
+    "test_front_hold",
+    "test_gpu_h200_fixture",
+    "test_gpu_nvml",
+    "test_gpu_watch",
+    "test_h200_daemon_fixture",
+    "test_judgement",
+    "test_layers",
+    "test_offload",
+    "test_policy",
+    "test_policy_edges",
+    "test_policy_port",
+    "test_policy_reset",
+    "test_policy_reset_save",
+    "test_policy_stop_drain",
+    "test_policy_vram",
+    "test_preflight_gpu",
+    "test_public_reports",
+    "test_recovery_defaults",
+    "test_reload_values",
+    "test_repeat",
+    "test_restart_cause",
+    "test_restart_time",
+    "test_schedule",
+    "test_schedule_source",
+    "test_slots_rolling",
+    "test_slots_store",
+    "test_stderr_output",
+    "test_suspects",
+    "test_tasks",
+    "test_vram_wait_h200_fixture",
+))
+
+#: Tests (``module::test``, or a whole module) that must not share the CPU with other tests: they load it on
+#: purpose for a minute, which would starve the fast-probing tests of the other workers.
+SERIAL_TESTS: frozenset[str] = frozenset((
+    # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
+    "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
+    # a process spinning a core until the 60 s silence bound
+    "test_liveness_real::test_a_spinning_process_whose_server_answers_nothing_is_hung_within_the_silence_bound",
+))
+
+
+class FastLaneViolation(RuntimeError):
+    """Raised by the guard where a fast test started a process or used a socket."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", default=False,
+                     help="run only the FAST_MODULES of tests/lanes.py, failing any that starts a process "
+                          "or uses a socket")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fast: starts no process and uses no socket (tests/lanes.py)")
+    config.addinivalue_line("markers", "serial: runs alone, after the parallel lane (tests/lanes.py)")
+
+
+def is_fast(item: pytest.Item) -> bool:
+    return Path(str(item.fspath)).stem in FAST_MODULES
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        stem = Path(str(item.fspath)).stem
+        if stem in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+        if stem in SERIAL_TESTS or f"{stem}::{getattr(item, 'originalname', item.name)}" in SERIAL_TESTS:
+            item.add_marker(pytest.mark.serial)
+        if _shares_a_fixture(item):  # one worker sets the module's fixture up once (--dist loadgroup)
+            item.add_marker(pytest.mark.xdist_group(stem))
+    if config.getoption("--fast"):
+        keep = [i for i in items if is_fast(i)]
+        config.hook.pytest_deselected(items=[i for i in items if not is_fast(i)])
+        items[:] = keep
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture wider than one test (module, class or package scope, not session)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "class", "package") for chain in defs for d in chain)
+
+
+def _guarded(what: str, seen: list[str], real: Callable[..., Any],
+             allow: Callable[..., bool] = lambda *a, **k: False) -> Callable[..., Any]:
+    def guard(*args: Any, **kwargs: Any) -> Any:
+        if allow(*args, **kwargs):
+            return real(*args, **kwargs)
+        detail = f"{what} {args[1:2] or args[:1]!r}"
+        seen.append(detail)
+        raise FastLaneViolation(f"a fast test {detail}: move the module out of FAST_MODULES (tests/lanes.py)")
+    return guard
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if not request.config.getoption("--fast"):
+        yield
+        return
+    seen: list[str] = []
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", _guarded("started a process", seen,
+                                                                       subprocess.Popen._execute_child))  # type: ignore[attr-defined]
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _guarded(f"called os.{name}", seen, getattr(os, name)))
+    for name in ("bind", "connect", "connect_ex", "sendto"):
+        monkeypatch.setattr(socket.socket, name, _guarded(f"socket.{name}", seen, getattr(socket.socket, name)))
+    yield
+    if seen:
+        pytest.fail(f"a fast test must start no process and use no socket; it did: {'; '.join(seen)} "
+                    f"(take {Path(str(request.node.fspath)).stem} out of FAST_MODULES in tests/lanes.py)")
