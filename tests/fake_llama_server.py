@@ -395,7 +395,7 @@ HELP_FLAGS = ("-h, --help", "--version", "-t, --threads N", "-tb, --threads-batc
               "-b, --batch-size N", "-ub, --ubatch-size N", "-fa, --flash-attn [on|off|auto]", "--mlock",
               "-ctk, --cache-type-k TYPE", "-ctv, --cache-type-v TYPE", "-ngl, --gpu-layers, --n-gpu-layers N",
               "-m, --model FNAME", "--host HOST", "--port PORT", "-np, --parallel N", "--metrics",
-              "--api-key-file FNAME", "--slot-save-path PATH", "-cram, --cache-ram N")
+              "--api-key-file FNAME", "--slot-save-path PATH", "-cram, --cache-ram N", "--slots, --no-slots")
 
 
 def main(argv: list[str]) -> int:
