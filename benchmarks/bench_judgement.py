@@ -47,9 +47,11 @@ def sections(tmp: Path, binary: str, model: str, port: int, health: dict[str, ob
 
 
 def frozen_launcher(tmp: Path, binary: str, marks: Path) -> Path:
-    """Freezes (SIGSTOP to itself) while ``marks`` holds a line, consuming one per start."""
+    """Freezes (SIGSTOP to itself) while ``marks`` holds a line, consuming one per server start (a
+    ``--version`` or ``--help`` run, llama-guard's preflight of the build, is no start: passed through)."""
     script = tmp / "frozen.sh"
-    script.write_text(f'#!/bin/sh\nif [ -s "{marks}" ]; then sed -i 1d "{marks}"; kill -STOP $$; fi\n'
+    script.write_text(f'#!/bin/sh\ncase "$1" in --version|--help) exec "{binary}" "$@";; esac\n'
+                      f'if [ -s "{marks}" ]; then sed -i 1d "{marks}"; kill -STOP $$; fi\n'
                       f'exec "{binary}" "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script
