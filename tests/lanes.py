@@ -67,7 +67,8 @@ FAST_MODULES: frozenset[str] = frozenset((
 ))
 
 #: Tests (``module::test``, or a whole module) that must not share the CPU with other tests: they load it on
-#: purpose for a minute, which would starve the fast-probing tests of the other workers.
+#: purpose for a minute, which would starve the fast-probing tests of the other workers, or their promise is
+#: a bound on a real server's stop and load that 4 workers on 2 cores can break.
 SERIAL_TESTS: frozenset[str] = frozenset((
     # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
     "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
@@ -78,6 +79,9 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # one daemon for the module whose cron fires at the next minute: on a loaded host a test runs late and
     # the fire lands inside the next test (llama-server then answers 503 "Loading model" to it)
     "test_schedule_e2e",
+    # the next server must be ready within [front].hold_timeout_s of the drain's end: under 4 workers on 2
+    # cores its stop, start and load once took longer (3 held requests 503 in a clean-clone CI run)
+    "test_front_e2e::test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request",
 ))
 
 
