@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,11 +33,11 @@ from typing import Any
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
-from llama_guard.core.inputs import Exited
+from llama_guard.core.inputs import Exited, SpeedMeasured
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, exit_text
+from llama_guard.core.types import AfterStop, TrialResult, exit_text
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
@@ -45,6 +46,15 @@ from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
+
+DecodeSpeed = Callable[[str, str, int, int, float], float]
+"""``(base_url, api_key, runs, tokens, timeout_s) -> median decode tokens/s`` as ``llama-guard bench``
+measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion): the
+daemon's wiring hands in :func:`llama_guard.insight.bench.run_bench`'s figure."""
+
+
+def _rounded(tps: float | None) -> float | None:
+    return None if tps is None else round(tps, 2)
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ def _unplanned(step: Transition) -> bool:
     if not isinstance(step.input, Exited):
         return False
     before = step.before
-    return before.phase in (Phase.STARTING, Phase.READY) or (
+    return before.phase in (Phase.STARTING, Phase.READY, Phase.TRIAL) or (
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
@@ -80,7 +90,12 @@ class UpgradeSource(Watcher):
 
     name = "build"
 
-    def __init__(self) -> None:
+    def __init__(self, measure: DecodeSpeed | None = None) -> None:
+        """``measure``: a trial's measurement of a server's decode speed (None: a trial's measurement
+        answers that none is available, and the new build is rolled back)."""
+        self._measure = measure
+        self._trial = Lane(LaneKind.TRIAL)
+        self.last_trial: dict[str, Any] | None = None  # the last trial with both builds, for status
         self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
         self._files = Lane(LaneKind.CONFIG, max_calls=1)  # hashing and copying kept builds
         self._ctx: Context | None = None
@@ -96,6 +111,7 @@ class UpgradeSource(Watcher):
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
         self._jobs: asyncio.Queue[Build | _Identify] = asyncio.Queue()  # copies to keep, builds to identify
+        self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
 
     # ------------------------------------------------------------ helpers
 
@@ -192,8 +208,10 @@ class UpgradeSource(Watcher):
         mark = ("upgrade_rolled_back", build.sha256 if build is not None else str(binary))
         if mark not in self._reported:
             self._reported.add(mark)
+            figures = self._trial_figures.get(build.sha256, {}) if build is not None else {}
             self._emit("upgrade_rolled_back", from_build=build.short if build is not None else "unknown",
-                       from_binary=str(binary), to_build=good[0].short, to_binary=str(good[1].binary), cause=cause)
+                       from_binary=str(binary), to_build=good[0].short, to_binary=str(good[1].binary), cause=cause,
+                       **figures)
         self._chosen = good[0]
         return good[1]
 
@@ -231,6 +249,43 @@ class UpgradeSource(Watcher):
         """The kept directory when ``path`` is a kept copy's executable, else None."""
         root = self._root(config)
         return path.parent if path.parent.parent == root else None
+
+    async def measure_speed(self, ctx: Context, pid: int, runs: int, tokens: int) -> SpeedMeasured:
+        config = ctx.config
+        measure, timeout_s = self._measure, config.upgrade.trial_timeout_s
+        if measure is None:
+            return SpeedMeasured(pid, None, "no decode-speed measurement is wired in")
+        url, key = config.server.base_url, ctx.get_api_key()
+        what = f"decode speed of server {pid} ({runs} x {tokens} tokens)"
+        try:
+            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s), timeout_s, what)
+        except (RuntimeError, OSError, LaneBusy) as exc:  # CallTimeout is an OSError
+            return SpeedMeasured(pid, None, str(exc) or repr(exc))
+        return SpeedMeasured(pid, tps)
+
+    def _trial_ended(self, ctx: Context, step: Transition, result: TrialResult) -> None:
+        """A trial's verdict: ``upgrade_trial_passed`` (kept), or the new build marked failed with the
+        cause, so that the start that follows rolls back to the last good build (``upgrade_rolled_back``
+        with both figures)."""
+        pid = step.before.pid
+        entry = self._pids.get(pid) if pid is not None else None
+        new = entry if isinstance(entry, Build) else None
+        old = self.serving
+        figures: dict[str, object] = {
+                   "tokens_per_s": _rounded(result.new_tps), "previous_tokens_per_s": _rounded(result.old_tps),
+                   "slowdown_pct": None if result.slowdown_pct is None else round(result.slowdown_pct, 1),
+                   "max_slowdown_pct": result.max_slowdown_pct}
+        self.last_trial = {"build": new.short if new is not None else "unknown",
+                           "previous_build": old.short if old is not None else "unknown",
+                           "kept": result.kept, "cause": result.cause, **figures}
+        if result.kept:
+            ctx.emit("upgrade_trial_passed", build=self.last_trial["build"],
+                     binary=str(new.path) if new is not None else "unknown",
+                     previous_build=self.last_trial["previous_build"],
+                     note=result.cause or "within the limit", **figures)
+        elif new is not None and (old is None or not new.same_content(old)):
+            self._failed[new.sha256] = result.cause
+            self._trial_figures[new.sha256] = figures
 
     # ------------------------------------------------------------ the watcher
 
@@ -288,6 +343,9 @@ class UpgradeSource(Watcher):
         self._pids.pop(pid, None)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        result = step.after.last_trial
+        if step.before.phase is Phase.TRIAL and result is not None and result is not step.before.last_trial:
+            self._trial_ended(ctx, step, result)
         pid = step.after.pid
         if step.entered(Phase.READY) and pid is not None and pid in self._pids:
             entry = self._pids[pid]
@@ -357,4 +415,5 @@ class UpgradeSource(Watcher):
             "refused": (None if self.refused is None else
                         {"binary": self.refused.binary, "build": self.refused.build, "cause": self.refused.cause}),
             "kept": [{"build": k.build.short, "dir": str(k.dir)} for k in self._kept],
+            "trial": self.last_trial,
         }

@@ -1,0 +1,142 @@
+"""The planned window around a new llama-server build: the server is replaced while the front door
+holds the clients (every phase but READY holds them), and the new build is kept only when it decodes
+about as fast as the old one did on this box. Pure. In order:
+
+1. **drain** (READY → DRAINING, :mod:`.phases`): no new request reaches the server; the ones in flight
+   finish. The server's watch saves the slots once drained, then answers Drained.
+2. **[measure old]** (DRAINING → TRIAL, :func:`trial_after_drain`) when a reload named a new build
+   (:func:`trial_wanted`): the serving build's decode tokens/s (:class:`MeasureSpeed`, answered by
+   :class:`SpeedMeasured`), measured as ``llama-guard bench`` does, shortened by ``[upgrade].trial_runs``
+   and ``trial_tokens``.
+3. **stop** (→ STOPPING, :func:`~.steps.stop`) and **start** (→ STARTING: the build port picks the
+   executable; the slots are restored once it answers ``/health``).
+4. **[measure new → keep | roll back]** (STARTING → TRIAL, :func:`health_answered`): the new build measured
+   the same way, then :func:`judge`: kept when it decoded within ``[upgrade].max_slowdown_pct`` of the
+   old figure (or answered, when there is no old figure to compare with); otherwise rolled back at once
+   (TRIAL → STOPPING, a restart whose start the build port gives the last good build). A failed
+   measurement, an exit or a fatal line of the new build rolls it back too.
+5. **release** (→ READY, :func:`release`): the server is called ready, the front door lets the held
+   clients through.
+
+A build replaced in place and found at a start has no old server to measure: the build port (the
+upgrade watcher) judges it by load and answer, and its probation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llama_guard.core.actions import Action, Emit, MeasureSpeed, NotifyReady
+from llama_guard.core.inputs import Exited, HealthOk, Input, Line, ParamsChanged, SpeedMeasured
+from llama_guard.core.policy.lines import alloc_recovered, fault_line
+from llama_guard.core.policy.steps import Result, count_failure, exit_fields, fail, stop
+from llama_guard.core.types import (
+    AfterStop,
+    RestartCause,
+    State,
+    Trial,
+    TrialResult,
+    TrialStage,
+    enter,
+    exit_signal,
+    exit_text,
+)
+from llama_guard.vocab.phases import Phase
+
+
+def trial_wanted(state: State, event: ParamsChanged) -> State:
+    """A reload that names a new build while the server is ready: its drained restart measures the
+    old build first (no trial when ``trial_runs`` is 0, or no server serves to be measured)."""
+    if not event.new_build or state.phase is not Phase.READY or event.params.trial_runs < 1:
+        return state
+    return replace(state, trial=Trial(TrialStage.OLD))
+
+
+def _measure(state: State) -> list[Action]:
+    assert state.pid is not None
+    return [MeasureSpeed(state.pid, state.params.trial_runs, state.params.trial_tokens)]
+
+
+def trial_after_drain(state: State) -> Result | None:
+    """The drained server is the old build of a trial: measure it before its stop (None: no trial)."""
+    if state.trial is None or state.trial.stage is not TrialStage.OLD:
+        return None
+    return replace(state, phase=enter(state, Phase.TRIAL), deadline=None), _measure(state)
+
+
+def health_answered(state: State, event: HealthOk, now: float) -> Result:
+    """A loading server answered ``/health`` (its slots restored): a new build on trial is measured
+    first (TRIAL), any other server is released."""
+    if state.trial is not None and state.trial.stage is TrialStage.NEW:
+        return replace(state, phase=enter(state, Phase.TRIAL), deadline=None, ready_owner=(
+            event.port_pid, event.port_comm)), _measure(state)
+    return release(state, event, now)
+
+
+def release(state: State, event: HealthOk, now: float) -> Result:
+    """The server is ready (READY): the front door lets the held clients through; ``server_ready`` with
+    the load time and, after a restart, the time since the old server stopped serving."""
+    assert state.pid is not None
+    load_s = now - (state.started_at if state.started_at is not None else now)
+    recovered = alloc_recovered(state, "the server became ready")
+    new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
+                  alloc_failure="", port_taken_since=None, port_holder=None, trial=None, ready_owner=None)
+    fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+    if state.restart_at is not None:
+        fields["restart_to_ready_s"] = round(now - state.restart_at, 3)
+    if event.port_pid is not None and event.port_pid != state.pid:
+        # A wrapper script: the port belongs to a process it forked.
+        fields["port_pid"] = event.port_pid
+        fields["port_owner"] = (f"descendant pid {event.port_pid}"
+                                f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
+    return new, [*recovered, Emit("server_ready", fields), NotifyReady()]
+
+
+def on_trial(state: State, event: Input, now: float) -> Result:
+    """TRIAL: a build's decode speed is being measured, the front door holding the clients."""
+    trial, pid = state.trial, state.pid
+    assert trial is not None and pid is not None
+    if isinstance(event, SpeedMeasured) and event.pid == pid:
+        if trial.stage is TrialStage.OLD:
+            measured = Trial(TrialStage.NEW, old_tps=event.tokens_per_s, old_error=event.error)
+            return stop(replace(state, trial=measured), now, AfterStop.RESTART, state.fault)
+        return judge(state, event, now)
+    if isinstance(event, Line) and event.pid == pid:
+        fatal = fault_line(state, event, now, "")
+        if fatal is not None:
+            new, actions = fatal
+            return replace(new, trial=None if trial.stage is TrialStage.NEW else trial), actions
+        return state, []
+    if isinstance(event, Exited) and event.pid == pid:
+        fields = exit_fields(pid, event.returncode, state.last_error)
+        which = "the new build" if trial.stage is TrialStage.NEW else "the old build"
+        new = replace(fail(state, RestartCause.CRASH, f"exited during the trial of {which}: "
+                           f"{exit_text(event.returncode)}"), exit_signal=exit_signal(event.returncode))
+        if trial.stage is TrialStage.OLD:  # the new build still comes, compared with nothing
+            new = replace(new, trial=Trial(TrialStage.NEW, old_error="the old build exited as it was measured"))
+        new, actions = count_failure(new, now)
+        return new, [Emit("server_exited", {**fields, "phase": Phase.TRIAL.value}), *actions]
+    return state, []
+
+
+def judge(state: State, event: SpeedMeasured, now: float) -> Result:
+    """The new build measured: keep it (release) when it decoded within ``max_slowdown_pct`` of the
+    old figure, or answered when there is no old figure; else roll back at once (a restart whose
+    start the build port gives the last good build)."""
+    trial = state.trial
+    assert trial is not None
+    limit = state.params.max_slowdown_pct
+    old, new_tps = trial.old_tps, event.tokens_per_s
+    if new_tps is None:
+        cause = f"its trial failed: {event.error}"
+    elif old is not None and old > 0 and (old - new_tps) / old * 100.0 > limit:
+        cause = (f"slower: {new_tps:.1f} tok/s vs {old:.1f} tok/s "
+                 f"(-{(old - new_tps) / old * 100.0:.0f} %, limit {limit:g} %)")
+    else:
+        note = "" if old is not None else f"no figure of the old build to compare with ({trial.old_error or 'none'})"
+        result = TrialResult(old, new_tps, kept=True, cause=note, max_slowdown_pct=limit)
+        owner = state.ready_owner or (None, "")
+        return release(replace(state, last_trial=result), HealthOk(event.pid, owner[0], owner[1]), now)
+    result = TrialResult(old, new_tps, kept=False, cause=cause, max_slowdown_pct=limit)
+    new = replace(fail(state, RestartCause.TRIAL, cause), last_trial=result)
+    return stop(new, now, AfterStop.RESTART, cause)
