@@ -49,6 +49,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_reset_save",
     "test_policy_stop_drain",
     "test_policy_vram",
+    "test_policy_window",
     "test_preflight_gpu",
     "test_public_reports",
     "test_recovery_defaults",
