@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""What the trial of a new llama-server build costs the clients, against the real llama-server through
+llama-guard's front door: one daemon, a client loop (one completion of 2 tokens after another through the
+front door), and reloads that name a new build —
+
+* **good**: the same llama-server copied elsewhere (kept after its trial);
+* **slow**: the real llama-server under a CPU quota of 10 ms in 200 ms once it answers ``/health``
+  (tests/test_upgrade_trial_e2e.py ``throttled``: slow by design, rolled back after its trial).
+
+Per reload: the drained window (``restart_requested`` to the ``server_ready`` that releases the held
+clients, seconds), the requests the front door held in it and the longest hold (its ``front_held``
+event), both trial figures (decode tokens/s, median of ``--runs`` completions of ``--tokens`` tokens) and
+the outcome. The good rows also give the run-to-run spread of one build measured twice on this host (old
+vs new: the same content). ``--rounds`` good/slow pairs (3; CI 1).
+
+    . .work/real/env && .venv/bin/python benchmarks/bench_upgrade.py
+    .venv/bin/python benchmarks/bench_upgrade.py --server-bin /path/llama-server --model /path/27b.gguf \\
+        --gpu-layers 999 --ctx 8192 --runs 3 --tokens 32
+
+Waits are on the daemon's events, each bounded; a wait that runs out stops the bench with its message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from benchlib import add_server_args, epoch, sized  # noqa: E402
+from harness import DaemonRun, base_sections, free_port, merge, terminate  # noqa: E402
+from test_upgrade_e2e import copy_build  # noqa: E402
+from test_upgrade_trial_e2e import throttled  # noqa: E402
+
+WAIT_S = 900.0  # one reload's window at most (the slow build's trial on a loaded 2-core host: minutes)
+
+
+class Clients(threading.Thread):
+    """Completions through the front door, one after another, until stopped; failures kept."""
+
+    def __init__(self, front: int) -> None:
+        super().__init__(daemon=True)
+        self.front, self.done, self.failures = front, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=WAIT_S) as client:
+            while not self.stop.is_set():
+                try:
+                    ok = client.post(f"http://127.0.0.1:{self.front}/completion",
+                                     json={"prompt": "Hello", "n_predict": 2}).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.done += 1
+                self.failures += not ok
+
+
+def reload_to(run: DaemonRun, binary: Path) -> None:
+    text = run.config.read_text()
+    old = next(line for line in text.splitlines() if line.startswith("binary = "))
+    run.config.write_text(text.replace(old, f'binary = "{binary}"'))
+    run.signal(signal.SIGHUP)
+
+
+def window(run: DaemonRun, binary: Path, kind: str) -> dict[str, Any]:
+    """Reload onto ``binary``; the window's figures once the held clients are released to a server."""
+    def count(name: str) -> int:
+        return sum(1 for e in run.events() if e["event"] == name)
+
+    asked, ready, held = count("restart_requested"), count("server_ready"), count("front_held")
+    reload_to(run, binary)
+    begin = run.wait_event("restart_requested", 120, skip=asked)
+    outcome = "upgrade_trial_passed" if kind == "good" else "upgrade_rolled_back"
+    verdict = run.wait_event(outcome, WAIT_S)
+    end = run.wait_event("server_ready", WAIT_S, skip=ready)  # the build kept, or the one rolled back to
+    hold = run.wait_event("front_held", 60, skip=held)
+    return {"kind": kind, "window_s": epoch(end["timestamp"]) - epoch(begin["timestamp"]),
+            "held": hold["held"], "longest_s": hold["longest_s"], "failed": hold["failed"],
+            "old": verdict.get("previous_tokens_per_s"), "new": verdict.get("tokens_per_s"),
+            "outcome": "kept" if kind == "good" else "rolled back"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(parser, ctx=1024, threads=1)
+    parser.add_argument("--rounds", type=int, default=sized(3, 1), help="good/slow reload pairs (3; CI 1)")
+    parser.add_argument("--runs", type=int, default=1, help="[upgrade].trial_runs (completions per build)")
+    parser.add_argument("--tokens", type=int, default=sized(16, 8), help="[upgrade].trial_tokens (16; CI 8)")
+    parser.add_argument("--limit", type=float, default=50.0, help="[upgrade].max_slowdown_pct")
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    if not args.model:
+        parser.error("--model (or $LLAMA_GUARD_TEST_MODEL) is needed")
+    print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; model {args.model}; gpu layers "
+          f"{args.gpu_layers}; threads {args.threads}; trial {args.runs} x {args.tokens} tokens (+ warm-up), "
+          f"limit {args.limit:g} %")
+    real = Path(args.server_bin)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        port, front = free_port(), free_port()
+        sections = merge(base_sections(tmp, str(real), args.model, port), {
+            "server": {"ctx_size": args.ctx, "n_gpu_layers": args.gpu_layers, "threads": args.threads},
+            "front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": WAIT_S},
+            "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
+            "recovery": {"stable_after_s": 1.0, "max_restarts": 10},
+            "log": {"level": "info", "format": "json"},
+            "upgrade": {"probation_s": 1.0, "trial_runs": args.runs, "trial_tokens": args.tokens,
+                        "max_slowdown_pct": args.limit, "trial_timeout_s": WAIT_S / 2}})
+        run = DaemonRun(tmp, sections).start()
+        clients = Clients(front)
+        try:
+            run.wait_event("server_ready", WAIT_S)
+            clients.start()
+            slow = throttled(tmp / "llama-server-slow", real)
+            for i in range(args.rounds):
+                good = copy_build(real, tmp / f"good-{i}")
+                rows.append(window(run, good, "good"))
+                rows.append(window(run, slow, "slow"))  # the next round's good copy is a new build again
+        finally:
+            clients.stop.set()
+            clients.join(WAIT_S)
+            if run.proc is not None:
+                terminate(run.proc, 30.0)
+    print(f"\n{'build':<6} {'outcome':<12} {'window s':>9} {'held':>5} {'longest hold s':>15} {'failed':>7} "
+          f"{'old tok/s':>10} {'new tok/s':>10}")
+    for r in rows:
+        print(f"{r['kind']:<6} {r['outcome']:<12} {r['window_s']:>9.1f} {r['held']:>5} {r['longest_s']:>15.1f} "
+              f"{r['failed']:>7} {r['old'] or 0:>10.2f} {r['new'] or 0:>10.2f}")
+    for kind in ("good", "slow"):
+        mine = [r for r in rows if r["kind"] == kind]
+        print(f"{kind}: window median {statistics.median(r['window_s'] for r in mine):.1f} s over {len(mine)}")
+    spread = [abs(r["old"] - r["new"]) / r["old"] * 100 for r in rows if r["kind"] == "good" and r["old"]]
+    if spread:
+        print(f"one build measured twice (good rows: old vs new, same content): differed by "
+              f"{statistics.median(spread):.0f} % median, {max(spread):.0f} % at most")
+    print(f"clients: {clients.done} requests, {clients.failures} failed; load at the end: {os.getloadavg()[0]:.2f}")
+    return 0 if clients.failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
