@@ -32,6 +32,7 @@ from llama_guard.core.inputs import (
     SpeedMeasured,
     StopRequest,
     Tick,
+    TrialAsked,
     VramFacts,
 )
 from llama_guard.core.policy import decide
@@ -62,6 +63,7 @@ def _inputs(s: State) -> list[Input]:
         ResetDone(0, "reset", 1, "", False, "failed"), ParamsChanged(s.params, server_changed=True),
         ParamsChanged(s.params, server_changed=True, new_build=True),  # a trial of the new build
         SpeedMeasured(pid, 100.0), SpeedMeasured(pid, 1.0), SpeedMeasured(pid, None, "HTTP 500"),
+        TrialAsked(100.0),  # a build found replaced at a start
     ]
 
 

@@ -19,6 +19,7 @@ from llama_guard.core.inputs import (
     SpeedMeasured,
     StopRequest,
     Tick,
+    TrialAsked,
 )
 from llama_guard.core.policy import decide
 from llama_guard.core.types import (
@@ -187,3 +188,26 @@ def test_a_second_spawn_ends_a_trial() -> None:
     assert trial.at_spawn() == replace(trial, spawned=True)
     assert replace(trial, spawned=True).at_spawn() is None
     assert Trial(TrialStage.OLD).at_spawn() is None
+
+
+def test_a_build_found_replaced_at_a_start_is_measured_against_the_recorded_figure() -> None:
+    from harness import started
+
+    s = replace(started(P), pid=None)  # the spawn not answered yet: the build port asks before it
+    s = decide(s, TrialAsked(40.0), 2.0)[0]
+    assert s.trial == Trial(TrialStage.NEW, old_tps=40.0, spawned=True)
+    s, _ = decide(s, Spawned(200), 2.1)
+    s, acts = decide(s, HealthOk(200), 4.0)
+    assert s.phase is Phase.TRIAL and acts == [MeasureSpeed(200, P.trial_runs, P.trial_tokens)]
+    s, acts = decide(s, SpeedMeasured(200, 10.0), 6.0)
+    assert s.phase is Phase.STOPPING and s.failure.text == "slower: 10.0 tok/s vs 40.0 tok/s (-75 %, limit 25 %)"
+
+
+def test_a_trial_asked_outside_a_start_or_with_trials_off_changes_nothing() -> None:
+    from harness import started
+
+    assert decide(ready(P), TrialAsked(40.0), 2.0) == (ready(P), [])
+    off = started(replace(P, trial_runs=0))
+    assert decide(off, TrialAsked(40.0), 2.0) == (off, [])
+    on_trial = measuring_new(100.0)
+    assert decide(on_trial, TrialAsked(40.0), 11.0) == (on_trial, [])

@@ -15,6 +15,8 @@ outcomes.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -92,4 +94,32 @@ def test_a_good_new_build_is_kept_after_its_trial_with_both_figures(
         assert "llama_guard_upgrade_trial_kept 1.0" in scraped
         trial_shown = status_when(tmp_path, lambda s: (s["build"] or {}).get("trial") is not None)["build"]["trial"]
         assert trial_shown["kept"] is True and trial_shown["tokens_per_s"] == passed["tokens_per_s"], trial_shown
+    assert clients.failures == [] and clients.done >= 1
+
+
+def test_a_build_replaced_in_place_found_at_a_crash_is_rolled_back_by_the_recorded_figure(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """No old server to measure at an unplanned start: the new content at the path is measured against
+    the serving build's figure from its own trial (a reload onto it, here), and rolled back to its kept
+    copy."""
+    first = copy_build(llama_server_bin, tmp_path / "first")
+    second = copy_build(llama_server_bin, tmp_path / "second")
+    with serving(tmp_path, first, real_model, upgrade=TRIAL, front={"hold_timeout_s": HOLD_S},
+                 server={"threads": 1}) as run, ClientLoop(run.front, HOLD_S + 60) as clients:
+        run.wait_event("upgrade_copy_kept", 120)
+        reload_with(run, second)
+        passed = run.wait_event("upgrade_trial_passed", 600)  # records both builds' figures
+        assert passed["previous_figure"] == "measured in this window", passed
+        kept = run.wait_event("upgrade_copy_kept", 120, skip=1)  # the second build's copy
+        second.unlink()
+        throttled(second, llama_server_bin)  # `make install` over it: slower
+        pid = run.wait_event("server_ready", 60, skip=1)["server_pid"]
+        os.kill(pid, signal.SIGKILL)  # a crash: the start that follows finds the new content
+        back = run.wait_event("upgrade_rolled_back", 600)
+        assert back["from_binary"] == str(second) and Path(back["to_binary"]).parent == Path(kept["dir"]), back
+        assert back["cause"].startswith("slower: ") and back["previous_figure"] == (
+            "recorded at its last trial on this box"), back
+        assert back["previous_tokens_per_s"] == pytest.approx(passed["tokens_per_s"], abs=0.01), back
+        run.wait_event("server_ready", 300, skip=2)
+        assert started_binaries(run)[-2:] == [str(second), back["to_binary"]]
     assert clients.failures == [] and clients.done >= 1

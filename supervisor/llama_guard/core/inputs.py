@@ -281,6 +281,15 @@ class ParamsChanged(Input):
 
 
 @dataclass(frozen=True)
+class TrialAsked(Input):
+    """The start under way runs a build found replaced since the last good one served (no old server
+    to measure): measure it once it answers ``/health`` and compare with ``tokens_per_s``, the last good
+    build's decode tokens/s recorded at its last trial on this box (the build port's figures)."""
+
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
 class SpeedMeasured(Input):
     """Server ``pid``'s decode speed as :class:`~llama_guard.core.actions.MeasureSpeed` asked: the median
     of the server's own ``predicted_per_second`` in tokens/s, or None with ``error`` saying why (a

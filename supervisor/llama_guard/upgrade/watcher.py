@@ -33,13 +33,14 @@ from typing import Any
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
-from llama_guard.core.inputs import Exited, SpeedMeasured
+from llama_guard.core.inputs import Exited, SpeedMeasured, TrialAsked
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, TrialResult, exit_text
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
+from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
 from llama_guard.upgrade.preflight import Preflight, identify, preflight
 from llama_guard.vocab.events import EventName
@@ -64,6 +65,14 @@ class _Identify:
     path: Path
     pid: int
     at: float
+
+
+@dataclass(frozen=True)
+class _Record:
+    """Record trial figures (sha256 → decode tokens/s) measured with flags ``key``."""
+
+    figures: dict[str, float]
+    key: str
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,9 @@ class UpgradeSource(Watcher):
         self._previous: Build | None = None  # the good build before the one on probation
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
-        self._jobs: asyncio.Queue[Build | _Identify] = asyncio.Queue()  # copies to keep, builds to identify
+        # copies to keep, builds to identify, trial figures to record
+        self._jobs: asyncio.Queue[Build | _Identify | _Record] = asyncio.Queue()
+        self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
 
     # ------------------------------------------------------------ helpers
@@ -194,6 +205,7 @@ class UpgradeSource(Watcher):
         build = result.build
         if result.passed and build is not None and build.sha256 not in self._failed:
             self._chosen = build
+            await self._ask_trial(ctx, build)
             return BuildChoice(binary)
         cause = self._failed[build.sha256] if result.passed and build is not None else result.cause
         good = await self._last_good(ctx.config, exclude=build)
@@ -214,6 +226,24 @@ class UpgradeSource(Watcher):
                        **figures)
         self._chosen = good[0]
         return good[1]
+
+    async def _ask_trial(self, ctx: Context, build: Build) -> None:
+        """A start runs ``build`` in place of the serving one without a reload's trial (found replaced at
+        the path): ask the policy to measure it against the serving build's figure recorded at its last
+        trial here with these flags (none recorded: judged by load, answer and probation)."""
+        good = self.serving
+        if (good is None or build.same_content(good) or ctx.state.trial is not None
+                or ctx.config.upgrade.trial_runs < 1):
+            return
+        root, key = self._root(ctx.config), flags_key(ctx.config)
+        try:
+            figure = await self._files.run(partial(recorded, root, good.sha256, key), COPY_TIMEOUT_S,
+                                           f"reading {root}")
+        except (CallTimeout, LaneBusy):
+            return
+        if figure is not None:
+            self._baseline_recorded = True
+            ctx.post(TrialAsked(figure))
 
     async def _last_good(self, config: Config, *, exclude: Build | None) -> tuple[Build, BuildChoice] | None:
         """The build to roll back to: the serving (or previous) one while its file still holds it,
@@ -275,6 +305,15 @@ class UpgradeSource(Watcher):
                    "tokens_per_s": _rounded(result.new_tps), "previous_tokens_per_s": _rounded(result.old_tps),
                    "slowdown_pct": None if result.slowdown_pct is None else round(result.slowdown_pct, 1),
                    "max_slowdown_pct": result.max_slowdown_pct}
+        figures["previous_figure"] = ("recorded at its last trial on this box" if self._baseline_recorded
+                                      else "measured in this window")
+        measured = {} if self._baseline_recorded or old is None or result.old_tps is None else {
+            old.sha256: result.old_tps}
+        if result.kept and new is not None and result.new_tps is not None:
+            measured[new.sha256] = result.new_tps
+        if measured:
+            self._jobs.put_nowait(_Record(measured, flags_key(ctx.config)))
+        self._baseline_recorded = False
         self.last_trial = {"build": new.short if new is not None else "unknown",
                            "previous_build": old.short if old is not None else "unknown",
                            "kept": result.kept, "cause": result.cause, **figures}
@@ -305,6 +344,12 @@ class UpgradeSource(Watcher):
             job = await self._jobs.get()
             if isinstance(job, _Identify):
                 await self._identify(ctx, job)
+                continue
+            if isinstance(job, _Record):
+                with contextlib.suppress(OSError, CallTimeout, LaneBusy):
+                    root = self._root(ctx.config)
+                    await self._files.run(partial(record, root, job.figures, job.key), COPY_TIMEOUT_S,
+                                          f"recording trial figures in {root}")
                 continue
             build, root = job, self._root(ctx.config)
             try:

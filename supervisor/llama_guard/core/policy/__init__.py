@@ -37,6 +37,7 @@ from llama_guard.core.inputs import (
     PortHolder,
     RestartRequest,
     StopRequest,
+    TrialAsked,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
 from llama_guard.core.policy.phases import (
@@ -52,7 +53,7 @@ from llama_guard.core.policy.repeat import on_crashes_charged
 from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
-from llama_guard.core.policy.window import trial_wanted
+from llama_guard.core.policy.window import trial_asked, trial_wanted
 from llama_guard.core.server_log import ERROR_FAMILIES
 from llama_guard.core.types import RestartCause, State
 from llama_guard.vocab.phases import Phase
@@ -85,6 +86,8 @@ def _decide(state: State, event: Input, now: float) -> Result:
         return on_port_holder(state, event, now)
     if isinstance(event, BuildInfo):
         return replace(state, build=event.text), []
+    if isinstance(event, TrialAsked):
+        return trial_asked(state, event), []
     if isinstance(event, CrashesCharged):
         return on_crashes_charged(state, event, now)
     if isinstance(event, RestartRequest) and state.phase in _RESTART_UNDER_WAY:

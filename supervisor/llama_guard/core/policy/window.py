@@ -18,8 +18,9 @@ about as fast as the old one did on this box. Pure. In order:
 5. **release** (→ READY, :func:`release`): the server is called ready, the front door lets the held
    clients through.
 
-A build replaced in place and found at a start has no old server to measure: the build port (the
-upgrade watcher) judges it by load and answer, and its probation.
+A build replaced in place and found at a start (planned or not) has no old server to measure: the
+build port asks for its trial (:func:`trial_asked`) with the last good build's figure recorded at its
+last trial on this box; with none recorded it is judged by load and answer, and its probation.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.core.actions import Action, Emit, MeasureSpeed, NotifyReady
-from llama_guard.core.inputs import Exited, HealthOk, Input, Line, ParamsChanged, SpeedMeasured
+from llama_guard.core.inputs import Exited, HealthOk, Input, Line, ParamsChanged, SpeedMeasured, TrialAsked
 from llama_guard.core.policy.lines import alloc_recovered, fault_line
 from llama_guard.core.policy.steps import Result, count_failure, exit_fields, fail, stop
 from llama_guard.core.types import (
@@ -50,6 +51,15 @@ def trial_wanted(state: State, event: ParamsChanged) -> State:
     if not event.new_build or state.phase is not Phase.READY or event.params.trial_runs < 1:
         return state
     return replace(state, trial=Trial(TrialStage.OLD))
+
+
+def trial_asked(state: State, event: TrialAsked) -> State:
+    """A start runs a build found replaced in place (the build port asks, with the last good build's
+    recorded figure): it is measured once it answers, as a reload's new build is (no trial when
+    ``trial_runs`` is 0, when a trial is under way, or when no start is)."""
+    if state.phase is not Phase.STARTING or state.trial is not None or state.params.trial_runs < 1:
+        return state
+    return replace(state, trial=Trial(TrialStage.NEW, old_tps=event.tokens_per_s, spawned=True))
 
 
 def _measure(state: State) -> list[Action]:
