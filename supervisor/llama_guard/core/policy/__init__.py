@@ -17,8 +17,8 @@ outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic
 reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
 :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
 starts: a verdict), :mod:`.port` (a port another process holds), :mod:`.reset_stop` (a stop
-during a GPU reset; the event that announces one) and :mod:`.window` (the planned window around a new
-build: its trial, TRIAL, keep or roll back, and the release of the held clients).
+during a GPU reset; the event that announces one) and :mod:`.window` (the planned window, top to bottom:
+drain, the trial of a new build, stop, start, keep or roll back, the release of the held clients).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, Emit, StartDrain
+from llama_guard.core.actions import Action, Emit
 from llama_guard.core.inputs import (
     Boot,
     Drained,
@@ -45,13 +45,13 @@ from llama_guard.core.policy.steps import (
     start,
     stop,
 )
-from llama_guard.core.policy.stop import alloc_fatal, end_exit_drain
+from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
-from llama_guard.core.policy.window import health_answered, trial_after_drain
+from llama_guard.core.policy.window import drain, drain_timed_out, drained, health_answered
 from llama_guard.core.policy.window import on_trial as window_on_trial
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, RestartCause, State, enter, exit_signal, exit_text
+from llama_guard.core.types import AfterStop, RestartCause, State, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
@@ -212,29 +212,14 @@ def on_serving(state: State, event: Input, now: float) -> Result:
                 and now - state.ready_at >= p.stable_after_s):
             return replace(state, stable=True, next_backoff_s=p.backoff_initial_s), []
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
-            if state.after_stop is AfterStop.EXIT:
-                return end_exit_drain(state, now, drained=False)
-            new, actions = stop(state, now, AfterStop.RESTART, state.fault)
-            return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
-                                                "reason": state.fault}), *actions]
+            return drain_timed_out(state, now)
         return state, []
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return restart_meanwhile(state, event)
-        state = restart_for(state, event.cause)
-        uptime = now - (state.ready_at or now)
-        emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
-                                                 "cause": event.cause.value, "uptime_s": uptime})
-        if not event.drain:
-            new, actions = stop(state, now, AfterStop.RESTART, event.reason)
-            return new, [emit, *actions]
-        new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + p.drain_timeout_s, fault=event.reason,
-                      after_stop=AfterStop.RESTART)
-        return new, [emit, StartDrain(pid)]
+        return drain(state, event, now)
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
-        if state.after_stop is AfterStop.EXIT:
-            return end_exit_drain(state, now, drained=True)
-        return trial_after_drain(state) or stop(state, now, AfterStop.RESTART, state.fault)
+        return drained(state, now)
     return state, []
 
 

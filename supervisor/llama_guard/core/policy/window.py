@@ -1,20 +1,25 @@
-"""The planned window around a new llama-server build: the server is replaced while the front door
-holds the clients (every phase but READY holds them), and the new build is kept only when it decodes
-about as fast as the old one did on this box. Pure. In order:
+"""The planned window: what a planned restart does, top to bottom — the nightly schedule, a decay
+trigger, ``llama-guard restart``, a reload that changes the server's flags, and a reload that names a
+new llama-server build (whose window is a trial: it is kept only when it decodes about as fast as the
+old build did on this box). The front door holds the clients throughout (every phase but READY holds
+them). Pure. In order:
 
-1. **drain** (READY → DRAINING, :mod:`.phases`): no new request reaches the server; the ones in flight
-   finish. The server's watch saves the slots once drained, then answers Drained.
+1. **drain** (READY → DRAINING, :func:`drain`): no new request reaches the server; the ones in flight
+   finish, bounded by ``[schedule].drain_timeout_s`` (:func:`drain_timed_out`). Once drained the
+   server's watch saves its slots, then answers Drained (:func:`drained`).
 2. **[measure old]** (DRAINING → TRIAL, :func:`trial_after_drain`) when a reload named a new build
    (:func:`trial_wanted`): the serving build's decode tokens/s (:class:`MeasureSpeed`, answered by
    :class:`SpeedMeasured`), measured as ``llama-guard bench`` does, shortened by ``[upgrade].trial_runs``
    and ``trial_tokens``.
-3. **stop** (→ STOPPING, :func:`~.steps.stop`) and **start** (→ STARTING: the build port picks the
-   executable; the slots are restored once it answers ``/health``).
-4. **[measure new → keep | roll back]** (STARTING → TRIAL, :func:`health_answered`): the new build measured
-   the same way, then :func:`judge`: kept when it decoded within ``[upgrade].max_slowdown_pct`` of the
-   old figure (or answered, when there is no old figure to compare with); otherwise rolled back at once
-   (TRIAL → STOPPING, a restart whose start the build port gives the last good build). A failed
-   measurement, an exit or a fatal line of the new build rolls it back too.
+3. **stop** (→ STOPPING, :func:`~.steps.stop`) and **start** once it is gone
+   (:func:`~.stop.finish_stop`: the build port picks the executable); the slots are **restored** once
+   the new server answers ``/health``, before it is called ready.
+4. **[measure new → keep | roll back]** (STARTING → TRIAL, :func:`health_answered`; :func:`on_trial`):
+   the new build measured the same way, then :func:`judge`: kept when it decoded within
+   ``[upgrade].max_slowdown_pct`` of the old figure (or answered, when there is no old figure to
+   compare with); otherwise rolled back at once (TRIAL → STOPPING, a restart whose start the build
+   port gives the last good build). A failed measurement, an exit or a fatal line of the new build
+   ends its trial too.
 5. **release** (→ READY, :func:`release`): the server is called ready, the front door lets the held
    clients through.
 
@@ -27,10 +32,28 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, Emit, MeasureSpeed, NotifyReady
-from llama_guard.core.inputs import Exited, HealthOk, Input, Line, ParamsChanged, SpeedMeasured, TrialAsked
+from llama_guard.core.actions import Action, Emit, MeasureSpeed, NotifyReady, StartDrain
+from llama_guard.core.inputs import (
+    Exited,
+    HealthOk,
+    Input,
+    Line,
+    ParamsChanged,
+    RestartRequest,
+    SpeedMeasured,
+    TrialAsked,
+)
 from llama_guard.core.policy.lines import alloc_recovered, fault_line
-from llama_guard.core.policy.steps import Result, count_failure, exit_fields, fail, stop
+from llama_guard.core.policy.steps import (
+    Result,
+    count_failure,
+    exit_fields,
+    fail,
+    restart_event,
+    restart_for,
+    stop,
+)
+from llama_guard.core.policy.stop import end_exit_drain
 from llama_guard.core.types import (
     AfterStop,
     RestartCause,
@@ -43,6 +66,41 @@ from llama_guard.core.types import (
     exit_text,
 )
 from llama_guard.vocab.phases import Phase
+
+
+def drain(state: State, event: RestartRequest, now: float) -> Result:
+    """A planned restart of the ready server (the schedule, a decay trigger, an operator, changed
+    flags): drain it first (DRAINING, bounded by ``[schedule].drain_timeout_s``) — or, asked without a
+    drain, stop it at once."""
+    pid = state.pid
+    assert pid is not None
+    state = restart_for(state, event.cause)
+    uptime = now - (state.ready_at or now)
+    emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
+                                             "cause": event.cause.value, "uptime_s": uptime})
+    if not event.drain:
+        new, actions = stop(state, now, AfterStop.RESTART, event.reason)
+        return new, [emit, *actions]
+    new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + state.params.drain_timeout_s,
+                  fault=event.reason, after_stop=AfterStop.RESTART)
+    return new, [emit, StartDrain(pid)]
+
+
+def drained(state: State, now: float) -> Result:
+    """No request in flight any more (the slots saved): the old build's trial when one is asked,
+    else the stop (or, before the daemon's exit, the exit's stop)."""
+    if state.after_stop is AfterStop.EXIT:
+        return end_exit_drain(state, now, drained=True)
+    return trial_after_drain(state) or stop(state, now, AfterStop.RESTART, state.fault)
+
+
+def drain_timed_out(state: State, now: float) -> Result:
+    """The drain outlasted its deadline: stop the server with its requests (``drain_timeout``)."""
+    if state.after_stop is AfterStop.EXIT:
+        return end_exit_drain(state, now, drained=False)
+    new, actions = stop(state, now, AfterStop.RESTART, state.fault)
+    return new, [Emit("drain_timeout", {"server_pid": state.pid, "drain_timeout_s": state.params.drain_timeout_s,
+                                        "reason": state.fault}), *actions]
 
 
 def trial_wanted(state: State, event: ParamsChanged) -> State:
