@@ -77,11 +77,12 @@ def window(run: DaemonRun, binary: Path, kind: str) -> dict[str, Any]:
     def count(name: str) -> int:
         return sum(1 for e in run.events() if e["event"] == name)
 
-    asked, ready, held = count("restart_requested"), count("server_ready"), count("front_held")
+    outcome = "upgrade_trial_passed" if kind == "good" else "upgrade_rolled_back"
+    asked, ready, held, verdicts = (count("restart_requested"), count("server_ready"), count("front_held"),
+                                    count(outcome))
     reload_to(run, binary)
     begin = run.wait_event("restart_requested", 120, skip=asked)
-    outcome = "upgrade_trial_passed" if kind == "good" else "upgrade_rolled_back"
-    verdict = run.wait_event(outcome, WAIT_S)
+    verdict = run.wait_event(outcome, WAIT_S, skip=verdicts)
     end = run.wait_event("server_ready", WAIT_S, skip=ready)  # the build kept, or the one rolled back to
     hold = run.wait_event("front_held", 60, skip=held)
     return {"kind": kind, "window_s": epoch(end["timestamp"]) - epoch(begin["timestamp"]),
@@ -122,11 +123,13 @@ def main() -> int:
         try:
             run.wait_event("server_ready", WAIT_S)
             clients.start()
-            slow = throttled(tmp / "llama-server-slow", real)
             for i in range(args.rounds):
-                good = copy_build(real, tmp / f"good-{i}")
+                good = copy_build(real, tmp / f"good-{i}")  # a new path: a new build to try
                 rows.append(window(run, good, "good"))
-                rows.append(window(run, slow, "slow"))  # the next round's good copy is a new build again
+                # A new slow build each round (a build rolled back once is never started again).
+                slow = throttled(tmp / f"llama-server-slow-{i}", real)
+                slow.write_text(slow.read_text() + f"# round {i}\n")
+                rows.append(window(run, slow, "slow"))
         finally:
             clients.stop.set()
             clients.join(WAIT_S)

@@ -69,6 +69,7 @@ def test_a_new_build_within_the_limit_is_kept_and_the_clients_released() -> None
     assert s.phase is Phase.READY and NotifyReady() in acts and gate_of(s) is Gate.OPEN
     ready_event = emitted(acts, "server_ready").fields
     assert ready_event["port_pid"] == 201 and "restart_to_ready_s" in ready_event
+    assert ready_event["load_s"] == pytest.approx(1.9) and ready_event["trial_s"] == pytest.approx(2.0)
     assert s.trial is None and s.last_trial == TrialResult(100.0, 80.0, kept=True, max_slowdown_pct=25.0)
     assert s.last_trial.slowdown_pct == pytest.approx(20.0)
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from harness import free_port
+from harness import ROOT, free_port
 from test_upgrade_e2e import ClientLoop, copy_build, reload_with, serving, started_binaries, status_when
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
@@ -94,6 +96,9 @@ def test_a_good_new_build_is_kept_after_its_trial_with_both_figures(
         assert "llama_guard_upgrade_trial_kept 1.0" in scraped
         trial_shown = status_when(tmp_path, lambda s: (s["build"] or {}).get("trial") is not None)["build"]["trial"]
         assert trial_shown["kept"] is True and trial_shown["tokens_per_s"] == passed["tokens_per_s"], trial_shown
+        shown = subprocess.run([sys.executable, "-m", "llama_guard", "status", "--config", str(run.config)],
+                               capture_output=True, text=True, timeout=60, cwd=str(ROOT)).stdout
+        assert f"last trial {passed['build']} {passed['tokens_per_s']} tok/s vs" in " ".join(shown.split()), shown
     assert clients.failures == [] and clients.done >= 1
 
 
@@ -122,4 +127,24 @@ def test_a_build_replaced_in_place_found_at_a_crash_is_rolled_back_by_the_record
         assert back["previous_tokens_per_s"] == pytest.approx(passed["tokens_per_s"], abs=0.01), back
         run.wait_event("server_ready", 300, skip=2)
         assert started_binaries(run)[-2:] == [str(second), back["to_binary"]]
+    assert clients.failures == [] and clients.done >= 1
+
+
+def test_upgrades_in_a_row_each_slow_one_rolls_back_to_the_build_before_it(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """A good build kept, then a slow one, twice over, each reload as soon as the previous window ended
+    (the good build still on probation when the slow one comes): each slow build rolls back to the good
+    build before it."""
+    with serving(tmp_path, llama_server_bin, real_model, upgrade=TRIAL, front={"hold_timeout_s": HOLD_S},
+                 server={"threads": 1}) as run, ClientLoop(run.front, HOLD_S + 60) as clients:
+        for i in range(2):
+            good = copy_build(llama_server_bin, tmp_path / f"good-{i}")
+            reload_with(run, good)
+            assert run.wait_event("upgrade_trial_passed", 600, skip=i)["binary"] == str(good)
+            slow = throttled(tmp_path / f"slow-{i}", llama_server_bin)
+            slow.write_text(slow.read_text() + f"# round {i}\n")
+            reload_with(run, slow)
+            back = run.wait_event("upgrade_rolled_back", 600, skip=i)
+            assert back["from_binary"] == str(slow) and back["to_binary"] == str(good), back
+            run.wait_event("server_ready", 300, skip=2 * i + 2)
     assert clients.failures == [] and clients.done >= 1

@@ -134,6 +134,7 @@ class Trial:
     old_tps: float | None = None  # the old build's median decode tokens/s (None: not measured, or it failed)
     old_error: str = ""           # why the old build's figure is missing ("" when measured or not asked)
     spawned: bool = False         # the new build's server was spawned (a second spawn ends the trial)
+    answered_at: float | None = None  # when the new build answered /health (its load's end; monotonic s)
 
     def at_spawn(self) -> Trial | None:
         """The trial as a server is spawned: a NEW stage's first spawn is the new build's; any other

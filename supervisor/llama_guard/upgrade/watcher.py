@@ -106,7 +106,11 @@ class UpgradeSource(Watcher):
         self._trial = Lane(LaneKind.TRIAL)
         self.last_trial: dict[str, Any] | None = None  # the last trial with both builds, for status
         self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
-        self._files = Lane(LaneKind.CONFIG, max_calls=1)  # hashing and copying kept builds
+        self._files = Lane(LaneKind.CONFIG, max_calls=1)  # copying kept builds, recording trial figures (run())
+        # Checks before a start (hashes, kept copies, recorded figures): a lane of their own, so that a
+        # copy under way (seconds to minutes for a build's libraries) never makes a roll-back find
+        # no build to go back to.
+        self._checks = Lane(LaneKind.CONFIG, max_calls=1)
         self._ctx: Context | None = None
         self._passed: dict[tuple[str, tuple[int, int, int, int], str], Build] = {}
         self._failed: dict[str, str] = {}  # sha256 → why that build is not started again
@@ -237,7 +241,7 @@ class UpgradeSource(Watcher):
             return
         root, key = self._root(ctx.config), flags_key(ctx.config)
         try:
-            figure = await self._files.run(partial(recorded, root, good.sha256, key), COPY_TIMEOUT_S,
+            figure = await self._checks.run(partial(recorded, root, good.sha256, key), COPY_TIMEOUT_S,
                                            f"reading {root}")
         except (CallTimeout, LaneBusy):
             return
@@ -253,19 +257,19 @@ class UpgradeSource(Watcher):
                 continue
             path = build.path
             try:
-                digest = await self._files.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
+                digest = await self._checks.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
             except (OSError, CallTimeout, LaneBusy):
                 continue
             if digest == build.sha256:
                 return build, BuildChoice(path, self._library_dir(config, path))
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
-            self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+            self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         for kept in self._kept:
             if kept.build.sha256 in self._failed or kept.build.same_content(exclude):
                 continue
             try:
-                problem = await self._files.run(partial(verified, kept), COPY_TIMEOUT_S,
+                problem = await self._checks.run(partial(verified, kept), COPY_TIMEOUT_S,
                                          f"checking {kept.dir}")
             except (CallTimeout, LaneBusy) as exc:
                 problem = str(exc)

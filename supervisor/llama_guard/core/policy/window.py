@@ -137,7 +137,7 @@ def health_answered(state: State, event: HealthOk, now: float) -> Result:
     first (TRIAL), any other server is released."""
     if state.trial is not None and state.trial.stage is TrialStage.NEW:
         return replace(state, phase=enter(state, Phase.TRIAL), deadline=None, ready_owner=(
-            event.port_pid, event.port_comm)), _measure(state)
+            event.port_pid, event.port_comm), trial=replace(state.trial, answered_at=now)), _measure(state)
     return release(state, event, now)
 
 
@@ -145,11 +145,14 @@ def release(state: State, event: HealthOk, now: float) -> Result:
     """The server is ready (READY): the front door lets the held clients through; ``server_ready`` with
     the load time and, after a restart, the time since the old server stopped serving."""
     assert state.pid is not None
-    load_s = now - (state.started_at if state.started_at is not None else now)
+    answered = state.trial.answered_at if state.trial is not None else None
+    load_s = (answered if answered is not None else now) - (state.started_at if state.started_at is not None else now)
     recovered = alloc_recovered(state, "the server became ready")
     new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
                   alloc_failure="", port_taken_since=None, port_holder=None, trial=None, ready_owner=None)
     fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
+    if answered is not None:
+        fields["trial_s"] = round(now - answered, 3)  # the new build's measurement, after its load
     if state.restart_at is not None:
         fields["restart_to_ready_s"] = round(now - state.restart_at, 3)
     if event.port_pid is not None and event.port_pid != state.pid:
