@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the trial of a new llama-server build costs the clients, against the real llama-server through
-llama-guard's front door: one daemon, a client loop (one completion of 2 tokens after another through the
-front door), and reloads that name a new build —
+llama-guard's front door: one daemon, ``--clients`` client loops (each one completion of 2 tokens after
+another through the front door), a plain planned restart (``llama-guard restart``: the window without a
+trial, for comparison) and reloads that name a new build —
 
 * **good**: the same llama-server copied elsewhere (kept after its trial);
 * **slow**: the real llama-server under a CPU quota of 10 ms in 200 ms once it answers ``/health``
@@ -72,15 +73,19 @@ def reload_to(run: DaemonRun, binary: Path) -> None:
     run.signal(signal.SIGHUP)
 
 
-def window(run: DaemonRun, binary: Path, kind: str) -> dict[str, Any]:
-    """Reload onto ``binary``; the window's figures once the held clients are released to a server."""
+def window(run: DaemonRun, binary: Path | None, kind: str) -> dict[str, Any]:
+    """Reload onto ``binary`` (None: a planned restart, SIGUSR1); the window's figures once the held
+    clients are released to a server."""
     def count(name: str) -> int:
         return sum(1 for e in run.events() if e["event"] == name)
 
-    outcome = "upgrade_trial_passed" if kind == "good" else "upgrade_rolled_back"
+    outcome = {"good": "upgrade_trial_passed", "slow": "upgrade_rolled_back"}.get(kind, "server_ready")
     asked, ready, held, verdicts = (count("restart_requested"), count("server_ready"), count("front_held"),
                                     count(outcome))
-    reload_to(run, binary)
+    if binary is None:
+        run.signal(signal.SIGUSR1)
+    else:
+        reload_to(run, binary)
     begin = run.wait_event("restart_requested", 120, skip=asked)
     verdict = run.wait_event(outcome, WAIT_S, skip=verdicts)
     end = run.wait_event("server_ready", WAIT_S, skip=ready)  # the build kept, or the one rolled back to
@@ -88,7 +93,11 @@ def window(run: DaemonRun, binary: Path, kind: str) -> dict[str, Any]:
     return {"kind": kind, "window_s": epoch(end["timestamp"]) - epoch(begin["timestamp"]),
             "held": hold["held"], "longest_s": hold["longest_s"], "failed": hold["failed"],
             "old": verdict.get("previous_tokens_per_s"), "new": verdict.get("tokens_per_s"),
-            "outcome": "kept" if kind == "good" else "rolled back"}
+            "outcome": {"good": "kept", "slow": "rolled back"}.get(kind, "restarted")}
+
+
+def _tps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main() -> int:
@@ -98,6 +107,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1, help="[upgrade].trial_runs (completions per build)")
     parser.add_argument("--tokens", type=int, default=sized(16, 8), help="[upgrade].trial_tokens (16; CI 8)")
     parser.add_argument("--limit", type=float, default=50.0, help="[upgrade].max_slowdown_pct")
+    parser.add_argument("--clients", type=int, default=4, help="client loops through the front door")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     if not args.model:
@@ -119,11 +129,13 @@ def main() -> int:
             "upgrade": {"probation_s": 1.0, "trial_runs": args.runs, "trial_tokens": args.tokens,
                         "max_slowdown_pct": args.limit, "trial_timeout_s": WAIT_S / 2}})
         run = DaemonRun(tmp, sections).start()
-        clients = Clients(front)
+        clients = [Clients(front) for _ in range(args.clients)]
         try:
             run.wait_event("server_ready", WAIT_S)
-            clients.start()
+            for client in clients:
+                client.start()
             for i in range(args.rounds):
+                rows.append(window(run, None, "plain"))
                 good = copy_build(real, tmp / f"good-{i}")  # a new path: a new build to try
                 rows.append(window(run, good, "good"))
                 # A new slow build each round (a build rolled back once is never started again).
@@ -131,24 +143,27 @@ def main() -> int:
                 slow.write_text(slow.read_text() + f"# round {i}\n")
                 rows.append(window(run, slow, "slow"))
         finally:
-            clients.stop.set()
-            clients.join(WAIT_S)
+            for client in clients:
+                client.stop.set()
+            for client in clients:
+                client.join(WAIT_S)
             if run.proc is not None:
                 terminate(run.proc, 30.0)
     print(f"\n{'build':<6} {'outcome':<12} {'window s':>9} {'held':>5} {'longest hold s':>15} {'failed':>7} "
           f"{'old tok/s':>10} {'new tok/s':>10}")
     for r in rows:
         print(f"{r['kind']:<6} {r['outcome']:<12} {r['window_s']:>9.1f} {r['held']:>5} {r['longest_s']:>15.1f} "
-              f"{r['failed']:>7} {r['old'] or 0:>10.2f} {r['new'] or 0:>10.2f}")
-    for kind in ("good", "slow"):
+              f"{r['failed']:>7} {_tps(r['old']):>10} {_tps(r['new']):>10}")
+    for kind in ("plain", "good", "slow"):
         mine = [r for r in rows if r["kind"] == kind]
         print(f"{kind}: window median {statistics.median(r['window_s'] for r in mine):.1f} s over {len(mine)}")
     spread = [abs(r["old"] - r["new"]) / r["old"] * 100 for r in rows if r["kind"] == "good" and r["old"]]
     if spread:
         print(f"one build measured twice (good rows: old vs new, same content): differed by "
               f"{statistics.median(spread):.0f} % median, {max(spread):.0f} % at most")
-    print(f"clients: {clients.done} requests, {clients.failures} failed; load at the end: {os.getloadavg()[0]:.2f}")
-    return 0 if clients.failures == 0 else 1
+    done, failed = sum(c.done for c in clients), sum(c.failures for c in clients)
+    print(f"clients: {done} requests, {failed} failed; load at the end: {os.getloadavg()[0]:.2f}")
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":
