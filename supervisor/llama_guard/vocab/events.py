@@ -1012,10 +1012,12 @@ EVENTS: tuple[EventSpec, ...] = (
                     "@SERVING_BUILD@.\n"
                     "It answered --version and its --help lists every flag llama-guard passes, checked while "
                     "the\n"
-                    "old server kept serving. The server is restarted on it (drained, clients held) and the "
-                    "build\n"
-                    "serves on probation ([upgrade].probation_s): a crash in it rolls back "
-                    "(upgrade_rolled_back)."),
+                    "old server kept serving. The server is restarted on it (drained, clients held), both "
+                    "builds'\n"
+                    "decode speeds measured in that window (upgrade_trial_passed, or upgrade_rolled_back when "
+                    "it is\n"
+                    "slower than [upgrade].max_slowdown_pct), and the build serves on probation\n"
+                    "([upgrade].probation_s): a crash in it rolls back (upgrade_rolled_back)."),
               readme=("a new build passed preflight (`--version` read, every flag in its `--help`) and serves on "
                       "probation")),
     EventSpec("upgrade_trial_passed", _S.NOTICE,
