@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=sized(3, 1), help="good/slow reload pairs (3; CI 1)")
     parser.add_argument("--runs", type=int, default=1, help="[upgrade].trial_runs (completions per build)")
     parser.add_argument("--tokens", type=int, default=sized(16, 8), help="[upgrade].trial_tokens (16; CI 8)")
-    parser.add_argument("--limit", type=float, default=50.0, help="[upgrade].max_slowdown_pct")
+    parser.add_argument("--limit", type=float, default=75.0, help="[upgrade].max_slowdown_pct")
     parser.add_argument("--clients", type=int, default=4, help="client loops through the front door")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]

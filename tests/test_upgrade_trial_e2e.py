@@ -8,9 +8,10 @@ CPU quota once it answers ``/health`` — it runs 10 ms in every 200 ms (SIGSTOP
 method), so it decodes at most about a twentieth as fast as the same binary unthrottled at that moment.
 Fewer threads alone is no slow build on this shared 2-core host: measured with ``bench``'s method,
 ``--threads 1`` decoded 8.5 tokens/s while ``--threads 2`` decoded 0.35 to 2.8 (its threads' barrier
-spins against the other work on the host). So both daemons here run ``--threads 1``, where one build
-measured twice differed by 1.3 % (10.99 and 11.13 tokens/s), and the limit (50 %) is far from both
-outcomes.
+spins against the other work on the host). So both daemons here run ``--threads 1``; one build
+measured twice that way still differed by 1.3 % to 56 % here as the other work came and went (at most
+36 % slower the second time: benchmarks/bench_upgrade.py), and the slow build measured 89-93 % slower.
+The limit of these tests (75 %) lies between the two.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from test_upgrade_e2e import ClientLoop, copy_build, reload_with, serving, start
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
 HOLD_S = 600.0  # the front door holds clients through both measurements and the roll-back
-TRIAL = {"probation_s": 1.0, "trial_runs": 1, "trial_tokens": 8, "max_slowdown_pct": 50.0,
+TRIAL = {"probation_s": 1.0, "trial_runs": 1, "trial_tokens": 8, "max_slowdown_pct": 75.0,
          "trial_timeout_s": 300.0}
 
 
@@ -64,9 +65,9 @@ def test_a_build_that_decodes_clearly_slower_is_rolled_back_to_the_last_good_one
         run.wait_event("upgrade_preflight_passed", 120)
         back = run.wait_event("upgrade_rolled_back", 600)
         assert back["from_binary"] == str(slow) and back["to_binary"] == str(llama_server_bin), back
-        assert back["cause"].startswith("slower: ") and "limit 50 %" in back["cause"], back
-        assert back["tokens_per_s"] < back["previous_tokens_per_s"] / 2, back
-        assert back["slowdown_pct"] > 50 and back["max_slowdown_pct"] == 50.0, back
+        assert back["cause"].startswith("slower: ") and "limit 75 %" in back["cause"], back
+        assert back["tokens_per_s"] < back["previous_tokens_per_s"] / 4, back
+        assert back["slowdown_pct"] > 75 and back["max_slowdown_pct"] == 75.0, back
         run.wait_event("server_ready", 300, skip=1)
         assert started_binaries(run) == [str(llama_server_bin), str(slow), str(llama_server_bin)]
         assert "upgrade_trial_passed" not in run.names()
@@ -82,7 +83,7 @@ def test_a_good_new_build_is_kept_after_its_trial_with_both_figures(
             ClientLoop(run.front, HOLD_S + 60) as clients:
         reload_with(run, new)
         passed = run.wait_event("upgrade_trial_passed", 600)
-        assert passed["binary"] == str(new) and passed["max_slowdown_pct"] == 50.0, passed
+        assert passed["binary"] == str(new) and passed["max_slowdown_pct"] == 75.0, passed
         assert passed["tokens_per_s"] > 0 and passed["previous_tokens_per_s"] > 0, passed
         assert passed["previous_build"] != "unknown" and passed["build"] != "unknown", passed
         run.wait_event("upgrade_kept", 120)
