@@ -49,6 +49,9 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_reset_save",
     "test_policy_stop_drain",
     "test_policy_vram",
+    "test_policy_window",
+    "test_upgrade_figures",
+    "test_upgrade_rollback_lane",
     "test_preflight_gpu",
     "test_public_reports",
     "test_recovery_defaults",
@@ -70,6 +73,8 @@ FAST_MODULES: frozenset[str] = frozenset((
 #: purpose for a minute, which would starve the fast-probing tests of the other workers, or their promise is
 #: a bound on a real server's stop and load that 4 workers on 2 cores can break.
 SERIAL_TESTS: frozenset[str] = frozenset((
+    # the trials of a new build: their verdicts compare two builds' decode speeds measured a minute apart
+    "test_upgrade_trial_e2e",
     # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
     "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
     # a process spinning a core until the 60 s silence bound

@@ -29,8 +29,10 @@ from llama_guard.core.inputs import (
     SlotsSaved,
     Spawned,
     SpawnFailed,
+    SpeedMeasured,
     StopRequest,
     Tick,
+    TrialAsked,
     VramFacts,
 )
 from llama_guard.core.policy import decide
@@ -59,6 +61,9 @@ def _inputs(s: State) -> list[Input]:
         VramFacts(0, free_mib=80000, need_mib=1000), VramFacts(0, free_mib=100, need_mib=1000, holders=holder),
         ResetFacts(0, True, 0.0, (), True), ResetDone(0, "reset", 0, "", True, "verified"),
         ResetDone(0, "reset", 1, "", False, "failed"), ParamsChanged(s.params, server_changed=True),
+        ParamsChanged(s.params, server_changed=True, new_build=True),  # a trial of the new build
+        SpeedMeasured(pid, 100.0), SpeedMeasured(pid, 1.0), SpeedMeasured(pid, None, "HTTP 500"),
+        TrialAsked(100.0),  # a build found replaced at a start
     ]
 
 
@@ -72,7 +77,7 @@ def _timed(s: State, now: float) -> list[tuple[Input, float]]:
 def _key(s: State) -> tuple[object, ...]:
     return (s.phase, s.pid is None, s.after_stop, s.saving, s.killed, s.gpu_lost, s.vram_after_oom,
             s.vram_wait_until is None, s.exit_code, len(s.failures) > 1, s.stable, s.ready_at is None,
-            bool(s.alloc_failure), s.pending_event is None)
+            bool(s.alloc_failure), s.pending_event is None, s.trial)
 
 
 def _explore(params: Params) -> set[tuple[Phase, Phase]]:

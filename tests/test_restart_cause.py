@@ -25,13 +25,16 @@ from llama_guard.core.inputs import (
     Exited,
     GpuFault,
     GpuHolder,
+    HealthOk,
     Input,
     NotOnGpu,
+    ParamsChanged,
     PortHolder,
     Probe,
     RestartRequest,
     Spawned,
     SpawnFailed,
+    SpeedMeasured,
     StreamStalled,
     Tick,
     VramFacts,
@@ -104,7 +107,19 @@ CASES: list[Case] = [
     ("decay", ready, [RestartRequest("decay: rss_growth", cause=RestartCause.DECAY), Drained(PID)], RestartCause.DECAY),
     ("reload", ready, [RestartRequest("flags changed", cause=RestartCause.CONFIG_CHANGE), Drained(PID)],
      RestartCause.CONFIG_CHANGE),
+    ("trial", lambda: _new_build_on_trial(), [SpeedMeasured(PID + 1, 1.0)], RestartCause.TRIAL),
 ]
+
+
+def _new_build_on_trial() -> State:
+    """A reload named a new build: the old one measured at 100 tokens/s, the new one (PID + 1) loaded and
+    measured next."""
+    s = ready(replace(P, trial_runs=1))
+    for event in (ParamsChanged(s.params, server_changed=True, new_build=True), Drained(PID),
+                  SpeedMeasured(PID, 100.0), Exited(PID, 0), Spawned(PID + 1), HealthOk(PID + 1)):
+        s, _ = decide(s, event, 3.0)
+    assert s.phase is Phase.TRIAL and s.pid == PID + 1
+    return s
 
 
 def _restart(state: State, inputs: list[Input]) -> Emit:

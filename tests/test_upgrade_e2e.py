@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import FAKE_SERVER, ROOT, RunPool, free_port
+from harness import FAKE_SERVER, ROOT, RunPool, free_port, merge
 from llama_guard.output.status import read_status
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -63,15 +63,16 @@ class ClientLoop:
     """Completions through the front door, one after another, until stopped; every answer that is not
     200 (or a transport error) is kept in :attr:`failures`."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, timeout_s: float = 120.0) -> None:
         self.port = port
+        self.timeout_s = timeout_s
         self.done = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=self.timeout_s) as client:
             while not self._stop.is_set():
                 try:
                     answer = client.post(f"http://127.0.0.1:{self.port}/completion",
@@ -88,18 +89,20 @@ class ClientLoop:
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join(150)
+        self._thread.join(self.timeout_s + 30)
 
 
 @contextlib.contextmanager
 def serving(tmp_path: Path, binary: Path, model: Path, **extra: dict[str, object]) -> Iterator[Any]:
-    """A started daemon with the front door on ``binary``, ready; ``extra`` sections over the test's own."""
+    """A started daemon with the front door on ``binary``, ready; ``extra`` sections' keys over the test's own."""
     pool = RunPool()
     front = free_port()
-    sections = {"front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 120.0},
-                "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
-                "recovery": {"max_restarts": 10, "stable_after_s": 1.0},
-                "upgrade": {"probation_s": 1.0}, **extra}
+    # No trial of a new build's speed unless a test asks for one (test_upgrade_trial_e2e.py): these
+    # tests are about loads, answers and crashes.
+    sections = merge({"front": {"listen": f"127.0.0.1:{front}", "hold_timeout_s": 120.0},
+                      "health": {"canary": False, "interval_s": 1.0, "timeout_s": 5.0, "hang_strikes": 5},
+                      "recovery": {"max_restarts": 10, "stable_after_s": 1.0},
+                      "upgrade": {"probation_s": 1.0, "trial_runs": 0}}, extra)
     run: Any = pool.new(tmp_path, str(binary), str(model), sections)
     run.front = front
     run.start()

@@ -60,6 +60,7 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     from llama_guard.front import activation
     from llama_guard.front.source import FrontSource
     from llama_guard.gpu.watcher import GpuSource
+    from llama_guard.insight.bench import decode_speed
     from llama_guard.insight.need_cache import NeedCache
     from llama_guard.insight.vram_check import need_mib_in_child
     from llama_guard.limits.watcher import LimitsSource
@@ -71,7 +72,7 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     gpu = GpuSource(nvml_module=nvml_module, need_cache=NeedCache(need_mib_in_child))
     limits = LimitsSource()
     slots = SlotsSource()
-    builds = UpgradeSource()
+    builds = UpgradeSource(measure=decode_speed)
     metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage, build=lambda: builds.serving)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its

@@ -217,8 +217,21 @@ class UpgradeConfig(Section):
     ``probation_s``: how long a new build serves on probation (seconds): an exit of it the daemon did
     not ask for (a crash on its first requests, a crash loop) rolls back to the last good build; after
     it, the build is the last good one and a copy of it is kept.
+
+    The trial (a planned window that changes the build, see README): ``trial_runs``
+    completions of ``trial_tokens`` generated tokens each, after one warm-up, measured on the old build
+    (drained) and on the new one (loaded, clients still held) as ``llama-guard bench`` measures (the
+    server's own decode tokens/s, median); 0 runs: no trial. The new build is kept when it decodes at
+    most ``max_slowdown_pct`` percent slower than the old one, else rolled back at once. The default
+    is above the run-to-run spread of the same build measured this way (README, "Upgrading
+    llama-server", gives the figures). ``trial_timeout_s`` bounds one build's measurement (seconds);
+    a measurement that fails or runs out of time on the new build rolls it back.
     """
 
     reload: ClassVar[Reload] = Reload.LIVE
 
     probation_s: PositiveFloat = 300.0
+    trial_runs: Annotated[int, Field(ge=0, le=50), Policy()] = 3
+    trial_tokens: Annotated[int, Field(ge=1, le=4096), Policy()] = 32
+    max_slowdown_pct: Annotated[float, Field(gt=0, lt=100), Policy()] = 25.0
+    trial_timeout_s: PositiveFloat = 120.0

@@ -72,6 +72,18 @@ class SaveSlots(Action):
 
 
 @dataclass(frozen=True)
+class MeasureSpeed(Action):
+    """Measure server ``pid``'s decode speed as ``llama-guard bench`` does: one warm-up, then ``runs``
+    completions of ``tokens`` generated tokens each, straight to llama-server (the front door holds
+    the clients meanwhile); answer :class:`~llama_guard.core.inputs.SpeedMeasured` (bounded by
+    ``[upgrade].trial_timeout_s``)."""
+
+    pid: int
+    runs: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class ReadBuild(Action):
     """Run ``llama-server --version`` (bounded, off the loop); answer :class:`BuildInfo`. Asked only
     when a verdict that names the build may follow (a binary is not run for nothing)."""

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError
+from llama_guard.core.actions import MeasureSpeed
 from llama_guard.core.announcer import Announcer
 from llama_guard.core.child import kill_and_reap
 from llama_guard.core.executor import Executor
@@ -44,6 +45,7 @@ from llama_guard.core.inputs import (
     RestartRequest,
     Spawned,
     SpawnFailed,
+    SpeedMeasured,
     StopRequest,
     Tick,
 )
@@ -101,6 +103,7 @@ class Daemon:
         self.gpu = gpu
         self.slots = slots
         self.front = front
+        self.builds = builds
         self.clock = clock
         self.state: State = initial_state(params_from(config))
         self.queue: asyncio.Queue[Input] = asyncio.Queue()
@@ -121,7 +124,7 @@ class Daemon:
                                 state=lambda: self.state, config=lambda: self.config, server=lambda: self._gen)
         self.executor = Executor(emitter.emit, self.tasks, self.queue.put_nowait, self.lanes,
                                  server=lambda: self._gen, binary=lambda: self.config.server.binary,
-                                 spawn=self._spawn, ready=self._ready, exit=self._exit)
+                                 spawn=self._spawn, ready=self._ready, exit=self._exit, measure=self._measure)
         self.reloader = Reloader(config_path, emitter, self.lanes, self.tasks, self.spawner, self.status,
                                  tuple(p for p in (front, exporter) if p is not None),
                                  get_config=lambda: self.config, set_config=self._set_config,
@@ -133,6 +136,13 @@ class Daemon:
 
     def _on_reload(self, old: Config, new: Config) -> None:
         self._for_watchers("on_reload", lambda src, ctx: src.on_reload(ctx, old, new))
+
+    async def _measure(self, action: MeasureSpeed) -> Input:
+        """A trial's measurement of server ``action.pid`` through the build port (a trial is asked only
+        when the build port named a new build)."""
+        if self.builds is None or self.ctx is None:
+            return SpeedMeasured(action.pid, None, "no build port")
+        return await self.builds.measure_speed(self.ctx, action.pid, action.runs, action.tokens)
 
     def _ready(self) -> None:
         self.status.write()

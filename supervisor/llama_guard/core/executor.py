@@ -22,6 +22,7 @@ from llama_guard.core.actions import (
     FindPortHolder,
     InspectGpu,
     Kill,
+    MeasureSpeed,
     NotifyReady,
     ReadBuild,
     RunReset,
@@ -42,13 +43,15 @@ class Executor:
     """Carries out actions: ``emit`` reports, ``post`` queues an answer, ``server`` is the serving
     :class:`ServerWatch` (None between servers; a signal for another pid is dropped), ``binary``
     the configured ``[server].binary``, ``spawn`` the coroutine that starts a server, ``ready`` the
-    readiness announcement and ``exit(code, reason)`` the daemon's end. :attr:`gpu` is set once the
-    loop runs."""
+    readiness announcement, ``exit(code, reason)`` the daemon's end and ``measure`` a trial's
+    measurement of a server's decode speed (answers :class:`~llama_guard.core.inputs.SpeedMeasured`).
+    :attr:`gpu` is set once the loop runs."""
 
     def __init__(self, emit: Callable[..., None], tasks: TaskSet, post: Callable[[Input], None],
                  lanes: dict[LaneKind, Lane], *, server: Callable[[], ServerWatch | None],
                  binary: Callable[[], str], spawn: Callable[[], Coroutine[Any, Any, None]],
-                 ready: Callable[[], None], exit: Callable[[int, str], None]) -> None:
+                 ready: Callable[[], None], exit: Callable[[int, str], None],
+                 measure: Callable[[MeasureSpeed], Awaitable[Input]] | None = None) -> None:
         self._emit = emit
         self._tasks = tasks
         self._post = post
@@ -58,6 +61,7 @@ class Executor:
         self._spawn = spawn
         self._ready = ready
         self._exit = exit
+        self._measure = measure
         self.gpu: GpuRequests | None = None
         self.spawn_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -98,6 +102,9 @@ class Executor:
             # slow check must not pile up threads that starve the sampler and the loop).
             if self._vram_check is None or self._vram_check.done():
                 self._vram_check = self._tasks.start(self._check_vram(), "VRAM check")
+        elif isinstance(action, MeasureSpeed):
+            if self._measure is not None:
+                self._tasks.start(self._answer(self._measure(action)), "decode speed trial")
         elif isinstance(action, ExitDaemon):
             self._exit(action.code, action.reason)
 

@@ -271,10 +271,33 @@ class SlotsSaved(Input):
 
 @dataclass(frozen=True)
 class ParamsChanged(Input):
-    """A reload validated new parameters; ``server_changed`` when llama-server's argv changed."""
+    """A reload validated new parameters; ``server_changed`` when llama-server's argv changed,
+    ``new_build`` when it names another llama-server build that passed preflight (the drained
+    restart is a trial: :mod:`llama_guard.core.policy.window`)."""
 
     params: Params
     server_changed: bool
+    new_build: bool = False
+
+
+@dataclass(frozen=True)
+class TrialAsked(Input):
+    """The start under way runs a build found replaced since the last good one served (no old server
+    to measure): measure it once it answers ``/health`` and compare with ``tokens_per_s``, the last good
+    build's decode tokens/s recorded at its last trial on this box (the build port's figures)."""
+
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class SpeedMeasured(Input):
+    """Server ``pid``'s decode speed as :class:`~llama_guard.core.actions.MeasureSpeed` asked: the median
+    of the server's own ``predicted_per_second`` in tokens/s, or None with ``error`` saying why (a
+    completion failed, the measurement ran out of time)."""
+
+    pid: int
+    tokens_per_s: float | None
+    error: str = ""
 
 
 @dataclass(frozen=True)

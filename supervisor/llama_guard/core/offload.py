@@ -45,11 +45,13 @@ class LaneKind(enum.Enum):
     SCRAPE = "scrape"  # rendering /metrics for one scrape
     CHECK = "check"  # ``llama-guard check``'s own calls (:func:`run_with_deadline`)
     SLOT_FILES = "slot-files"  # the slot store's files: hashing, checking, committing, pruning (slots/)
+    TRIAL = "trial"  # a build's trial: completions that measure its decode speed (upgrade/)
 
 
 MAX_CALLS = {LaneKind.CONFIG: 2, LaneKind.PROBE: 1, LaneKind.PROC: 2, LaneKind.NVML_CALL: 1,
              LaneKind.NVML_EVENT_WAIT: 1, LaneKind.GPU: 8, LaneKind.VRAM_NEED: 2, LaneKind.VRAM_NEED_KEY: 4,
-             LaneKind.SCRAPE: 2, LaneKind.CHECK: 1, LaneKind.SLOT_FILES: 1}
+             LaneKind.SCRAPE: 2, LaneKind.CHECK: 1, LaneKind.SLOT_FILES: 1,
+             LaneKind.TRIAL: 1}
 """Each kind's slots: calls of that kind that may be unfinished at once (stuck ones included)."""
 PROC_TIMEOUT_S = 5.0  # the deadline of one /proc walk on a PROC lane (seconds)
 

@@ -12,7 +12,8 @@ watchers.
   (the drain).
 - :class:`BuildPort`: llama-server builds (the upgrade watcher): a reload's new build preflighted
   before it replaces the running configuration, and which executable each start runs (the
-  configured one once it passed preflight, or the last good build).
+  configured one once it passed preflight, or the last good build), and a build's decode speed
+  measured for a planned window's trial.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from llama_guard.config import Config
+from llama_guard.core.inputs import SpeedMeasured
 from llama_guard.core.watcher import Context
 
 RlimitSettings = tuple[tuple[int, tuple[int, int]], ...]
@@ -113,3 +115,7 @@ class BuildPort(Protocol):
 
     async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
         """Which executable this start runs, ``binary`` being the configured one (bounded)."""
+
+    async def measure_speed(self, ctx: Context, pid: int, runs: int, tokens: int) -> SpeedMeasured:
+        """Server ``pid``'s decode speed for a trial (:class:`~llama_guard.core.actions.MeasureSpeed`),
+        bounded by ``[upgrade].trial_timeout_s``; a failure is the answer's ``error``, never raised."""

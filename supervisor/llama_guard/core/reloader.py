@@ -119,5 +119,6 @@ class Reloader:
             warn_unauthenticated(emit, new)
         self._on_reload(old, new)
         emit_reloaded(emit, self.config_path, old, new, key_changed=key_changed)
-        self._post(ParamsChanged(params_from(new, reset_possible=self._reset_possible()), server_changed))
+        self._post(ParamsChanged(params_from(new, reset_possible=self._reset_possible()), server_changed,
+                                 new_build=build is ReloadBuild.NEW))
         announcer.ready()

@@ -138,6 +138,10 @@ class ServerWatch:
         """The policy waits for this server to become ready (or for its spawn to be answered)."""
         return self._phase is Phase.STARTING and self._policy_pid in (None, self.pid)
 
+    def _on_trial(self) -> bool:
+        """The policy measures this server's decode speed (TRIAL: the front door holds the clients)."""
+        return self._policy_pid == self.pid and self._phase is Phase.TRIAL
+
     def _serving(self) -> bool:
         return self._policy_pid == self.pid and self._phase in SERVING
 
@@ -222,7 +226,8 @@ class ServerWatch:
                 await self._load_progress(sampler, answered)
                 answered = False
             await sleep_or_wake(health.startup_poll_s, self._serving_line)  # at once on a SERVING_LINE
-        await self._until(lambda: not self._loading())  # until the policy took HealthOk (or moved on)
+        # until the policy took HealthOk (or moved on), and a new build's trial is over (kept or not)
+        await self._until(lambda: not self._loading() and not self._on_trial())
         await self._sample(sampler)  # the liveness window starts at ready
         round_at = ctx.clock()
         while self._serving():

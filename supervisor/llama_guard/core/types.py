@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llama_guard.config.gpu import GpuConfig
 from llama_guard.config.listen import FrontConfig
-from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig
+from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig, UpgradeConfig
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import MOVES, Phase
@@ -113,7 +113,54 @@ class RestartCause(enum.Enum):
     SCHEDULE = "scheduled"               # the cron schedule
     DECAY = "decay"                      # a decay trigger (VRAM/RSS growth, speed drop)
     CONFIG_CHANGE = "reload"             # a reload changed the server's flags
+    TRIAL = "trial"                      # a new build's trial failed: back to the last good build
     PORT_TAKEN = "port_taken"            # another process held the server's port (retried within port_wait_s)
+
+
+class TrialStage(enum.Enum):
+    """Which build a planned window's trial measures next (:mod:`llama_guard.core.policy.window`)."""
+
+    OLD = "old"  # the serving build, once drained and before its stop
+    NEW = "new"  # the new build, once it answers /health and before the front door is released
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A planned window's trial of a new llama-server build: decode tokens/s of the old build and of
+    the new one, measured the way ``llama-guard bench`` does (the server's own ``timings``, median),
+    compared against ``Params.max_slowdown_pct``."""
+
+    stage: TrialStage
+    old_tps: float | None = None  # the old build's median decode tokens/s (None: not measured, or it failed)
+    old_error: str = ""           # why the old build's figure is missing ("" when measured or not asked)
+    spawned: bool = False         # the new build's server was spawned (a second spawn ends the trial)
+    answered_at: float | None = None  # when the new build answered /health (its load's end; monotonic s)
+
+    def at_spawn(self) -> Trial | None:
+        """The trial as a server is spawned: a NEW stage's first spawn is the new build's; any other
+        spawn (a roll-back, a restart after a failure, before the old build was measured) ends it."""
+        if self.stage is TrialStage.NEW and not self.spawned:
+            return replace(self, spawned=True)
+        return None
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """The last trial's outcome (``status``, ``/metrics``, the upgrade events): the two figures in
+    decode tokens/s (None: not measured), whether the new build was kept, and the cause of a roll-back."""
+
+    old_tps: float | None
+    new_tps: float | None
+    kept: bool
+    cause: str = ""  # why it was rolled back ("slower: ..."), or why it was kept without a comparison
+    max_slowdown_pct: float = 0.0
+
+    @property
+    def slowdown_pct(self) -> float | None:
+        """How much slower the new build decodes, percent of the old figure (negative: faster)."""
+        if self.old_tps is None or self.new_tps is None or self.old_tps <= 0:
+            return None
+        return (self.old_tps - self.new_tps) / self.old_tps * 100.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +182,7 @@ class Failure:
 _HEALTH, _GPU, _RECOVERY, _FRONT = HealthConfig(), GpuConfig(), RecoveryConfig(), FrontConfig()
 _SCHEDULE = ScheduleConfig.model_construct()
 _SLOTS = SlotsConfig()
+_UPGRADE = UpgradeConfig()
 
 
 #: Seconds added to a reset's waits for the command's own checks (see :func:`reset_deadline_s`).
@@ -209,6 +257,11 @@ class Params:
     # hold new requests while a liveness round confirms ([front].hold_after_errors; 0: off).
     hold_after_errors: int = _FRONT.hold_after_errors
     canary: bool = _HEALTH.canary  # [health].canary: the liveness rounds may send the canary completion
+    # A planned window that changes the build measures both ([upgrade]): completions per build (0: no
+    # trial), tokens each, and how much slower (percent of the old figure) the new build may decode.
+    trial_runs: int = _UPGRADE.trial_runs
+    trial_tokens: int = _UPGRADE.trial_tokens
+    max_slowdown_pct: float = _UPGRADE.max_slowdown_pct
 
 
 # ---------------------------------------------------------------- state
@@ -274,6 +327,10 @@ class State:
     # of the restart that server_ready's restart_to_ready_s and restart_first_token time (None: the
     # first start, or the restart's first token was reported).
     restart_at: float | None = None
+    trial: Trial | None = None  # a planned window's trial of a new build under way (None: none)
+    last_trial: TrialResult | None = None  # how the last trial ended (None: none yet)
+    # TRIAL of a new build: the (pid, name) its HealthOk named as the port's owner, for server_ready
+    ready_owner: tuple[int | None, str] | None = None
 
     def request_completed_since(self, since: float) -> bool:
         """Whether the front door saw a client request completed at or after monotonic ``since``

@@ -152,6 +152,12 @@ def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFA
     return BenchResult(url=url, runs=done, tokens=tokens)
 
 
+def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float) -> float:
+    """The median decode tokens/s of :func:`run_bench` (warm-up, ``runs`` completions of ``tokens``
+    tokens): an upgrade's trial measures each build with it. Raises :class:`BenchError`."""
+    return run_bench(url, runs=runs, tokens=tokens, timeout_s=timeout_s, api_key=api_key).eval.median
+
+
 @contextlib.contextmanager
 def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Start llama-server as ``config`` describes (llama-guard's own argv, and the daemon's child

@@ -250,6 +250,17 @@ class MetricsSource(Watcher, Collector):
                                      labels=["release", "version", "sha256", "binary"])
             info.add_metric([build.release, build.version, build.sha256, str(build.path)], 1.0)
             yield info
+        trial = state.last_trial
+        if trial is not None:
+            tps = GaugeMetricFamily("llama_guard_upgrade_trial_tokens_per_second", "the last upgrade trial's "
+                                    "median decode tokens/s of each build (old: the one serving before, new: "
+                                    "the one tried)", labels=["build"])
+            for which, value in (("old", trial.old_tps), ("new", trial.new_tps)):
+                if value is not None:
+                    tps.add_metric([which], value)
+            yield tps
+            yield GaugeMetricFamily("llama_guard_upgrade_trial_kept", "1 when the last upgrade trial kept the new "
+                                    "build, 0 when it rolled back", value=float(trial.kept))
         yield from self._bench_metrics(ctx.config.runtime.dir)
 
     def _peer_metrics(self) -> Iterator[Any]:

@@ -158,7 +158,8 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
 
 
 def _build_rows(build: Any) -> list[tuple[str, str]]:
-    """The serving llama-server build (on probation or not) and the last one refused, with its cause."""
+    """The serving llama-server build (on probation or not), the last one refused with its cause, and
+    the last trial (both builds, both figures in decode tokens/s, kept or why not)."""
     if not isinstance(build, dict):
         return []
     rows = []
@@ -169,6 +170,12 @@ def _build_rows(build: Any) -> list[tuple[str, str]]:
     refused = build.get("refused")
     if isinstance(refused, dict):
         rows.append(("refused build", f"{refused.get('build')} at {refused.get('binary')}: {refused.get('cause')}"))
+    trial = build.get("trial")
+    if isinstance(trial, dict):
+        verdict = "kept" if trial.get("kept") else f"rolled back: {trial.get('cause')}"
+        rows.append(("last trial", f"{trial.get('build')} {trial.get('tokens_per_s')} tok/s vs "
+                                   f"{trial.get('previous_build')} {trial.get('previous_tokens_per_s')} tok/s: "
+                                   f"{verdict}"))
     return rows
 
 

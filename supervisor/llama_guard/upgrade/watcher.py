@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,19 +33,29 @@ from typing import Any
 from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
-from llama_guard.core.inputs import Exited
+from llama_guard.core.inputs import Exited, SpeedMeasured, TrialAsked
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, exit_text
+from llama_guard.core.types import AfterStop, TrialResult, exit_text
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
+from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
 from llama_guard.upgrade.preflight import Preflight, identify, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
+
+DecodeSpeed = Callable[[str, str, int, int, float], float]
+"""``(base_url, api_key, runs, tokens, timeout_s) -> median decode tokens/s`` as ``llama-guard bench``
+measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion): the
+daemon's wiring hands in :func:`llama_guard.insight.bench.run_bench`'s figure."""
+
+
+def _rounded(tps: float | None) -> float | None:
+    return None if tps is None else round(tps, 2)
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,14 @@ class _Identify:
     path: Path
     pid: int
     at: float
+
+
+@dataclass(frozen=True)
+class _Record:
+    """Record trial figures (sha256 → decode tokens/s) measured with flags ``key``."""
+
+    figures: dict[str, float]
+    key: str
 
 
 @dataclass(frozen=True)
@@ -70,7 +89,7 @@ def _unplanned(step: Transition) -> bool:
     if not isinstance(step.input, Exited):
         return False
     before = step.before
-    return before.phase in (Phase.STARTING, Phase.READY) or (
+    return before.phase in (Phase.STARTING, Phase.READY, Phase.TRIAL) or (
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
@@ -80,9 +99,18 @@ class UpgradeSource(Watcher):
 
     name = "build"
 
-    def __init__(self) -> None:
+    def __init__(self, measure: DecodeSpeed | None = None) -> None:
+        """``measure``: a trial's measurement of a server's decode speed (None: a trial's measurement
+        answers that none is available, and the new build is rolled back)."""
+        self._measure = measure
+        self._trial = Lane(LaneKind.TRIAL)
+        self.last_trial: dict[str, Any] | None = None  # the last trial with both builds, for status
         self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
-        self._files = Lane(LaneKind.CONFIG, max_calls=1)  # hashing and copying kept builds
+        self._files = Lane(LaneKind.CONFIG, max_calls=1)  # copying kept builds, recording trial figures (run())
+        # Checks before a start (hashes, kept copies, recorded figures): a lane of their own, so that a
+        # copy under way (seconds to minutes for a build's libraries) never makes a roll-back find
+        # no build to go back to.
+        self._checks = Lane(LaneKind.CONFIG, max_calls=1)
         self._ctx: Context | None = None
         self._passed: dict[tuple[str, tuple[int, int, int, int], str], Build] = {}
         self._failed: dict[str, str] = {}  # sha256 → why that build is not started again
@@ -95,7 +123,10 @@ class UpgradeSource(Watcher):
         self._previous: Build | None = None  # the good build before the one on probation
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
-        self._jobs: asyncio.Queue[Build | _Identify] = asyncio.Queue()  # copies to keep, builds to identify
+        # copies to keep, builds to identify, trial figures to record
+        self._jobs: asyncio.Queue[Build | _Identify | _Record] = asyncio.Queue()
+        self._baseline_recorded = False  # the trial under way compares with a recorded figure
+        self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
 
     # ------------------------------------------------------------ helpers
 
@@ -178,6 +209,7 @@ class UpgradeSource(Watcher):
         build = result.build
         if result.passed and build is not None and build.sha256 not in self._failed:
             self._chosen = build
+            await self._ask_trial(ctx, build)
             return BuildChoice(binary)
         cause = self._failed[build.sha256] if result.passed and build is not None else result.cause
         good = await self._last_good(ctx.config, exclude=build)
@@ -192,10 +224,30 @@ class UpgradeSource(Watcher):
         mark = ("upgrade_rolled_back", build.sha256 if build is not None else str(binary))
         if mark not in self._reported:
             self._reported.add(mark)
+            figures = self._trial_figures.get(build.sha256, {}) if build is not None else {}
             self._emit("upgrade_rolled_back", from_build=build.short if build is not None else "unknown",
-                       from_binary=str(binary), to_build=good[0].short, to_binary=str(good[1].binary), cause=cause)
+                       from_binary=str(binary), to_build=good[0].short, to_binary=str(good[1].binary), cause=cause,
+                       **figures)
         self._chosen = good[0]
         return good[1]
+
+    async def _ask_trial(self, ctx: Context, build: Build) -> None:
+        """A start runs ``build`` in place of the serving one without a reload's trial (found replaced at
+        the path): ask the policy to measure it against the serving build's figure recorded at its last
+        trial here with these flags (none recorded: judged by load, answer and probation)."""
+        good = self.serving
+        if (good is None or build.same_content(good) or ctx.state.trial is not None
+                or ctx.config.upgrade.trial_runs < 1):
+            return
+        root, key = self._root(ctx.config), flags_key(ctx.config)
+        try:
+            figure = await self._checks.run(partial(recorded, root, good.sha256, key), COPY_TIMEOUT_S,
+                                           f"reading {root}")
+        except (CallTimeout, LaneBusy):
+            return
+        if figure is not None:
+            self._baseline_recorded = True
+            ctx.post(TrialAsked(figure))
 
     async def _last_good(self, config: Config, *, exclude: Build | None) -> tuple[Build, BuildChoice] | None:
         """The build to roll back to: the serving (or previous) one while its file still holds it,
@@ -205,19 +257,19 @@ class UpgradeSource(Watcher):
                 continue
             path = build.path
             try:
-                digest = await self._files.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
+                digest = await self._checks.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
             except (OSError, CallTimeout, LaneBusy):
                 continue
             if digest == build.sha256:
                 return build, BuildChoice(path, self._library_dir(config, path))
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
-            self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+            self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         for kept in self._kept:
             if kept.build.sha256 in self._failed or kept.build.same_content(exclude):
                 continue
             try:
-                problem = await self._files.run(partial(verified, kept), COPY_TIMEOUT_S,
+                problem = await self._checks.run(partial(verified, kept), COPY_TIMEOUT_S,
                                          f"checking {kept.dir}")
             except (CallTimeout, LaneBusy) as exc:
                 problem = str(exc)
@@ -231,6 +283,52 @@ class UpgradeSource(Watcher):
         """The kept directory when ``path`` is a kept copy's executable, else None."""
         root = self._root(config)
         return path.parent if path.parent.parent == root else None
+
+    async def measure_speed(self, ctx: Context, pid: int, runs: int, tokens: int) -> SpeedMeasured:
+        config = ctx.config
+        measure, timeout_s = self._measure, config.upgrade.trial_timeout_s
+        if measure is None:
+            return SpeedMeasured(pid, None, "no decode-speed measurement is wired in")
+        url, key = config.server.base_url, ctx.get_api_key()
+        what = f"decode speed of server {pid} ({runs} x {tokens} tokens)"
+        try:
+            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s), timeout_s, what)
+        except (RuntimeError, OSError, LaneBusy) as exc:  # CallTimeout is an OSError
+            return SpeedMeasured(pid, None, str(exc) or repr(exc))
+        return SpeedMeasured(pid, tps)
+
+    def _trial_ended(self, ctx: Context, step: Transition, result: TrialResult) -> None:
+        """A trial's verdict: ``upgrade_trial_passed`` (kept), or the new build marked failed with the
+        cause, so that the start that follows rolls back to the last good build (``upgrade_rolled_back``
+        with both figures)."""
+        pid = step.before.pid
+        entry = self._pids.get(pid) if pid is not None else None
+        new = entry if isinstance(entry, Build) else None
+        old = self.serving
+        figures: dict[str, object] = {
+                   "tokens_per_s": _rounded(result.new_tps), "previous_tokens_per_s": _rounded(result.old_tps),
+                   "slowdown_pct": None if result.slowdown_pct is None else round(result.slowdown_pct, 1),
+                   "max_slowdown_pct": result.max_slowdown_pct}
+        figures["previous_figure"] = ("recorded at its last trial on this box" if self._baseline_recorded
+                                      else "measured in this window")
+        measured = {} if self._baseline_recorded or old is None or result.old_tps is None else {
+            old.sha256: result.old_tps}
+        if result.kept and new is not None and result.new_tps is not None:
+            measured[new.sha256] = result.new_tps
+        if measured:
+            self._jobs.put_nowait(_Record(measured, flags_key(ctx.config)))
+        self._baseline_recorded = False
+        self.last_trial = {"build": new.short if new is not None else "unknown",
+                           "previous_build": old.short if old is not None else "unknown",
+                           "kept": result.kept, "cause": result.cause, **figures}
+        if result.kept:
+            ctx.emit("upgrade_trial_passed", build=self.last_trial["build"],
+                     binary=str(new.path) if new is not None else "unknown",
+                     previous_build=self.last_trial["previous_build"],
+                     note=result.cause or "within the limit", **figures)
+        elif new is not None and (old is None or not new.same_content(old)):
+            self._failed[new.sha256] = result.cause
+            self._trial_figures[new.sha256] = figures
 
     # ------------------------------------------------------------ the watcher
 
@@ -250,6 +348,12 @@ class UpgradeSource(Watcher):
             job = await self._jobs.get()
             if isinstance(job, _Identify):
                 await self._identify(ctx, job)
+                continue
+            if isinstance(job, _Record):
+                with contextlib.suppress(OSError, CallTimeout, LaneBusy):
+                    root = self._root(ctx.config)
+                    await self._files.run(partial(record, root, job.figures, job.key), COPY_TIMEOUT_S,
+                                          f"recording trial figures in {root}")
                 continue
             build, root = job, self._root(ctx.config)
             try:
@@ -288,6 +392,9 @@ class UpgradeSource(Watcher):
         self._pids.pop(pid, None)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        result = step.after.last_trial
+        if step.before.phase is Phase.TRIAL and result is not None and result is not step.before.last_trial:
+            self._trial_ended(ctx, step, result)
         pid = step.after.pid
         if step.entered(Phase.READY) and pid is not None and pid in self._pids:
             entry = self._pids[pid]
@@ -357,4 +464,5 @@ class UpgradeSource(Watcher):
             "refused": (None if self.refused is None else
                         {"binary": self.refused.binary, "build": self.refused.build, "cause": self.refused.cause}),
             "kept": [{"build": k.build.short, "dir": str(k.dir)} for k in self._kept],
+            "trial": self.last_trial,
         }

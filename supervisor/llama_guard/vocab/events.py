@@ -157,6 +157,7 @@ EventName = Literal[
     "restart_first_token",
     "model_page_cache_short",
     "upgrade_preflight_passed",
+    "upgrade_trial_passed",
     "upgrade_refused",
     "upgrade_rolled_back",
     "upgrade_kept",
@@ -1011,12 +1012,26 @@ EVENTS: tuple[EventSpec, ...] = (
                     "@SERVING_BUILD@.\n"
                     "It answered --version and its --help lists every flag llama-guard passes, checked while "
                     "the\n"
-                    "old server kept serving. The server is restarted on it (drained, clients held) and the "
-                    "build\n"
-                    "serves on probation ([upgrade].probation_s): a crash in it rolls back "
-                    "(upgrade_rolled_back)."),
+                    "old server kept serving. The server is restarted on it (drained, clients held), both "
+                    "builds'\n"
+                    "decode speeds measured in that window (upgrade_trial_passed, or upgrade_rolled_back when "
+                    "it is\n"
+                    "slower than [upgrade].max_slowdown_pct), and the build serves on probation\n"
+                    "([upgrade].probation_s): a crash in it rolls back (upgrade_rolled_back)."),
               readme=("a new build passed preflight (`--version` read, every flag in its `--help`) and serves on "
                       "probation")),
+    EventSpec("upgrade_trial_passed", _S.NOTICE,
+              ("llama-server build {build} at {binary} kept after its trial: {tokens_per_s} tok/s vs "
+               "{previous_tokens_per_s} tok/s for {previous_build} (slowdown {slowdown_pct} %, limit "
+               "{max_slowdown_pct} %; {note})"),
+              subject="a new llama-server build passed its trial",
+              body=("In the drained window of the upgrade, the old build @PREVIOUS_BUILD@ decoded\n"
+                    "@PREVIOUS_TOKENS_PER_S@ tokens/s and the new build @BUILD@ (@BINARY@) @TOKENS_PER_S@ tokens/s\n"
+                    "(median of [upgrade].trial_runs completions, the server's own timings): within\n"
+                    "[upgrade].max_slowdown_pct (@MAX_SLOWDOWN_PCT@ %). The held clients are released to it;\n"
+                    "it serves on probation ([upgrade].probation_s)."),
+              readme=("a new build loaded, answered and decoded within `[upgrade].max_slowdown_pct` of the old "
+                      "one in the drained window: kept, both figures named")),
     EventSpec("upgrade_refused", _S.ERROR,
               "llama-server build {build} at {binary} refused: {cause}; {outcome}",
               subject="a llama-server build was refused",
@@ -1037,8 +1052,9 @@ EVENTS: tuple[EventSpec, ...] = (
                     "that served before, or the copy kept under the state directory. The configuration still "
                     "names\n"
                     "the failing build: fix or replace it and reload; `llama-guard status` shows both builds."),
-              readme=("a new build failed to load or in its probation (a crash, a fault): started again from the "
-                      "last good build, both named")),
+              readme=("a new build failed to load, its trial (slower than the old one beyond "
+                      "`[upgrade].max_slowdown_pct`, no answer) or its probation (a crash, a fault): started again "
+                      "from the last good build, both named (and both trial figures)")),
     EventSpec("upgrade_kept", _S.NOTICE,
               ("llama-server build {build} at {binary} kept after {probation_s:.0f} s of probation "
                "(it replaced {previous_build})"),

@@ -18,6 +18,7 @@ class Phase(enum.Enum):
     RESETTING = "resetting_gpu"
     EXITED = "exited"
     WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
+    TRIAL = "trial"  # a planned window measures a build's decode speed (the old one drained, the new one loaded)
 
 
 _P = Phase
@@ -30,11 +31,14 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     _P.STOPPED: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.EXITED}),
     # ready; a fault, timeout, restart request or stop (STOPPING); it exited (backoff, a reset, a VRAM
     # check after an OOM at load, a verdict)
-    _P.STARTING: frozenset({_P.READY, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.WAITING_VRAM, _P.EXITED}),
+    # a new build answered /health: its decode speed is measured first (TRIAL)
+    _P.STARTING: frozenset({_P.READY, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.WAITING_VRAM, _P.EXITED,
+                            _P.TRIAL}),
     # a planned restart drains first; a fault or a stop; it exited
     _P.READY: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED}),
-    # drained or timed out (STOPPING); a stop request re-enters it (the exit drain); it exited
-    _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED}),
+    # drained or timed out (STOPPING); a stop request re-enters it (the exit drain); it exited; drained
+    # before a new build: the serving build's decode speed is measured (TRIAL)
+    _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED, _P.TRIAL}),
     # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit)
     _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED}),
     # the wait is over (start); a GPU fault; a stop request; a crash loop
@@ -43,6 +47,9 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     _P.RESETTING: frozenset({_P.BACKOFF, _P.EXITED}),
     # the VRAM is free (start); the wait timed out; the driver asks for a reset; a stop
     _P.WAITING_VRAM: frozenset({_P.STARTING, _P.RESETTING, _P.BACKOFF, _P.EXITED}),
+    # the new build kept (READY); the old build measured, or the new one rolled back, a fault or a stop
+    # (STOPPING); it exited (backoff, or a crash loop's verdict)
+    _P.TRIAL: frozenset({_P.READY, _P.STOPPING, _P.BACKOFF, _P.EXITED}),
     _P.EXITED: frozenset(),
 }
 

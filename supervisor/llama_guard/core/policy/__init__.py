@@ -16,8 +16,9 @@ action before a start), :mod:`.verdicts` (what no restart or reset mends: a rebo
 outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic as the front door
 reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
 :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
-starts: a verdict), :mod:`.port` (a port another process holds) and :mod:`.reset_stop` (a stop
-during a GPU reset; the event that announces one).
+starts: a verdict), :mod:`.port` (a port another process holds), :mod:`.reset_stop` (a stop
+during a GPU reset; the event that announces one) and :mod:`.window` (the planned window, top to bottom:
+drain, the trial of a new build, stop, start, keep or roll back, the release of the held clients).
 """
 
 from __future__ import annotations
@@ -36,14 +37,23 @@ from llama_guard.core.inputs import (
     PortHolder,
     RestartRequest,
     StopRequest,
+    TrialAsked,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
-from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped, restart_meanwhile
+from llama_guard.core.policy.phases import (
+    on_backoff,
+    on_serving,
+    on_starting,
+    on_stopped,
+    on_trial,
+    restart_meanwhile,
+)
 from llama_guard.core.policy.port import on_port_holder
 from llama_guard.core.policy.repeat import on_crashes_charged
 from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
+from llama_guard.core.policy.window import trial_asked, trial_wanted
 from llama_guard.core.server_log import ERROR_FAMILIES
 from llama_guard.core.types import RestartCause, State
 from llama_guard.vocab.phases import Phase
@@ -76,6 +86,8 @@ def _decide(state: State, event: Input, now: float) -> Result:
         return on_port_holder(state, event, now)
     if isinstance(event, BuildInfo):
         return replace(state, build=event.text), []
+    if isinstance(event, TrialAsked):
+        return trial_asked(state, event), []
     if isinstance(event, CrashesCharged):
         return on_crashes_charged(state, event, now)
     if isinstance(event, RestartRequest) and state.phase in _RESTART_UNDER_WAY:
@@ -85,7 +97,7 @@ def _decide(state: State, event: Input, now: float) -> Result:
 
 def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
     """New parameters (a reload); changed server flags restart a loading or serving server."""
-    state = replace(state, params=event.params)
+    state = trial_wanted(replace(state, params=event.params), event)
     if event.server_changed and state.phase in (*SERVING, Phase.STARTING):
         return decide(state, RestartRequest("configuration changed", cause=RestartCause.CONFIG_CHANGE), now)
     return state, []
@@ -93,7 +105,7 @@ def _on_params(state: State, event: ParamsChanged, now: float) -> Result:
 
 #: The phases in which a restart asked for is either the one under way or refused (the daemon ends); a
 #: changed configuration's restart is the start's own business there too (it spawns with the new flags).
-_RESTART_UNDER_WAY = frozenset({Phase.STOPPED, Phase.WAITING_VRAM, Phase.RESETTING, Phase.STOPPING})
+_RESTART_UNDER_WAY = frozenset({Phase.STOPPED, Phase.WAITING_VRAM, Phase.RESETTING, Phase.STOPPING, Phase.TRIAL})
 
 #: Each phase's handler (every phase but EXITED, which ignores every input).
 _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
@@ -105,4 +117,5 @@ _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
     Phase.DRAINING: on_serving,
     Phase.STOPPING: on_stopping,
     Phase.BACKOFF: on_backoff,
+    Phase.TRIAL: on_trial,
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.core.actions import Action, Emit, NotifyReady, StartDrain
+from llama_guard.core.actions import Action, Emit
 from llama_guard.core.inputs import (
     Boot,
     Drained,
@@ -45,11 +45,13 @@ from llama_guard.core.policy.steps import (
     start,
     stop,
 )
-from llama_guard.core.policy.stop import alloc_fatal, end_exit_drain
+from llama_guard.core.policy.stop import alloc_fatal
 from llama_guard.core.policy.traffic import on_traffic
 from llama_guard.core.policy.verdicts import crash_repeat
+from llama_guard.core.policy.window import drain, drain_timed_out, drained, health_answered
+from llama_guard.core.policy.window import on_trial as window_on_trial
 from llama_guard.core.server_log import Family, classify_line
-from llama_guard.core.types import AfterStop, RestartCause, State, enter, exit_signal, exit_text
+from llama_guard.core.types import AfterStop, RestartCause, State, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
@@ -95,24 +97,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
                                                      "cause": event.reason}), *actions]
     if isinstance(event, HealthOk) and event.pid == state.pid:
-        load_s = now - (state.started_at if state.started_at is not None else now)
-        recovered = alloc_recovered(state, "the server became ready")
-        new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
-                      alloc_failure="", port_taken_since=None, port_holder=None)
-        fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
-        if state.restart_at is not None:
-            fields["restart_to_ready_s"] = round(now - state.restart_at, 3)
-        if event.port_pid is not None and event.port_pid != state.pid:
-            # A wrapper script: the port belongs to a process it forked.
-            fields["port_pid"] = event.port_pid
-            fields["port_owner"] = (f"descendant pid {event.port_pid}"
-                                    f"{f' ({event.port_comm})' if event.port_comm else ''} of pid {state.pid}")
-        ready_actions: list[Action] = [*recovered, Emit("server_ready", fields), NotifyReady()]
-        if state.deferred_restart is not None:  # asked for while it loaded: now
-            cause, reason = state.deferred_restart
-            new, restart = on_serving(replace(new, deferred_restart=None), RestartRequest(reason, cause=cause), now)
-            ready_actions += restart
-        return new, ready_actions
+        return restart_deferred(*health_answered(state, event, now), now)
     if isinstance(event, LoadProgress) and event.pid == state.pid:
         return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:
@@ -127,6 +112,22 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
     return state, []
+
+
+def restart_deferred(state: State, actions: list[Action], now: float) -> Result:
+    """A server just released (READY) for which an operator's restart was asked while it loaded:
+    that restart now."""
+    if state.phase is not Phase.READY or state.deferred_restart is None:
+        return state, actions
+    cause, reason = state.deferred_restart
+    new, restart = on_serving(replace(state, deferred_restart=None), RestartRequest(reason, cause=cause), now)
+    return new, [*actions, *restart]
+
+
+def on_trial(state: State, event: Input, now: float) -> Result:
+    """TRIAL (:func:`llama_guard.core.policy.window.on_trial`), with a restart asked while it loaded
+    carried out once it is kept."""
+    return restart_deferred(*window_on_trial(state, event, now), now)
 
 
 def _load_stalled(state: State, now: float) -> Result | None:
@@ -211,29 +212,14 @@ def on_serving(state: State, event: Input, now: float) -> Result:
                 and now - state.ready_at >= p.stable_after_s):
             return replace(state, stable=True, next_backoff_s=p.backoff_initial_s), []
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
-            if state.after_stop is AfterStop.EXIT:
-                return end_exit_drain(state, now, drained=False)
-            new, actions = stop(state, now, AfterStop.RESTART, state.fault)
-            return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
-                                                "reason": state.fault}), *actions]
+            return drain_timed_out(state, now)
         return state, []
     if isinstance(event, RestartRequest):
         if state.phase is Phase.DRAINING:
             return restart_meanwhile(state, event)
-        state = restart_for(state, event.cause)
-        uptime = now - (state.ready_at or now)
-        emit = Emit(restart_event(event.cause), {"server_pid": pid, "reason": event.reason,
-                                                 "cause": event.cause.value, "uptime_s": uptime})
-        if not event.drain:
-            new, actions = stop(state, now, AfterStop.RESTART, event.reason)
-            return new, [emit, *actions]
-        new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + p.drain_timeout_s, fault=event.reason,
-                      after_stop=AfterStop.RESTART)
-        return new, [emit, StartDrain(pid)]
+        return drain(state, event, now)
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
-        if state.after_stop is AfterStop.EXIT:
-            return end_exit_drain(state, now, drained=True)
-        return stop(state, now, AfterStop.RESTART, state.fault)
+        return drained(state, now)
     return state, []
 
 

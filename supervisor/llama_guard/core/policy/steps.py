@@ -126,7 +126,8 @@ def spawn(state: State) -> Result:
                     strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
                     last_line="", failure=replace(state.failure, line=""), on_cpu_reported=False, port_taken=False,
-                    stalls=0, http_errors=0, deferred_restart=None),
+                    stalls=0, http_errors=0, deferred_restart=None,
+                    trial=None if state.trial is None else state.trial.at_spawn()),
             [Spawn()])
 
 
