@@ -44,6 +44,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_offload",
     "test_policy",
     "test_policy_edges",
+    "test_policy_lend",
     "test_policy_port",
     "test_policy_reset",
     "test_policy_reset_save",

@@ -9,12 +9,15 @@ a time: one still running answers for those asked meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from llama_guard.core.actions import (
     Action,
+    AnswerLend,
     CheckVram,
     ConfirmCompletions,
     Emit,
@@ -26,6 +29,7 @@ from llama_guard.core.actions import (
     ReadBuild,
     RunReset,
     SaveSlots,
+    SignalTune,
     Spawn,
     StartDrain,
     Terminate,
@@ -33,6 +37,7 @@ from llama_guard.core.actions import (
 from llama_guard.core.facts import find_port_holder, read_build
 from llama_guard.core.gpu_requests import GpuRequests
 from llama_guard.core.inputs import Input
+from llama_guard.core.lend import LendChannel
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.tasks import TaskSet
@@ -48,7 +53,8 @@ class Executor:
     def __init__(self, emit: Callable[..., None], tasks: TaskSet, post: Callable[[Input], None],
                  lanes: dict[LaneKind, Lane], *, server: Callable[[], ServerWatch | None],
                  binary: Callable[[], str], spawn: Callable[[], Coroutine[Any, Any, None]],
-                 ready: Callable[[], None], exit: Callable[[int, str], None]) -> None:
+                 ready: Callable[[], None], exit: Callable[[int, str], None],
+                 lend: LendChannel | None = None) -> None:
         self._emit = emit
         self._tasks = tasks
         self._post = post
@@ -58,6 +64,7 @@ class Executor:
         self._spawn = spawn
         self._ready = ready
         self._exit = exit
+        self._lend = lend
         self.gpu: GpuRequests | None = None
         self.spawn_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -98,6 +105,12 @@ class Executor:
             # slow check must not pile up threads that starve the sampler and the loop).
             if self._vram_check is None or self._vram_check.done():
                 self._vram_check = self._tasks.start(self._check_vram(), "VRAM check")
+        elif isinstance(action, AnswerLend):
+            if self._lend is not None:
+                self._lend.answer(action)
+        elif isinstance(action, SignalTune):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(action.pid, action.signal)
         elif isinstance(action, ExitDaemon):
             self._exit(action.code, action.reason)
 

@@ -32,6 +32,7 @@ class AfterStop(enum.Enum):
     EXIT = "exit"          # the daemon exits with State.exit_code
     RESET = "reset"        # reset the GPU (State.reset_reason), then start again
     VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
+    LEND = "lend"          # lend the GPU to `llama-guard tune` (State.lend), then start again
 
 
 class GpuFaultKind(enum.Enum):
@@ -114,6 +115,28 @@ class RestartCause(enum.Enum):
     DECAY = "decay"                      # a decay trigger (VRAM/RSS growth, speed drop)
     CONFIG_CHANGE = "reload"             # a reload changed the server's flags
     PORT_TAKEN = "port_taken"            # another process held the server's port (retried within port_wait_s)
+
+
+class LendEnd(enum.Enum):
+    """How a window lent to ``llama-guard tune`` ended (the ``end`` of ``lend_returned``)."""
+
+    DONE = "done"            # tune returned it after its search (its --apply, if any, written)
+    STOPPED = "stopped"      # tune was stopped (Ctrl-C, SIGTERM) and returned it
+    FAILED = "failed"        # tune ended with an error and returned it
+    EXITED = "exited"        # the tune process ended without returning it (kill -9, a crash): seen by its pidfd
+    TIMED_OUT = "timed_out"  # the window's bound passed (tune was sent SIGTERM, then SIGKILL)
+
+
+@dataclass(frozen=True)
+class Lend:
+    """A window asked for by, or lent to, ``llama-guard tune``: its process ``pid``, its bound
+    (``bound_s`` seconds from the grant), and once granted the monotonic time it ends at the latest
+    (``until``); ``asked_to_stop``: the bound passed and tune was sent SIGTERM."""
+
+    pid: int
+    bound_s: float
+    until: float | None = None
+    asked_to_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,6 +297,9 @@ class State:
     # of the restart that server_ready's restart_to_ready_s and restart_first_token time (None: the
     # first start, or the restart's first token was reported).
     restart_at: float | None = None
+    # The window asked for by or lent to `llama-guard tune` (None: none): pending while the server
+    # drains and stops for it (``until`` None), granted in LENT.
+    lend: Lend | None = None
 
     def request_completed_since(self, since: float) -> bool:
         """Whether the front door saw a client request completed at or after monotonic ``since``

@@ -18,6 +18,7 @@ class Phase(enum.Enum):
     RESETTING = "resetting_gpu"
     EXITED = "exited"
     WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
+    LENT = "lent_to_tune"  # no server: the GPU is lent to `llama-guard tune` for its trials (a bounded window)
 
 
 _P = Phase
@@ -35,14 +36,16 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     _P.READY: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED}),
     # drained or timed out (STOPPING); a stop request re-enters it (the exit drain); it exited
     _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED}),
-    # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit)
-    _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED}),
+    # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit, a window for tune)
+    _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED, _P.LENT}),
     # the wait is over (start); a GPU fault; a stop request; a crash loop
     _P.BACKOFF: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.EXITED}),
     # the reset verified the GPU (counted as a failure: backoff); it failed, timed out or a stop came
     _P.RESETTING: frozenset({_P.BACKOFF, _P.EXITED}),
     # the VRAM is free (start); the wait timed out; the driver asks for a reset; a stop
     _P.WAITING_VRAM: frozenset({_P.STARTING, _P.RESETTING, _P.BACKOFF, _P.EXITED}),
+    # tune returned the window, or its bound passed (start, a VRAM check first on a watched GPU); a stop
+    _P.LENT: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.EXITED}),
     _P.EXITED: frozenset(),
 }
 

@@ -16,8 +16,9 @@ action before a start), :mod:`.verdicts` (what no restart or reset mends: a rebo
 outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic as the front door
 reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
 :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
-starts: a verdict), :mod:`.port` (a port another process holds) and :mod:`.reset_stop` (a stop
-during a GPU reset; the event that announces one).
+starts: a verdict), :mod:`.port` (a port another process holds), :mod:`.reset_stop` (a stop
+during a GPU reset; the event that announces one) and :mod:`.lend` (the GPU lent to ``llama-guard tune``:
+LENT).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from llama_guard.core.inputs import (
     Exited,
     GpuFault,
     Input,
+    LendAsked,
+    LendReturned,
     Line,
     ParamsChanged,
     PortHolder,
@@ -38,6 +41,7 @@ from llama_guard.core.inputs import (
     StopRequest,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
+from llama_guard.core.policy.lend import on_lend_asked, on_lent, on_returned_early, withdrawn
 from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped, restart_meanwhile
 from llama_guard.core.policy.port import on_port_holder
 from llama_guard.core.policy.repeat import on_crashes_charged
@@ -53,7 +57,7 @@ __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 
 def decide(state: State, event: Input, now: float) -> Result:
     """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
-    new, actions = _decide(state, event, now)
+    new, actions = withdrawn(state, *_decide(state, event, now))
     if state.phase in SERVING and new.phase not in (*SERVING, Phase.EXITED):
         new = replace(new, restart_at=now)  # the serving server stopped serving: a restart begins
     return new, actions
@@ -68,6 +72,10 @@ def _decide(state: State, event: Input, now: float) -> Result:
         state = replace(state, last_line=event.last_line)
     if isinstance(event, StopRequest):
         return on_stop_request(state, event, now)
+    if isinstance(event, LendAsked):
+        return on_lend_asked(state, event, now)
+    if isinstance(event, LendReturned) and state.phase is not Phase.LENT:
+        return on_returned_early(state, event)
     if isinstance(event, ParamsChanged):
         return _on_params(state, event, now)
     if isinstance(event, GpuFault):
@@ -105,4 +113,5 @@ _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
     Phase.DRAINING: on_serving,
     Phase.STOPPING: on_stopping,
     Phase.BACKOFF: on_backoff,
+    Phase.LENT: on_lent,
 }

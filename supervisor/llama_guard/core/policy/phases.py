@@ -213,7 +213,7 @@ def on_serving(state: State, event: Input, now: float) -> Result:
         if state.phase is Phase.DRAINING and state.deadline is not None and now >= state.deadline:
             if state.after_stop is AfterStop.EXIT:
                 return end_exit_drain(state, now, drained=False)
-            new, actions = stop(state, now, AfterStop.RESTART, state.fault)
+            new, actions = stop(state, now, _planned(state), state.fault)
             return new, [Emit("drain_timeout", {"server_pid": pid, "drain_timeout_s": p.drain_timeout_s,
                                                 "reason": state.fault}), *actions]
         return state, []
@@ -233,8 +233,13 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if isinstance(event, Drained) and event.pid == pid and state.phase is Phase.DRAINING:
         if state.after_stop is AfterStop.EXIT:
             return end_exit_drain(state, now, drained=True)
-        return stop(state, now, AfterStop.RESTART, state.fault)
+        return stop(state, now, _planned(state), state.fault)
     return state, []
+
+
+def _planned(state: State) -> AfterStop:
+    """What follows a planned drain: a window lent to tune (:mod:`.lend`), else a restart."""
+    return AfterStop.LEND if state.after_stop is AfterStop.LEND else AfterStop.RESTART
 
 
 def _on_probe(state: State, event: Probe, now: float) -> Result:
