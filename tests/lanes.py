@@ -83,6 +83,9 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # the next server must be ready within [front].hold_timeout_s of the drain's end: under 4 workers on 2
     # cores its stop, start and load once took longer (3 held requests 503 in a clean-clone CI run)
     "test_front_e2e::test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request",
+    # tune's trial servers beside a daemon that lends the GPU: they load both cores on purpose
+    "test_tune_window_e2e",
+    "test_tune_e2e",
 ))
 
 

@@ -7,7 +7,7 @@ root) can connect; any other user's ``tune`` gets EACCES. Who asks is named by t
 daemon's is refused too. One connection per window, one JSON line each way:
 
 - tune → daemon: ``{"minutes": M}`` (its ``--minutes``; within ``ASK_TIMEOUT_S`` of the connect). The
-  window's bound is ``M × 60 + LEND_MARGIN_S`` seconds (:func:`bound_s`).
+  window's bound is ``M × 60 × 1.25 + LEND_MARGIN_S`` seconds (:func:`bound_s`).
 - daemon → tune: ``{"granted": true, "bound_s": B}`` once the server is drained (slots saved) and
   stopped, or ``{"granted": false, "reason": "..."}`` (then the connection closes; nothing changed).
 - tune → daemon, at its end: ``{"end": "done" | "stopped" | "failed"}``, then it closes.
@@ -38,8 +38,10 @@ from llama_guard.core.inputs import Input, LendAsked, LendReturned
 from llama_guard.core.types import LendEnd
 
 SOCKET_NAME = "tune.sock"
-#: Seconds a window lasts beyond tune's ``--minutes``: the round in progress at the search's deadline,
-#: the last trial server's stop, the worst-prefill trial of the chosen flags and ``--apply``'s write.
+#: A window lasts beyond tune's ``--minutes``: ``LEND_OVERRUN`` of them (the search ends a group's round
+#: in progress at its deadline) plus ``LEND_MARGIN_S`` seconds (the last trial server's stop, the
+#: worst-prefill trial of the chosen flags, ``--apply``'s write).
+LEND_OVERRUN = 0.25
 LEND_MARGIN_S = 120.0
 MAX_MINUTES = 24 * 60.0  # the longest window tune may ask for (minutes)
 ASK_TIMEOUT_S = 10.0  # the request line must come within this after the connect (seconds)
@@ -50,7 +52,7 @@ TUNE_ENDS = frozenset({LendEnd.DONE, LendEnd.STOPPED, LendEnd.FAILED})
 
 def bound_s(minutes: float) -> float:
     """The window's bound for ``tune --minutes`` ``minutes``, seconds."""
-    return minutes * 60.0 + LEND_MARGIN_S
+    return minutes * 60.0 * (1 + LEND_OVERRUN) + LEND_MARGIN_S
 
 
 class BadRequest(ValueError):
