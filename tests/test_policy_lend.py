@@ -144,3 +144,9 @@ def test_a_restart_asked_while_lent_is_refused_and_a_stop_exits() -> None:
     assert new == s and "lent to tune" in str(emitted(acts, "restart_requested").fields["refused"])
     new, acts = decide(s, StopRequest("SIGTERM received"), 10.0)
     assert new.phase is Phase.EXITED and Kill not in map(type, acts)
+
+
+def test_the_status_line_names_the_tune_and_the_window_left() -> None:
+    from llama_guard.output.snapshot import status_line
+
+    assert status_line(lent(), 100.0, None) == "lent_to_tune, to tune pid 4242 for at most 86 s more"
