@@ -162,15 +162,16 @@ class LendChannel:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid, uid = peer_credentials(writer.get_extra_info("socket"))
         try:
-            refusal = self._who(pid, uid)
             minutes = 0.0
-            if not refusal:
-                try:
-                    minutes = parse_ask(await asyncio.wait_for(reader.readline(), ASK_TIMEOUT_S))
-                except BadRequest as exc:
-                    refusal = f"bad request: {exc}"
-                except (asyncio.TimeoutError, ValueError, OSError):
-                    refusal = f"no request line within {ASK_TIMEOUT_S:g} s"
+            try:  # read first, whoever asks: the answer then reaches the client before the close
+                line = await asyncio.wait_for(reader.readline(), ASK_TIMEOUT_S)
+                refusal = self._who(pid, uid)
+                if not refusal:
+                    minutes = parse_ask(line)
+            except BadRequest as exc:
+                refusal = f"bad request: {exc}"
+            except (asyncio.TimeoutError, ValueError, OSError):
+                refusal = f"no request line within {ASK_TIMEOUT_S:g} s"
             if refusal:
                 self._emit("lend_refused", tune_pid=pid, reason=refusal)
                 with contextlib.suppress(OSError, RuntimeError):
