@@ -152,6 +152,7 @@ def test_a_window_that_outlasts_the_hold_answers_503_with_retry_after_and_sigter
         sent = time.monotonic()
         refused = completion(run.front)
         waited_s = time.monotonic() - sent
+        servers = trial_servers(proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -161,6 +162,7 @@ def test_a_window_that_outlasts_the_hold_answers_503_with_retry_after_and_sigter
     retry_after = int(refused.headers["Retry-After"])
     assert granted["bound_s"] - waited_s - 5 <= retry_after <= granted["bound_s"], (retry_after, granted)
     assert proc.returncode == 130 and "unchanged" in err, err[-2000:]
+    assert not psutil.wait_procs(servers, timeout=30)[1], "a trial server outlived tune's SIGTERM"
     assert run.wait_event("lend_returned", 60)["end"] == "stopped"
     again = run.wait_event("server_starting", 120, skip=1)
     run.wait_event("server_ready", 120, skip=1)
