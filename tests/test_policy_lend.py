@@ -150,3 +150,12 @@ def test_the_status_line_names_the_tune_and_the_window_left() -> None:
     from llama_guard.output.snapshot import status_line
 
     assert status_line(lent(), 100.0, None) == "lent_to_tune, to tune pid 4242 for at most 86 s more"
+
+
+def test_a_restart_asked_while_the_window_is_asked_for_is_refused_not_said_to_be_under_way() -> None:
+    draining, _ = decide(policy_ready(P), ASK, 5.0)
+    stopping, _ = decide(draining, Drained(100), 5.5)
+    for s in (draining, stopping):
+        new, acts = decide(s, RestartRequest("SIGUSR1 (llama-guard restart)"), 5.6)
+        assert new == s
+        assert "drain and stop are under way" in str(emitted(acts, "restart_requested").fields["refused"])

@@ -41,7 +41,7 @@ from llama_guard.core.inputs import (
     StopRequest,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
-from llama_guard.core.policy.lend import on_lend_asked, on_lent, on_returned_early, withdrawn
+from llama_guard.core.policy.lend import on_lend_asked, on_lent, on_returned_early, refuse_restart, withdrawn
 from llama_guard.core.policy.phases import on_backoff, on_serving, on_starting, on_stopped, restart_meanwhile
 from llama_guard.core.policy.port import on_port_holder
 from llama_guard.core.policy.repeat import on_crashes_charged
@@ -49,7 +49,7 @@ from llama_guard.core.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
 from llama_guard.core.server_log import ERROR_FAMILIES
-from llama_guard.core.types import RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State
 from llama_guard.vocab.phases import Phase
 
 __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
@@ -76,6 +76,8 @@ def _decide(state: State, event: Input, now: float) -> Result:
         return on_lend_asked(state, event, now)
     if isinstance(event, LendReturned) and state.phase is not Phase.LENT:
         return on_returned_early(state, event)
+    if isinstance(event, RestartRequest) and state.lend is not None and state.after_stop is AfterStop.LEND:
+        return refuse_restart(state, event, now)
     if isinstance(event, ParamsChanged):
         return _on_params(state, event, now)
     if isinstance(event, GpuFault):

@@ -79,9 +79,7 @@ def on_lent(state: State, event: Input, now: float) -> Result:
     if isinstance(event, LendReturned) and event.pid == lend.pid:
         return _end(state, now, event.end)
     if isinstance(event, RestartRequest):
-        return state, [Emit("restart_requested", {"reason": event.reason, "refused": (
-            f"the GPU is lent to tune pid {lend.pid} (at most {max(0.0, lend.until - now):.0f} s more); "
-            "a server starts when it ends")})]
+        return refuse_restart(state, event, now)
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
         if not lend.asked_to_stop:
             grace = state.params.stop_grace_s + state.params.kill_wait_s
@@ -91,6 +89,16 @@ def on_lent(state: State, event: Input, now: float) -> Result:
         new, actions = _end(state, now, LendEnd.TIMED_OUT)
         return new, [SignalTune(lend.pid, signal.SIGKILL), *actions]
     return state, []
+
+
+def refuse_restart(state: State, event: RestartRequest, now: float) -> Result:
+    """A restart asked for while a window is asked for (its drain or stop under way) or lent: refused, said."""
+    lend = state.lend
+    assert lend is not None
+    when = ("its drain and stop are under way" if lend.until is None
+            else f"at most {max(0.0, lend.until - now):.0f} s more")
+    return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason, "refused": (
+        f"the GPU is lent to tune pid {lend.pid} ({when}); a server starts when it ends")})]
 
 
 def _end(state: State, now: float, end: LendEnd) -> Result:
