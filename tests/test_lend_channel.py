@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -187,3 +188,15 @@ async def test_one_process_asks_for_one_window_at_a_time(chan: Channel) -> None:
     first.close()
     second.close()
     await chan.until(lambda: len(chan.posted) == 2, "the first window's end")
+
+
+async def test_the_bound_signals_tune_through_its_pidfd_and_nothing_after_its_window(chan: Channel) -> None:
+    proc = chan.client('{"minutes": 1}\n')
+    await chan.until(lambda: chan.posted, "the ask posted")
+    chan.channel.answer(AnswerLend(proc.pid, True, bound_s=bound_s(1)))
+    assert '"granted": true' in await answer_of(proc)
+    chan.channel.signal(proc.pid, signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) == -signal.SIGTERM
+    await chan.until(lambda: len(chan.posted) == 2, "the end seen")
+    assert chan.posted[-1] == LendReturned(proc.pid, LendEnd.EXITED)
+    chan.channel.signal(proc.pid, signal.SIGKILL)  # its window ended: no signal goes to a pid that may be reused

@@ -130,7 +130,8 @@ class AnswerLend(Action):
 
 @dataclass(frozen=True)
 class SignalTune(Action):
-    """Send ``signal`` (a ``signal.Signals`` number) to tune ``pid``: its window's bound passed."""
+    """Send ``signal`` (a ``signal.Signals`` number) to tune ``pid`` through its pidfd (the window channel):
+    its window's bound passed."""
 
     pid: int
     signal: int

@@ -9,8 +9,6 @@ a time: one still running answers for those asked meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -109,8 +107,8 @@ class Executor:
             if self._lend is not None:
                 self._lend.answer(action)
         elif isinstance(action, SignalTune):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(action.pid, action.signal)
+            if self._lend is not None:
+                self._lend.signal(action.pid, action.signal)
         elif isinstance(action, ExitDaemon):
             self._exit(action.code, action.reason)
 

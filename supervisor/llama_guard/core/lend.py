@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -108,6 +109,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 class _Peer:
     pid: int
     writer: asyncio.StreamWriter
+    pidfd: int = -1  # its process, for its end and for signals (no pid reuse can redirect them)
 
 
 class LendChannel:
@@ -145,6 +147,13 @@ class LendChannel:
         if self.path is not None:
             with contextlib.suppress(OSError):
                 self.path.unlink()
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to tune ``pid`` through its pidfd (its bound passed); nothing once its window ended."""
+        peer = self._peers.get(pid)
+        if peer is not None and peer.pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(peer.pidfd, sig)
 
     def answer(self, action: AnswerLend) -> None:
         """Tell tune ``action.pid`` the policy's answer; a refusal closes its connection."""
@@ -197,12 +206,11 @@ class LendChannel:
         """Ask the policy, then watch until tune ends; its end is posted (after a reload when the
         configuration file changed)."""
         before = _stamp(self._config_path)
-        self._peers[pid] = _Peer(pid, writer)
         try:
-            exited = _exit_of(pid)
+            pidfd, exited = _exit_of(pid)
         except ProcessLookupError:
-            del self._peers[pid]
             return
+        self._peers[pid] = _Peer(pid, writer, pidfd)
         said: asyncio.Future[LendEnd | None] = asyncio.ensure_future(_end_line(reader))
         try:
             self._post(LendAsked(pid, bound_s(minutes)))
@@ -235,8 +243,9 @@ async def _end_line(reader: asyncio.StreamReader) -> LendEnd | None:
         return None
 
 
-def _exit_of(pid: int) -> asyncio.Future[None]:
-    """A future done when process ``pid`` exits (its pidfd becomes readable). Raises ProcessLookupError."""
+def _exit_of(pid: int) -> tuple[int, asyncio.Future[None]]:
+    """Process ``pid``'s pidfd and a future done when it exits (the pidfd becomes readable); the pidfd is
+    closed once the future is done or cancelled. Raises ProcessLookupError."""
     loop = asyncio.get_running_loop()
     fd = os.pidfd_open(pid)
     done: asyncio.Future[None] = loop.create_future()
@@ -251,4 +260,4 @@ def _exit_of(pid: int) -> asyncio.Future[None]:
 
     loop.add_reader(fd, on_exit)
     done.add_done_callback(release)
-    return done
+    return fd, done
