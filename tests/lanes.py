@@ -44,6 +44,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_offload",
     "test_policy",
     "test_policy_edges",
+    "test_policy_lend",
     "test_policy_port",
     "test_policy_reset",
     "test_policy_reset_save",
@@ -90,6 +91,9 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # the connection ramp must outpace llama-server's keep-alive (5 s) to hold its RLIMIT_NOFILE full: on a
     # loaded host the server answered /health again at the limit (a clean-clone run under load)
     "test_limits_e2e::test_limit_low_fires_before_the_server_stops_accepting",
+    # tune's trial servers beside a daemon that lends the GPU: they load both cores on purpose
+    "test_tune_window_e2e",
+    "test_tune_e2e",
 ))
 
 

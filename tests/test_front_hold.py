@@ -128,3 +128,22 @@ async def test_a_pending_exit_refuses_held_and_new_requests_at_once(phase: Phase
     with pytest.raises(Refused):
         await admission.admit(2, arrived=now, since=now, hold_s=600.0, max_held=9)
     assert episodes[0].failed == 1
+
+
+async def test_a_hold_that_times_out_while_the_gpu_is_lent_to_tune_says_when_to_come_back() -> None:
+    """A hold past ``hold_timeout_s`` while the window lent to tune lasts: 503 naming the window, its
+    ``Retry-After`` the window's time left (not the default 5 s); any other hold timeout keeps the default."""
+    from llama_guard.core.types import Lend
+
+    clock = [100.0]
+    admission = Admission(lambda: clock[0], lambda e: None)
+    admission.update(replace(READY, phase=Phase.LENT, pid=None, lend=Lend(7, 600.0, until=412.3)))
+    timed_out = asyncio.create_task(admission.admit(1, arrived=100.0, since=100.0, hold_s=0.01, max_held=5))
+    with pytest.raises(Refused) as lent:
+        await timed_out
+    assert lent.value.status == 503 and lent.value.retry_after_s == 313
+    assert "lent to llama-guard tune" in lent.value.message
+    admission.update(replace(READY, phase=Phase.STARTING, pid=None))
+    with pytest.raises(Refused) as plain:
+        await admission.admit(2, arrived=100.0, since=100.0, hold_s=0.01, max_held=5)
+    assert plain.value.retry_after_s is None  # the front door's default Retry-After then

@@ -21,6 +21,8 @@ from llama_guard.core.inputs import (
     GpuHolder,
     HealthOk,
     Input,
+    LendAsked,
+    LendReturned,
     ParamsChanged,
     Probe,
     ResetDone,
@@ -36,13 +38,14 @@ from llama_guard.core.inputs import (
     VramFacts,
 )
 from llama_guard.core.policy import decide
-from llama_guard.core.types import GpuFaultKind, IllegalMove, Params, State, XidAction, enter, initial_state
+from llama_guard.core.types import GpuFaultKind, IllegalMove, LendEnd, Params, State, XidAction, enter, initial_state
 from llama_guard.vocab.phases import MOVES, Phase, render_moves
 
 ROOT = Path(__file__).resolve().parent.parent
 EDGES = {(a, b) for a, targets in MOVES.items() for b in targets}
 OOM = "CUDA error: out of memory"
 ALLOC = "cudaMalloc failed: out of memory"  # an allocation failure, judged when the server exits
+TUNE = 4242  # the pid of a `llama-guard tune` asking for the GPU
 LATER = 100_000.0  # a Tick this many seconds on: every wait of the state has run out
 
 
@@ -64,6 +67,7 @@ def _inputs(s: State) -> list[Input]:
         ParamsChanged(s.params, server_changed=True, new_build=True),  # a trial of the new build
         SpeedMeasured(pid, 100.0), SpeedMeasured(pid, 1.0), SpeedMeasured(pid, None, "HTTP 500"),
         TrialAsked(100.0),  # a build found replaced at a start
+        LendAsked(TUNE, 60.0), LendReturned(TUNE, LendEnd.DONE),
     ]
 
 
@@ -77,7 +81,8 @@ def _timed(s: State, now: float) -> list[tuple[Input, float]]:
 def _key(s: State) -> tuple[object, ...]:
     return (s.phase, s.pid is None, s.after_stop, s.saving, s.killed, s.gpu_lost, s.vram_after_oom,
             s.vram_wait_until is None, s.exit_code, len(s.failures) > 1, s.stable, s.ready_at is None,
-            bool(s.alloc_failure), s.pending_event is None, s.trial)
+            bool(s.alloc_failure), s.pending_event is None, s.trial,
+            s.lend is None)
 
 
 def _explore(params: Params) -> set[tuple[Phase, Phase]]:

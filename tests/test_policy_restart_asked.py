@@ -14,7 +14,7 @@ from harness import started as policy_started
 from llama_guard.core.actions import Spawn, StartDrain, Terminate
 from llama_guard.core.inputs import Drained, Exited, GpuFault, HealthOk, RestartRequest, StopRequest
 from llama_guard.core.policy import decide
-from llama_guard.core.types import AfterStop, GpuFaultKind, Params, RestartCause, State
+from llama_guard.core.types import AfterStop, GpuFaultKind, Lend, Params, RestartCause, State
 from llama_guard.vocab.phases import Phase
 
 P = Params(hang_strikes=2, stop_grace_s=4, drain_timeout_s=20, backoff_initial_s=1)
@@ -79,6 +79,6 @@ def test_every_phase_answers_a_restart_asked() -> None:
     for phase in Phase:
         if phase is Phase.EXITED:
             continue
-        s: State = replace(base, phase=phase)
+        s: State = replace(base, phase=phase, lend=Lend(7, 60.0, 68.0) if phase is Phase.LENT else None)
         _, acts = decide(s, ASKED, 8.0)
         assert "restart_requested" in names(acts) or "server_restart" in names(acts), phase

@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "started for it, one after the other) and print the ratio")
     p.add_argument("--json", action="store_true", help="machine-readable result")
     p.set_defaults(func=cmd_bench)
-    p = add("tune", "find the fastest [server] flags that fit the GPU, by measurement (no daemon may serve the config)")
+    p = add("tune", "find the fastest [server] flags that fit the GPU, by measurement (a serving daemon lends it)")
     p.add_argument("--minutes", type=_positive_float, default=30.0, help="time for the search (default 30)")
     p.add_argument("--apply", action="store_true", help="write the winning flags into the config file "
                                                         "(comments and other keys kept)")

@@ -127,3 +127,23 @@ class ExitDaemon(Action):
     reason: str
 
 
+
+
+@dataclass(frozen=True)
+class AnswerLend(Action):
+    """Answer tune ``pid`` on its window channel: ``granted`` (llama-server is stopped, its slots
+    saved; the window lasts at most ``bound_s``), else refused with ``reason``."""
+
+    pid: int
+    granted: bool
+    reason: str = ""
+    bound_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SignalTune(Action):
+    """Send ``signal`` (a ``signal.Signals`` number) to tune ``pid`` through its pidfd (the window channel):
+    its window's bound passed."""
+
+    pid: int
+    signal: int

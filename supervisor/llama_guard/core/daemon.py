@@ -49,6 +49,7 @@ from llama_guard.core.inputs import (
     StopRequest,
     Tick,
 )
+from llama_guard.core.lend import LendChannel
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
 from llama_guard.core.params import params_from
@@ -122,9 +123,12 @@ class Daemon:
         self._reset_possible = False
         self.status = Announcer(self.notifier, self.runtime, emitter, self.watchers, gpu, clock,
                                 state=lambda: self.state, config=lambda: self.config, server=lambda: self._gen)
+        # The window channel of `llama-guard tune` (its socket opened in [runtime].dir by run()).
+        self.lend = LendChannel(config_path, emitter.emit, self.queue.put_nowait, self._reload_for_lend)
         self.executor = Executor(emitter.emit, self.tasks, self.queue.put_nowait, self.lanes,
                                  server=lambda: self._gen, binary=lambda: self.config.server.binary,
-                                 spawn=self._spawn, ready=self._ready, exit=self._exit, measure=self._measure)
+                                 spawn=self._spawn, ready=self._ready, exit=self._exit, measure=self._measure,
+                                 lend=self.lend)
         self.reloader = Reloader(config_path, emitter, self.lanes, self.tasks, self.spawner, self.status,
                                  tuple(p for p in (front, exporter) if p is not None),
                                  get_config=lambda: self.config, set_config=self._set_config,
@@ -143,6 +147,14 @@ class Daemon:
         if self.builds is None or self.ctx is None:
             return SpeedMeasured(action.pid, None, "no build port")
         return await self.builds.measure_speed(self.ctx, action.pid, action.runs, action.tokens)
+
+    async def _reload_for_lend(self) -> None:
+        """A window lent to tune ends and the configuration file changed (``tune --apply``): reload it
+        now (a reload under way is awaited instead), so that the next server starts from it."""
+        self.reloader.begin(ending=self._exit_code is not None)
+        task = self.reloader.task
+        if task is not None:
+            await asyncio.wait({task})
 
     def _ready(self) -> None:
         self.status.write()
@@ -231,6 +243,11 @@ class Daemon:
                            get_api_key=lambda: self.spawner.live_key)
         self.executor.gpu = GpuRequests(self.ctx, self.gpu)
         self.status.write()
+        try:
+            await self.lend.open(self.config.runtime.dir)
+        except OSError as exc:  # tune then finds no socket and says so; the daemon serves on
+            self.emitter.emit("config_error", reason=f"cannot listen on {self.config.runtime.dir}/tune.sock for "
+                                                     f"llama-guard tune: {exc.strerror or exc}")
         try:
             try:
                 _, self.spawner.identity = await self.lanes[LaneKind.CONFIG].run(
@@ -391,6 +408,7 @@ class Daemon:
             if gen.server.proc.returncode is None:
                 await kill_and_reap(gen.server)
             await gen.end()
+        await self.lend.close()
         await self.tasks.cancel_all(TASK_CANCEL_TIMEOUT_S)  # a server that exited just before: its end finishes
         for watcher in self.watchers:
             with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ from typing import Any
 
 from llama_guard.core.actions import (
     Action,
+    AnswerLend,
     CheckVram,
     ConfirmCompletions,
     Emit,
@@ -27,6 +28,7 @@ from llama_guard.core.actions import (
     ReadBuild,
     RunReset,
     SaveSlots,
+    SignalTune,
     Spawn,
     StartDrain,
     Terminate,
@@ -34,6 +36,7 @@ from llama_guard.core.actions import (
 from llama_guard.core.facts import find_port_holder, read_build
 from llama_guard.core.gpu_requests import GpuRequests
 from llama_guard.core.inputs import Input
+from llama_guard.core.lend import LendChannel
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.tasks import TaskSet
@@ -51,7 +54,8 @@ class Executor:
                  lanes: dict[LaneKind, Lane], *, server: Callable[[], ServerWatch | None],
                  binary: Callable[[], str], spawn: Callable[[], Coroutine[Any, Any, None]],
                  ready: Callable[[], None], exit: Callable[[int, str], None],
-                 measure: Callable[[MeasureSpeed], Awaitable[Input]] | None = None) -> None:
+                 measure: Callable[[MeasureSpeed], Awaitable[Input]] | None = None,
+                 lend: LendChannel | None = None) -> None:
         self._emit = emit
         self._tasks = tasks
         self._post = post
@@ -62,6 +66,7 @@ class Executor:
         self._ready = ready
         self._exit = exit
         self._measure = measure
+        self._lend = lend
         self.gpu: GpuRequests | None = None
         self.spawn_task: asyncio.Task[None] | None = None
         self._vram_check: asyncio.Task[None] | None = None
@@ -105,6 +110,12 @@ class Executor:
         elif isinstance(action, MeasureSpeed):
             if self._measure is not None:
                 self._tasks.start(self._answer(self._measure(action)), "decode speed trial")
+        elif isinstance(action, AnswerLend):
+            if self._lend is not None:
+                self._lend.answer(action)
+        elif isinstance(action, SignalTune):
+            if self._lend is not None:
+                self._lend.signal(action.pid, action.signal)
         elif isinstance(action, ExitDaemon):
             self._exit(action.code, action.reason)
 

@@ -7,7 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llama_guard.core.server_log import LineClass
-from llama_guard.core.types import GpuFaultKind, Params, RecoveryAction, RestartCause, XidAction, XidOrigin, XidScope
+from llama_guard.core.types import (
+    GpuFaultKind,
+    LendEnd,
+    Params,
+    RecoveryAction,
+    RestartCause,
+    XidAction,
+    XidOrigin,
+    XidScope,
+)
 
 
 class Input:
@@ -344,3 +353,21 @@ class CrashesCharged(Input):
     configuration's (:mod:`llama_guard.core.suspects`)."""
 
     pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LendAsked(Input):
+    """``llama-guard tune`` (process ``pid``, named by the kernel: the socket's peer credentials) asks
+    for the GPU for at most ``bound_s`` seconds (its ``--minutes`` plus a margin)."""
+
+    pid: int
+    bound_s: float
+
+
+@dataclass(frozen=True)
+class LendReturned(Input):
+    """The window of tune ``pid`` ended (``end``: it returned it, or its process ended), seen before
+    or after the grant. A configuration file changed meanwhile (``--apply``) was reloaded first."""
+
+    pid: int
+    end: LendEnd

@@ -32,6 +32,7 @@ class AfterStop(enum.Enum):
     EXIT = "exit"          # the daemon exits with State.exit_code
     RESET = "reset"        # reset the GPU (State.reset_reason), then start again
     VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
+    LEND = "lend"          # lend the GPU to `llama-guard tune` (State.lend), then start again
 
 
 class GpuFaultKind(enum.Enum):
@@ -161,6 +162,26 @@ class TrialResult:
         if self.old_tps is None or self.new_tps is None or self.old_tps <= 0:
             return None
         return (self.old_tps - self.new_tps) / self.old_tps * 100.0
+class LendEnd(enum.Enum):
+    """How a window lent to ``llama-guard tune`` ended (the ``end`` of ``lend_returned``)."""
+
+    DONE = "done"            # tune returned it after its search (its --apply, if any, written)
+    STOPPED = "stopped"      # tune was stopped (Ctrl-C, SIGTERM) and returned it
+    FAILED = "failed"        # tune ended with an error and returned it
+    EXITED = "exited"        # the tune process ended without returning it (kill -9, a crash): seen by its pidfd
+    TIMED_OUT = "timed_out"  # the window's bound passed (tune was sent SIGTERM, then SIGKILL)
+
+
+@dataclass(frozen=True)
+class Lend:
+    """A window asked for by, or lent to, ``llama-guard tune``: its process ``pid``, its bound
+    (``bound_s`` seconds from the grant), and once granted the monotonic time it ends at the latest
+    (``until``); ``asked_to_stop``: the bound passed and tune was sent SIGTERM."""
+
+    pid: int
+    bound_s: float
+    until: float | None = None
+    asked_to_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -331,6 +352,9 @@ class State:
     last_trial: TrialResult | None = None  # how the last trial ended (None: none yet)
     # TRIAL of a new build: the (pid, name) its HealthOk named as the port's owner, for server_ready
     ready_owner: tuple[int | None, str] | None = None
+    # The window asked for by or lent to `llama-guard tune` (None: none): pending while the server
+    # drains and stops for it (``until`` None), granted in LENT.
+    lend: Lend | None = None
 
     def request_completed_since(self, since: float) -> bool:
         """Whether the front door saw a client request completed at or after monotonic ``since``

@@ -5,7 +5,8 @@ a run of 5xx answers is being confirmed: :attr:`~llama_guard.core.types.State.co
 CLOSED once a verdict ends the daemon (EXITED, or a stop, a drain or a GPU reset that ends in an
 exit: held and new requests get their 503 at once), HOLD otherwise —
 starting, restarting after a crash, in backoff, draining for a planned restart, during a GPU reset,
-waiting for VRAM. The front door never probes the server itself.
+waiting for VRAM, while the GPU is lent to ``llama-guard tune`` (a hold that times out then is answered
+503 with ``Retry-After`` the window's time left). The front door never probes the server itself.
 
 A request that finds the gate at HOLD waits in :class:`Admission` (at most ``max_held`` at once, each
 at most until its deadline); when the gate opens the waiters are released in arrival order (their
@@ -66,12 +67,15 @@ _MESSAGE = {
 
 class Refused(Exception):
     """A request the front door answers itself (503 with ``Retry-After``, 502, 504, 422); ``detail``: the
-    message for this request, when the reason's own one is not enough."""
+    message for this request, when the reason's own one is not enough; ``retry_after_s``: the
+    ``Retry-After`` of this 503 in seconds, when the front door knows better than its default (the
+    time left of a window lent to ``llama-guard tune``)."""
 
-    def __init__(self, reason: FailReason, detail: str = "") -> None:
+    def __init__(self, reason: FailReason, detail: str = "", retry_after_s: int | None = None) -> None:
         super().__init__(reason.value)
         self.reason = reason
         self.detail = detail
+        self.retry_after_s = retry_after_s
 
     @property
     def status(self) -> int:
@@ -176,6 +180,7 @@ class Admission:
         self._waiters: dict[int, _Waiter] = {}  # by arrival sequence number
         self.episode = Episode()
         self.draining = False  # a drain for a planned restart is under way
+        self.lent_until: float | None = None  # while the GPU is lent to tune: when its window ends at the latest
         self._drain_ended = -math.inf  # when the last such drain ended (monotonic s)
 
     @property
@@ -197,6 +202,8 @@ class Admission:
                 self._drain_ended = self._clock()
             for waiter in self._waiters.values():
                 self._arm(waiter)
+        lend = state.lend
+        self.lent_until = lend.until if state.phase is Phase.LENT and lend is not None else None
         self._switch(gate, state.pid if gate is Gate.OPEN else None)
 
     def close(self) -> None:
@@ -220,6 +227,16 @@ class Admission:
     def _expire(self, waiter: _Waiter) -> None:
         self._resolve(waiter, None, FailReason.HOLD_TIMEOUT)
 
+    def refusal(self, reason: FailReason) -> Refused:
+        """The answer for a request refused with ``reason`` now: a hold that times out while the GPU is
+        lent to ``llama-guard tune`` says so, with ``Retry-After`` the window's time left (seconds, at
+        least 1): the hold cannot outlast a window longer than ``[front].hold_timeout_s``."""
+        if reason is FailReason.HOLD_TIMEOUT and self.lent_until is not None:
+            left = max(1, math.ceil(self.lent_until - self._clock()))
+            return Refused(reason, f"the GPU is lent to llama-guard tune for at most {left} s more, longer than "
+                                   "this request may be held ([front].hold_timeout_s)", retry_after_s=left)
+        return Refused(reason)
+
     def _resolve(self, waiter: _Waiter, pid: int | None, reason: FailReason) -> None:
         """End ``waiter``'s hold: released to ``pid``, else refused with ``reason``; counted once."""
         if self._waiters.get(waiter.seq) is not waiter:
@@ -234,7 +251,7 @@ class Admission:
             waiter.fut.set_result(pid)
             self.episode.count(Outcome.REPLAYED if waiter.replay else Outcome.FORWARDED, held_s)
         else:
-            waiter.fut.set_exception(Refused(reason))
+            waiter.fut.set_exception(self.refusal(reason))
             self.episode.count(Outcome.FAILED, held_s)
 
     def _switch(self, gate: Gate, pid: int | None) -> None:

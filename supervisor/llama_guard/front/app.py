@@ -242,7 +242,8 @@ class FrontApp:
     def _refused(self, refused: Refused) -> web.Response:
         self.metrics.failed.labels(refused.reason.value).inc()
         response = error_response(refused.status, refused.message,
-                                  retry_after=RETRY_AFTER_S if refused.status == 503 else None)
+                                  retry_after=(refused.retry_after_s or RETRY_AFTER_S) if refused.status == 503
+                                  else None)
         if refused.reason is FailReason.DAEMON_EXITING:
             response.force_close()  # the client's retry connects anew: to the next daemon (socket activation)
         return self._answer(response)

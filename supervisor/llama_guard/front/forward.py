@@ -199,7 +199,7 @@ class Forwarder:
                     self._leave()
                 deadline = self.admission.deadline(since, hold_timeout_s)
                 if deadline is not None and self._clock() >= deadline:
-                    raise Refused(FailReason.HOLD_TIMEOUT)
+                    raise self.admission.refusal(FailReason.HOLD_TIMEOUT)
                 await asyncio.sleep(RETRY_PAUSE_S[min(tries, len(RETRY_PAUSE_S) - 1)])
                 tries += 1
         except Refused as refused:
@@ -232,7 +232,7 @@ class Forwarder:
         try:
             await asyncio.wait_for(self.suspects.lane.acquire(), wait_s)
         except asyncio.TimeoutError:
-            raise Refused(FailReason.HOLD_TIMEOUT) from None
+            raise self.admission.refusal(FailReason.HOLD_TIMEOUT) from None
         return True
 
     def _enter(self) -> None:

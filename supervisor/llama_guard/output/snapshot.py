@@ -42,6 +42,8 @@ def status_line(state: State, now: float, last_eval_tps: float | None, gpu: str 
     extra = ""
     if state.phase is Phase.BACKOFF and state.deadline is not None:
         extra = f", next start in {max(0.0, state.deadline - now):.1f} s"
+    if state.phase is Phase.LENT and state.lend is not None and state.lend.until is not None:
+        extra = f", to tune pid {state.lend.pid} for at most {max(0.0, state.lend.until - now):.0f} s more"
     if liveness is not None and not liveness.answering and state.phase in (Phase.READY, Phase.DRAINING):
         extra += f", not answering for {liveness.silent_s:.0f} s"
     if last_eval_tps is not None and state.phase in (Phase.READY, Phase.DRAINING):

@@ -1,7 +1,7 @@
 """``tune --apply``: the winning ``[server]`` values written into the configuration file with its
 comments, order and every other key kept (tomlkit), validated as a whole before the file is replaced
-(atomically, same mode). ``tune`` runs with no daemon serving the configuration, so the next start
-(``systemctl start llama-guard``) serves the tuned flags.
+(atomically, same mode). With a daemon serving the configuration, the file is written inside the window
+it lent; it reloads the file before its server starts again, so that server runs the tuned flags.
 
 Raises :class:`ApplyError` with the reason; the file is unchanged then."""
 

@@ -163,6 +163,11 @@ EventName = Literal[
     "upgrade_kept",
     "upgrade_copy_kept",
     "upgrade_copy_failed",
+    "lend_requested",
+    "lend_granted",
+    "lend_returned",
+    "lend_timeout",
+    "lend_refused",
     "server_line",
     "server_probe",
 ]
@@ -1078,6 +1083,42 @@ EVENTS: tuple[EventSpec, ...] = (
                     "the\n"
                     "disk and the state directory (StateDirectory=, else [runtime].dir)."),
               readme="a kept copy cannot be made or was changed: not used for a roll-back"),
+    EventSpec("lend_requested", _S.NOTICE,
+              "tune pid {tune_pid} asks for the GPU for at most {bound_s:.0f} s: "
+              "draining llama-server pid {server_pid}",
+              subject="llama-guard tune asked for the GPU",
+              body=("`llama-guard tune` (pid @TUNE_PID@) asked for a window of at most @BOUND_S@ s. The server is\n"
+                    "drained and stopped as for a planned restart (its slots saved); the front door holds clients."),
+              readme="`llama-guard tune` asked for the GPU: the server is drained and stopped for it"),
+    EventSpec("lend_granted", _S.NOTICE,
+              "the GPU is lent to tune pid {tune_pid} for at most {bound_s:.0f} s "
+              "(llama-server pid {server_pid} stopped)",
+              subject="the GPU is lent to llama-guard tune",
+              body=("llama-server is stopped; `llama-guard tune` (pid @TUNE_PID@) runs its trial servers for at most\n"
+                    "@BOUND_S@ s. Clients are held by the front door (503 with Retry-After past\n"
+                    "[front].hold_timeout_s). A server starts again when the window ends."),
+              readme="the window is granted: no server of llama-guard's runs, the front door holds clients"),
+    EventSpec("lend_returned", _S.NOTICE,
+              "the GPU lent to tune pid {tune_pid} is back after {lent_s:.0f} s ({end}): starting llama-server",
+              subject="the GPU lent to llama-guard tune is back",
+              body=("The window of `llama-guard tune` (pid @TUNE_PID@) ended: @END@ (done, stopped, failed, exited:\n"
+                    "the tune process ended without returning it, timed_out). llama-server starts again, on the\n"
+                    "configuration file's flags (reloaded first when tune --apply changed them)."),
+              readme="the window ended (`end`: done, stopped, failed, exited, timed_out): the server starts again"),
+    EventSpec("lend_timeout", _S.WARNING,
+              "the window of tune pid {tune_pid} passed its bound of {bound_s:.0f} s: SIGTERM to tune, "
+              "SIGKILL in {grace_s:.0f} s",
+              subject="llama-guard tune outlasted its window",
+              body=("`llama-guard tune` (pid @TUNE_PID@) still runs after its window's bound (@BOUND_S@ s: its\n"
+                    "--minutes plus a margin). It is sent SIGTERM (it stops its trial server), SIGKILL after\n"
+                    "@GRACE_S@ s; llama-server starts again then."),
+              readme="tune outlasted its window's bound: SIGTERM to tune, SIGKILL after the stop grace"),
+    EventSpec("lend_refused", _S.WARNING,
+              "no window for tune pid {tune_pid}: {reason}",
+              subject="llama-guard tune was refused the GPU",
+              body=("`llama-guard tune` (pid @TUNE_PID@) asked for the GPU and was refused: @REASON@. Nothing\n"
+                    "changed; the server serves on."),
+              readme="a window refused (another tune holds one, the server is not serving, a bad request)"),
     EventSpec("server_line", _S.DEBUG,
               "{line}",
               subject="llama-server output line",

@@ -19,6 +19,7 @@ class Phase(enum.Enum):
     EXITED = "exited"
     WAITING_VRAM = "waiting_for_vram"  # another process holds the VRAM this server needs
     TRIAL = "trial"  # a planned window measures a build's decode speed (the old one drained, the new one loaded)
+    LENT = "lent_to_tune"  # no server: the GPU is lent to `llama-guard tune` for its trials (a bounded window)
 
 
 _P = Phase
@@ -39,8 +40,8 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     # drained or timed out (STOPPING); a stop request re-enters it (the exit drain); it exited; drained
     # before a new build: the serving build's decode speed is measured (TRIAL)
     _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED, _P.TRIAL}),
-    # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit)
-    _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED}),
+    # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit, a window for tune)
+    _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED, _P.LENT}),
     # the wait is over (start); a GPU fault; a stop request; a crash loop
     _P.BACKOFF: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.EXITED}),
     # the reset verified the GPU (counted as a failure: backoff); it failed, timed out or a stop came
@@ -50,6 +51,8 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     # the new build kept (READY); the old build measured, or the new one rolled back, a fault or a stop
     # (STOPPING); it exited (backoff, or a crash loop's verdict)
     _P.TRIAL: frozenset({_P.READY, _P.STOPPING, _P.BACKOFF, _P.EXITED}),
+    # tune returned the window, or its bound passed (start, a VRAM check first on a watched GPU); a stop
+    _P.LENT: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.EXITED}),
     _P.EXITED: frozenset(),
 }
 

@@ -17,8 +17,9 @@ outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic
 reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
 :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
 starts: a verdict), :mod:`.port` (a port another process holds), :mod:`.reset_stop` (a stop
-during a GPU reset; the event that announces one) and :mod:`.window` (the planned window, top to bottom:
-drain, the trial of a new build, stop, start, keep or roll back, the release of the held clients).
+during a GPU reset; the event that announces one), :mod:`.window` (the planned window, top to bottom:
+drain, the trial of a new build, stop, start, keep or roll back, the release of the held clients) and
+:mod:`.lend` (the GPU lent to ``llama-guard tune``: LENT).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from llama_guard.core.inputs import (
     Exited,
     GpuFault,
     Input,
+    LendAsked,
+    LendReturned,
     Line,
     ParamsChanged,
     PortHolder,
@@ -40,6 +43,7 @@ from llama_guard.core.inputs import (
     TrialAsked,
 )
 from llama_guard.core.policy.gpu import on_gpu_fault, on_resetting
+from llama_guard.core.policy.lend import on_lend_asked, on_lent, on_returned_early, refuse_restart, withdrawn
 from llama_guard.core.policy.phases import (
     on_backoff,
     on_serving,
@@ -55,7 +59,7 @@ from llama_guard.core.policy.stop import on_stop_request, on_stopping
 from llama_guard.core.policy.vram import on_waiting_vram
 from llama_guard.core.policy.window import trial_asked, trial_wanted
 from llama_guard.core.server_log import ERROR_FAMILIES
-from llama_guard.core.types import RestartCause, State
+from llama_guard.core.types import AfterStop, RestartCause, State
 from llama_guard.vocab.phases import Phase
 
 __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
@@ -63,7 +67,7 @@ __all__ = ["VRAM_CHECK_TIMEOUT_S", "Result", "decide"]
 
 def decide(state: State, event: Input, now: float) -> Result:
     """The next state and the actions to carry out, for ``event`` observed at monotonic ``now``."""
-    new, actions = _decide(state, event, now)
+    new, actions = withdrawn(state, *_decide(state, event, now))
     if state.phase in SERVING and new.phase not in (*SERVING, Phase.EXITED):
         new = replace(new, restart_at=now)  # the serving server stopped serving: a restart begins
     return new, actions
@@ -78,6 +82,12 @@ def _decide(state: State, event: Input, now: float) -> Result:
         state = replace(state, last_line=event.last_line)
     if isinstance(event, StopRequest):
         return on_stop_request(state, event, now)
+    if isinstance(event, LendAsked):
+        return on_lend_asked(state, event, now)
+    if isinstance(event, LendReturned) and state.phase is not Phase.LENT:
+        return on_returned_early(state, event)
+    if isinstance(event, RestartRequest) and state.lend is not None and state.after_stop is AfterStop.LEND:
+        return refuse_restart(state, event, now)
     if isinstance(event, ParamsChanged):
         return _on_params(state, event, now)
     if isinstance(event, GpuFault):
@@ -118,4 +128,5 @@ _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
     Phase.STOPPING: on_stopping,
     Phase.BACKOFF: on_backoff,
     Phase.TRIAL: on_trial,
+    Phase.LENT: on_lent,
 }

@@ -88,7 +88,7 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
     if state.phase is Phase.STOPPING:
         if state.saving and not state.killed and not event.kv_readable:
             return end_save(state, now)  # what the slots hold can no longer be read, or trusted
-        if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK):
+        if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK, AfterStop.LEND):
             after = AfterStop.RESET if can_reset else AfterStop.EXIT
             code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
             return replace(state, after_stop=after, reset_reason=event.reason, exit_code=code,

@@ -10,6 +10,7 @@ from dataclasses import replace
 from llama_guard.core.actions import Action, Emit, Kill, StartDrain, Terminate
 from llama_guard.core.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.core.policy.gpu import begin_reset
+from llama_guard.core.policy.lend import grant
 from llama_guard.core.policy.lines import FATAL_FAMILIES, fault_event, incompatible
 from llama_guard.core.policy.reset_stop import stop_during_reset
 from llama_guard.core.policy.steps import (
@@ -96,6 +97,8 @@ def finish_stop(state: State, now: float) -> Result:
         return begin_reset(state, now)
     if state.after_stop is AfterStop.VRAM_CHECK:
         return start(replace(state, pid=None, vram_after_oom=True), now)
+    if state.after_stop is AfterStop.LEND:
+        return grant(state, now)
     if state.after_stop is AfterStop.RESTART:
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
         return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
@@ -153,7 +156,7 @@ def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.RESETTING:
         return stop_during_reset(state, event, now)
     emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
-    if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM):
+    if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM, Phase.LENT):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
     if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.exit_drain_s > 0:

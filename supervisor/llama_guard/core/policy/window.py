@@ -86,19 +86,24 @@ def drain(state: State, event: RestartRequest, now: float) -> Result:
     return new, [emit, StartDrain(pid)]
 
 
+def planned_after(state: State) -> AfterStop:
+    """What follows a planned drain: a window lent to tune (:mod:`.lend`), else a restart."""
+    return AfterStop.LEND if state.after_stop is AfterStop.LEND else AfterStop.RESTART
+
+
 def drained(state: State, now: float) -> Result:
     """No request in flight any more (the slots saved): the old build's trial when one is asked,
     else the stop (or, before the daemon's exit, the exit's stop)."""
     if state.after_stop is AfterStop.EXIT:
         return end_exit_drain(state, now, drained=True)
-    return trial_after_drain(state) or stop(state, now, AfterStop.RESTART, state.fault)
+    return trial_after_drain(state) or stop(state, now, planned_after(state), state.fault)
 
 
 def drain_timed_out(state: State, now: float) -> Result:
     """The drain outlasted its deadline: stop the server with its requests (``drain_timeout``)."""
     if state.after_stop is AfterStop.EXIT:
         return end_exit_drain(state, now, drained=False)
-    new, actions = stop(state, now, AfterStop.RESTART, state.fault)
+    new, actions = stop(state, now, planned_after(state), state.fault)
     return new, [Emit("drain_timeout", {"server_pid": state.pid, "drain_timeout_s": state.params.drain_timeout_s,
                                         "reason": state.fault}), *actions]
 
