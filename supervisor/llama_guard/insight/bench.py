@@ -58,8 +58,25 @@ class Spread:
         return cls(statistics.median(values), min(values), max(values), statistics.pstdev(values))
 
 
+class RunFigures:
+    """What a record of runs (``runs``, at least one) says: :attr:`eval` and :attr:`prompt` tokens/s,
+    each a :class:`Spread` (the bench's result and each of tune's candidates)."""
+
+    runs: list[RunTimings]
+
+    @property
+    def eval(self) -> Spread:
+        """Eval (decode) tokens/s of the runs."""
+        return Spread.of([r.predicted_per_second for r in self.runs])
+
+    @property
+    def prompt(self) -> Spread:
+        """Prompt (prefill) tokens/s of the runs."""
+        return Spread.of([r.prompt_per_second for r in self.runs])
+
+
 @dataclass
-class BenchResult:
+class BenchResult(RunFigures):
     """The runs and their summary; ``context`` is the median tokens in the context at the end of a run
     (prompt + generated), the context the ceiling's KV cache read is counted at."""
 
@@ -69,14 +86,6 @@ class BenchResult:
     label: str = ""
     ceiling: dict[str, Any] | None = None
     finished: float = field(default_factory=time.time)
-
-    @property
-    def eval(self) -> Spread:
-        return Spread.of([r.predicted_per_second for r in self.runs])
-
-    @property
-    def prompt(self) -> Spread:
-        return Spread.of([r.prompt_per_second for r in self.runs])
 
     @property
     def context(self) -> int:
