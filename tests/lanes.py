@@ -82,6 +82,10 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # the next server must be ready within [front].hold_timeout_s of the drain's end: under 4 workers on 2
     # cores its stop, start and load once took longer (3 held requests 503 in a clean-clone CI run)
     "test_front_e2e::test_planned_restart_whose_drain_outlasts_hold_timeout_fails_no_request",
+    # a build against itself and against itself on one thread, measured side by side: the verdicts need the
+    # host's two cores free
+    "test_bench_compare::test_a_build_against_a_copy_of_itself_is_as_fast",
+    "test_bench_compare::test_a_build_forced_to_one_thread_is_the_slower_side",
 ))
 
 

@@ -14,11 +14,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -135,30 +136,55 @@ def completion(client: BlockingClient, tokens: int, prompt: str, timeout_s: floa
         raise BenchError(f"completion failed: {exc!r}") from exc
 
 
+@dataclass(frozen=True)
+class Target:
+    """A server to measure: its base URL and the API key its requests carry ("" for none)."""
+
+    url: str
+    api_key: str = ""
+
+
 def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT, timeout_s: float = 300.0,
-              warmup: bool = True, progress: Progress | None = None,
-              on_run: Callable[[int, RunTimings], None] | None = None, api_key: str = "") -> BenchResult:
+              warmup: bool = True, progress: Progress | None = None, api_key: str = "") -> BenchResult:
     """Warm up, then ``runs`` completions of ``tokens`` tokens against ``url``; each request has
     ``timeout_s`` and, with ``api_key`` (``[server].api_key_file``'s key), a Bearer token.
     Raises :class:`BenchError` on the first failed request."""
+    return run_interleaved([Target(url, api_key)], runs=runs, tokens=tokens, prompt=prompt, timeout_s=timeout_s,
+                           warmup=warmup, progress=progress)[0]
+
+
+def run_interleaved(targets: list[Target], *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT,
+                    timeout_s: float = 300.0, warmup: bool = True,
+                    progress: Progress | None = None) -> list[BenchResult]:
+    """Warm each of ``targets`` up, then ``runs`` rounds of one completion of ``tokens`` tokens on
+    each target in turn (A, B, A, B …: a slow spell of the host falls on all of them alike instead of
+    on whichever ran then); one :class:`BenchResult` per target, in order. ``progress`` counts rounds.
+    Raises :class:`BenchError` on the first failed request."""
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
-    done: list[RunTimings] = []
-    with BlockingClient(url, api_key) as client:
+    done: list[list[RunTimings]] = [[] for _ in targets]
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(BlockingClient(t.url, t.api_key)) for t in targets]
         if warmup:
             if progress:
                 progress.update(0, "warm-up")
-            completion(client, tokens, prompt, timeout_s)
+            for client in clients:
+                completion(client, tokens, prompt, timeout_s)
         for i in range(runs):
-            run = completion(client, tokens, prompt, timeout_s)
-            done.append(run)
+            for client, record in zip(clients, done, strict=True):
+                record.append(completion(client, tokens, prompt, timeout_s))
             if progress:
-                progress.update(i + 1, f"{run.predicted_per_second:,.1f} tokens/s")
-            if on_run:
-                on_run(i, run)
+                progress.update(i + 1, " / ".join(f"{r[-1].predicted_per_second:,.1f}" for r in done) + " tokens/s")
     if progress:
         progress.close()
-    return BenchResult(url=url, runs=done, tokens=tokens)
+    return [BenchResult(url=t.url, runs=r, tokens=tokens) for t, r in zip(targets, done, strict=True)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
