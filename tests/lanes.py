@@ -94,6 +94,10 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # tune's trial servers beside a daemon that lends the GPU: they load both cores on purpose
     "test_tune_window_e2e",
     "test_tune_e2e",
+    # a build against itself and against itself on one thread, measured side by side: the verdicts need the
+    # host's two cores free
+    "test_bench_compare::test_a_build_against_a_copy_of_itself_is_as_fast",
+    "test_bench_compare::test_a_build_forced_to_one_thread_is_the_slower_side",
 ))
 
 

@@ -54,3 +54,46 @@ def test_cpu_ceiling_names_compute() -> None:
     c = Ceiling(bandwidth=20e9, source="stated", weights_read=97_000_000, kv_read=0, context=100, measured=6.0,
                 on_gpu=False)
     assert "CPU's arithmetic binds" in c.verdict() and c.as_dict()["binding_limit"] == "CPU compute"
+
+
+def test_compared_servers_take_their_runs_in_turn() -> None:
+    """``run_interleaved``: one warm-up on each, then A, B, A, B … (two small HTTP servers here answer
+    as llama-server does and note the order of the requests they get)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from llama_guard.insight.bench import Target, run_interleaved
+
+    order: list[str] = []
+
+    def server(name: str, speed: float) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                order.append(name)
+                body = json.dumps({"timings": {"predicted_n": 4, "predicted_per_second": speed + len(order),
+                                               "prompt_n": 9, "prompt_per_second": 100.0}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                return None
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    a, b = server("A", 100.0), server("B", 50.0)
+    try:
+        results = run_interleaved([Target(f"http://127.0.0.1:{s.server_address[1]}") for s in (a, b)],
+                                  runs=3, tokens=4, timeout_s=10)
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert order == ["A", "B"] * 4  # the warm-ups, then three rounds
+    assert [r.predicted_per_second for r in results[0].runs] == [103.0, 105.0, 107.0]
+    assert [r.predicted_per_second for r in results[1].runs] == [54.0, 56.0, 58.0]

@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -343,7 +344,7 @@ class BrokenReadyCheck:
     """A KV slot port whose restore (the check before ready) raises: a failure inside the daemon's
     own health task."""
 
-    async def before_spawn(self, ctx: Context) -> None:
+    async def before_spawn(self, ctx: Context, binary: Path, env: Mapping[str, str]) -> None:
         return None
 
     async def restore(self, ctx: Context, pid: int) -> None:

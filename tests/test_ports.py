@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ class Slots:
     def __init__(self, asked: Asked) -> None:
         self.asked = asked
 
-    async def before_spawn(self, ctx: Context) -> None:
+    async def before_spawn(self, ctx: Context, binary: Path, env: Mapping[str, str]) -> None:
         self.asked.calls.append("slots.before_spawn")
 
 
@@ -139,7 +140,7 @@ class DrainOrder(Watcher):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def before_spawn(self, ctx: Context) -> None:
+    async def before_spawn(self, ctx: Context, binary: Path, env: Mapping[str, str]) -> None:
         return None
 
     async def restore(self, ctx: Context, pid: int) -> None:

@@ -24,6 +24,9 @@ from llama_guard.config.server import ServerConfig
 from llama_guard.safe_files import FileRefused
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.store import UNRESTORABLE, UNRESTORABLE_AFTER, Manifest, Refusal, SlotStore, StoreError
+from llama_guard.upgrade.build import Build
+
+TEST_BUILD = Build(Path("/opt/llama/llama-server"), "ab" * 32, "version: 11434 (abc1234)", "b11434 (abc1234)")
 
 SECRET = b"root:only:this file must never change\n"
 PLANTS = ["link to a root-only file", "hard link to a root-only file", "FIFO", "link to /dev/zero",
@@ -72,7 +75,7 @@ def secret(tmp_path: Path) -> Path:
 def fp(tmp_path: Path) -> Fingerprint:
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + os.urandom(5000))
-    return fingerprint_of(ServerConfig(model=model, ctx_size=2048, parallel=2), "version: 1 (test)")
+    return fingerprint_of(ServerConfig(model=model, ctx_size=2048, parallel=2), TEST_BUILD)
 
 
 @pytest.fixture

@@ -31,7 +31,10 @@ from llama_guard.slots.client import SlotCallError, SlotInfo, Transfer
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.store import UNRESTORABLE_AFTER, SlotStore
 from llama_guard.slots.watcher import SlotsSource
+from llama_guard.upgrade.build import Build
 from llama_guard.vocab.phases import Phase
+
+TEST_BUILD = Build(Path("/opt/llama/llama-server"), "ab" * 32, "version: 11434 (abc1234)", "b11434 (abc1234)")
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -146,7 +149,7 @@ async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
     ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"],
                   emit=emit, post=lambda e: None,
                   post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
-    fp = fingerprint_of(cfg.server, "version: 1 (test)")
+    fp = fingerprint_of(cfg.server, TEST_BUILD)
     src = SlotsSource()
     holder.src, holder.ctx = src, ctx
     holder["state"] = State(phase=Phase.READY, pid=PID)
@@ -163,7 +166,7 @@ async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
 
     monkeypatch.setattr(src, "_client", client)
     monkeypatch.setattr(src, "_fingerprint", fingerprint)
-    await src.before_spawn(ctx)
+    await src.before_spawn(ctx, TEST_BUILD.path, {})
     await src.restore(ctx, PID)
     assert events == [] and fake.saves == []
     return Rig(src, ctx, fake, src.store, fp, events, holder)
@@ -294,7 +297,7 @@ async def test_a_model_and_build_marked_unrestorable_get_no_saves(rig: Rig, save
     assert rig.fake.saves == [] and rig.fake.slots_calls == 0 and rig.events == []
     assert rig.store.committed() == []
     # Another build of the same model is not marked: its slots are saved.
-    rig.src._fp = dataclasses.replace(rig.fp, build="version: 2 (test)")
+    rig.src._fp = dataclasses.replace(rig.fp, build=dataclasses.replace(TEST_BUILD, sha256="cd" * 32))
     await rolling(rig)
     assert sorted(rig.saved_ids()) == [0, 1]
 

@@ -22,6 +22,9 @@ import pytest
 from llama_guard.config.server import ServerConfig
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.store import SlotStore
+from llama_guard.upgrade.build import Build
+
+TEST_BUILD = Build(Path("/opt/llama/llama-server"), "ab" * 32, "version: 11434 (abc1234)", "b11434 (abc1234)")
 
 OLD, NEW = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]
 COUNTED = ("open", "write", "fsync", "replace", "rename", "unlink", "rmdir", "close")
@@ -59,7 +62,7 @@ def commit_killed_at(store: SlotStore, fp: Fingerprint, name: str, k: int) -> bo
 def test_a_kill_at_any_point_of_a_save_leaves_the_old_pair_or_the_new_one(tmp_path: Path) -> None:
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + os.urandom(5000))
-    fp = fingerprint_of(ServerConfig(model=model), "version: 1 (test)")
+    fp = fingerprint_of(ServerConfig(model=model), TEST_BUILD)
     outcomes: list[list[int]] = []
     for k in range(200):
         root = tmp_path / f"slots-{k}"

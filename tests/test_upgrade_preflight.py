@@ -156,3 +156,40 @@ def test_the_build_runs_with_the_environment_llama_server_gets(tmp_path: Path, l
     assert not preflight(config_for(tmp_path, new, real_model), new).passed
     result = preflight(config_for(tmp_path, new, real_model, env={"BUILD_LIBS": "here"}), new)
     assert result.passed, result.cause
+
+
+def check_lines(path: Path) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """``check --config path``: its lines by name, and the run."""
+    out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    return {x.split()[1]: x for x in out.stdout.splitlines() if len(x.split()) > 1}, out
+
+
+@pytest.mark.real
+def test_check_names_the_real_builds_version_and_finds_every_flag(tmp_path: Path, llama_server_bin: Path,
+                                                                 real_model: Path) -> None:
+    sections = base_sections(tmp_path, str(llama_server_bin), str(real_model), free_port())
+    path = tmp_path / "config.toml"
+    path.write_text(config_text(sections))
+    lines, out = check_lines(path)
+    version = release_of(subprocess.run([str(llama_server_bin), "--version"], capture_output=True, text=True,
+                                        timeout=30).stderr)
+    assert lines["binary"].split()[0] == "OK" and f"build {version} (" in lines["binary"], out.stdout
+    assert lines["flags"].split()[0] == "OK", out.stdout
+
+
+@pytest.mark.real
+def test_check_runs_help_with_the_environment_llama_server_gets(tmp_path: Path, llama_server_bin: Path,
+                                                                real_model: Path) -> None:
+    """A build that finds its libraries only through ``[server].env``: ``check`` reads its ``--help`` as
+    the upgrade preflight does (before, ``--version`` ran with ``[server].env`` and ``--help`` without:
+    every flag was reported unknown)."""
+    new = script(tmp_path, "llama-server-env", '[ "$BUILD_LIBS" = here ] || { echo "llama-server: error while '
+                 'loading shared libraries: libggml.so" >&2; exit 127; }\n' f'exec "{llama_server_bin}" "$@"\n')
+    sections = base_sections(tmp_path, str(new), str(real_model), free_port())
+    sections["server"]["env"] = {"BUILD_LIBS": "here"}
+    path = tmp_path / "config.toml"
+    path.write_text(config_text(sections))
+    lines, out = check_lines(path)
+    assert lines["binary"].split()[0] == "OK", out.stdout
+    assert lines["flags"].split()[0] == "OK", out.stdout

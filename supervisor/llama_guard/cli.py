@@ -201,62 +201,71 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import contextlib
-
     from llama_guard.api_key import read_api_key
-    from llama_guard.config import ConfigError, load_config
-    from llama_guard.insight.bench import BenchError, Progress, ceiling_for, describe, record, run_bench, spawned_server
+    from llama_guard.config import ConfigError
+    from llama_guard.insight.bench import (
+        BenchError,
+        Progress,
+        Target,
+        ceiling_for,
+        describe,
+        record,
+        run_interleaved,
+        spawned_server,
+    )
+    from llama_guard.insight.compare import CompareError, Side, ratio_line, ratios, sides
 
     path, config = _load(args)
-    configs = [(path, config)]
+    chosen = [Side(path.name, config)]
     if args.compare:
-        other = Path(args.compare)
         try:
-            configs.append((other, load_config(other)))
+            chosen = list(sides(path, config, Path(args.compare)))
         except ConfigError as exc:
             for line in exc.lines:
                 print(f"llama-guard: config error: {line}", file=sys.stderr)
             return EXIT_CONFIG
+        except CompareError as exc:
+            print(f"llama-guard: bench --compare: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
     spawn = args.spawn or bool(args.compare)
-    results = []
-    for cfg_path, cfg in configs:
-        url = args.url if args.url and not spawn else cfg.server.base_url
-        label = cfg_path.name
-        print(f"bench {label}: warm-up + {args.runs} runs of {args.tokens} tokens against {url}"
+    urls = [args.url if args.url and not spawn else side.config.server.base_url for side in chosen]
+    for side, url in zip(chosen, urls, strict=True):
+        print(f"bench {side.label}: warm-up + {args.runs} runs of {args.tokens} tokens against {url}"
               f"{' (server started for the bench)' if spawn else ''}", file=sys.stderr)
-        try:
-            with contextlib.ExitStack() as stack:
-                if spawn:
+    if len(chosen) > 1:
+        print("the runs alternate, one on each server in turn", file=sys.stderr)
+    try:
+        with contextlib.ExitStack() as stack:
+            if spawn:
+                for side in chosen:
                     fd, log_name = tempfile.mkstemp(prefix="llama-guard-bench-", suffix=".log")
                     os.close(fd)
-                    stack.enter_context(spawned_server(cfg, Path(log_name)))
-                result = run_bench(url, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
-                                   api_key=read_api_key(cfg.server),
-                                   timeout_s=args.timeout, progress=Progress(args.runs, f"{label} "))
-        except BenchError as exc:
-            print(f"llama-guard: bench {label}: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
-        except ConfigError as exc:
-            print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
-            return EXIT_CONFIG
-        result.label = label
-        result.ceiling = ceiling_for(cfg, result, nvml_module=args.nvml_module)
+                    stack.enter_context(spawned_server(side.config, Path(log_name)))
+            targets = [Target(url, read_api_key(side.config.server)) for side, url in zip(chosen, urls, strict=True)]
+            results = run_interleaved(targets, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
+                                      timeout_s=args.timeout,
+                                      progress=Progress(args.runs, " / ".join(s.label for s in chosen) + " "))
+    except BenchError as exc:
+        print(f"llama-guard: bench: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ConfigError as exc:
+        print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
+        return EXIT_CONFIG
+    for side, result in zip(chosen, results, strict=True):
+        result.label = side.label
+        result.ceiling = ceiling_for(side.config, result, nvml_module=args.nvml_module)
         if not spawn:
-            record(cfg.runtime.dir, result)
-        results.append(result)
+            record(side.config.runtime.dir, result)
     if args.json:
         out: dict[str, object] = {"results": [r.as_dict() for r in results]}
         if len(results) == 2:
-            out["ratio_eval"] = results[1].eval.median / results[0].eval.median
-            out["ratio_prompt"] = results[1].prompt.median / results[0].prompt.median
+            out.update(ratios(*results))
         print(json.dumps(out, indent=2))
         return EXIT_OK
     for r in results:
         print("\n".join(describe(r)))
     if len(results) == 2:
-        a, b = results
-        print(f"{b.label} ÷ {a.label}: eval {b.eval.median / a.eval.median:.3f}×, "
-              f"prompt {b.prompt.median / a.prompt.median:.3f}×")
+        print(ratio_line(*results))
     return EXIT_OK
 
 
@@ -306,8 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="server URL (default: from [server])")
     p.add_argument("--spawn", action="store_true", help="start a server from the config for the bench (its port "
                                                         "must be free) instead of measuring the running one")
-    p.add_argument("--compare", metavar="OTHER.toml", help="bench this config, then OTHER.toml (each on a server "
-                                                           "started for it, one after the other) and print the ratio")
+    p.add_argument("--compare", metavar="OTHER", help="bench this config's server and another side by side, each "
+                   "started for it, their runs alternating, and print both and the ratio: OTHER is a llama-server "
+                   "executable (another build, with this config) or another config file (OTHER.toml)")
     p.add_argument("--json", action="store_true", help="machine-readable result")
     p.set_defaults(func=cmd_bench)
     p = add("tune", "find the fastest [server] flags that fit the GPU, by measurement (a serving daemon lends it)")

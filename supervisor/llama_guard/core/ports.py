@@ -19,6 +19,7 @@ watchers.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -48,8 +49,9 @@ class SlotPort(Protocol):
     """The KV slot carry-over as the daemon uses it (:class:`llama_guard.slots.watcher.SlotsSource`).
     None of its steps refuses a start: llama-server serves without the carry-over."""
 
-    async def before_spawn(self, ctx: Context) -> None:
-        """Before each spawn: the slot store for the configuration the server is started from."""
+    async def before_spawn(self, ctx: Context, binary: Path, env: Mapping[str, str]) -> None:
+        """Before each spawn: the slot store for the configuration the server is started from, and the
+        build it runs (``binary``, the executable started — a kept copy too — and its environment ``env``)."""
 
     async def restore(self, ctx: Context, pid: int) -> None:
         """After ``/health`` 200 of server ``pid`` (and the GPU's ready check), before it is called

@@ -132,7 +132,7 @@ class Spawner:
         if refused:
             return SpawnFailed(refused, fatal=False)
         if self._slots is not None:
-            await self._slots.before_spawn(ctx)
+            await self._slots.before_spawn(ctx, binary, env)
         # The child set-up's rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
         try:
             setup = ChildSetup(tuple(drop_argv(self.identity)),

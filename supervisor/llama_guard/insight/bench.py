@@ -14,11 +14,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -58,8 +59,25 @@ class Spread:
         return cls(statistics.median(values), min(values), max(values), statistics.pstdev(values))
 
 
+class RunFigures:
+    """What a record of runs (``runs``, at least one) says: :attr:`eval` and :attr:`prompt` tokens/s,
+    each a :class:`Spread` (the bench's result and each of tune's candidates)."""
+
+    runs: list[RunTimings]
+
+    @property
+    def eval(self) -> Spread:
+        """Eval (decode) tokens/s of the runs."""
+        return Spread.of([r.predicted_per_second for r in self.runs])
+
+    @property
+    def prompt(self) -> Spread:
+        """Prompt (prefill) tokens/s of the runs."""
+        return Spread.of([r.prompt_per_second for r in self.runs])
+
+
 @dataclass
-class BenchResult:
+class BenchResult(RunFigures):
     """The runs and their summary; ``context`` is the median tokens in the context at the end of a run
     (prompt + generated), the context the ceiling's KV cache read is counted at."""
 
@@ -69,14 +87,6 @@ class BenchResult:
     label: str = ""
     ceiling: dict[str, Any] | None = None
     finished: float = field(default_factory=time.time)
-
-    @property
-    def eval(self) -> Spread:
-        return Spread.of([r.predicted_per_second for r in self.runs])
-
-    @property
-    def prompt(self) -> Spread:
-        return Spread.of([r.prompt_per_second for r in self.runs])
 
     @property
     def context(self) -> int:
@@ -126,30 +136,55 @@ def completion(client: BlockingClient, tokens: int, prompt: str, timeout_s: floa
         raise BenchError(f"completion failed: {exc!r}") from exc
 
 
+@dataclass(frozen=True)
+class Target:
+    """A server to measure: its base URL and the API key its requests carry ("" for none)."""
+
+    url: str
+    api_key: str = ""
+
+
 def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT, timeout_s: float = 300.0,
-              warmup: bool = True, progress: Progress | None = None,
-              on_run: Callable[[int, RunTimings], None] | None = None, api_key: str = "") -> BenchResult:
+              warmup: bool = True, progress: Progress | None = None, api_key: str = "") -> BenchResult:
     """Warm up, then ``runs`` completions of ``tokens`` tokens against ``url``; each request has
     ``timeout_s`` and, with ``api_key`` (``[server].api_key_file``'s key), a Bearer token.
     Raises :class:`BenchError` on the first failed request."""
+    return run_interleaved([Target(url, api_key)], runs=runs, tokens=tokens, prompt=prompt, timeout_s=timeout_s,
+                           warmup=warmup, progress=progress)[0]
+
+
+def run_interleaved(targets: list[Target], *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT,
+                    timeout_s: float = 300.0, warmup: bool = True,
+                    progress: Progress | None = None) -> list[BenchResult]:
+    """Warm each of ``targets`` up, then ``runs`` rounds of one completion of ``tokens`` tokens on
+    each target in turn (A, B, A, B …: a slow spell of the host falls on all of them alike instead of
+    on whichever ran then); one :class:`BenchResult` per target, in order. ``progress`` counts rounds.
+    Raises :class:`BenchError` on the first failed request."""
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
-    done: list[RunTimings] = []
-    with BlockingClient(url, api_key) as client:
+    done: list[list[RunTimings]] = [[] for _ in targets]
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(BlockingClient(t.url, t.api_key)) for t in targets]
         if warmup:
             if progress:
                 progress.update(0, "warm-up")
-            completion(client, tokens, prompt, timeout_s)
+            for client in clients:
+                completion(client, tokens, prompt, timeout_s)
         for i in range(runs):
-            run = completion(client, tokens, prompt, timeout_s)
-            done.append(run)
+            for client, record in zip(clients, done, strict=True):
+                record.append(completion(client, tokens, prompt, timeout_s))
             if progress:
-                progress.update(i + 1, f"{run.predicted_per_second:,.1f} tokens/s")
-            if on_run:
-                on_run(i, run)
+                progress.update(i + 1, " / ".join(f"{r[-1].predicted_per_second:,.1f}" for r in done) + " tokens/s")
     if progress:
         progress.close()
-    return BenchResult(url=url, runs=done, tokens=tokens)
+    return [BenchResult(url=t.url, runs=r, tokens=tokens) for t, r in zip(targets, done, strict=True)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float) -> float:

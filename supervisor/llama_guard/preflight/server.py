@@ -7,9 +7,6 @@ import os
 from pathlib import Path
 
 from llama_guard.argv import (
-    HELP_TIMEOUT_S,
-    build_argv,
-    help_text,
     list_devices,
     own_slot_save_path,
     own_slot_save_problem,
@@ -20,30 +17,29 @@ from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.output.instance import port_daemon
-from llama_guard.upgrade.preflight import identify, unknown_flags
+from llama_guard.upgrade.preflight import preflight
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
 def check_binary(config: Config) -> list[CheckResult]:
     """The binary exists and starts (``--version``: its release shown), and its ``--help`` lists
-    every flag we would pass (each one it does not know is named)."""
+    every flag we would pass (each one it does not know is named): the upgrade preflight's own test
+    (:func:`~llama_guard.upgrade.preflight.preflight`, run with ``[server].env``), one verdict for both."""
     binary = resolve_binary(config.server.binary)
     if binary is None:
         return [CheckResult("binary", Verdict.FAIL, f"{config.server.binary!r} not found (set [server].binary)")]
     if not os.access(binary, os.X_OK):
         return [CheckResult("binary", Verdict.FAIL, f"{binary} is not executable")]
-    build, failure = identify(binary, env=child_environ(os.environ, config.server.env))
-    if build is None:
-        return [CheckResult("binary", Verdict.FAIL, failure)]
-    try:
-        listed = help_text(binary, HELP_TIMEOUT_S)
-    except OSError as exc:
-        return [CheckResult("binary", Verdict.FAIL, f"{binary} --help failed: {exc}")]
+    result = preflight(config, binary)
+    if result.build is None:
+        return [CheckResult("binary", Verdict.FAIL, result.cause)]
+    build = result.build
+    if result.cause and not result.unknown_flags:  # its --help did not run
+        return [CheckResult("binary", Verdict.FAIL, result.cause)]
     results = [CheckResult("binary", Verdict.OK, f"{binary}: build {build.release} ({build.version})")]
-    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime), listed)
-    if unknown:
+    if result.unknown_flags:
         results.append(CheckResult("flags", Verdict.FAIL,
-                                   f"{binary} (build {build.release}) does not know: {' '.join(unknown)}"))
+                                   f"{binary} (build {build.release}) does not know: {' '.join(result.unknown_flags)}"))
     else:
         results.append(CheckResult("flags", Verdict.OK, "every flag is listed by --help"))
     return results

@@ -2,10 +2,15 @@
 
 A slot file written by llama-server (``llama_state_seq_save_file``) holds the slot's tokens and its
 KV cells in the layout of one model, build, context size per slot, KV cache types and attention
-settings; llama-server checks only part of this when it loads one. The fingerprint names all of it:
-the model file's identity (size, mtime, inode, a hash of its first :data:`HEAD_BYTES`), the build
-(``llama-server --version``), ``ctx_size``, ``parallel``, ``cache_type_k``/``cache_type_v``,
-``flash_attn`` and the KV-layout flags of ``extra_args`` (:data:`KV_FLAGS`).
+settings; llama-server checks only part of this when it loads one. The fingerprint names the
+configuration's part of it — the model file's identity (size, mtime, inode, a hash of its first
+:data:`HEAD_BYTES`), ``ctx_size``, ``parallel``, ``cache_type_k``/``cache_type_v``, ``flash_attn`` and
+the KV-layout flags of ``extra_args`` (:data:`KV_FLAGS`): its :attr:`Fingerprint.key` — and the build
+that runs it (:class:`~llama_guard.upgrade.build.Build`: content hash, ``--version``, release), which is
+not part of the key: whether a slot file of another build has this build's layout is measured
+(:mod:`llama_guard.slots.store`, :class:`~llama_guard.slots.store.StateFormat`). ``n_gpu_layers`` and
+``--no-kv-offload`` are not in it: where the KV cache lives does not change the file (llama.cpp copies
+each tensor's bytes out and in with ``ggml_backend_tensor_get``/``set``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llama_guard.config.server import ServerConfig
+from llama_guard.upgrade.build import Build
 
 HEAD_BYTES = 1 << 20  # the model file's first MiB (GGUF header and metadata) is hashed
 # extra_args flags that change the KV cache's layout or content for the same tokens (llama.cpp common/arg.cpp).
@@ -41,10 +47,11 @@ class ModelIdentity:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """The KV layout of one server. :attr:`key` names it; :attr:`model_build_key` names its model and build."""
+    """The KV layout of one server and its build. :attr:`key` names the layout as the configuration and
+    the model set it; :attr:`model_build_key` names its model and build."""
 
     model: ModelIdentity
-    build: str
+    build: Build
     ctx_size: int
     parallel: int
     cache_type_k: str
@@ -52,20 +59,24 @@ class Fingerprint:
     flash_attn: str
     kv_args: tuple[str, ...]
 
-    def as_dict(self) -> dict[str, object]:
-        """The fields as JSON reads them back (tuples as lists): what a manifest stores."""
-        value: dict[str, object] = json.loads(json.dumps(asdict(self)))
+    def layout(self) -> dict[str, object]:
+        """Every field but the build, as JSON reads them back (tuples as lists)."""
+        value: dict[str, object] = json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "build"}))
         return value
+
+    def as_dict(self) -> dict[str, object]:
+        """:meth:`layout` and the build (``Build.as_dict``): what a manifest stores."""
+        return {**self.layout(), "build": self.build.as_dict()}
 
     @property
     def key(self) -> str:
-        """sha256 (hex) of every field."""
-        return _digest(self.as_dict())
+        """sha256 (hex) of the layout's fields (:meth:`layout`)."""
+        return _digest(self.layout())
 
     @property
     def model_build_key(self) -> str:
-        """sha256 (hex) of the model identity and the build only."""
-        return _digest({"model": asdict(self.model), "build": self.build})
+        """sha256 (hex) of the model identity and the build's content hash."""
+        return _digest({"model": asdict(self.model), "build": self.build.sha256})
 
 
 def _digest(value: object) -> str:
@@ -93,8 +104,8 @@ def kv_args(extra_args: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def fingerprint_of(server: ServerConfig, build: str) -> Fingerprint:
-    """The fingerprint of a server started from ``server`` with the binary whose ``--version`` is
-    ``build``. Blocking (reads the model's head); raises OSError when the model cannot be read."""
+def fingerprint_of(server: ServerConfig, build: Build) -> Fingerprint:
+    """The fingerprint of a server started from ``server`` running ``build``. Blocking (reads the
+    model's head); raises OSError when the model cannot be read."""
     return Fingerprint(model_identity(Path(server.model)), build, server.ctx_size, server.parallel,
                        server.cache_type_k, server.cache_type_v, server.flash_attn, kv_args(server.extra_args))

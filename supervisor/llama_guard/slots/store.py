@@ -21,8 +21,10 @@ A file is refused (:class:`Refusal`) when it has no readable manifest, is shorte
 manifest says (truncated), its sha256 or llama.cpp's header (``ggsq`` magic, version
 :data:`SEQ_VERSION`, the token list, llama.cpp ``src/llama-context.cpp`` ``state_seq_save_file``
 and ``tools/server/server-common.cpp`` ``server_tokens::serialize``) do not check out (corrupt), it
-was written by a server with another :class:`~.fingerprint.Fingerprint` (foreign), or it is not a
-file llama-guard may read (unsafe). A refused file is removed. Verifications that reused nothing
+was written by a server with another :class:`~.fingerprint.Fingerprint` key (foreign), it was saved
+by another llama-server build and its :class:`StateFormat` is not the one this build writes, as
+measured from a save of this build's own (build), or it is not a file llama-guard may read (unsafe).
+A refused file is removed. Verifications that reused nothing
 are counted per model and build in ``unrestorable.json``: :data:`UNRESTORABLE_AFTER` in a row stop
 the carry-over for them. All methods block (file I/O): call them off the event loop.
 """
@@ -37,24 +39,19 @@ import json
 import os
 import re
 import stat
-import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llama_guard.safe_files import FileRefused, SafeDir, read_through
 from llama_guard.slots.fingerprint import Fingerprint
+from llama_guard.slots.header import HeaderError, StateFormat, state_format_of, tokens_of
 
 PREFIX = "llama-guard-slot-"
 UNRESTORABLE = "unrestorable.json"
 UNRESTORABLE_AFTER = 2  # verifications in a row that reused nothing before restores stop for good
 SMALL_FILE_BYTES = 1 << 16  # a manifest or unrestorable.json: anything larger is not llama-guard's
 IO_TIMEOUT_S = 50.0  # one store call's reads end by then (seconds): hashing a few GiB of slot files
-SEQ_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC
-SEQ_VERSION = 4  # LLAMA_STATE_SEQ_VERSION of the builds this reader knows
-TOKENS_STATE_MARK = 0xFFFFFFFF  # server_tokens::serialize starts with LLAMA_TOKEN_NULL, then its version
-TOKENS_STATE_VERSION = 1
-MAX_TOKENS = 1 << 24  # a header claiming more tokens than any context holds is not read (its list: 64 MiB)
 _BIN = re.compile(rf"{PREFIX}(\d+)(?:-[0-9a-f]+)?\.bin\Z")  # -<hex>: this version's names; none: older ones
 _MANIFEST = re.compile(rf"{PREFIX}(\d+)\.json\Z")
 _LEFTOVER = re.compile(rf"({PREFIX}\d+.*|{re.escape(UNRESTORABLE)})\.(incoming|tmp)\Z")
@@ -67,6 +64,7 @@ class Refusal(enum.Enum):
     TRUNCATED = "truncated"      # its size is not the manifest's (or the file is gone)
     CORRUPT = "corrupt"          # its sha256 or its llama.cpp header does not check out
     FOREIGN = "foreign"          # written by a server with another fingerprint
+    BUILD = "build"              # saved by another build, its state format not known to be this build's
     UNSAFE = "unsafe"            # a link, FIFO, device, another user's file, larger than the budget: never read
 
 
@@ -77,9 +75,10 @@ class StoreError(Exception):
 @dataclass(frozen=True)
 class Manifest:
     """What llama-guard knows of one committed slot file: the fingerprint (``fingerprint_key``, and the
-    fields for reports), ``slot_id``, ``n_tokens`` (the slot's tokens), ``bytes``, ``sha256`` (hex),
-    ``saved_at`` (Unix seconds: the oldest is dropped first) and ``file``, the slot file's name in the
-    store (what llama-server is told)."""
+    fields, the build that saved it among them: ``Fingerprint.as_dict``), ``slot_id``, ``n_tokens``
+    (the slot's tokens), ``bytes``, ``sha256`` (hex), ``saved_at`` (Unix seconds: the oldest is dropped
+    first), ``file``, the slot file's name in the store (what llama-server is told), and
+    ``state_format``, its :class:`StateFormat` as committed (None in manifests of older versions)."""
 
     fingerprint_key: str
     fingerprint: dict[str, object]
@@ -89,6 +88,21 @@ class Manifest:
     sha256: str
     saved_at: float
     file: str
+    state_format: dict[str, int | None] | None = None
+
+    @property
+    def build(self) -> dict[str, object]:
+        """The build that saved the file (``Build.as_dict``), {} when the manifest does not say."""
+        build = self.fingerprint.get("build") if isinstance(self.fingerprint, dict) else None
+        return build if isinstance(build, dict) else {}
+
+    @property
+    def build_shown(self) -> str:
+        """That build as events name it: ``v1.0.0 (abc1234) sha256:0123abcd``, or ``an unknown build``."""
+        release, sha = self.build.get("release"), self.build.get("sha256")
+        if not isinstance(release, str) or not isinstance(sha, str):
+            return "an unknown build"
+        return f"{release} sha256:{sha[:8]}"
 
 
 @dataclass(frozen=True)
@@ -103,33 +117,6 @@ class Refused:
 def _slot_of(name: str, pattern: re.Pattern[str]) -> int | None:
     match = pattern.match(name)
     return int(match.group(1)) if match else None
-
-
-def _tokens(fd: int, size: int) -> list[int]:
-    """The token ids in the header of the slot file open as ``fd`` (``size`` bytes). Raises StoreError
-    when the header is not one this reader knows or the file ends inside it."""
-    head = os.pread(fd, 12, 0)
-    if len(head) < 12:
-        raise StoreError("shorter than a slot file's header")
-    magic, version, n_packed = struct.unpack("<III", head)
-    if magic != SEQ_MAGIC or version != SEQ_VERSION:
-        raise StoreError(f"not a slot file of a known version (magic {magic:#x}, version {version})")
-    if n_packed > MAX_TOKENS:
-        raise StoreError(f"its header claims {n_packed} tokens, more than any context holds")
-    if 12 + 4 * n_packed > size:
-        raise StoreError("ends inside its token list")
-    raw = os.pread(fd, 4 * n_packed, 12)
-    if len(raw) < 4 * n_packed:
-        raise StoreError("ends inside its token list")
-    packed = list(struct.unpack(f"<{n_packed}I", raw))
-    if packed[:2] != [TOKENS_STATE_MARK, TOKENS_STATE_VERSION]:
-        return [t for t in struct.unpack(f"<{n_packed}i", raw)]  # builds before server_tokens' own state
-    if len(packed) < 3 or len(packed) < 3 + packed[2] + 1:
-        raise StoreError("its token list is cut short")
-    n = packed[2]
-    if packed[3 + n] != 0:
-        raise StoreError("it holds media chunks (a multimodal prompt): not restored")
-    return packed[3:3 + n]
 
 
 class SlotStore:
@@ -197,9 +184,10 @@ class SlotStore:
                 self._remove_quietly(d, name)
                 raise StoreError(str(exc)) from None
             try:
-                tokens = _tokens(fd, size)
+                tokens = tokens_of(fd, size)
+                state_format = state_format_of(fd, size)
                 sha256 = self._sha256(fd, size, deadline, name)
-            except StoreError as exc:
+            except HeaderError as exc:
                 self._remove_quietly(d, name)
                 raise StoreError(f"{d.path / name}: {exc}") from None
             except FileRefused as exc:
@@ -209,7 +197,7 @@ class SlotStore:
                 os.close(fd)
             previous = self._read_manifest(d, slot_id, deadline, quiet=True)
             manifest = Manifest(fingerprint.key, fingerprint.as_dict(), slot_id, len(tokens), size, sha256,
-                                time.time(), name)
+                                time.time(), name, asdict(state_format))
             d.write_new(self._manifest_name(slot_id), json.dumps(asdict(manifest), sort_keys=True).encode())
             if isinstance(previous, Manifest) and previous.file != name:
                 self._remove_quietly(d, previous.file)  # an orphan otherwise: prepare removes it
@@ -249,7 +237,9 @@ class SlotStore:
         except (ValueError, TypeError):
             return "its manifest does not parse"
         ints = (manifest.slot_id, manifest.n_tokens, manifest.bytes)
-        if not all(isinstance(v, int) for v in ints) or not isinstance(manifest.sha256, str):
+        if (not all(isinstance(v, int) for v in ints) or not isinstance(manifest.sha256, str)
+                or not isinstance(manifest.fingerprint, dict)
+                or not isinstance(manifest.state_format, dict | None)):
             return "its manifest does not parse"
         named = _slot_of(manifest.file, _BIN) if isinstance(manifest.file, str) else None
         if manifest.slot_id != slot_id or named != slot_id:
@@ -269,10 +259,42 @@ class SlotStore:
         with self._dir() as d:
             return self._manifests(d, self._deadline())
 
-    def check(self, fingerprint: Fingerprint) -> tuple[list[Manifest], list[Refused]]:
+    def from_other_builds(self, fingerprint: Fingerprint) -> list[Manifest]:
+        """The committed manifests of ``fingerprint``'s layout saved by another build than its own
+        (another content hash, or none recorded): those :meth:`check` needs ``written`` for."""
+        return [m for m in self.committed()
+                if m.fingerprint_key == fingerprint.key and m.build.get("sha256") != fingerprint.build.sha256]
+
+    def written_format(self, name: str) -> StateFormat:
+        """The :class:`StateFormat` of ``name``, a save llama-server just made to learn what its build
+        writes; the file is removed. Raises StoreError (not a slot file, not a regular file of
+        llama-server's user) or OSError."""
+        if _slot_of(name, _BIN) is None:
+            raise StoreError(f"{name!r} is not a slot file name")
+        with self._dir() as d:
+            try:
+                fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
+            except FileNotFoundError:
+                raise StoreError(f"llama-server's file {name} is missing") from None
+            except FileRefused as exc:
+                raise StoreError(str(exc)) from None
+            finally:
+                self._remove_quietly(d, name)
+            try:
+                return state_format_of(fd, size)
+            except HeaderError as exc:
+                raise StoreError(f"{d.path / name}: {exc}") from None
+            finally:
+                os.close(fd)
+
+    def check(self, fingerprint: Fingerprint,
+              written: StateFormat | str | None = None) -> tuple[list[Manifest], list[Refused]]:
         """The files that may be restored into a server of ``fingerprint``, and those refused (removed
-        with their manifest). Raises FileRefused (``errno.ETIMEDOUT``) when the reads did not end
-        within ``io_timeout_s``: nothing is removed then."""
+        with their manifest). A file saved by another build is restored only when its
+        :class:`StateFormat` is ``written``, the format ``fingerprint``'s build writes as measured
+        (:meth:`written_format`); a str says why it could not be measured, None that it was not.
+        Raises FileRefused (``errno.ETIMEDOUT``) when the reads did not end within ``io_timeout_s``:
+        nothing is removed then."""
         good: list[Manifest] = []
         refused: list[Refused] = []
         deadline = self._deadline()
@@ -284,7 +306,7 @@ class SlotStore:
                     bins.setdefault(slot_id, []).append(name)
             ids = set(bins) | {s for name in names if (s := _slot_of(name, _MANIFEST)) is not None}
             for slot_id in sorted(ids):
-                verdict = self._check_one(d, slot_id, bins.get(slot_id, []), fingerprint, deadline)
+                verdict = self._check_one(d, slot_id, bins.get(slot_id, []), fingerprint, written, deadline)
                 keep = verdict.file if isinstance(verdict, Manifest) else None
                 for name in bins.get(slot_id, []):
                     if name != keep:
@@ -297,7 +319,7 @@ class SlotStore:
         return good, refused
 
     def _check_one(self, d: SafeDir, slot_id: int, bins: list[str], fingerprint: Fingerprint,
-                   deadline: float) -> Manifest | Refused:
+                   written: StateFormat | str | None, deadline: float) -> Manifest | Refused:
         name = ", ".join(bins) or self._manifest_name(slot_id)
         try:
             manifest = self._read_manifest(d, slot_id, deadline)
@@ -309,8 +331,8 @@ class SlotStore:
             return Refused(name, Refusal.NO_MANIFEST, manifest)
         name = manifest.file
         if manifest.fingerprint_key != fingerprint.key:
-            theirs, ours = manifest.fingerprint, fingerprint.as_dict()
-            differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            theirs, ours = manifest.fingerprint, fingerprint.layout()
+            differ = sorted(k for k in ours if theirs.get(k) != ours[k])
             return Refused(name, Refusal.FOREIGN, f"written by a server with another {', '.join(differ) or 'layout'}")
         try:
             fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
@@ -323,13 +345,17 @@ class SlotStore:
                 return Refused(name, Refusal.TRUNCATED, f"{size} bytes, its manifest says {manifest.bytes}")
             if self._sha256(fd, size, deadline, name) != manifest.sha256:
                 return Refused(name, Refusal.CORRUPT, "its sha256 is not its manifest's")
-            if len(_tokens(fd, size)) != manifest.n_tokens:
+            if manifest.build.get("sha256") != fingerprint.build.sha256:
+                refused = _other_build(name, manifest, fingerprint, state_format_of(fd, size), written)
+                if refused is not None:
+                    return refused
+            if len(tokens_of(fd, size)) != manifest.n_tokens:
                 return Refused(name, Refusal.CORRUPT, "its token count is not its manifest's")
         except FileRefused as exc:
             if exc.errno == errno.ETIMEDOUT:
                 raise  # a slow disk, not a bad file: nothing is removed, the next start checks again
             return Refused(name, Refusal.UNSAFE, exc.reason)
-        except (StoreError, OSError) as exc:
+        except (HeaderError, OSError) as exc:
             return Refused(name, Refusal.CORRUPT, str(exc) or type(exc).__name__)
         finally:
             os.close(fd)
@@ -341,7 +367,9 @@ class SlotStore:
         with self._dir() as d:
             fd, size = d.open_regular(manifest.file, owners={self.file_owner}, max_bytes=self.budget_bytes)
             try:
-                return _tokens(fd, size)
+                return tokens_of(fd, size)
+            except HeaderError as exc:
+                raise StoreError(str(exc)) from None
             finally:
                 os.close(fd)
 
@@ -371,8 +399,8 @@ class SlotStore:
             marks = self._marks(d)
             mark = marks.get(fingerprint.model_build_key)
             count = (_count(mark) if isinstance(mark, dict) else 0) + 1
-            marks[fingerprint.model_build_key] = {"model": fingerprint.model.path, "build": fingerprint.build,
-                                                  "unused": count}
+            marks[fingerprint.model_build_key] = {"model": fingerprint.model.path,
+                                                  "build": fingerprint.build.short, "unused": count}
             d.write_new(UNRESTORABLE, json.dumps(marks, sort_keys=True).encode())
         return count
 
@@ -401,6 +429,20 @@ class SlotStore:
         except ValueError:
             return {}
         return data if isinstance(data, dict) else {}
+
+
+def _other_build(name: str, manifest: Manifest, fingerprint: Fingerprint, theirs: StateFormat,
+                 written: StateFormat | str | None) -> Refused | None:
+    """Why file ``name``, saved by another build than ``fingerprint``'s and of format ``theirs``, is
+    not restored into it (None: ``written``, what this build writes, is its format)."""
+    ours = fingerprint.build
+    both = f"saved by llama-server {manifest.build_shown}, this server runs {ours.release} sha256:{ours.sha256[:8]}"
+    if written is None or isinstance(written, str):
+        return Refused(name, Refusal.BUILD, f"{both}; the slot file format this build writes is not known: "
+                                            f"{written or 'not measured'}")
+    if theirs != written:
+        return Refused(name, Refusal.BUILD, f"{both}; the file is {theirs}, this build writes {written}")
+    return None
 
 
 def _count(mark: dict[object, object]) -> int:

@@ -14,8 +14,11 @@
 - Every start: after ``/health`` 200 and before the server is called ready (:meth:`restore`:
   clients are still held), each committed file of this server's fingerprint is restored into its
   slot and verified by evaluating its tokens on that slot (``cache_n`` must cover all but the last);
-  the whole within ``[slots].restore_timeout_s``. A verification that reused nothing is reported with
-  the model and build and ends this start's restores; :data:`~.store.UNRESTORABLE_AFTER` of them in a
+  a file saved by another build only when its state format is the one this build writes (measured,
+  when there is such a file, by a save of the new server's empty slot 0, read and removed at once),
+  otherwise refused naming both builds (``slot_restore_refused``, refusal ``build``); the whole
+  within ``[slots].restore_timeout_s``. A verification that reused nothing is reported with the
+  model and build and ends this start's restores; :data:`~.store.UNRESTORABLE_AFTER` of them in a
   row stop the carry-over for them for good (counted on disk; a verification that reused its tokens
   starts the count again). Only a restore's own verification can say so: a client's answer cannot
   (a raw ``/completion``, ``/v1/completions`` or ``/infill`` prompt shares nothing with the restored
@@ -30,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from llama_guard.argv import build_of, own_slot_save_path, own_slot_save_problem, resolve_binary, slot_save_dir
+from llama_guard.argv import own_slot_save_path, own_slot_save_problem, slot_save_dir
 from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
@@ -44,8 +47,10 @@ from llama_guard.core.types import AfterStop
 from llama_guard.core.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
+from llama_guard.slots.header import StateFormat
 from llama_guard.slots.store import IO_TIMEOUT_S, UNRESTORABLE_AFTER, SlotStore, StoreError
 from llama_guard.units import MIB
+from llama_guard.upgrade.build import Build, identify, stamp_of
 from llama_guard.vocab.phases import Phase
 
 SLOT_FILES_TIMEOUT_S = IO_TIMEOUT_S + 10.0  # one slot-file step on its lane (seconds): its reads end by IO_TIMEOUT_S
@@ -60,7 +65,8 @@ class SlotsSource(Watcher):
 
     def __init__(self) -> None:
         self.store: SlotStore | None = None
-        self._builds: dict[tuple[str, int], str] = {}  # (binary, mtime_ns) -> its --version
+        self._builds: dict[tuple[str, tuple[int, int, int, int]], Build] = {}  # (binary, stamp_of) -> its build
+        self._binary: tuple[Path, Mapping[str, str]] | None = None  # the executable started next, its environment
         self._saved: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) as last saved
         self._failed: dict[int, tuple[int | None, int]] = {}  # slot id -> (id_task, n_tokens) whose save failed
         self._spawned: ServerConfig | None = None  # the [server] section the next server is started from
@@ -89,8 +95,9 @@ class SlotsSource(Watcher):
         await self._prepare(ctx)
         return None
 
-    async def before_spawn(self, ctx: Context) -> None:
+    async def before_spawn(self, ctx: Context, binary: Path, env: Mapping[str, str]) -> None:
         self._spawned = ctx.config.server  # a reload may change the config while this server runs
+        self._binary = (binary, env)
         await self._prepare(ctx)
 
     async def _prepare(self, ctx: Context) -> None:
@@ -126,16 +133,21 @@ class SlotsSource(Watcher):
         self.store = store
 
     async def _fingerprint(self, ctx: Context, server: ServerConfig) -> Fingerprint | None:
-        """The fingerprint of a server started from ``server`` (the build read once per binary file);
-        None (reported) when it cannot be read."""
+        """The fingerprint of the server started from ``server`` with the executable of the last
+        :meth:`before_spawn` (its build identified once per file: path and stamp); None (reported)
+        when it cannot be read."""
+        started = self._binary
 
         def compute() -> Fingerprint:
-            binary = resolve_binary(server.binary)
-            if binary is None:
-                raise OSError(f"llama-server binary {server.binary!r} not found")
-            stamp = (str(binary), binary.stat().st_mtime_ns)
+            if started is None:
+                raise OSError("no llama-server was started by llama-guard")
+            binary, env = started
+            stamp = (str(binary), stamp_of(binary))
             if stamp not in self._builds:
-                self._builds[stamp] = build_of(binary)
+                build, failure = identify(binary, env=env)
+                if build is None:
+                    raise OSError(failure)
+                self._builds[stamp] = build
             return fingerprint_of(server, self._builds[stamp])
 
         try:
@@ -172,11 +184,14 @@ class SlotsSource(Watcher):
         if fingerprint is None or await self._on_files(lambda: store.unrestorable(fingerprint), "restorable?"):
             self._report_set_aside(ctx, store)
             return
-        good, refused = await self._on_files(lambda: store.check(fingerprint), f"checking {store.root}")
+        written: StateFormat | str | None = None
+        if await self._on_files(lambda: store.from_other_builds(fingerprint), "files of other builds"):
+            written = await self._written_format(ctx, store)
+        good, refused = await self._on_files(lambda: store.check(fingerprint, written), f"checking {store.root}")
         for item in [*store.take_set_aside(), *refused]:
             ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
         if not good:
-            return  # nothing to restore: the server is not asked anything (no delay to its readiness)
+            return  # nothing to restore: the server is not asked anything more (no delay to its readiness)
         client = self._client(ctx)
         try:
             for manifest in good:
@@ -192,7 +207,7 @@ class SlotsSource(Watcher):
                     until = ("for good (remembered in unrestorable.json)" if count >= UNRESTORABLE_AFTER else
                              f"for this server ({count} of {UNRESTORABLE_AFTER} in a row before they stop for good)")
                     ctx.emit("slot_restore_unused", slot_id=manifest.slot_id, n_tokens=len(tokens), cache_n=cache_n,
-                             model=fingerprint.model.path, build=fingerprint.build, by="verification",
+                             model=fingerprint.model.path, build=fingerprint.build.short, by="verification",
                              until=until, server_pid=self._pid)
                     return
                 if cache_n < len(tokens) - 1:
@@ -204,6 +219,19 @@ class SlotsSource(Watcher):
                 await self._on_files(lambda: store.note_reused(fingerprint), "counting a restore reused")
             with contextlib.suppress(SlotCallError):  # what is in the slots now needs no save
                 self._saved = {s.id: (s.id_task, s.n_tokens) for s in await client.slots()}
+        finally:
+            await client.aclose()
+
+    async def _written_format(self, ctx: Context, store: SlotStore) -> StateFormat | str:
+        """The state format this server's build writes, from a save of its slot 0 (empty: the server
+        has just started; the file is removed at once); else why it could not be measured."""
+        name = store.new_name(0)
+        client = self._client(ctx)
+        try:
+            await client.save(0, name)
+            return await self._on_files(partial(store.written_format, name), f"reading {name}")
+        except (SlotCallError, StoreError, OSError) as exc:
+            return f"a save of its empty slot 0 failed: {_why(exc)}"
         finally:
             await client.aclose()
 

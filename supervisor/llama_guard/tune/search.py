@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.insight.bench import RunTimings, Spread
+from llama_guard.insight.bench import RunFigures, RunTimings
 from llama_guard.insight.model_facts import ModelFacts
 from llama_guard.tune.price import Price, most_layers, price
 from llama_guard.tune.space import Knob, Knobs, Space, alternatives
@@ -37,7 +37,7 @@ from llama_guard.tune.trial import TrialFailed, measure, started, vram_mib, wors
 
 
 @dataclass
-class Candidate:
+class Candidate(RunFigures):
     """One flag set's record: its price, its runs so far (all rounds), NVML's VRAM readings (MiB),
     whether it took the full-context prefill (None: not tried) and why it failed (None: it did not)."""
 
@@ -47,14 +47,6 @@ class Candidate:
     vram_mib: list[float] = field(default_factory=list)
     prefill_ok: bool | None = None
     failure: str | None = None
-
-    @property
-    def eval(self) -> Spread:
-        return Spread.of([r.predicted_per_second for r in self.runs])
-
-    @property
-    def prompt(self) -> Spread:
-        return Spread.of([r.prompt_per_second for r in self.runs])
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"flags": self.knobs.as_server_update(), "label": self.knobs.label(),

@@ -9,7 +9,6 @@ the trial fail with the cause (:class:`TrialFailed`), never the search."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import psutil
 from llama_guard.api_key import read_api_key
 from llama_guard.config import Config
 from llama_guard.core.client import BlockingClient, RequestFailed
-from llama_guard.insight.bench import DEFAULT_PROMPT, BenchError, RunTimings, completion, spawned_server
+from llama_guard.insight.bench import DEFAULT_PROMPT, BenchError, RunTimings, completion, free_port, spawned_server
 from llama_guard.insight.budget import CELL_PAD
 from llama_guard.tune.space import Knobs
 from llama_guard.units import MIB
@@ -42,13 +41,6 @@ class TrialRun:
 
     runs: tuple[RunTimings, ...]
     vram_mib: float | None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def trial_config(config: Config, knobs: Knobs, port: int) -> Config:

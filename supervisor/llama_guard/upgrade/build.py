@@ -160,8 +160,29 @@ class Build:
         """Whether ``other`` has this content, wherever it lies (a kept copy of it)."""
         return other is not None and other.sha256 == self.sha256
 
+    def as_dict(self) -> dict[str, str]:
+        """The fields as JSON holds them (what a slot file's manifest records of the build that saved it)."""
+        return {"path": str(self.path), "sha256": self.sha256, "version": self.version, "release": self.release}
+
 
 def version_shown(text: str) -> str:
     """``--version`` output as one line: non-empty lines joined by "; ", clipped."""
     joined = "; ".join(line.strip() for line in text.splitlines() if line.strip())
     return joined[:VERSION_SHOWN_MAX] + "…" if len(joined) > VERSION_SHOWN_MAX else joined
+
+
+def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,
+             env: Mapping[str, str] | None = None) -> tuple[Build | None, str]:
+    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``), and
+    "" — or None and why it cannot be a build that starts (a signal, a non-zero exit, no answer in
+    time, not executable)."""
+    what = f"{binary} --version"
+    try:
+        sha = file_sha256(binary)
+        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
+    except OSError as exc:
+        return None, f"{what}: {exc.strerror or exc}"
+    failure = ran.failure(what, timeout_s)
+    if failure:
+        return None, failure
+    return Build(binary, sha, version_shown(ran.text), release_of(ran.text)), ""

@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.argv import build_argv, flags_in
 from llama_guard.config import Config
 from llama_guard.core.child import child_environ
-from llama_guard.upgrade.build import (
-    HELP_TIMEOUT_S,
-    VERSION_TIMEOUT_S,
-    Build,
-    file_sha256,
-    release_of,
-    run_bounded,
-    version_shown,
-)
+from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, identify, run_bounded
 
 
 @dataclass(frozen=True)
@@ -47,23 +38,6 @@ def unknown_flags(argv: list[str], help_listing: str) -> tuple[str, ...]:
     def listed(flag: str) -> bool:
         return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_listing) is not None
     return tuple(sorted({flag for flag in flags_in(argv) if not listed(flag)}))
-
-
-def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,
-             env: Mapping[str, str] | None = None) -> tuple[Build | None, str]:
-    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``), and
-    "" — or None and why it cannot be a build that starts (a signal, a non-zero exit, no answer in
-    time, not executable)."""
-    what = f"{binary} --version"
-    try:
-        sha = file_sha256(binary)
-        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
-    except OSError as exc:
-        return None, f"{what}: {exc.strerror or exc}"
-    failure = ran.failure(what, timeout_s)
-    if failure:
-        return None, failure
-    return Build(binary, sha, version_shown(ran.text), release_of(ran.text)), ""
 
 
 def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSION_TIMEOUT_S,

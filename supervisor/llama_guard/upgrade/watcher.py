@@ -39,10 +39,10 @@ from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.core.transition import Transition
 from llama_guard.core.types import AfterStop, TrialResult, exit_text
 from llama_guard.core.watcher import Context, Watcher
-from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, stamp_of
+from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
-from llama_guard.upgrade.preflight import Preflight, identify, preflight
+from llama_guard.upgrade.preflight import Preflight, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 

@@ -951,15 +951,19 @@ EVENTS: tuple[EventSpec, ...] = (
               subject="a slot file was refused before it reached llama-server",
               body=("@FILE@ was refused (@REFUSAL@): @DETAIL@. llama-server was never asked to load it, and "
                     "it was\n"
-                    "removed. Foreign files come from a server with another model file, build, context size, "
-                    "slot\n"
-                    "count, KV cache type or KV-layout flag; truncated or corrupt ones from a crash or a "
-                    "disk fault;\n"
+                    "removed. Foreign files come from a server with another model file, context size, slot "
+                    "count,\n"
+                    "KV cache type or KV-layout flag; build ones were saved by another llama-server build "
+                    "whose slot\n"
+                    "file format is not the one this build writes (measured by a save of its own; both "
+                    "builds named);\n"
+                    "truncated or corrupt ones from a crash or a disk fault;\n"
                     "unsafe ones are not a regular file of llama-server's user within [slots].budget_mib (a "
                     "link, a\n"
                     "FIFO, a device): never opened nor followed, the name itself removed."),
-              readme=("a slot file refused before it reached llama-server (truncated, corrupt, foreign, no "
-                      "manifest, unsafe: a link, FIFO, device or other file in its place) and removed")),
+              readme=("a slot file refused before it reached llama-server (truncated, corrupt, foreign, "
+                      "another build's format, no manifest, unsafe: a link, FIFO, device or other file in its "
+                      "place) and removed")),
     EventSpec("slot_restore_unused", _S.ERROR,
               ("a restored slot was not reused ({cache_n} of {n_tokens} tokens) with model {model} and "
                "build {build}: restores stop {until}"),
