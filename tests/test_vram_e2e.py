@@ -17,7 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import FAKE_NVML_RUN, FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import (
+    FAKE_NVML_RUN,
+    FAKE_SERVER,
+    DaemonRun,
+    base_sections,
+    free_port,
+    merge,
+    server_pids_of,
+    wait_nvml_calls,
+)
 
 TESTS = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -36,22 +45,8 @@ class VramRun(DaemonRun):
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.script)
 
-    def nvml_calls(self, name: str) -> int:
-        """How many times the daemon called NVML's ``name`` so far (failing calls too)."""
-        try:
-            return int(json.loads((self.tmp / "nvml-calls.json").read_text()).get(name, 0))
-        except (OSError, ValueError):
-            return 0
-
-    def wait_nvml_calls(self, name: str, more: int, timeout: float = 30.0) -> None:
-        """Until the daemon called NVML's ``name`` ``more`` times beyond now: it looked again (a positive
-        marker that the daemon went on doing its work, where a sleep would pass on a stalled daemon)."""
-        target = self.nvml_calls(name) + more
-        deadline = time.monotonic() + timeout
-        while self.nvml_calls(name) < target:
-            assert time.monotonic() < deadline, f"{name} not called {more} more times within {timeout} s"
-            assert self.proc is not None and self.proc.poll() is None, f"daemon exited: {self.names()}"
-            time.sleep(0.05)
+    def wait_nvml_calls(self, name: str, more: int) -> None:
+        wait_nvml_calls(self, self.tmp / "nvml-calls.json", name, more)
 
 
 # The VRAM checks of a wait (one per [gpu] poll while the VRAM is held): each reads NVML's recovery action,
