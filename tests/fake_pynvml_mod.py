@@ -17,6 +17,8 @@ It wraps one :class:`fake_nvml.FakeNvml` and is scripted by the JSON file named 
 
 NVML's session state (initialised or not, init/shutdown counts) is written to ``$FAKE_NVML_STATE``
 after every init/shutdown, so a stub reset command can tell whether our NVML session was released.
+Every call (a failing one too) is counted by name; the counts are written to ``$FAKE_NVML_CALLS`` (JSON)
+after each call when set, so a test can wait for the daemon to have looked again (a positive marker).
 """
 
 from __future__ import annotations
@@ -137,6 +139,15 @@ def _write_state() -> None:
     os.replace(tmp, path)
 
 
+def _write_calls() -> None:
+    path = os.environ.get("FAKE_NVML_CALLS", "")
+    if not path:
+        return
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(dict(_FAKE.calls)))
+    os.replace(tmp, path)
+
+
 def _wrap(name: str) -> Any:
     method = getattr(_FAKE, name)
 
@@ -157,7 +168,10 @@ def _wrap(name: str) -> Any:
             time.sleep(float(_script().get("call_s", 0.0)))
         with _LOCK:
             _sync()
-            result = method(*args)
+            try:
+                result = method(*args)
+            finally:
+                _write_calls()
             if name == "nvmlInit":
                 _inits += 1
                 _write_state()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,15 @@ def metric(port: int, name: str) -> float:
     """The value of the series ``name`` (with its labels) on the exporter at ``port``; 0 when absent."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def wait_metric(port: int, name: str, value: float, timeout: float = 30.0) -> None:
+    """Until the series ``name`` on the exporter at ``port`` reads ``value`` (a positive marker: the front door
+    holds the requests a test just sent, or gave their places back); fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (now := metric(port, name)) != value:
+        assert time.monotonic() < deadline, f"{name} = {now}, not {value}, after {timeout} s"
+        time.sleep(0.05)
 
 
 def served(port: int) -> bool:

@@ -191,6 +191,27 @@ class DaemonRun:
         terminate(self.proc, 20.0)
 
 
+def nvml_calls(path: Path, name: str) -> int:
+    """How many times a daemon run with tests/fake_pynvml_mod.py called NVML's ``name`` so far (failing calls
+    too), from its ``$FAKE_NVML_CALLS`` file ``path``."""
+    try:
+        return int(json.loads(path.read_text()).get(name, 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_nvml_calls(run: DaemonRun, path: Path, name: str, more: int, timeout: float = 30.0) -> None:
+    """Until ``run`` called NVML's ``name`` ``more`` times beyond now (``path``: its ``$FAKE_NVML_CALLS``):
+    the daemon looked again — a positive marker that it went on with its work, where a sleep passes on a
+    stalled daemon too."""
+    target = nvml_calls(path, name) + more
+    deadline = time.monotonic() + timeout
+    while nvml_calls(path, name) < target:
+        assert time.monotonic() < deadline, f"{name} not called {more} more times within {timeout} s"
+        assert run.proc is not None and run.proc.poll() is None, f"daemon exited: {run.names()}"
+        time.sleep(0.05)
+
+
 def terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
     """SIGTERM ``proc`` if it still runs, SIGKILL after ``timeout_s`` seconds; reaped either way."""
     if proc.poll() is None:

@@ -104,10 +104,12 @@ class SlowPreSpawn:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
         self.began = asyncio.Event()
+        self.waited_out = False  # the wait ran its whole length
 
     async def before_spawn(self, ctx: Context, previous_pid: int | None) -> str | None:
         self.began.set()
         await asyncio.sleep(self.wait_s)
+        self.waited_out = True
         return None
 
     def child_rlimits(self) -> RlimitSettings:
@@ -125,34 +127,23 @@ def test_decision_step_stays_short_and_pings_keep_their_period_during_a_10s_pre_
     slow = SlowPreSpawn(10.0)
     path = _config(tmp_path, str(llama_server_bin), real_model)
     daemon = Daemon(load_config(path), path, _Recorder(), notifier=notifier, child=slow)
-    steps: list[float] = []
-    real_step = daemon._step
-
-    async def timed_step(event: Input) -> None:
-        t0 = time.perf_counter()
-        await real_step(event)
-        steps.append(time.perf_counter() - t0)
-
-    daemon._step = timed_step  # type: ignore[method-assign]
-
-    async def go() -> tuple[int, float]:
+    async def go() -> tuple[int, bool]:
         task = asyncio.ensure_future(daemon.run())
         await asyncio.wait_for(slow.began.wait(), 10)
-        await asyncio.sleep(3.0)  # well inside the 10 s wait
-        asked = time.monotonic()
+        await asyncio.sleep(3.0)  # the scenario: the stop comes well inside the 10 s wait
         daemon.queue.put_nowait(StopRequest("SIGTERM received"))
         code = await asyncio.wait_for(task, 15)
-        return code, time.monotonic() - asked
+        return code, slow.waited_out
 
     try:
-        code, stop_s = asyncio.run(go())
+        code, waited_out = asyncio.run(go())
         pings = [t for t, text in manager.drain() if text == "WATCHDOG=1"]
     finally:
         manager.close()
     assert code == EXIT_OK
-    # Bounds a loaded 2-core machine meets, far from the 10 s wait (precise figures: benchmarks/).
-    assert stop_s < 3.0, f"the stop took {stop_s:.2f} s during the pre-spawn wait"
-    assert max(steps) < 2.0, f"a decision step took {max(steps):.3f} s"
+    # The stop request was taken and the daemon ended while the wait still ran: no decision step held the wait
+    # (a step inside it would have kept the stop request queued until the wait's end).
+    assert not waited_out, "the stop waited for the pre-spawn wait"
     gaps = [b - a for a, b in itertools.pairwise(pings)]
     # WatchdogSec=2: a gap of 2 s is what systemd would act on.
     assert len(pings) >= 3 and max(gaps) < 2.0, f"watchdog pings {len(pings)}, largest gap {max(gaps):.2f} s"
@@ -186,12 +177,10 @@ def test_model_that_is_not_a_regular_file_ends_run_with_78(tmp_path: Path, llama
         model = tmp_path / "models"
         model.mkdir()
     path = _config(tmp_path, str(llama_server_bin), model)
-    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "llama_guard", "run", "--config", str(path)],
-                         capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+                         capture_output=True, text=True, timeout=60, cwd=str(ROOT))  # blocked in open: never exits
     assert out.returncode == EXIT_CONFIG, out.stderr[-2000:]
     assert "not a regular file" in out.stderr
-    assert time.monotonic() - t0 < 15
 
 
 def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Path, llama_server_bin: Path,
@@ -207,29 +196,26 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
     daemon = Daemon(load_config(path), path, emitter, notifier=notifier)
     fifo = _fifo(tmp_path)
 
-    async def go() -> float:
+    async def go() -> None:
         daemon.ctx = Context(get_config=lambda: daemon.config, get_state=lambda: daemon.state,
                              emit=emitter.emit, post=daemon.queue.put_nowait,
                              post_threadsafe=daemon.queue.put_nowait, clock=time.monotonic,
                              loop=asyncio.get_running_loop())
         path.write_text(good.replace(str(real_model), str(fifo)))
-        t0 = time.monotonic()
         for _ in range(8):
+            # each within 5 s: below one model-check timeout (MODEL_CHECK_TIMEOUT_S, 10 s), so none waited one out
             await asyncio.wait_for(daemon.reloader.reload(), 5)
             manager.drain()  # as systemd reads: the datagram queue is short
-        elapsed = time.monotonic() - t0
         path.write_text(good.replace("threads = 1", "threads = 2"))
         await asyncio.wait_for(daemon.reloader.reload(), 5)
-        return elapsed
 
     try:
-        elapsed = asyncio.run(go())
+        asyncio.run(go())
         messages = [text for _, text in manager.drain()]
     finally:
         manager.close()
     errors = emitter.named("config_error")
     assert len(errors) == 8 and all("FIFO" in e["reason"] for e in errors)
-    assert elapsed < 10.0  # below one model-check timeout for all eight
     assert daemon.config.server.threads == 2  # the good reload after them applied
     assert sum(m.startswith("READY=1") for m in messages) == 9
 
@@ -248,14 +234,12 @@ def test_hung_nvml_call_raises_in_time_names_the_call_and_does_not_pile_up() -> 
     with pytest.raises(NvmlHung) as first:
         nvml.sample()
     assert first.value.call == "nvmlDeviceGetTemperature" and first.value.first
-    assert 0.25 < time.monotonic() - t0 < 3.0
-    t0 = time.monotonic()
+    assert time.monotonic() - t0 >= 0.25  # its timeout (returning at all: the call itself never does)
     with pytest.raises(NvmlHung) as later:
         nvml.sample()
-    assert not later.value.first and time.monotonic() - t0 < 1.0  # refused, not a second call stuck behind it
-    t0 = time.monotonic()
-    nvml.close()
-    assert time.monotonic() - t0 < 3.0  # not held up by the stuck call
+    assert not later.value.first  # refused, not a second call stuck behind it
+    nvml.close()  # returns while the call is still stuck: not held up by it
+    assert nvml.stuck_call is not None
     fake.unhang("nvmlDeviceGetTemperature")
     deadline = time.monotonic() + 2
     while nvml.stuck_call is not None and time.monotonic() < deadline:
@@ -277,7 +261,7 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
     posted: list[Input] = []
     source = GpuSource(nvml_module=fake, nvml_call_timeout_s=0.3, hung_as_lost_s=1.0)
 
-    async def go() -> float:
+    async def go() -> None:
         ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
                       emit=emitter.emit, post=posted.append, post_threadsafe=posted.append,
                       clock=time.monotonic, loop=asyncio.get_running_loop())
@@ -289,18 +273,15 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
         while not any(isinstance(p, GpuFault) for p in posted) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         task.cancel()
-        t0 = time.monotonic()
-        await source.close()
-        return time.monotonic() - t0
+        await source.close()  # returns while the call is still stuck (it is unhung only below)
 
-    close_s = asyncio.run(go())
+    asyncio.run(go())
     timeouts = emitter.named("gpu_nvml_timeout")
     assert len(timeouts) == 1 and timeouts[0]["call"] == "nvmlDeviceGetPowerUsage"
     faults = [p for p in posted if isinstance(p, GpuFault)]
     assert len(faults) == 1 and faults[0].kind is GpuFaultKind.GPU_LOST
     assert "nvmlDeviceGetPowerUsage" in faults[0].reason
     assert source.degraded and (source.snapshot() or {})["watch"].startswith("degraded")
-    assert close_s < 3.0
     fake.unhang("nvmlDeviceGetPowerUsage")
 
 
@@ -502,11 +483,9 @@ def test_setsid_grandchild_holding_stdout_does_not_hide_the_servers_death(
     escaped = [p for p in psutil.process_iter(["pid", "cmdline"])
                if (p.info["cmdline"] or [])[:2] == ["sleep", nap] and p.pid != pid]
     assert escaped, "the setsid grandchild did not start"
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    exited = run.wait_event("server_exited", 10, where=lambda e: e["server_pid"] == pid)
-    seen_s = time.monotonic() - t0
-    assert seen_s < 5.0, f"the exit was noticed after {seen_s:.1f} s"
+    # Noticed while the grandchild (sleep 600) still holds the server's output: not at the pipe's end.
+    exited = run.wait_event("server_exited", 30, where=lambda e: e["server_pid"] == pid)
     assert exited["signal"] == signal.SIGKILL
     named = run.wait_event("server_escaped_process", 5)
     assert named["escaped_pid"] in {p.pid for p in escaped} and named["escaped_name"] == "sleep"

@@ -67,8 +67,8 @@ def test_a_body_trickled_a_byte_a_second_gets_408_and_others_are_served(door: An
             answer = sock.recv(65536)
         time.sleep(0.8)
     sock.close()
-    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-    assert 1.5 < time.monotonic() - start < 8.0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]  # within the 10 s of trickling: a byte never renews it
+    assert time.monotonic() - start > 1.5  # and not before body_timeout_s
     assert served(run.front)
 
 
@@ -88,7 +88,8 @@ def test_a_request_head_trickled_a_byte_a_second_is_closed(door: Any) -> None:
             closed = True
         time.sleep(0.8)
     sock.close()
-    assert closed and 1.5 < time.monotonic() - start < 8.0
+    assert closed  # within the 10 s of trickling: a byte never renews header_timeout_s
+    assert time.monotonic() - start > 1.5  # and not before it
     assert served(run.front)
 
 

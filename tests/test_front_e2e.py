@@ -146,7 +146,7 @@ def test_server_never_ready_held_requests_get_503_within_hold_timeout(front: Any
     assert all(r.headers["Retry-After"] == "5" for r in results)
     assert all(r.json()["error"]["type"] == "unavailable_error" for r in results)
     assert all(r.json()["error"]["message"].startswith("llama-guard front door: ") for r in results)
-    assert 1.9 <= elapsed < 2.0 + 8.0  # held for hold_timeout_s (2 s), then answered: never a hang
+    assert elapsed >= 1.9  # held for hold_timeout_s (2 s), then answered (never a hang: the client's 30 s timeout)
     assert metric(run, "llama_guard_front_requests_failed_total") == 3
 
 
@@ -441,13 +441,14 @@ def test_sigterm_during_a_generation_lets_it_finish_refuses_new_requests_and_exi
         in_flight_then = not long.done()
         run.signal(signal.SIGTERM)
         run.wait_event("daemon_stopping", 10)
-        sent = time.monotonic()
         refused = completion(run.front, 2, timeout=30.0)
-        refused_s = time.monotonic() - sent
+        # At once: refused while the stop's drain still waits for the generation (its server is stopped: the
+        # generation cannot end, and a drain that gave up would have cut it — it completes in full below).
+        drain_on = not long.done()
         os.kill(server, signal.SIGCONT)
         answer = long.result()
     assert in_flight_then, "the generation ended before the pause: lengthen it"
-    assert refused.status_code == 503 and refused.headers["Retry-After"] == "5" and refused_s < 5.0
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "5" and drain_on
     assert answer.status_code == 200 and answer.json()["tokens_predicted"] == n_long
     assert run.wait_exit(60) == 0
     names = run.names()

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from front_fixtures import metric, served
+from front_fixtures import metric, served, wait_metric
 from harness import free_port
 from llama_guard.front.source import CLOSE_TIMEOUT_S
 
@@ -55,17 +55,19 @@ def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_a
     request gets its 503 at once; the stop drains the stream in flight until its client leaves, and
     once the server is gone the daemon exits well within the front door's close timeout — an idle
     connection must not hold up the exit."""
-    run = door(extra={"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192}})
+    metrics = free_port()
+    run = door(extra={"schedule": {"drain_timeout_s": 120.0}, "server": {"ctx_size": 8192},
+                      "metrics": {"listen": f"127.0.0.1:{metrics}"}})
     client, resp, _chunks = long_stream(run.front, 8000)  # keeps the drain going
     run.signal(signal.SIGUSR1)
     run.wait_event("restart_requested", 10)
     held = [raw(run.front, REQUEST) for _ in range(20)]
     idle = [raw(run.front, b"") for _ in range(5)]
-    time.sleep(0.5)
-    begin = time.monotonic()
+    wait_metric(metrics, "llama_guard_front_requests_waiting", 20)  # all 20 are held
+    wait_metric(metrics, "llama_guard_front_connections", 26)  # and the idle ones are open (+ the stream's)
     run.signal(signal.SIGTERM)
+    # At once: the 503s come while the stop's drain still waits for the stream (its client leaves only below).
     heads = [sock.recv(12) for sock in held]
-    answered_s = time.monotonic() - begin
     assert heads == [b"HTTP/1.1 503"] * 20, heads
     resp.close()  # the stream's client leaves: nothing is in flight, the stop's drain ends
     client.close()
@@ -77,7 +79,6 @@ def test_sigterm_with_held_requests_and_idle_connections_answers_503_and_exits_a
                 pass
         sock.close()
     last = datetime.fromisoformat(run.wait_event("daemon_exit", 5)["timestamp"]).timestamp()
-    assert answered_s < CLOSE_TIMEOUT_S - 1.0, answered_s
     assert exited - last < CLOSE_TIMEOUT_S - 1.0, exited - last
 
 
@@ -162,10 +163,10 @@ def test_clients_that_leave_while_held_give_their_place_back(door: Any) -> None:
     run.signal(signal.SIGUSR1)
     run.wait_event("restart_requested", 10)
     left = [raw(run.front, REQUEST) for _ in range(2)]
-    time.sleep(1.0)
+    wait_metric(metrics, "llama_guard_front_requests_waiting", 2)  # both held: the queue is full
     for sock in left:
         sock.close()
-    time.sleep(1.0)
+    wait_metric(metrics, "llama_guard_front_requests_waiting", 0)  # they left: their places are free
     later = [raw(run.front, REQUEST) for _ in range(2)]
     resp.close()
     client.close()  # the drain ends, the restart runs, the held ones go

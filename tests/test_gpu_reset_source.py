@@ -121,7 +121,7 @@ async def test_lost_gpu_does_not_block_the_reset_on_the_vram_wait(tmp_path: Path
     src, ctx = make(fake, stub(tmp_path), tmp_path)
     fake.lose_gpu()
     facts = await src.inspect_reset(ctx, gone_pid)
-    assert facts.previous_released and facts.waited_s < 5.0  # not the VRAM-release timeout
+    assert facts.previous_released  # seen gone, not the VRAM-release timeout run out (that one is not released)
     done = await src.reset(ctx, 0)
     # The command ran; the fake GPU stays lost, so the verification fails.
     assert done.exit_status == 0 and not done.verified and not done.ok

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from front_fixtures import metric
 from harness import FAKE_NVML_RUN, FAKE_SERVER, ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
 from llama_guard.config import Config
 from needs import unavailable
@@ -208,10 +209,12 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
 
         def hold_some() -> None:  # two held and served by the next server, a third refused
             if FRONT:
-                for _ in range(3):
+                for i in range(3):
                     clients.append(threading.Thread(target=through_front))
                     clients[-1].start()
-                    time.sleep(0.3)
+                    if i < 2:  # held before the next one is sent (the third finds the queue full)
+                        wait(lambda n=i + 1: metric(metrics_port, "llama_guard_front_requests_waiting") == n,
+                             f"{i + 1} held", 10)
 
         oom()  # OOM -> GPU reset -> restart
         hold_some()  # held across it (a histogram's first observations start its series: hold twice)
@@ -230,7 +233,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, flo
             for client in clients:
                 client.join(30)
             assert sorted(held) == [200, 200, 200, 200, 503, 503], held
-        time.sleep(20)  # the last state for a few scrapes, and every increase() window closed
+        # The last state scraped 20 times (1 s apart): a few scrapes of it, and every increase() window
+        # ($__rate_interval, 15 s) that began before the last event ends within the data.
+        scraped_before = prom.scrapes()
+        wait(lambda: prom.scrapes() >= scraped_before + 20, "20 more scrapes", 60)
         end = time.time()
         assert prom.scrapes() >= 0.6 * (end - start), "Prometheus missed most scrapes (an overloaded host?)"
         yield prom.url, start, end, run

@@ -320,3 +320,23 @@ async def test_a_planned_restart_counts_by_its_plan_and_an_xid_it_acted_on_as_xi
     run.feed(Exited(101, -15))
     run.until_restart()
     assert restarts(src) == {"reload": 1, "xid": 1}
+
+
+async def test_the_loops_unfinished_tasks_are_counted_from_the_scrapes_thread(tmp_path: Path) -> None:
+    """``llama_guard_asyncio_tasks``: the daemon loop's tasks not done yet, read where a scrape renders
+    (a lane thread, not the loop): it follows tasks started and finished (what the soak bench reads)."""
+    src, ctx, _, _ = make(tmp_path)
+    await src.start(ctx)
+    ctx.loop = asyncio.get_running_loop()
+
+    async def tasks_now() -> float:
+        return (await asyncio.to_thread(scrape, src))[("llama_guard_asyncio_tasks", ())]
+
+    before = await tasks_now()
+    assert before == len(asyncio.all_tasks())
+    release = asyncio.Event()
+    parked = [asyncio.create_task(release.wait()) for _ in range(7)]
+    assert await tasks_now() == before + 7
+    release.set()
+    await asyncio.gather(*parked)
+    assert await tasks_now() == before

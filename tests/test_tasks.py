@@ -32,7 +32,5 @@ async def test_cancel_all_lets_a_finishing_task_end_and_cancels_the_rest() -> No
 async def test_a_finishing_task_that_does_not_end_is_cancelled_after_the_timeout() -> None:
     tasks = task_set()
     stuck = tasks.start(asyncio.sleep(3600), "end of a server", finish=True)
-    begin = time.monotonic()
-    await tasks.cancel_all(0.2)
+    await tasks.cancel_all(0.2)  # returns (the task sleeps an hour): the timeout, then the cancel
     assert stuck.cancelled()
-    assert time.monotonic() - begin < 5.0

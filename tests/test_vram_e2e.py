@@ -17,7 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import FAKE_NVML_RUN, FAKE_SERVER, DaemonRun, base_sections, free_port, merge, server_pids_of
+from harness import (
+    FAKE_NVML_RUN,
+    FAKE_SERVER,
+    DaemonRun,
+    base_sections,
+    free_port,
+    merge,
+    server_pids_of,
+    wait_nvml_calls,
+)
 
 TESTS = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -35,6 +44,14 @@ class VramRun(DaemonRun):
         tmp = self.script.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.script)
+
+    def wait_nvml_calls(self, name: str, more: int) -> None:
+        wait_nvml_calls(self, self.tmp / "nvml-calls.json", name, more)
+
+
+# The VRAM checks of a wait (one per [gpu] poll while the VRAM is held): each reads NVML's recovery action,
+# which nothing else reads — so its calls count the checks.
+CHECK = "nvmlDeviceGetFieldValues"
 
 
 @pytest.fixture
@@ -76,6 +93,7 @@ def start(runs: list[VramRun], tmp: Path, *, gpu: dict[str, object], nvml: dict[
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     run = VramRun(tmp, sections, env={"PYTHONPATH": pythonpath,
                                       "FAKE_NVML_SCRIPT": str(script), "STUB_RESET_RECORD": str(record),
+                                      "FAKE_NVML_CALLS": str(tmp / "nvml-calls.json"),
                                       **(env_daemon or {})},
                   command=FAKE_NVML_RUN)
     run.port, run.script, run.record = port, script, record
@@ -95,7 +113,7 @@ def test_start_waits_for_the_foreign_process_then_starts(make_run: list[VramRun]
     assert wait["foreign_pid"] == foreign.pid and wait["foreign_name"] == "sleep"
     assert wait["foreign_mib"] == 79 * 1024 and wait["free_mib"] == 150 and wait["need_mib"] == 20_000
     assert f"pid {foreign.pid} (sleep" in wait["message"] and "19850 MiB missing" in wait["message"]
-    time.sleep(2.0)  # it keeps waiting: nothing is started into certain OOM
+    run.wait_nvml_calls(CHECK, 3)  # it keeps waiting: three more checks, still short, nothing started into OOM
     assert "server_starting" not in run.names()
     run.set_nvml(processes=[], values=FREE)
     ready = run.wait_event("server_ready", 20)
@@ -110,11 +128,11 @@ def test_stop_request_while_waiting_for_vram_exits_0_at_once(make_run: list[Vram
     run = start(make_run, tmp_path, gpu={"expected_vram_mib": 20_000},
                 nvml={"processes": [[foreign.pid, 79 * GIB]], "values": HELD})
     run.wait_event("gpu_vram_wait", 20)
-    sent = time.monotonic()
     run.signal(signal.SIGTERM)
-    assert run.wait_exit(10) == 0
-    assert time.monotonic() - sent < 5.0
-    assert "server_starting" not in run.names()
+    assert run.wait_exit(30) == 0  # the wait (vram_wait_timeout_s, 300 s by default) is not waited out
+    names = run.names()
+    assert "server_starting" not in names and "server_restart" not in names
+    assert names[names.index("gpu_vram_wait") + 1:] == ["daemon_stopping", "daemon_exit"], names
 
 
 def test_oom_at_load_while_a_foreign_process_holds_the_vram_waits_instead_of_crashing(
@@ -129,7 +147,7 @@ def test_oom_at_load_while_a_foreign_process_holds_the_vram_waits_instead_of_cra
     oom = run.wait_event("server_oom", 20)
     wait = run.wait_event("gpu_vram_wait", 20)
     assert wait["foreign_pid"] == foreign.pid and "ran out of GPU memory at load" in wait["missing"]
-    time.sleep(2.0)
+    run.wait_nvml_calls(CHECK, 2)  # two more checks while held
     assert run.names().count("server_starting") == 1  # not started again into the same OOM
     flag.unlink()
     run.set_nvml(processes=[], values=FREE)
@@ -182,7 +200,7 @@ def test_the_wait_admits_once_a_real_foreign_process_exits_and_its_memory_is_fre
         wait = run.wait_event("gpu_vram_wait", 40)
         assert wait["foreign_pid"] == hog.pid and wait["free_mib"] == 150
         assert isinstance(wait["need_mib"], int) and wait["need_mib"] > 150  # the GGUF's estimate
-        time.sleep(3.0)  # several polls while it is held
+        run.wait_nvml_calls(CHECK, 3)  # several checks while it is held
         assert "server_starting" not in run.names()
         hog.kill()  # not reaped: a zombie until the end of the test
         ready = run.wait_event("server_ready", 30)
@@ -203,7 +221,10 @@ def test_a_check_that_fails_while_waiting_is_reported_once_and_the_wait_goes_on(
     run.set_nvml(fail={"nvmlDeviceGetMemoryInfo": 7})  # NVML answers the memory reading with an error
     failed = run.wait_event("gpu_vram_check_failed", 10)
     assert failed["gpu_index"] == 0 and "no memory reading" in failed["reason"]
-    time.sleep(3.0)  # several failed polls: no start into the other process's memory, one report
+    # Several failed checks: no start into the other process's memory, one report. A failed check reads no
+    # recovery action; the memory reading fails for the sampler (every 0.2 s) and each check (every 1 s):
+    # 18 failed readings span at least three checks' polls.
+    run.wait_nvml_calls("nvmlDeviceGetMemoryInfo", 18)
     names = run.names()
     assert "server_starting" not in names and names.count("gpu_vram_check_failed") == 1
     run.set_nvml(fail={}, processes=[], values=FREE)

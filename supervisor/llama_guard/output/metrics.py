@@ -16,6 +16,7 @@ Names follow Prometheus conventions: ``llama_guard_`` prefix, units in names (``
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -233,6 +234,10 @@ class MetricsSource(Watcher, Collector):
         budget_left.add_metric([], float(max(0, ctx.config.recovery.max_resets - used)))
         yield budget_left
         yield GaugeMetricFamily("llama_guard_gpu_lost", "1 while the GPU is lost", value=float(state.gpu_lost))
+        # Read on the scrape's lane thread: asyncio.all_tasks tolerates the loop adding tasks meanwhile.
+        yield GaugeMetricFamily("llama_guard_asyncio_tasks", "asyncio tasks of the daemon's loop not done yet "
+                                "(flat on a box that runs for months: benchmarks/bench_soak.py)",
+                                value=float(len(asyncio.all_tasks(ctx.loop))))
         phases = SummaryMetricFamily("llama_guard_phase_seconds", "finished stays in each phase (draining = "
                                      "drain duration, resetting_gpu = reset, starting = load)", labels=["phase"])
         for name, (count, total) in sorted(self.phase_time.items()):
