@@ -51,7 +51,7 @@ test-fast: venv
 TEST_WORKERS ?= 4
 test: venv test-fast policy-coverage real server-tests test-parallel test-serial
 test-parallel: venv real
-	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25 -m "not fast and not serial" -n $(TEST_WORKERS) --dist loadgroup
+	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=25 -m "not fast and not serial" -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0
 test-serial: venv real
 	. ./$(REAL_ENV) && $(BIN)/pytest -ra --durations=10 -m serial
 
