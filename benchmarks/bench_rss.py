@@ -108,7 +108,7 @@ def import_all(modules: list[str], bad_config: Path) -> str:
     """Code that starts ``llama-guard run`` on ``bad_config`` (a configuration error: the verb imports what
     it imports at its start, its own way, then exits 78), then imports the rest of ``modules`` (the names of
     one import log), skipping any that cannot be imported on its own (a test double's module)."""
-    return ("import contextlib, importlib, io\nfrom llama_guard.cli import main\n"
+    return ("import contextlib, importlib, io\nfrom llama_guard.app.cli import main\n"
             "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
             f"    main(['run', '--config', {str(bad_config)!r}])\n"
             f"for name in {modules!r}:\n    try:\n        importlib.import_module(name)\n"

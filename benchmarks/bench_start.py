@@ -352,8 +352,8 @@ def main() -> int:
         script = tmp / "nvml.json"
         script.write_text(json.dumps({}))
         sys.path.insert(0, str(trees[0].root / "supervisor"))
-        from llama_guard.argv import build_argv
         from llama_guard.config import load_config
+        from llama_guard.config.argv import build_argv
 
         (tmp / "argv").mkdir()
         probe = DaemonRun(tmp / "argv", sections(args, tmp / "argv", args.model, port))

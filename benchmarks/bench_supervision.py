@@ -43,8 +43,8 @@ sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "bench
 
 from benchlib import epoch, poll_health_200, print_table, sized  # noqa: E402
 from harness import FAKE_SERVER, DaemonRun, base_sections, free_port, merge  # noqa: E402
-from llama_guard.argv import build_argv  # noqa: E402
 from llama_guard.config import load_config  # noqa: E402
+from llama_guard.config.argv import build_argv  # noqa: E402
 
 Event = dict[str, Any]
 # The shipped [health] defaults (config.HealthConfig), used for the restart rounds.

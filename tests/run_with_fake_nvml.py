@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fake_pynvml_mod
-from llama_guard.cli import main
+from llama_guard.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], nvml_module=fake_pynvml_mod))

@@ -2,6 +2,6 @@
 
 import sys
 
-from llama_guard.cli import main
+from llama_guard.app.cli import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ sections) and the loading. One pydantic model per TOML section, with its validat
 of every key, lives in a module of this package: ``[server]`` in :mod:`.server`, ``[gpu]`` in
 :mod:`.gpu`, ``[metrics]`` and ``[front]`` (the ``listen`` sections) in :mod:`.listen`, the
 daemon's own sections in :mod:`.sections`; llama-server's flag lists are
-:mod:`llama_guard.server_flags`; the API key file is read by :mod:`llama_guard.api_key`.
+:mod:`llama_guard.vocab.server_flags`; the API key file is read by :mod:`llama_guard.config.api_key`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from llama_guard.paths import ENV_CONFIG_PATH, ENV_PREFIX, os_reason
+from llama_guard.host.paths import ENV_CONFIG_PATH, ENV_PREFIX, os_reason
 
 
 class ConfigError(Exception):

@@ -6,8 +6,8 @@ beside a key's type, default and bounds, what else is fixed about it:
 - :class:`Reload`: when a reload (SIGHUP) that changes the key applies it. A section's
   :attr:`Section.reload` is the default of its keys; a key overrides it with its own marker
   (``interval_s: Annotated[PositiveFloat, Reload.LIVE] = 5.0``). :func:`reload_of` reads it.
-- :class:`Policy`: the policy reads the key as a field of ``core.types.Params`` (its own name, or
-  ``Policy("other_name")``); ``core.params.params_from`` copies every such key (:func:`policy_keys`).
+- :class:`Policy`: the policy reads the key as a field of ``model.types.Params`` (its own name, or
+  ``Policy("other_name")``); ``model.params.params_from`` copies every such key (:func:`policy_keys`).
 
 A key's unit is the suffix of its name (``_s`` seconds, ``_mib`` MiB, ``_c`` °C, ``_fraction``).
 """

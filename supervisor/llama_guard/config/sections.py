@@ -2,8 +2,8 @@
 reset), ``[limits]`` (rlimits), ``[schedule]`` (planned restarts), ``[log]``, ``[runtime]``,
 ``[slots]`` (the KV cache carried across restarts) and ``[upgrade]`` (new llama-server builds).
 Durations in seconds; what the validators lean
-on lives beside: the ``[limits]`` value syntax (:mod:`llama_guard.limit_values`) and the cron
-syntax (:mod:`llama_guard.cron`)."""
+on lives beside: the ``[limits]`` value syntax (:mod:`llama_guard.config.limit_values`) and the cron
+syntax (:mod:`llama_guard.config.cron`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from llama_guard.config.base import Policy, PositiveFloat, Reload, Section
-from llama_guard.cron import validate_cron, validate_timezone
-from llama_guard.limit_values import normalize_config_value
-from llama_guard.paths import DEFAULT_RUNTIME_DIR
+from llama_guard.config.cron import validate_cron, validate_timezone
+from llama_guard.config.limit_values import normalize_config_value
+from llama_guard.host.paths import DEFAULT_RUNTIME_DIR
 from llama_guard.vocab.triggers import ResetTrigger
 
 DEFAULT_RESET_ON: tuple[ResetTrigger, ...] = (ResetTrigger.GPU_LOST, ResetTrigger.XID, ResetTrigger.OOM)
@@ -42,7 +42,7 @@ class RecoveryConfig(Section):
 
     # Waits 0, 2, 4, 8, 16, 32, 60 s: a fault that clears within ~2 min of its first failure is ridden
     # out; one that fails the same way before ready is a verdict (exit 78) long before that.
-    # core.types.Params takes these defaults (the keys marked Policy).
+    # model.types.Params takes these defaults (the keys marked Policy).
     backoff_initial_s: Annotated[PositiveFloat, Policy()] = 2.0
     backoff_factor: Annotated[float, Field(ge=1.0), Policy()] = 2.0
     backoff_max_s: Annotated[PositiveFloat, Policy()] = 60.0
@@ -113,7 +113,7 @@ class LimitsConfig(Section):
 
 
 class ScheduleConfig(Section):
-    """``[schedule]``: planned restarts (see ``llama_guard.cron``, ``llama_guard.restarts.schedule`` and
+    """``[schedule]``: planned restarts (see ``llama_guard.config.cron``, ``llama_guard.restarts.schedule`` and
     ``llama_guard.restarts.decay``).
 
     ``restart_cron``: standard 5-field cron ("" disables); ``timezone``: IANA name ("" = the

@@ -1,6 +1,6 @@
 """``[server]``: the llama-server binary, the model, its typed knobs, the account it runs as and its
 API key file. The flag lists the validators check ``extra_args`` against live in
-:mod:`llama_guard.server_flags`; the key file is read by :mod:`llama_guard.api_key`."""
+:mod:`llama_guard.vocab.server_flags`; the key file is read by :mod:`llama_guard.config.api_key`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from llama_guard.config.base import HOSTNAME, Policy, Reload, Section
-from llama_guard.server_flags import (
+from llama_guard.vocab.server_flags import (
     OWNED_FLAGS,
     QUANTIZED_CACHE_TYPES,
     ROUTER_FLAGS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from llama_guard.config.base import Section
-from llama_guard.server_flags import CacheType
+from llama_guard.vocab.server_flags import CacheType
 
 # The KV cache types the write-up kept: q4_0 was faster but hurt quality.
 DEFAULT_CACHE_TYPES: tuple[CacheType, ...] = ("f16", "q8_0")

@@ -1,5 +1,5 @@
 """What the daemon tells the outside about itself while it runs: the status line (sd_notify
-``STATUS=``), ``status.json`` (:mod:`llama_guard.output.snapshot`), and ``READY=1`` /
+``STATUS=``), ``status.json`` (:mod:`llama_guard.status.snapshot`), and ``READY=1`` /
 ``STOPPING=1`` towards systemd — ``STOPPING=1`` once, when a stop of the daemon begins, never
 ``READY=1`` after it.
 
@@ -15,10 +15,10 @@ from llama_guard.config import Config
 from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.server import ServerWatch
 from llama_guard.core.service import ServiceNotifier
-from llama_guard.core.types import State
-from llama_guard.core.watcher import Watcher
+from llama_guard.model.types import State
+from llama_guard.model.watcher import Watcher
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.snapshot import Liveness, RuntimeFiles, snapshot, status_line
+from llama_guard.status.snapshot import Liveness, RuntimeFiles, snapshot, status_line
 
 STATUS_REFRESH_S = 2.0  # the status file is rewritten at least this often (the watchers' current readings)
 
@@ -61,7 +61,7 @@ class Announcer:
             return ""
 
     def line(self) -> str:
-        """The status line now (:func:`~llama_guard.output.snapshot.status_line`)."""
+        """The status line now (:func:`~llama_guard.status.snapshot.status_line`)."""
         gen = self._server()
         tps = gen.last_eval_tps if gen is not None else None
         return status_line(self._state(), self._clock(), tps, self._gpu_fragment(), self._liveness())

@@ -2,8 +2,8 @@
 
 The loop owns the input queue, the policy state and the serving server's watch. The server's tasks
 in :mod:`.server`, the watchers, signals and timers put :mod:`.policy` inputs on the queue; the
-loop calls :func:`~llama_guard.core.policy.decide`, hands each step to the watchers as one frozen
-:class:`~llama_guard.core.transition.Transition` (state before and after, input, actions, time),
+loop calls :func:`~llama_guard.model.policy.decide`, hands each step to the watchers as one frozen
+:class:`~llama_guard.model.transition.Transition` (state before and after, input, actions, time),
 then has :class:`~llama_guard.core.executor.Executor` carry out the actions. What the daemon asks
 of a watcher goes through the ports it is handed by name (:mod:`.gpu_port`, :mod:`.ports`: the GPU,
 the child set-up, the KV slots, the front door, the exporter), each one or none. Signal handlers
@@ -32,13 +32,22 @@ from pathlib import Path
 
 from llama_guard import __version__
 from llama_guard.config import Config, ConfigError
-from llama_guard.core.actions import MeasureSpeed
 from llama_guard.core.announcer import Announcer
 from llama_guard.core.child import kill_and_reap
 from llama_guard.core.executor import Executor
 from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.gpu_requests import GpuRequests
-from llama_guard.core.inputs import (
+from llama_guard.core.lend import LendChannel
+from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
+from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
+from llama_guard.core.ports import BuildPort, ChildSetupPort, FrontPort, Listening, SlotPort
+from llama_guard.core.reloader import Reloader, warn_unauthenticated
+from llama_guard.core.server import ServerWatch
+from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
+from llama_guard.core.spawner import Spawner, prepare
+from llama_guard.core.tasks import TaskSet
+from llama_guard.model.actions import MeasureSpeed
+from llama_guard.model.inputs import (
     Boot,
     Exited,
     Input,
@@ -49,23 +58,14 @@ from llama_guard.core.inputs import (
     StopRequest,
     Tick,
 )
-from llama_guard.core.lend import LendChannel
-from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S
-from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, LaneBusy, LaneKind, daemon_lanes
-from llama_guard.core.params import params_from
-from llama_guard.core.policy import decide
-from llama_guard.core.ports import BuildPort, ChildSetupPort, FrontPort, Listening, SlotPort
-from llama_guard.core.reloader import Reloader, warn_unauthenticated
-from llama_guard.core.server import ServerWatch
-from llama_guard.core.service import NullNotifier, ServiceNotifier, StartTimeout, StopTimeout
-from llama_guard.core.spawner import Spawner, prepare
-from llama_guard.core.tasks import TaskSet
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, State, initial_state
-from llama_guard.core.watcher import Context, Watcher
+from llama_guard.model.params import params_from
+from llama_guard.model.policy import decide
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import AfterStop, State, initial_state
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.output.eventlog import Emitter
-from llama_guard.output.snapshot import RuntimeFiles
-from llama_guard.output.status import AlreadyRunning
+from llama_guard.status.snapshot import RuntimeFiles
+from llama_guard.status.status import AlreadyRunning
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from llama_guard.vocab.phases import Phase
 

@@ -13,7 +13,13 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from llama_guard.core.actions import (
+from llama_guard.core.facts import find_port_holder, read_build
+from llama_guard.core.gpu_requests import GpuRequests
+from llama_guard.core.lend import LendChannel
+from llama_guard.core.offload import Lane, LaneKind
+from llama_guard.core.server import ServerWatch
+from llama_guard.core.tasks import TaskSet
+from llama_guard.model.actions import (
     Action,
     AnswerLend,
     CheckVram,
@@ -33,13 +39,7 @@ from llama_guard.core.actions import (
     StartDrain,
     Terminate,
 )
-from llama_guard.core.facts import find_port_holder, read_build
-from llama_guard.core.gpu_requests import GpuRequests
-from llama_guard.core.inputs import Input
-from llama_guard.core.lend import LendChannel
-from llama_guard.core.offload import Lane, LaneKind
-from llama_guard.core.server import ServerWatch
-from llama_guard.core.tasks import TaskSet
+from llama_guard.model.inputs import Input
 
 
 class Executor:
@@ -47,7 +47,7 @@ class Executor:
     :class:`ServerWatch` (None between servers; a signal for another pid is dropped), ``binary``
     the configured ``[server].binary``, ``spawn`` the coroutine that starts a server, ``ready`` the
     readiness announcement, ``exit(code, reason)`` the daemon's end and ``measure`` a trial's
-    measurement of a server's decode speed (answers :class:`~llama_guard.core.inputs.SpeedMeasured`).
+    measurement of a server's decode speed (answers :class:`~llama_guard.model.inputs.SpeedMeasured`).
     :attr:`gpu` is set once the loop runs."""
 
     def __init__(self, emit: Callable[..., None], tasks: TaskSet, post: Callable[[Input], None],

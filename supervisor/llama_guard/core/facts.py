@@ -1,14 +1,14 @@
 """Two facts the policy asks for by action, found off the loop and answered as typed inputs: who
-holds llama-server's port (:class:`~llama_guard.core.actions.FindPortHolder` → ``PortHolder``) and
-what the binary's build is (:class:`~llama_guard.core.actions.ReadBuild` → ``BuildInfo``, asked only
+holds llama-server's port (:class:`~llama_guard.model.actions.FindPortHolder` → ``PortHolder``) and
+what the binary's build is (:class:`~llama_guard.model.actions.ReadBuild` → ``BuildInfo``, asked only
 when a verdict that names it may follow)."""
 
 from __future__ import annotations
 
-from llama_guard.argv import BUILD_TIMEOUT_S, build_of, resolve_binary
-from llama_guard.core.inputs import BuildInfo, PortHolder
+from llama_guard.config.argv import BUILD_TIMEOUT_S, build_of, resolve_binary
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
-from llama_guard.core.procs import port_holder
+from llama_guard.host.procs import port_holder
+from llama_guard.model.inputs import BuildInfo, PortHolder
 
 BUILD_CALL_S = BUILD_TIMEOUT_S + 2.0  # the child's own deadline, then the time to kill and reap it
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
-from llama_guard.core.watcher import Context
+from llama_guard.model.inputs import ResetDone, ResetFacts, VramFacts
+from llama_guard.model.watcher import Context
 
 
 class GpuPort(Protocol):

@@ -1,5 +1,5 @@
 """The policy's GPU requests carried out through the GPU port: the VRAM check before a start
-(:class:`~llama_guard.core.actions.CheckVram`) and the reset steps (:class:`InspectGpu`,
+(:class:`~llama_guard.model.actions.CheckVram`) and the reset steps (:class:`InspectGpu`,
 :class:`RunReset`). Each always answers an input (facts, possibly empty or with an ``error``);
 the daemon runs them as tasks and queues the answer.
 """
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from llama_guard.core.actions import InspectGpu, RunReset
 from llama_guard.core.gpu_port import GpuPort
-from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
-from llama_guard.core.policy import VRAM_CHECK_TIMEOUT_S
-from llama_guard.core.watcher import Context
+from llama_guard.model.actions import InspectGpu, RunReset
+from llama_guard.model.inputs import ResetDone, ResetFacts, VramFacts
+from llama_guard.model.policy import VRAM_CHECK_TIMEOUT_S
+from llama_guard.model.watcher import Context
 
 
 class GpuRequests:

@@ -15,7 +15,7 @@ daemon's is refused too. One connection per window, one JSON line each way:
 The window ends at the first of: that line, the connection's end, or tune's process ending — watched
 through a pidfd (``pidfd_open(2)``: readable when the process exits, also after kill -9). If the
 configuration file changed since the ask (``tune --apply``), the daemon reloads it first; then it posts
-:class:`~llama_guard.core.inputs.LendReturned` and the policy starts a server (:mod:`.policy.lend`).
+:class:`~llama_guard.model.inputs.LendReturned` and the policy starts a server (:mod:`.policy.lend`).
 Malformed input gets ``{"granted": false, "reason": ...}`` and a ``lend_refused`` event; the loop
 never waits on a client.
 """
@@ -34,9 +34,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.core.actions import AnswerLend
-from llama_guard.core.inputs import Input, LendAsked, LendReturned
-from llama_guard.core.types import LendEnd
+from llama_guard.model.actions import AnswerLend
+from llama_guard.model.inputs import Input, LendAsked, LendReturned
+from llama_guard.model.types import LendEnd
 
 SOCKET_NAME = "tune.sock"
 #: A window lasts beyond tune's ``--minutes``: ``LEND_OVERRUN`` of them (the search ends a group's round

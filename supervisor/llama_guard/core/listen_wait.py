@@ -1,6 +1,6 @@
 """Binding a listening address of the daemon's own (``[front].listen``, ``[metrics].listen``) that another
 process may hold: as llama-server's port is, a taken port is retried every ``port_retry_s`` for
-``[recovery].port_wait_s``, its holder named (:func:`llama_guard.core.procs.port_holder`) when first seen
+``[recovery].port_wait_s``, its holder named (:func:`llama_guard.host.procs.port_holder`) when first seen
 and whenever it changes; then the refusal names it.
 """
 
@@ -13,10 +13,10 @@ from typing import TypeVar
 
 from llama_guard.config.listen import host_port
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
-from llama_guard.core.params import params_from
-from llama_guard.core.policy.port import holder_text
-from llama_guard.core.procs import port_holder
-from llama_guard.core.watcher import Context
+from llama_guard.host.procs import port_holder
+from llama_guard.model.params import params_from
+from llama_guard.model.policy.port import holder_text
+from llama_guard.model.watcher import Context
 from llama_guard.vocab.events import EventName
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from llama_guard.paths import os_reason
+from llama_guard.host.paths import os_reason
 
 #: The first four bytes of every GGUF file (the format's magic, ggml's gguf.h ``GGUF_MAGIC``).
 MODEL_CHECK_TIMEOUT_S = 10.0  # checking the model file (stat, open); also loading a reloaded config (s)

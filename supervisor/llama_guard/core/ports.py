@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from llama_guard.config import Config
-from llama_guard.core.inputs import SpeedMeasured
-from llama_guard.core.watcher import Context
+from llama_guard.model.inputs import SpeedMeasured
+from llama_guard.model.watcher import Context
 
 RlimitSettings = tuple[tuple[int, tuple[int, int]], ...]
 """``(resource, (soft, hard))`` pairs: ``resource`` a ``resource.RLIMIT_*`` number, limits in that
@@ -64,7 +64,7 @@ class SlotPort(Protocol):
 
     async def before_reset_stop(self, ctx: Context, pid: int) -> None:
         """Server ``pid`` is about to be stopped for a GPU reset while it can still answer (the policy
-        asked, :class:`~llama_guard.core.actions.SaveSlots`): save its changed idle slots; the server is
+        asked, :class:`~llama_guard.model.actions.SaveSlots`): save its changed idle slots; the server is
         stopped when this returns, or when the policy's bound (``[slots].reset_save_timeout_s``) passed."""
 
 
@@ -119,5 +119,5 @@ class BuildPort(Protocol):
         """Which executable this start runs, ``binary`` being the configured one (bounded)."""
 
     async def measure_speed(self, ctx: Context, pid: int, runs: int, tokens: int) -> SpeedMeasured:
-        """Server ``pid``'s decode speed for a trial (:class:`~llama_guard.core.actions.MeasureSpeed`),
+        """Server ``pid``'s decode speed for a trial (:class:`~llama_guard.model.actions.MeasureSpeed`),
         bounded by ``[upgrade].trial_timeout_s``; a failure is the answer's ``error``, never raised."""

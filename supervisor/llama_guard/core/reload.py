@@ -14,14 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llama_guard.argv import own_slot_save_problem, resolve_binary
 from llama_guard.config import Config, ConfigError, load_config
+from llama_guard.config.argv import own_slot_save_problem, resolve_binary
 from llama_guard.config.base import Reload, reload_of
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import ServerIdentity
 from llama_guard.core.spawner import prepare
-from llama_guard.server_flags import SECRET_FLAGS, is_secret_env
+from llama_guard.vocab.server_flags import SECRET_FLAGS, is_secret_env
 
 # The key of [server].api_key_file as the report names it (its content changed, not the path).
 API_KEY_NAME = "server.api_key_file (the key in it)"

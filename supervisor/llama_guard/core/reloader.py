@@ -21,13 +21,13 @@ from pathlib import Path
 
 from llama_guard.config import Config
 from llama_guard.core.announcer import Announcer
-from llama_guard.core.inputs import Input, ParamsChanged
 from llama_guard.core.offload import Lane, LaneKind
-from llama_guard.core.params import params_from
 from llama_guard.core.ports import BuildPort, Listening, ReloadBuild
 from llama_guard.core.reload import emit_reloaded, load_candidate, port_clash
 from llama_guard.core.spawner import Spawner
 from llama_guard.core.tasks import TaskSet
+from llama_guard.model.inputs import Input, ParamsChanged
+from llama_guard.model.params import params_from
 from llama_guard.output.eventlog import Emitter
 
 

@@ -2,11 +2,11 @@
 
 A :class:`ServerWatch` owns its process's tasks: the line reader (each output line kept, classified
 by :mod:`.server_log`, emitted as ``server_line`` and, unless harmless, queued as a policy
-:class:`~llama_guard.core.inputs.Line`), readiness polling and load progress while STARTING, liveness
+:class:`~llama_guard.model.inputs.Line`), readiness polling and load progress while STARTING, liveness
 rounds while serving, the exit watch (a pidfd, then the rest of the pipe) and drains. It follows the
 policy through the loop's records (:meth:`ServerWatch.on_transition`: the phase, the server the policy
 names, the front door's last completed request), never by reading the state, and posts inputs
-through the :class:`~llama_guard.core.watcher.Context`; it never calls back into the daemon loop.
+through the :class:`~llama_guard.model.watcher.Context`; it never calls back into the daemon loop.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from typing import TextIO
 
 from llama_guard.core.child import ServerProcess, pipe_holders
 from llama_guard.core.gpu_port import GpuPort
-from llama_guard.core.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe, SlotsSaved
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.policy.steps import SERVING
 from llama_guard.core.ports import FrontPort, SlotPort
 from llama_guard.core.probes import ServerProbe, sleep_or_wake
-from llama_guard.core.procs import port_owner
 from llama_guard.core.progress import ProgressSample, ProgressSampler
-from llama_guard.core.server_log import Family, classify_line
 from llama_guard.core.service import StartTimeout
 from llama_guard.core.tasks import TaskSet
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import State
-from llama_guard.core.watcher import Context
-from llama_guard.safe_files import kind_of
+from llama_guard.host.procs import port_owner
+from llama_guard.host.safe_files import kind_of
+from llama_guard.model.inputs import Drained, Exited, HealthOk, Line, LoadProgress, NotOnGpu, Probe, SlotsSaved
+from llama_guard.model.policy.steps import SERVING
+from llama_guard.model.server_log import Family, classify_line
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import State
+from llama_guard.model.watcher import Context
 from llama_guard.vocab.phases import Phase
 
 # llama-server's per-request timing line: "eval time = 610.78 ms / 64 tokens (... 103.15 tokens per second)".
@@ -166,7 +166,7 @@ class ServerWatch:
         self.tasks.append(self._taskset.start(self._save_slots(), "slot saves before a reset"))
 
     def confirm(self) -> None:
-        """Start a confirming liveness round now (:class:`~llama_guard.core.actions.ConfirmCompletions`);
+        """Start a confirming liveness round now (:class:`~llama_guard.model.actions.ConfirmCompletions`);
         a round under way is followed at once by the confirming one."""
         self._confirm.set()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from llama_guard.core.types import State
+from llama_guard.model.types import State
 from llama_guard.vocab.phases import Phase
 
 # While the model loads, each sign of progress pushes systemd's start timeout this far out (µs).

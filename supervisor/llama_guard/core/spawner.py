@@ -19,17 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.api_key import read_api_key
-from llama_guard.argv import build_argv, own_slot_save_problem, resolve_binary
 from llama_guard.config import Config, ConfigError
+from llama_guard.config.api_key import read_api_key
+from llama_guard.config.argv import build_argv, own_slot_save_problem, resolve_binary
 from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.gpu_port import GpuPort
-from llama_guard.core.inputs import SpawnFailed
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildPort, BuildRefused, ChildSetupPort, SlotPort
 from llama_guard.core.privileges import ServerIdentity, drop_argv, server_identity
-from llama_guard.core.watcher import Context
+from llama_guard.model.inputs import SpawnFailed
+from llama_guard.model.watcher import Context
 
 HELP_PROBE_TIMEOUT_S = 25.0  # building the argv (the binary's --help, itself bounded at 20 s)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from llama_guard.core.canonical import canonical_body, route
-from llama_guard.core.types import RestartCause
+from llama_guard.model.types import RestartCause
 
 MAX_MARKS = 4096  # fingerprints remembered at once
 MAX_ENDINGS = 64  # server ends remembered (pid → crash or not), and servers' lone suspects

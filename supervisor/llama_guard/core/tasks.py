@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from llama_guard.core.watcher import Context, Watcher
+from llama_guard.model.watcher import Context, Watcher
 
 WATCHER_MAX_FAILURES = 5  # a watcher failing more often than this within WATCHER_WINDOW_S ends the daemon
 WATCHER_WINDOW_S = 300.0

@@ -1,7 +1,7 @@
 """Holding requests while llama-server is not ready: the gate, the bounded queue, arrival order.
 
 The gate is read from the policy's state only (:func:`gate_of`): OPEN while the phase is READY (unless
-a run of 5xx answers is being confirmed: :attr:`~llama_guard.core.types.State.confirming`),
+a run of 5xx answers is being confirmed: :attr:`~llama_guard.model.types.State.confirming`),
 CLOSED once a verdict ends the daemon (EXITED, or a stop, a drain or a GPU reset that ends in an
 exit: held and new requests get their 503 at once), HOLD otherwise —
 starting, restarting after a crash, in backoff, draining for a planned restart, during a GPU reset,
@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llama_guard.core.types import AfterStop, State
+from llama_guard.model.types import AfterStop, State
 from llama_guard.vocab.phases import Phase
 
 

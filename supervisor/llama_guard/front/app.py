@@ -27,9 +27,8 @@ from collections.abc import Callable
 
 from aiohttp import hdrs, web
 
-from llama_guard.argv import Endpoints
+from llama_guard.config.argv import Endpoints
 from llama_guard.config.listen import FrontConfig
-from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.body import Budget, HeldBody, pin_mmap_threshold
 from llama_guard.front.exposed import not_enabled
@@ -37,7 +36,8 @@ from llama_guard.front.forward import Forwarder
 from llama_guard.front.headers import origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.sse import FRONT_DOOR
-from llama_guard.output.health import HEALTH_PATHS, health_response
+from llama_guard.model.types import State
+from llama_guard.status.health import HEALTH_PATHS, health_response
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout

@@ -11,7 +11,7 @@ import socket
 
 from llama_guard.config import Config
 from llama_guard.config.listen import host_port, listen_text
-from llama_guard.output.instance import port_daemon
+from llama_guard.status.instance import port_daemon
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -26,7 +26,7 @@ def _family(host: str, port: int) -> socket.AddressFamily | str:
 def _bind_problem(family: socket.AddressFamily, address: tuple[str, int]) -> str | int:
     """Why ``address`` cannot be bound now (the errno's text), "" when it can, or the pid of this
     user's running llama-guard when that is who listens there
-    (:func:`~llama_guard.output.instance.port_daemon`: it serves this port already)."""
+    (:func:`~llama_guard.status.instance.port_daemon`: it serves this port already)."""
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -26,10 +26,10 @@ from llama_guard.core.suspects import (
     is_crash,
     sent_alone,
 )
-from llama_guard.core.types import State
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
+from llama_guard.model.types import State
 
 JUDGE_WAIT_S = 5.0  # after a replay failed: how long to wait for the policy to judge that server's end
 

@@ -3,10 +3,10 @@
 llama-guard starts llama-server with ``--metrics`` and ``--slots`` (its liveness probe, drains and KV
 carry-over read them) and, for the carry-over, ``--slot-save-path`` on its own slot directory. A client
 of the front door must not see more than llama-server would show under the user's flags
-(:func:`llama_guard.argv.user_endpoints`): what the user did not enable is answered here exactly as
+(:func:`llama_guard.config.argv.user_endpoints`): what the user did not enable is answered here exactly as
 llama-server answers it when off (``tools/server/server-context.cpp`` in llama.cpp: 501, ``Server:
 llama.cpp`` and ``{"error":{"code":501,"message":...,"type":"not_supported_error"}}``, checked byte for
-byte against the real binary in tests/test_front_transparency_e2e.py), and never reaches the
+byte against the real binary in tests/e2e/test_front_transparency_e2e.py), and never reaches the
 server — a ``POST /slots/{id}?action=save|restore|erase`` in particular would otherwise read and write
 files in llama-guard's own slot directory.
 
@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 from aiohttp import hdrs, web
 
-from llama_guard.argv import Endpoints
+from llama_guard.config.argv import Endpoints
 from llama_guard.front.endpoints import path_of
 
 NOT_SUPPORTED = 501  # llama-server's ERROR_TYPE_NOT_SUPPORTED

@@ -37,7 +37,6 @@ from aiohttp import hdrs, web
 from yarl import URL
 
 from llama_guard.core.client import UPSTREAM_KEEPALIVE_S
-from llama_guard.core.inputs import Input
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.front.admission import Admission, FailReason, Gate, Refused
 from llama_guard.front.body import HeldBody
@@ -47,6 +46,7 @@ from llama_guard.front.headers import REQUEST_DROP, end_to_end, origin_form
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.relay import Cut, Relay, Unanswered
 from llama_guard.front.resume import API_OF, Api, Transcript, continuation
+from llama_guard.model.inputs import Input
 
 CONNECT_TIMEOUT_S = 5.0
 RETRY_PAUSE_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # between tries while the policy still says ready
@@ -69,7 +69,7 @@ class Forwarder:
     (``limits``), ``[front].crash_refuse_s`` (``refuse_s``) and ``[front].first_event_timeout_s``
     (``first_event_s``) are read when used (they are reloadable); ``announce(fingerprint, crash pids,
     refused for s)``: a request is refused from now on (:attr:`suspects`); ``chat_prefill()``: whether
-    llama-server continues a trailing assistant message (:func:`~llama_guard.server_flags.chat_prefill`).
+    llama-server continues a trailing assistant message (:func:`~llama_guard.vocab.server_flags.chat_prefill`).
     :attr:`relay` copies the answers."""
 
     def __init__(self, base_url: str, admission: Admission, metrics: FrontMetrics, *,

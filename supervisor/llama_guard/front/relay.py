@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import hdrs, web
 
-from llama_guard.core.inputs import FirstToken, Input, RequestCompleted, StreamStalled, UpstreamError
 from llama_guard.core.suspects import Fingerprint
 from llama_guard.front.admission import FailReason, Refused
 from llama_guard.front.crashes import CrashSuspects
@@ -35,6 +34,7 @@ from llama_guard.front.headers import RESPONSE_DROP, end_to_end
 from llama_guard.front.metrics import FrontMetrics
 from llama_guard.front.resume import Transcript
 from llama_guard.front.sse import NO_BUFFERING, error_event, is_comment, is_sse
+from llama_guard.model.inputs import FirstToken, Input, RequestCompleted, StreamStalled, UpstreamError
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout

@@ -1,4 +1,4 @@
-"""The front door as a watcher of the daemon (:class:`~llama_guard.core.watcher.Watcher`) and its
+"""The front door as a watcher of the daemon (:class:`~llama_guard.model.watcher.Watcher`) and its
 front door port (:class:`~llama_guard.core.ports.FrontPort`).
 
 A drain waits on its exact count of requests in flight (:meth:`FrontSource.wait_requests_done`).
@@ -19,22 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from llama_guard.argv import user_endpoints
 from llama_guard.config import Config
+from llama_guard.config.argv import user_endpoints
 from llama_guard.config.listen import listen_text
-from llama_guard.core.inputs import CrashesCharged, StreamStalled
 from llama_guard.core.listen_wait import bind_waiting
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.suspects import Fingerprint
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import State
-from llama_guard.core.watcher import Context, Watcher
 from llama_guard.front import activation
 from llama_guard.front.admission import Admission, Episode, Gate, gate_of
 from llama_guard.front.crashes import wall_time
 from llama_guard.front.endpoints import path_of
 from llama_guard.front.metrics import FrontMetrics
-from llama_guard.server_flags import chat_prefill
+from llama_guard.model.inputs import CrashesCharged, StreamStalled
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import State
+from llama_guard.model.watcher import Context, Watcher
+from llama_guard.vocab.server_flags import chat_prefill
 
 if TYPE_CHECKING:  # aiohttp (~0.2 s of imports) only when the front door is on: see start()
     from llama_guard.front.app import FrontApp

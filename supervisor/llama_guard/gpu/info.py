@@ -11,7 +11,7 @@ from llama_guard.config import Config
 from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.gpu.nvml import WatchOff
 from llama_guard.gpu.nvml_errors import NvmlError
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 
 @dataclass(frozen=True)

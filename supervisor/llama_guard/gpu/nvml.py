@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 
 from llama_guard.config.gpu import GpuWatchMode
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy
-from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.nvml_errors import (
     ERROR_BY_CODE,
     LOST_ERRORS,
@@ -47,6 +46,7 @@ from llama_guard.gpu.nvml_errors import (
 )
 from llama_guard.gpu.nvml_session import DEFAULT_CALL_TIMEOUT_S, DeviceSelector, NvmlSession, nvml_text
 from llama_guard.gpu.readings import GpuProcess, GpuSample, RemappedRows
+from llama_guard.model.types import RecoveryAction
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from llama_guard.core.offload import Lane
 from llama_guard.core.privileges import reset_precondition
-from llama_guard.core.watcher import Context
 from llama_guard.gpu import Nvml, NvmlError
 from llama_guard.gpu.nvml import nvml_step
+from llama_guard.model.watcher import Context
 
 
 async def enable_persistence(ctx: Context, nvml: Nvml, lane: Lane, gpu_index: int) -> None:

@@ -1,9 +1,9 @@
 """The GPU reset executor: it gathers the facts a reset depends on and runs the reset command.
 
 It decides nothing: :meth:`ResetExecutor.inspect` reports who holds the GPU and whether the
-command can run under our credentials (:class:`~llama_guard.core.inputs.ResetFacts`), and
+command can run under our credentials (:class:`~llama_guard.model.inputs.ResetFacts`), and
 :meth:`ResetExecutor.run` reports what the command did and whether the GPU verified afterwards
-(:class:`~llama_guard.core.inputs.ResetDone`). The policy (:mod:`llama_guard.core.policy`) decides
+(:class:`~llama_guard.model.inputs.ResetDone`). The policy (:mod:`llama_guard.model.policy`) decides
 to skip, run, refuse or escalate, and keeps the reset budget.
 
 Source of the mechanics: NVIDIA's nvidia-smi documentation (docs/gpu.md) —
@@ -24,14 +24,14 @@ from collections.abc import Awaitable, Callable
 import psutil
 
 from llama_guard.config import Config
-from llama_guard.core.inputs import GpuHolder, ResetDone, ResetFacts
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.core.privileges import Credentials, read_credentials, reset_precondition
 from llama_guard.gpu.nvml import Nvml, nvml_step
 from llama_guard.gpu.nvml_errors import NvmlError
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import foreign_processes, process_name, vram_released
-from llama_guard.units import MIB
+from llama_guard.model.inputs import GpuHolder, ResetDone, ResetFacts
+from llama_guard.vocab.units import MIB
 
 POLL_S = 0.25  # how often the bounded waits (VRAM release, other processes leaving) look again
 OUTPUT_MAX = 300  # characters of the command's output kept (nvidia-smi says what happened first)

@@ -25,8 +25,8 @@ from llama_guard.config.gpu import GpuConfig
 from llama_guard.gpu.nvml import Nvml
 from llama_guard.gpu.nvml_errors import LOST_ERRORS, NvmlError, Suspended, describe
 from llama_guard.gpu.readings import GpuProcess, GpuSample
-from llama_guard.units import MIB
 from llama_guard.vocab.events import EventName
+from llama_guard.vocab.units import MIB
 
 Event = tuple[EventName, dict[str, Any]]
 _GPU = GpuConfig()

@@ -2,7 +2,7 @@
 ``[gpu].sample_interval_s`` seconds, on the GPU lane, fed to :class:`~llama_guard.gpu.GpuWatch`
 (:func:`~llama_guard.gpu.rules.sample_once`: the watch rules' events come back to be emitted).
 
-A lost GPU is posted once as :class:`~llama_guard.core.inputs.GpuFault` (``GPU_LOST``) until a
+A lost GPU is posted once as :class:`~llama_guard.model.inputs.GpuFault` (``GPU_LOST``) until a
 sample succeeds again (or a reset: :attr:`Sampler.lost_reported`). A hung NVML call
 (:class:`~llama_guard.gpu.nvml_errors.NvmlHung`) is ``gpu_nvml_timeout`` once and degrades the
 watch (:attr:`Sampler.degraded`); one stuck ``hung_as_lost_s`` seconds counts as a lost GPU.
@@ -16,15 +16,15 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 
-from llama_guard.core.inputs import GpuFault
 from llama_guard.core.offload import Lane
-from llama_guard.core.types import GpuFaultKind
-from llama_guard.core.watcher import Context
 from llama_guard.gpu import GpuWatch, Nvml
 from llama_guard.gpu.nvml import nvml_step
 from llama_guard.gpu.nvml_errors import NvmlHung, describe
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.rules import SampleVerdict, sample_once
+from llama_guard.model.inputs import GpuFault
+from llama_guard.model.types import GpuFaultKind
+from llama_guard.model.watcher import Context
 
 
 def _tick(nvml: Nvml, watch: GpuWatch, now: float) -> SampleVerdict | None:

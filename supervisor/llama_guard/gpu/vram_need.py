@@ -11,15 +11,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from llama_guard.config import Config
-from llama_guard.core.inputs import VramFacts
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.types import RecoveryAction
-from llama_guard.core.watcher import Context
 from llama_guard.gpu.readings import GpuSample
 from llama_guard.gpu.reset import holders_of
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import NeedCache, need_key
-from llama_guard.units import MIB
+from llama_guard.model.inputs import VramFacts
+from llama_guard.model.types import RecoveryAction
+from llama_guard.model.watcher import Context
+from llama_guard.vocab.units import MIB
 
 NEED_LEARN_S = 30.0  # the VRAM need estimate (its child process gives up after 20 s)
 NEED_KEY_S = 5.0  # the stat of the model file behind the estimate's cache key

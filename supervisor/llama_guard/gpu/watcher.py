@@ -25,11 +25,7 @@ from typing import Any
 
 from llama_guard.config import Config
 from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
-from llama_guard.core.inputs import ResetDone, ResetFacts, VramFacts
 from llama_guard.core.offload import Lane, LaneKind
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import RecoveryAction
-from llama_guard.core.watcher import Context, Watcher
 from llama_guard.gpu import DeviceSelector, GpuIdentity, GpuWatch, Nvml, NvmlError, WatchSettings, open_gpu
 from llama_guard.gpu.busy import ProcessBusy
 from llama_guard.gpu.nvml import nvml_step
@@ -42,6 +38,10 @@ from llama_guard.gpu.sampler import Sampler
 from llama_guard.gpu.vram_need import VramNeed
 from llama_guard.gpu.xid_intake import XidIntake
 from llama_guard.insight.need_cache import NeedCache
+from llama_guard.model.inputs import ResetDone, ResetFacts, VramFacts
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import RecoveryAction
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.vocab.phases import Phase
 
 POLL_S = 0.25  # how often the bounded wait for the server on the GPU looks again

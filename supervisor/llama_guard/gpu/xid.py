@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llama_guard.core.types import RecoveryAction, XidAction, XidOrigin, XidScope
 from llama_guard.gpu.kmsg import XidRecord
 from llama_guard.gpu.nvml import Nvml, XidEventSet
 from llama_guard.gpu.nvml_errors import NotSupported, NvmlError
+from llama_guard.model.types import RecoveryAction, XidAction, XidOrigin, XidScope
 
 __all__ = ["XID_TABLE", "XidAction", "XidInfo", "XidMatcher", "XidReport", "recovery_action_of", "run_xid_waiter",
            "xid_info"]

@@ -1,6 +1,6 @@
 """The GPU's Xid intake: NVML's Xid events (a waiter thread) and the kernel log's Xid records (a
 reader thread), matched (:class:`~llama_guard.gpu.xid.XidMatcher`) and posted to the policy as
-:class:`~llama_guard.core.inputs.GpuFault` with their table row; the policy judges whose they are.
+:class:`~llama_guard.model.inputs.GpuFault` with their table row; the policy judges whose they are.
 
 Both threads block in calls that have no asyncio form (``nvmlEventSetWait``, ``poll`` on
 ``/dev/kmsg``); what they see comes back to the loop through ``call_soon_threadsafe``. The kernel-log
@@ -18,13 +18,13 @@ import functools
 import threading
 from collections.abc import Callable
 
-from llama_guard.core.inputs import GpuFault
 from llama_guard.core.tasks import backoff_s
-from llama_guard.core.types import GpuFaultKind, RecoveryAction, XidAction
-from llama_guard.core.watcher import Context
 from llama_guard.gpu import GpuIdentity, Nvml, NvmlError
 from llama_guard.gpu.kmsg import AdapterInitFailed, KmsgOff, KmsgParser, UnparsedXid, XidRecord, open_kmsg
 from llama_guard.gpu.xid import XidMatcher, XidReport, recovery_action_of, run_xid_waiter, xid_info
+from llama_guard.model.inputs import GpuFault
+from llama_guard.model.types import GpuFaultKind, RecoveryAction, XidAction
+from llama_guard.model.watcher import Context
 
 XID_MATCH_S = 2.0  # how long an application Xid from NVML waits for its kernel-log line (the pid)
 KMSG_MAX_FAILURES = 5  # kernel-log reader failures (each restarted with backoff) before giving up

@@ -22,7 +22,7 @@ How llama.cpp places things (``src/llama-model.cpp``, ``src/llama-kv-cache*.cpp`
   (without), or the logits stage ``slots × (n_vocab + n_embd) × 4 B``, whichever is larger, times
   :data:`COMPUTE_MARGIN`. Checked against the ``compute buffer size`` line the real llama-server prints
   with ``--verbose`` (SmolLM2-135M, the reference flags: 11.35 MiB printed, 11.7 MiB estimated;
-  tests/test_budget_real.py compares the CPU build at several settings).
+  tests/insight/test_budget_real.py compares the CPU build at several settings).
 * **CUDA context** (driver context, loaded kernels) :data:`CUDA_CONTEXT_MIB`, which a CUDA build pays
   even with ``-ngl 0`` (it still reserves a compute buffer on the GPU for offloaded batch work), plus
   :data:`CUDA_RUNTIME_MIB` (cuBLAS workspace, ggml's CUDA memory pool) once layers run on the GPU:
@@ -31,7 +31,7 @@ How llama.cpp places things (``src/llama-model.cpp``, ``src/llama-kv-cache*.cpp`
   and the reference ``-ngl 99 -c 8192 -np 1 -b 512 -ub 256 -ctk q8_0 -ctv q8_0 -fa on`` (790–796 MiB,
   of which weights + KV cache + compute are 199 MiB, the same figure llama.cpp's own ``-fit``
   projection prints). Six other flag sets measured there (context 32768, f16 KV cache, flash attention
-  off, micro-batch 1024, 4 slots, -ngl 10) agree within 2 % (tests/test_budget_h200_fixture.py).
+  off, micro-batch 1024, 4 slots, -ngl 10) agree within 2 % (tests/insight/test_budget_h200_fixture.py).
   Another GPU/driver can differ by a few hundred MiB: ``scripts/gpu_insight.py`` measures it.
 
 All sizes are bytes unless a name says MiB.
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from llama_guard.insight.model_facts import ModelFacts, split_tensors
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 CELL_PAD = 256
 COMPUTE_MARGIN = 1.0

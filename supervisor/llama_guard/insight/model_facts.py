@@ -81,7 +81,7 @@ def _header_reader(path: Path) -> Any:
     (``contents()`` gives the same list), a string array keeps only its item type and length
     (its last part is the length, ``contents() == []``): its strings are stepped over, not read.
     Overrides the reader's ``_get_field_parts`` (gguf-py ``gguf_reader.py``), checked against the plain
-    reader on a real model by tests/test_budget.py."""
+    reader on a real model by tests/insight/test_budget.py."""
     import struct
 
     import numpy as np

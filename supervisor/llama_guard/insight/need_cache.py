@@ -1,7 +1,7 @@
 """The VRAM need of a configuration before its server ever ran: the GGUF estimate, computed once per
 (model file, settings) off the spawn path and kept on disk.
 
-The estimate (:func:`llama_guard.insight.vram_check.need_mib_in_child`) reads the model's GGUF
+The estimate (:func:`llama_guard.preflight.vram_check.need_mib_in_child`) reads the model's GGUF
 header in a child process: seconds for a large vocabulary. It must never delay a start: the GPU watcher
 asks for it when the daemon starts and after a reload (in a thread), and the VRAM admission uses it only
 once known. A start without it is admitted on what is known (free VRAM, other processes on the GPU).

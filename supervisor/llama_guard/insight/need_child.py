@@ -1,4 +1,4 @@
-"""The child process of :func:`llama_guard.insight.vram_check.need_mib_in_child`: a JSON request
+"""The child process of :func:`llama_guard.preflight.vram_check.need_mib_in_child`: a JSON request
 ``{"model": path, "settings": {...Settings fields}}`` on stdin, the need in MiB (or ``null`` when the
 model cannot be read) on stdout. Imports only the budget and the GGUF reader: no configuration model
 (pydantic), so the child starts in a fraction of a second."""
@@ -10,7 +10,7 @@ import sys
 
 from llama_guard.insight.budget import Settings, estimate
 from llama_guard.insight.model_facts import ModelFactsError, read_model_facts
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 # The admission waits for this share of the estimate: the estimate is ±10 %, and a wait that was not
 # needed costs more (a delayed start) than one too short (the start then fails and is retried).

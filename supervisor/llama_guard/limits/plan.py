@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llama_guard.limit_values import parse_limit_value
+from llama_guard.config.limit_values import parse_limit_value
 from llama_guard.limits.own import OwnLimits
 from llama_guard.limits.rlimits import (
     MEMLOCK,

@@ -8,7 +8,7 @@
   ``limit_low`` past ``warn_fraction`` (once, re-armed only below ``rearm_fraction``, repeated
   every ``reminder_s`` while it lasts), ``limit_ok`` when it falls back below the re-arm mark,
   ``resource_exhausted`` when a limit is reached. (The server's own limit lines are reported by
-  the policy, from :func:`~llama_guard.core.server_log.classify_line`.)
+  the policy, from :func:`~llama_guard.model.server_log.classify_line`.)
 
 Which numbers are compared:
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import RlimitSettings
-from llama_guard.core.watcher import Context, Watcher
 from llama_guard.limits.own import can_raise_hard_limits, read_own_limits
 from llama_guard.limits.plan import LimitPlan, plan_child_limits
 from llama_guard.limits.readback import ProcessLimits, limits_report, read_limits, verify_applied
 from llama_guard.limits.rlimits import format_limit
 from llama_guard.limits.usage import UsageSample, UsageSampler, UsageTracker
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.vocab.events import EventName
 
 

@@ -5,7 +5,7 @@ family: llama-server itself (:mod:`.server`: binary and flags, offload, model, s
 process it would be (:mod:`.process`: its user, its API key, its rlimits), the GPU (:mod:`.gpu`: NVML,
 the VRAM budget, the reset); the front door's and the exporter's rows are
 :mod:`llama_guard.front.check`. The verdict and the node-health action are in
-:mod:`llama_guard.check_report`.
+:mod:`llama_guard.preflight.check_report`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ from typing import Any
 
 from llama_guard.config import Config
 from llama_guard.config.gpu import ForeignProcesses, GpuWatchMode
-from llama_guard.core.policy.verdicts import RECOVERY_ADVICE
 from llama_guard.core.privileges import Credentials, reset_precondition
-from llama_guard.core.types import RecoveryAction
 from llama_guard.gpu.nvml import WatchOff
 from llama_guard.gpu.nvml_errors import (
     DeviceNotFound,
@@ -26,6 +24,8 @@ from llama_guard.gpu.nvml_errors import (
     ResetRequired,
     UnknownError,
 )
+from llama_guard.model.policy.verdicts import RECOVERY_ADVICE
+from llama_guard.model.types import RecoveryAction
 from llama_guard.vocab.verdicts import CheckResult, NodeAction, Verdict
 
 # What an NVML error at check time asks of the operator. A GPU off the bus (NVIDIA's Xid 79 family,
@@ -196,9 +196,9 @@ def check_reset(config: Config, *, creds: Credentials | None = None,
 def check_vram(config: Config, *, nvml_module: Any = None) -> list[CheckResult]:
     """The VRAM budget from the model's GGUF metadata against the GPU's free memory (or
     ``[gpu].vram_total_mib``), with the operators' ladder when it does not fit
-    (:mod:`llama_guard.insight.vram_check`). The first row carries the budget as ``data``."""
+    (:mod:`llama_guard.preflight.vram_check`). The first row carries the budget as ``data``."""
     from llama_guard.gpu.info import gpu_memory_facts
-    from llama_guard.insight.vram_check import report_lines, vram_report
+    from llama_guard.preflight.vram_check import report_lines, vram_report
 
     report = vram_report(config, gpu_memory_facts(config, nvml_module=nvml_module))
     rows = report_lines(report)

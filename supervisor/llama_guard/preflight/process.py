@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llama_guard.api_key import read_api_key
-from llama_guard.argv import resolve_binary
 from llama_guard.config import Config, ConfigError
+from llama_guard.config.api_key import read_api_key
+from llama_guard.config.argv import resolve_binary
 from llama_guard.core.privileges import Credentials, drop_argv, identity_problem, read_credentials, resolve_identity
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 

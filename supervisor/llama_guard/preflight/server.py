@@ -6,17 +6,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llama_guard.argv import (
+from llama_guard.config import Config
+from llama_guard.config.argv import (
     list_devices,
     own_slot_save_path,
     own_slot_save_problem,
     resolve_binary,
 )
-from llama_guard.config import Config
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
-from llama_guard.output.instance import port_daemon
+from llama_guard.status.instance import port_daemon
 from llama_guard.upgrade.preflight import preflight
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
@@ -134,7 +134,7 @@ def check_settings(config: Config) -> list[CheckResult]:
 def check_port(config: Config) -> CheckResult:
     """Whether ``[server].host:port`` can be bound now (llama-server would fail to start if not): OK
     when free, or when this user's running llama-guard holds it (its own llama-server listens there:
-    :func:`~llama_guard.output.instance.port_daemon`); WARN when anyone else holds it."""
+    :func:`~llama_guard.status.instance.port_daemon`); WARN when anyone else holds it."""
     import socket
 
     host = config.server.host

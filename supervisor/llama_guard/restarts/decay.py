@@ -319,7 +319,7 @@ class DecayMonitor:
     @classmethod
     def from_config(cls, config: ScheduleConfig, host_cache_mib: float = 0.0) -> DecayMonitor:
         """Build from ``[schedule]``'s decay keys; ``host_cache_mib``: the server's host prompt
-        cache cap (:func:`llama_guard.argv.host_cache_cap_mib`)."""
+        cache cap (:func:`llama_guard.config.argv.host_cache_cap_mib`)."""
         return cls(vram_growth_mib=config.vram_growth_mib, rss_growth_mib=config.rss_growth_mib,
                    speed_drop_fraction=config.speed_drop_fraction, warmup_s=config.decay_warmup_s,
                    baseline_samples=config.decay_baseline_samples, confirm=config.decay_confirm,

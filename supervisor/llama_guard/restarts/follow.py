@@ -1,5 +1,5 @@
 """Following each planned restart — scheduled, decay, or requested (``llama-guard restart``,
-SIGUSR1) — through the records the loop publishes (:class:`~llama_guard.core.transition.Transition`),
+SIGUSR1) — through the records the loop publishes (:class:`~llama_guard.model.transition.Transition`),
 into its :class:`~llama_guard.restarts.history.RestartRecord`.
 
 It begins (a drain, or a stop at once), its server is stopped (drained or not) or dies while it
@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import RestartCause
-from llama_guard.core.watcher import Context
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import RestartCause
+from llama_guard.model.watcher import Context
 from llama_guard.restarts.decay import DecayMonitor
 from llama_guard.restarts.history import RestartHistory, RestartRecord
 

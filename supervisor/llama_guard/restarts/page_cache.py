@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 MEMINFO = Path("/proc/meminfo")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from llama_guard.core.client import RequestFailed, ServerClient
 from llama_guard.gpu.readings import GpuSample
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 
 def read_anon_memory_mib(pid: int) -> float | None:

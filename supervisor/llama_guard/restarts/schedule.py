@@ -1,5 +1,5 @@
 """Planned (nightly) restarts: jitter, skip and misfire rules over the fires of a cron expression
-(:mod:`llama_guard.cron`: parsing, time zones, DST, the next fire).
+(:mod:`llama_guard.config.cron`: parsing, time zones, DST, the next fire).
 
 Why not APScheduler's scheduler classes
 ---------------------------------------
@@ -52,8 +52,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
 
+from llama_guard.config.cron import ParsedCron, fire_after, parse_cron, resolve_timezone, validate_timezone
 from llama_guard.config.sections import ScheduleConfig
-from llama_guard.cron import ParsedCron, fire_after, parse_cron, resolve_timezone, validate_timezone
 from llama_guard.vocab.events import EventName
 
 __all__ = [

@@ -28,19 +28,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from llama_guard.argv import host_cache_cap_mib
 from llama_guard.config import Config
+from llama_guard.config.argv import host_cache_cap_mib
+from llama_guard.config.cron import ScheduleError
 from llama_guard.config.sections import ScheduleConfig
 from llama_guard.core.client import ServerClient
-from llama_guard.core.inputs import RestartRequest
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.probes import make_client
 from llama_guard.core.prometheus import MetricsError
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import RestartCause, State
-from llama_guard.core.watcher import Context, Watcher
-from llama_guard.cron import ScheduleError
 from llama_guard.gpu.readings import GpuSample
+from llama_guard.model.inputs import RestartRequest
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import RestartCause, State
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.restarts.decay import DecayDecision, DecayMonitor
 from llama_guard.restarts.follow import RestartFollower
 from llama_guard.restarts.history import RestartHistory

@@ -6,7 +6,7 @@ settings; llama-server checks only part of this when it loads one. The fingerpri
 configuration's part of it — the model file's identity (size, mtime, inode, a hash of its first
 :data:`HEAD_BYTES`), ``ctx_size``, ``parallel``, ``cache_type_k``/``cache_type_v``, ``flash_attn`` and
 the KV-layout flags of ``extra_args`` (:data:`KV_FLAGS`): its :attr:`Fingerprint.key` — and the build
-that runs it (:class:`~llama_guard.upgrade.build.Build`: content hash, ``--version``, release), which is
+that runs it (:class:`~llama_guard.host.build.Build`: content hash, ``--version``, release), which is
 not part of the key: whether a slot file of another build has this build's layout is measured
 (:mod:`llama_guard.slots.store`, :class:`~llama_guard.slots.store.StateFormat`). ``n_gpu_layers`` and
 ``--no-kv-offload`` are not in it: where the KV cache lives does not change the file (llama.cpp copies
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llama_guard.config.server import ServerConfig
-from llama_guard.upgrade.build import Build
+from llama_guard.host.build import Build
 
 HEAD_BYTES = 1 << 20  # the model file's first MiB (GGUF header and metadata) is hashed
 # extra_args flags that change the KV cache's layout or content for the same tokens (llama.cpp common/arg.cpp).

@@ -11,7 +11,7 @@ manifest's rename, the old manifest still names the old file (the new one is an 
 by ``--slot-save-path``) are never touched.
 
 Nothing llama-server's user plants there steers llama-guard (see docs/slots.md, "What llama-guard
-touches"): every file is handled through :mod:`llama_guard.safe_files` (no link followed, a slot
+touches"): every file is handled through :mod:`llama_guard.host.safe_files` (no link followed, a slot
 file only when it is a regular file of llama-server's user of at most ``budget_bytes``, a manifest
 only when it is llama-guard's own of at most :data:`SMALL_FILE_BYTES`, every read bounded by the
 store's deadline ``io_timeout_s``, temporaries created exclusively), and a manifest names only a
@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llama_guard.safe_files import FileRefused, SafeDir, read_through
+from llama_guard.host.safe_files import FileRefused, SafeDir, read_through
 from llama_guard.slots.fingerprint import Fingerprint
 from llama_guard.slots.header import HeaderError, StateFormat, state_format_of, tokens_of
 

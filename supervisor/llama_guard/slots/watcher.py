@@ -4,7 +4,7 @@
   llama-guard: after the drain (:meth:`SlotsSource.after_drain`: no slot processing, clients held
   by the front door) every slot whose tokens changed since its last save is saved, within
   ``[slots].save_timeout_s``; ``slot_saved`` names which of the two (from the policy's
-  :class:`~llama_guard.core.types.AfterStop`).
+  :class:`~llama_guard.model.types.AfterStop`).
 - Crashes: every ``[slots].rolling_save_interval_s`` while the server is READY and no slot is
   processing, the idle slots whose tokens changed are saved (a rolling save), so a kill -9, OOM or
   hang loses at most what changed since.
@@ -38,20 +38,20 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from llama_guard.argv import own_slot_save_path, own_slot_save_problem, slot_save_dir
+from llama_guard.config.argv import own_slot_save_path, own_slot_save_problem, slot_save_dir
 from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop
-from llama_guard.core.watcher import Context, Watcher
+from llama_guard.host.build import Build, identify, stamp_of
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import AfterStop
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
 from llama_guard.slots.header import StateFormat
 from llama_guard.slots.store import IO_TIMEOUT_S, UNRESTORABLE_AFTER, SlotStore, StoreError
-from llama_guard.units import MIB
-from llama_guard.upgrade.build import Build, identify, stamp_of
 from llama_guard.vocab.phases import Phase
+from llama_guard.vocab.units import MIB
 
 SLOT_FILES_TIMEOUT_S = IO_TIMEOUT_S + 10.0  # one slot-file step on its lane (seconds): its reads end by IO_TIMEOUT_S
 T = TypeVar("T")

@@ -24,17 +24,17 @@ from types import FrameType
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.core.types import LendEnd
-from llama_guard.insight.bench import BenchResult, ceiling_for
 from llama_guard.insight.model_facts import ModelFacts, ModelFactsError, read_model_facts
+from llama_guard.model.types import LendEnd
 from llama_guard.tune.apply import ApplyError, apply_changes
+from llama_guard.tune.bench import BenchResult, ceiling_for
 from llama_guard.tune.report import document, table
 from llama_guard.tune.search import Search
 from llama_guard.tune.space import Space
 from llama_guard.tune.trial import TrialFailed
 from llama_guard.tune.window import WindowRefused, lent_window
-from llama_guard.units import MIB
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from llama_guard.vocab.units import MIB
 
 EXIT_STOPPED = 130  # the shell's code for a run ended by SIGINT
 
@@ -55,7 +55,7 @@ def run_tune(path: Path, config: Config, *, minutes: float, apply: bool, as_json
              nvml_module: Any = None) -> int:
     """The verb: search, print, optionally apply; in a window the daemon lends when one serves this
     configuration (:mod:`.window`), else on the GPU as it is."""
-    from llama_guard.output.status import locate_daemon
+    from llama_guard.status.status import locate_daemon
 
     found = locate_daemon(config.runtime.dir)
     try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from llama_guard.insight.budget import Settings, estimate
 from llama_guard.insight.model_facts import ModelFacts
 from llama_guard.tune.space import Knobs
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.insight.bench import RunFigures, RunTimings
 from llama_guard.insight.model_facts import ModelFacts
+from llama_guard.tune.bench import RunFigures, RunTimings
 from llama_guard.tune.price import Price, most_layers, price
 from llama_guard.tune.space import Knob, Knobs, Space, alternatives
 from llama_guard.tune.trial import TrialFailed, measure, started, vram_mib, worst_prefill

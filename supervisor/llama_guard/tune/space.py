@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from llama_guard.config import Config
-from llama_guard.server_flags import QUANTIZED_CACHE_TYPES
+from llama_guard.vocab.server_flags import QUANTIZED_CACHE_TYPES
 
 # (batch_size, ubatch_size) pairs worth trying besides the configured one: llama-server's default
 # 2048/512, the write-up's 512/256, and a smaller pair that leaves more VRAM to the KV cache.

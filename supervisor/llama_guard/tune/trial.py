@@ -1,5 +1,5 @@
 """One trial of the tuner: a llama-server started with one flag set on a free loopback port (the daemon's
-child set-up, through :func:`llama_guard.insight.bench.spawned_server`), its real VRAM read through NVML
+child set-up, through :func:`llama_guard.tune.bench.spawned_server`), its real VRAM read through NVML
 where there is a GPU, a number of completions measured as ``bench`` measures them (the server's own
 ``timings``), and the worst prefill the flag set admits (a prompt that fills one slot's context).
 
@@ -17,13 +17,13 @@ from typing import Any
 
 import psutil
 
-from llama_guard.api_key import read_api_key
 from llama_guard.config import Config
+from llama_guard.config.api_key import read_api_key
 from llama_guard.core.client import BlockingClient, RequestFailed
-from llama_guard.insight.bench import DEFAULT_PROMPT, BenchError, RunTimings, completion, free_port, spawned_server
 from llama_guard.insight.budget import CELL_PAD
+from llama_guard.tune.bench import DEFAULT_PROMPT, BenchError, RunTimings, completion, free_port, spawned_server
 from llama_guard.tune.space import Knobs
-from llama_guard.units import MIB
+from llama_guard.vocab.units import MIB
 
 # Tokens left free in a slot by the worst-prefill prompt: room for the one token it generates.
 PREFILL_HEADROOM = 8

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llama_guard.config import Config
 from llama_guard.core.lend import LINE_MAX, SOCKET_NAME, encode
-from llama_guard.core.types import LendEnd
+from llama_guard.model.types import LendEnd
 
 #: Seconds the grant may take beyond the daemon's own bounds on the drain, the slot saves and the stop.
 GRANT_MARGIN_S = 30.0

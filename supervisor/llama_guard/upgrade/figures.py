@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from llama_guard.argv import build_argv
 from llama_guard.config import Config
+from llama_guard.config.argv import build_argv
 
 FIGURES_FILE = "trials.json"
 MAX_FIGURES = 16  # the newest figures kept (a few builds x a few flag sets)

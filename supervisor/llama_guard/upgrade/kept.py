@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.upgrade.build import Build, file_sha256
+from llama_guard.host.build import Build, file_sha256
 
 KEEP_MAX = 2
 MANIFEST = "manifest.json"

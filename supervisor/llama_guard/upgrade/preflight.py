@@ -1,6 +1,6 @@
 """Preflight of a llama-server build, run while the serving server goes on serving: the build starts
 at all (``--version`` exits 0 in time: no missing shared library, no signal), and every flag
-llama-guard would pass it (:func:`~llama_guard.argv.build_argv`) is in its ``--help``.
+llama-guard would pass it (:func:`~llama_guard.config.argv.build_argv`) is in its ``--help``.
 
 Blocking (runs the binary twice, each bounded): call it off the event loop.
 """
@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.argv import build_argv, flags_in
 from llama_guard.config import Config
+from llama_guard.config.argv import build_argv, flags_in
 from llama_guard.core.child import child_environ
-from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, identify, run_bounded
+from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, identify, run_bounded
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llama_guard.argv import resolve_binary
 from llama_guard.config import Config
+from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
-from llama_guard.core.inputs import Exited, SpeedMeasured, TrialAsked
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
-from llama_guard.core.transition import Transition
-from llama_guard.core.types import AfterStop, TrialResult, exit_text
-from llama_guard.core.watcher import Context, Watcher
-from llama_guard.upgrade.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
+from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
+from llama_guard.model.inputs import Exited, SpeedMeasured, TrialAsked
+from llama_guard.model.transition import Transition
+from llama_guard.model.types import AfterStop, TrialResult, exit_text
+from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
 from llama_guard.upgrade.preflight import Preflight, preflight
@@ -51,7 +51,7 @@ PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the h
 DecodeSpeed = Callable[[str, str, int, int, float], float]
 """``(base_url, api_key, runs, tokens, timeout_s) -> median decode tokens/s`` as ``llama-guard bench``
 measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion): the
-daemon's wiring hands in :func:`llama_guard.insight.bench.run_bench`'s figure."""
+daemon's wiring hands in :func:`llama_guard.tune.bench.run_bench`'s figure."""
 
 
 def _rounded(tps: float | None) -> float | None:

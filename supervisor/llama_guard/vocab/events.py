@@ -11,7 +11,7 @@ message template (over its fields), the journald catalog's subject and body (``@
 filled in by journalctl) and, optionally, the line the README's event table shows for it.
 ``scripts/gen_catalog.py`` writes from these declarations the :data:`EventName` type below, the
 catalog (deploy/journald/llama-guard.catalog) and the README's event table; ``--check`` (run by
-tests/test_event_names.py) fails when one of them is stale. To add an event: append an
+tests/vocab/test_event_names.py) fails when one of them is stale. To add an event: append an
 ``EventSpec`` to :data:`EVENTS`, run ``python scripts/gen_catalog.py``, emit it.
 """
 

@@ -54,7 +54,7 @@ class NodeAction(str, enum.Enum):
 class CheckResult:
     """One line of the preflight report; ``verdict`` is OK, WARN, FAIL (or NOTE, an explanation).
     ``action``: what this line asks of the operator when it is not OK (a FAIL that names none is a
-    configuration problem: :mod:`llama_guard.check_report`)."""
+    configuration problem: :mod:`llama_guard.preflight.check_report`)."""
 
     name: str
     verdict: Verdict

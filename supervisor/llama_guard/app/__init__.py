@@ -1,0 +1,1 @@
+"""The verbs and the assembly of the daemon."""

@@ -1,0 +1,1 @@
+"""The Prometheus exporter: the metrics and the [metrics] listener."""

@@ -1,0 +1,1 @@
+"""The model: types, inputs, actions, the transition record and the pure policy."""

@@ -1,0 +1,100 @@
+"""The last good builds kept (llama_guard.upgrade.kept): the executable and the libraries beside it,
+read-only, content-hashed, the last two; a copy whose content changed is not used."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from llama_guard.host.build import Build, file_sha256
+from llama_guard.upgrade.kept import KEEP_MAX, builds_dir, keep, listing, verified
+
+
+def a_build(where: Path, tag: str) -> Build:
+    """A build directory: an executable, a library and the usual links to it."""
+    where.mkdir(parents=True)
+    exe = where / "llama-server"
+    exe.write_text(f"#!/bin/sh\necho 'version: {tag}'\n")
+    exe.chmod(0o755)
+    (where / "libllama.so.0.6.0").write_bytes(f"library of {tag}".encode() * 100)
+    (where / "libllama.so.0").symlink_to("libllama.so.0.6.0")
+    (where / "libllama.so").symlink_to("libllama.so.0")
+    (where / "notes.txt").write_text("not a library")
+    return Build(exe, file_sha256(exe), f"version: {tag}", f"b{tag}")
+
+
+def test_a_kept_build_is_a_read_only_hashed_copy_with_its_libraries(tmp_path: Path) -> None:
+    build = a_build(tmp_path / "src", "1")
+    kept = keep(build, tmp_path / "builds")
+    assert kept.dir.parent == tmp_path / "builds" and kept.dir.name == build.sha256[:16]
+    assert sorted(p.name for p in kept.dir.iterdir()) == ["libllama.so", "libllama.so.0", "libllama.so.0.6.0",
+                                                         "llama-server", "manifest.json"]
+    assert os.readlink(kept.dir / "libllama.so.0") == "libllama.so.0.6.0"
+    assert kept.files["libllama.so.0.6.0"] == file_sha256(tmp_path / "src" / "libllama.so.0.6.0")
+    assert kept.build.sha256 == build.sha256 and kept.build.path == kept.dir / "llama-server"
+    for entry in [kept.dir, *(p for p in kept.dir.iterdir() if not p.is_symlink())]:
+        assert not entry.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH), entry
+    assert verified(kept) == ""
+    assert keep(build, tmp_path / "builds").dir == kept.dir  # kept once
+
+
+def test_only_the_last_two_are_kept(tmp_path: Path) -> None:
+    root = tmp_path / "builds"
+    dirs = [keep(a_build(tmp_path / f"src{i}", str(i)), root).dir for i in range(3)]
+    assert [k.dir for k in listing(root)] == dirs[:0:-1]
+    assert len(listing(root)) == KEEP_MAX and not dirs[0].exists()
+
+
+@pytest.mark.parametrize("victim", ["llama-server", "libllama.so.0.6.0"])
+def test_a_copy_whose_content_changed_is_not_used(tmp_path: Path, victim: str) -> None:
+    kept = keep(a_build(tmp_path / "src", "1"), tmp_path / "builds")
+    target = kept.dir / victim
+    kept.dir.chmod(0o755)
+    target.chmod(0o644)
+    target.write_bytes(target.read_bytes() + b"\0")
+    target.chmod(0o444)
+    assert verified(kept) == f"{target} no longer has the content that was kept"
+
+
+def test_a_copy_made_writable_is_not_used(tmp_path: Path) -> None:
+    kept = keep(a_build(tmp_path / "src", "1"), tmp_path / "builds")
+    (kept.dir / "libllama.so.0.6.0").chmod(0o666)
+    assert "is not a read-only regular file" in verified(kept)
+
+
+def test_the_copies_live_in_the_state_directory(tmp_path: Path) -> None:
+    assert builds_dir(tmp_path / "run", {"STATE_DIRECTORY": "/var/lib/llama-guard:/x"}) == \
+        Path("/var/lib/llama-guard/builds")
+    assert builds_dir(tmp_path / "run", {}) == tmp_path / "run" / "builds"
+
+
+async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binary on a hung filesystem (a FIFO nobody writes: reading it for its hash never returns) is
+    no build fault: the start goes on with the configured binary (as before preflights existed)."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.core.ports import BuildChoice
+    from llama_guard.model.types import State
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade import watcher
+
+    monkeypatch.setattr(watcher, "PREFLIGHT_CALL_S", 0.5)
+    hung = tmp_path / "llama-server"
+    os.mkfifo(hung)
+    cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": str(hung)}})
+    events: list[tuple[str, dict[str, object]]] = []
+    ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda name, **f: events.append((name, f)),
+                  post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
+                  loop=asyncio.get_running_loop())
+    keep(a_build(tmp_path / "good", "1"), tmp_path / "builds")  # a last good build is at hand: preflights run
+    source = watcher.UpgradeSource()
+    await source.start(ctx)
+    assert await source.before_spawn(ctx, hung) == BuildChoice(hung)
+    assert events == [("blocking_call_timeout", {"call": f"preflight of {hung}", "timeout_s": 0.5,
+                                                 "effect": "the server is started without it"})]
+    os.close(os.open(hung, os.O_WRONLY | os.O_NONBLOCK))  # the reader left on its lane gets its end of file
+
