@@ -127,6 +127,7 @@ def is_fast(item: pytest.Item) -> bool:
     return Path(str(item.fspath)).stem in FAST_MODULES
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads xdist_group into each node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         stem = Path(str(item.fspath)).stem
