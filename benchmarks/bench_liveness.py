@@ -383,7 +383,7 @@ def main() -> int:
     ap.add_argument("--gpu", default="off", choices=("off", "auto", "on"), help="[gpu].enabled when supervised")
     ap.add_argument("--rounds", type=int, default=sized(3, 2), help="interleaved rounds of part 1 (3; CI 2)")
     ap.add_argument("--runs", type=int, default=sized(3, 2), help="completions per mode per round (3; CI 2)")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per completion (ignore_eos)")
+    ap.add_argument("--tokens", type=int, default=sized(128, 64), help="tokens per completion (ignore_eos; 128; CI 64)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"part 1 modes, comma-separated; also {', '.join(POLLERS)}, guard-quiet")
     ap.add_argument("--chat-tokens", type=int, default=24, help="max_tokens per chat turn")

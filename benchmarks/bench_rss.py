@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_start import Tree, sections, wait_port_free  # noqa: E402
+from benchlib import sized  # noqa: E402
 from harness import DaemonRun, free_port  # noqa: E402
 
 KIB = 1024
@@ -154,7 +155,7 @@ def main() -> int:
     ap.add_argument("--ctk", default="f16")
     ap.add_argument("--fa", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=sized(2, 1), help="rounds (2; CI 1)")
     ap.add_argument("--after", type=float, default=12.0, help="seconds after server_ready (default 12)")
     ap.add_argument("--arena-max", type=int, default=0,
                     help="also run GPU watch on with MALLOC_ARENA_MAX=N (glibc's per-thread malloc arenas)")

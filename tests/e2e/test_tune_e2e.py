@@ -3,7 +3,7 @@ bad thread count is tuned, ``--apply`` writes flags that keep the floors, and th
 faster when measured independently afterwards (``bench --compare``); a stop mid-trial leaves nothing
 running and the file unchanged; flag sets that do not fit a stated VRAM size are never started.
 
-The speed comparison needs the host's two cores to itself: it runs in the serial phase."""
+The speed comparison needs the host's two cores to itself: it runs in the serial lane (tests/lanes.py)."""
 
 from __future__ import annotations
 
