@@ -39,11 +39,11 @@ def test_16_connections_declaring_32_mib_and_sending_1_byte_do_not_stop_an_hones
     run = door({**SHIPPED, "body_timeout_s": 8.0}, {"metrics": {"listen": f"127.0.0.1:{metrics}"}})
     squatters = [declared(run.front, 32 * MIB, b"{") for _ in range(16)]
     wait_for(lambda: metric(metrics, "llama_guard_front_connections") >= 16, 30, "16 connections open")
-    start = time.monotonic()
     assert served(run.front)  # 16 x 32 MiB declared = the whole budget: none of it is reserved
     answers = [read_all(sock) for sock in squatters]
-    assert all(a.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in a for a in answers), answers[0][:120]
-    assert time.monotonic() - start < 8.0 + 30.0  # cut by body_timeout_s, not by a deadline grown with 32 MiB
+    # cut by body_timeout_s (8 s), not by a deadline grown with the 32 MiB each declared
+    assert all(a.startswith(b"HTTP/1.1 408") and b"within 8 s ([front].body_timeout_s)" in a for a in answers), \
+        answers[0][:120]
 
 
 def test_held_bodies_cost_their_size_in_rss_and_give_it_back(door: Any) -> None:
