@@ -41,6 +41,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_gpu_watch",
     "test_h200_daemon_fixture",
     "test_judgement",
+    "test_kubernetes_manifests",
     "test_layers",
     "test_offload",
     "test_phase_table",
