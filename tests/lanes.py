@@ -43,6 +43,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_judgement",
     "test_kubernetes_manifests",
     "test_layers",
+    "test_metrics_table",
     "test_offload",
     "test_phase_table",
     "test_policy",
