@@ -23,7 +23,8 @@ from llama_guard.model.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotClient, SlotInfo
 from llama_guard.vocab.phases import Phase
 
-SLOTS_READ_TIMEOUT_S = 2.0  # a scrape waits at most this long for llama-server's /slots (seconds)
+# A scrape waits at most this long for llama-server's /slots (seconds): within a scrape_timeout of 1 s.
+SLOTS_READ_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)

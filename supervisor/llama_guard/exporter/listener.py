@@ -26,7 +26,7 @@ from llama_guard.model.types import State
 from llama_guard.status.health import HEALTH_PATHS, health_response
 
 SCRAPE_TIMEOUT_S = 10.0  # a scrape's rendering must finish within this many seconds (Prometheus' default timeout)
-REFRESH_TIMEOUT_S = 3.0  # the most a scrape waits for its refresh (llama-server's /slots) before rendering
+REFRESH_TIMEOUT_S = 1.0  # the most a scrape waits for its refresh (llama-server's /slots) before rendering
 HEADER_TIMEOUT_S = 15.0  # an idle keep-alive connection is closed after this many seconds
 
 
