@@ -37,8 +37,20 @@ MODEL_BYTES = 16 * GIB  # the model the timings are for: a 16 GB GGUF
 COLD_READ_BYTES_PER_S = 100e6  # a cold read from a network volume
 
 
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, the
+    API server's strict decoding refuses it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise yaml.constructor.ConstructorError(None, None, f"keys given twice: {twice}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def documents(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return [d for d in yaml.load_all(path.read_text(), Loader=StrictLoader) if d is not None]
 
 
 def resources() -> dict[str, dict[str, Any]]:
@@ -99,6 +111,13 @@ def test_the_validator_refuses_a_misspelt_field(kinds: dict[str, dict[str, Any]]
     bad["spec"]["template"]["spec"]["terminationGracePeriod"] = 240
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, VERSIONS[0], strict=True)
+
+
+def test_the_lint_refuses_a_key_given_twice(tmp_path: Path) -> None:
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("kind: Service\nmetadata:\n  name: a\n  name: b\n")
+    with pytest.raises(yaml.constructor.ConstructorError, match="keys given twice"):
+        documents(twice)
 
 
 def test_one_gpu_per_replica_and_the_foreground_run(kinds: dict[str, dict[str, Any]]) -> None:
