@@ -6,6 +6,7 @@ tested on NVML samples in tests/exporter/test_metrics.py: this host has no GPU."
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from harness import RunPool, free_port
 from llama_guard import __version__
+from llama_guard.host.build import commit_of, release_of
 from prometheus_client.parser import text_string_to_metric_families
 
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -76,6 +78,12 @@ def test_slots_conversations_and_build_info_from_the_real_server(pool: RunPool, 
     go.touch()
     run.wait_event("server_ready", 90)
     m = read_slots(metrics_port)
+    # The serving build, as the real llama-server's --version names it ("0.6.0-dev (build 0, commit unknown)").
+    (build,) = [dict(k[1]) for k in m if k[0] == "llama_guard_server_build_info"]
+    version = subprocess.run([str(llama_server_bin), "--version"], capture_output=True, text=True, timeout=60)
+    assert build["release"] == release_of(version.stdout + version.stderr)
+    assert build["commit"] == commit_of(version.stdout + version.stderr)
+    assert build["binary"] == str(held_back)
     assert slots(m) == (0, 2)
     assert held(m, "server") == 0 and held(m, "slot_files") == 0
 

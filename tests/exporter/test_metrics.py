@@ -389,3 +389,17 @@ async def test_build_info_and_slot_figures_only_for_the_server_that_is_ready(tmp
     holder["state"] = replace(holder["state"], pid=101)
     deliver(src, ctx)
     assert not any(k[0] == "llama_guard_server_slots" for k in scrape(src))
+
+
+async def test_the_serving_builds_release_and_commit_are_labels(tmp_path: Path) -> None:
+    from llama_guard.host.build import Build, release_of
+
+    for text, release, commit in (("version: 4242 (abc1234)\nbuilt with cc", "b4242 (abc1234)", "abc1234"),
+                                  ("version: 1.2.0 (build 7, commit 0123abcd)", "v1.2.0 (0123abcd)", "0123abcd"),
+                                  ("version: 0.6.0-dev (build 0, commit unknown)", "v0.6.0-dev", "")):
+        build = Build(Path("/opt/llama-server"), "f" * 64, text, release_of(text))
+        src, ctx, _, _ = make(tmp_path)
+        src._build = lambda build=build: build  # type: ignore[misc]
+        await src.start(ctx)
+        (labels,) = [dict(k[1]) for k in scrape(src) if k[0] == "llama_guard_server_build_info"]
+        assert labels["release"] == release and labels["commit"] == commit and labels["sha256"] == "f" * 64

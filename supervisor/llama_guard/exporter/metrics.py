@@ -36,7 +36,7 @@ from llama_guard.core.listen_wait import bind_waiting
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.exporter.fleet import SlotReading, build_info, gpu_capacity, read_slots, slot_metrics
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
-from llama_guard.host.build import Build
+from llama_guard.host.build import Build, commit_of
 from llama_guard.limits.usage import UsageSample
 from llama_guard.model.transition import Transition
 from llama_guard.model.types import State
@@ -265,9 +265,10 @@ class MetricsSource(Watcher, Collector):
         build = self._build()
         if build is not None:
             info = GaugeMetricFamily("llama_guard_server_build_info", "1 for the serving llama-server build: its "
-                                     "release (SemVer or build number and commit), --version text and SHA-256",
-                                     labels=["release", "version", "sha256", "binary"])
-            info.add_metric([build.release, build.version, build.sha256, str(build.path)], 1.0)
+                                     "release (SemVer or build number and commit), git commit, --version text "
+                                     "and SHA-256", labels=["release", "commit", "version", "sha256", "binary"])
+            info.add_metric([build.release, commit_of(build.version), build.version, build.sha256, str(build.path)],
+                            1.0)
             yield info
         trial = state.last_trial
         if trial is not None:
