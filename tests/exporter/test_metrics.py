@@ -375,7 +375,7 @@ async def test_build_info_and_slot_figures_only_for_the_server_that_is_ready(tmp
     m = scrape(src)
     assert m[("llama_guard_build_info", (("version", __version__),))] == 1
     assert not any(k[0] == "llama_guard_server_slots" for k in m)
-    reading = SlotReading(100, 0.0, (SlotInfo(0, True, 7, 30, False), SlotInfo(1, False, 5, 12, False),
+    reading = SlotReading(100, (SlotInfo(0, True, 7, 30, False), SlotInfo(1, False, 5, 12, False),
                                      SlotInfo(2, False, 9, 1, True), SlotInfo(3, False, None, 0, False)))
     src._slots = reading
     holder["state"] = replace(holder["state"], phase=Phase.READY, pid=100)

@@ -62,7 +62,7 @@ def served(tmp: Path) -> dict[str, str]:
         FrontMetrics(src.registry, waiting=lambda: 0, in_flight=lambda: 0, connections=lambda: 0)
         loop.run_until_complete(src.start(ctx))
         src.on_transition(ctx, Transition(state, state, Tick(), (), 10.0))
-        src._slots = SlotReading(100, 0.0, (SlotInfo(0, False, 1, 2, False),))
+        src._slots = SlotReading(100, (SlotInfo(0, False, 1, 2, False),))
         (tmp / "bench.json").write_text(json.dumps({"eval_tokens_per_s": {"median": 1.0},
                                                     "prompt_tokens_per_s": {"median": 1.0},
                                                     "ceiling": {"ceiling_tokens_per_s": 1.0}, "finished": 1.0}))

@@ -10,7 +10,6 @@ decode steps (docs/liveness.md), and only made while the server is ready.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +28,9 @@ SLOTS_READ_TIMEOUT_S = 0.5
 
 @dataclass(frozen=True)
 class SlotReading:
-    """``GET /slots`` of the server ``pid`` at monotonic time ``at``: one :class:`SlotInfo` per slot."""
+    """``GET /slots`` of the server ``pid``: one :class:`SlotInfo` per slot."""
 
     pid: int
-    at: float
     slots: tuple[SlotInfo, ...]
 
     @property
@@ -59,7 +57,7 @@ async def read_slots(ctx: Context) -> SlotReading | None:
         return None
     finally:
         await client.aclose()
-    return SlotReading(state.pid, time.monotonic(), tuple(slots))
+    return SlotReading(state.pid, tuple(slots))
 
 
 def build_info() -> GaugeMetricFamily:
