@@ -403,3 +403,39 @@ async def test_the_serving_builds_release_and_commit_are_labels(tmp_path: Path) 
         await src.start(ctx)
         (labels,) = [dict(k[1]) for k in scrape(src) if k[0] == "llama_guard_server_build_info"]
         assert labels["release"] == release and labels["commit"] == commit and labels["sha256"] == "f" * 64
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "error", "not_a_list", "not_json"])
+async def test_a_server_that_answers_slots_badly_or_never_costs_the_scrape_only_its_slot_figures(
+        tmp_path: Path, behaviour: str) -> None:
+    """The scrape's read of llama-server's /slots is bounded (exporter/fleet.py): a server that never answers,
+    answers 500, or answers something else than a list of slots leaves the slot series out and nothing else."""
+    from aiohttp import web
+
+    async def slots(request: web.Request) -> web.StreamResponse:
+        if behaviour == "silent":
+            await asyncio.Event().wait()  # never answers
+        if behaviour == "error":
+            return web.Response(status=500, text="boom")
+        return web.Response(text='{"slots": 1}' if behaviour == "not_a_list" else "<html>")
+
+    app = web.Application()
+    app.router.add_get("/slots", slots)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        src, ctx, holder, _ = make(tmp_path)
+        cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"port": port}})
+        ctx = replace(ctx, get_config=lambda: cfg)
+        await src.start(ctx)
+        holder["state"] = State(phase=Phase.READY, pid=7)
+        deliver(src, ctx)
+        await src.refresh()
+        m = scrape(src)
+        assert not any(k[0] in ("llama_guard_server_slots", "llama_guard_kv_cache_conversations") for k in m)
+        assert m[("llama_guard_phase", (("phase", "ready"),))] == 1
+    finally:
+        await runner.cleanup()
