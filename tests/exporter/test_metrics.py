@@ -340,3 +340,102 @@ async def test_the_loops_unfinished_tasks_are_counted_from_the_scrapes_thread(tm
     release.set()
     await asyncio.gather(*parked)
     assert await tasks_now() == before
+
+
+async def test_a_routers_gpu_figures_headroom_throttled_and_slowdown_threshold(tmp_path: Path) -> None:
+    """VRAM headroom (total - used), one "slowed down now" series (a heat or power reason; idle is not one) and
+    the GPU's own slowdown temperature; absent where NVML did not say."""
+    ident = GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200")
+    hot = GpuSample(ident, temperature_c=88, temp_slowdown_c=90, memory_used_bytes=5 * 2**30,
+                    memory_total_bytes=80 * 2**30, clock_event_reasons=0x1 | 0x40)
+    src, ctx, _, _ = make(tmp_path, gpu=hot)
+    await src.start(ctx)
+    m = scrape(src)
+    gpu0 = (("gpu", "0"),)
+    assert m[("llama_guard_gpu_memory_free_bytes", gpu0)] == 75 * 2**30
+    assert m[("llama_guard_gpu_throttled", gpu0)] == 1
+    assert m[("llama_guard_gpu_slowdown_temperature_celsius", gpu0)] == 90
+    for reasons, throttled in ((0x1, 0), (0x0, 0), (0x4, 1), (0x80, 1), (0x2, 0)):
+        idle = GpuSample(ident, clock_event_reasons=reasons)
+        src, ctx, _, _ = make(tmp_path, gpu=idle)
+        await src.start(ctx)
+        m = scrape(src)
+        assert m[("llama_guard_gpu_throttled", gpu0)] == throttled, hex(reasons)
+        assert ("llama_guard_gpu_memory_free_bytes", gpu0) not in m  # no VRAM figures: no headroom
+        assert ("llama_guard_gpu_slowdown_temperature_celsius", gpu0) not in m
+
+
+async def test_build_info_and_slot_figures_only_for_the_server_that_is_ready(tmp_path: Path) -> None:
+    from llama_guard import __version__
+    from llama_guard.exporter.fleet import SlotReading
+    from llama_guard.slots.client import SlotInfo
+
+    src, ctx, holder, _ = make(tmp_path)
+    await src.start(ctx)
+    m = scrape(src)
+    assert m[("llama_guard_build_info", (("version", __version__),))] == 1
+    assert not any(k[0] == "llama_guard_server_slots" for k in m)
+    reading = SlotReading(100, (SlotInfo(0, True, 7, 30, False), SlotInfo(1, False, 5, 12, False),
+                                     SlotInfo(2, False, 9, 1, True), SlotInfo(3, False, None, 0, False)))
+    src._slots = reading
+    holder["state"] = replace(holder["state"], phase=Phase.READY, pid=100)
+    deliver(src, ctx)
+    m = scrape(src)
+    assert m[("llama_guard_server_slots", (("state", "busy"),))] == 1
+    assert m[("llama_guard_server_slots", (("state", "free"),))] == 3
+    # slots 0 and 1 hold a conversation; 2 holds the liveness canary's prompt, 3 nothing
+    assert m[("llama_guard_kv_cache_conversations", (("place", "server"),))] == 2
+    # A reading of another server (the one before a restart) is not this one's.
+    holder["state"] = replace(holder["state"], pid=101)
+    deliver(src, ctx)
+    assert not any(k[0] == "llama_guard_server_slots" for k in scrape(src))
+
+
+async def test_the_serving_builds_release_and_commit_are_labels(tmp_path: Path) -> None:
+    from llama_guard.host.build import Build, release_of
+
+    for text, release, commit in (("version: 4242 (abc1234)\nbuilt with cc", "b4242 (abc1234)", "abc1234"),
+                                  ("version: 1.2.0 (build 7, commit 0123abcd)", "v1.2.0 (0123abcd)", "0123abcd"),
+                                  ("version: 0.6.0-dev (build 0, commit unknown)", "v0.6.0-dev", "")):
+        build = Build(Path("/opt/llama-server"), "f" * 64, text, release_of(text))
+        src, ctx, _, _ = make(tmp_path)
+        src._build = lambda build=build: build  # type: ignore[misc]
+        await src.start(ctx)
+        (labels,) = [dict(k[1]) for k in scrape(src) if k[0] == "llama_guard_server_build_info"]
+        assert labels["release"] == release and labels["commit"] == commit and labels["sha256"] == "f" * 64
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "error", "not_a_list", "not_json"])
+async def test_a_server_that_answers_slots_badly_or_never_costs_the_scrape_only_its_slot_figures(
+        tmp_path: Path, behaviour: str) -> None:
+    """The scrape's read of llama-server's /slots is bounded (exporter/fleet.py): a server that never answers,
+    answers 500, or answers something else than a list of slots leaves the slot series out and nothing else."""
+    from aiohttp import web
+
+    async def slots(request: web.Request) -> web.StreamResponse:
+        if behaviour == "silent":
+            await asyncio.Event().wait()  # never answers
+        if behaviour == "error":
+            return web.Response(status=500, text="boom")
+        return web.Response(text='{"slots": 1}' if behaviour == "not_a_list" else "<html>")
+
+    app = web.Application()
+    app.router.add_get("/slots", slots)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        src, ctx, holder, _ = make(tmp_path)
+        cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"port": port}})
+        ctx = replace(ctx, get_config=lambda: cfg)
+        await src.start(ctx)
+        holder["state"] = State(phase=Phase.READY, pid=7)
+        deliver(src, ctx)
+        await src.refresh()
+        m = scrape(src)
+        assert not any(k[0] in ("llama_guard_server_slots", "llama_guard_kv_cache_conversations") for k in m)
+        assert m[("llama_guard_phase", (("phase", "ready"),))] == 1
+    finally:
+        await runner.cleanup()

@@ -12,7 +12,17 @@ from harness import emitted, line, names
 from harness import ready as policy_ready
 from llama_guard.gpu.kmsg import KmsgParser, XidRecord
 from llama_guard.gpu.xid import XidMatcher, xid_info
-from llama_guard.model.actions import Action, Emit, ExitDaemon, InspectGpu, Kill, RunReset, Spawn, Terminate
+from llama_guard.model.actions import (
+    Action,
+    CheckVram,
+    Emit,
+    ExitDaemon,
+    InspectGpu,
+    Kill,
+    RunReset,
+    Spawn,
+    Terminate,
+)
 from llama_guard.model.inputs import (
     Boot,
     Exited,
@@ -26,9 +36,19 @@ from llama_guard.model.inputs import (
     Spawned,
     StopRequest,
     Tick,
+    VramFacts,
 )
 from llama_guard.model.policy import decide
-from llama_guard.model.types import AfterStop, GpuFaultKind, Params, State, XidAction, XidOrigin, initial_state
+from llama_guard.model.types import (
+    AfterStop,
+    GpuFaultKind,
+    Params,
+    RecoveryAction,
+    State,
+    XidAction,
+    XidOrigin,
+    initial_state,
+)
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE, EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -591,3 +611,40 @@ class TestDuringReset:
         s, _ = into_reset(ready(), line(100, OOM))
         for event in (line(100, OOM), Exited(100, -6), HealthOk(100)):
             assert decide(s, event, 6.0) == (s, [])
+
+
+class TestResetOff:
+    """``[recovery].reset_on = []`` (deploy/kubernetes/: NVIDIA's operators own the GPU's remediation): no
+    fault leads to a GPU reset, even where llama-guard could run one. A fault a restart can clear restarts the
+    server; one that needs a reset (a lost GPU, an Xid whose action is a reset, NVML's recovery action) stops
+    the server and ends the daemon (69) with the reason: the node's remediation takes it from there."""
+
+    OFF = replace(P, reset_on=frozenset())
+
+    @pytest.mark.parametrize("fault", [line(100, OOM), line(100, ILLEGAL), xid(13, "restart")],
+                             ids=["oom", "cuda-error", "xid-13"])
+    def test_a_fault_a_restart_clears_restarts_the_server_without_a_reset(self, fault: Line | GpuFault) -> None:
+        s, acts = stop_for(ready(params=self.OFF), fault)
+        assert s.after_stop is AfterStop.FAILURE and not of_type(acts, RunReset)
+        s, acts = decide(s, Exited(100, -6), 5.5)
+        assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and s.phase is Phase.BACKOFF
+        s = restart_after_backoff(s, 101, 8.0)
+        assert s.resets == ()
+
+    @pytest.mark.parametrize("fault", [LOST, xid(48, "reset"), xid(74, "reset")], ids=["gpu-lost", "xid-48", "xid-74"])
+    def test_a_fault_that_needs_a_reset_stops_the_server_and_exits_69(self, fault: GpuFault) -> None:
+        s, acts = stop_for(ready(params=self.OFF), fault)
+        assert not of_type(acts, RunReset)
+        s, acts = decide(s, Exited(100, -6), 5.5)
+        assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and not of_type(acts, Spawn)
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert "no reset configured" in s.exit_reason
+
+    def test_nvml_asking_for_a_reset_before_a_start_exits_69_with_the_advice(self) -> None:
+        off = replace(self.OFF, vram_admission=True)
+        s, acts = decide(initial_state(off), Boot(), 0.0)
+        assert acts == [CheckVram()]
+        s, acts = decide(s, VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
+        assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and not of_type(acts, Spawn)
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert "reset_on" in s.exit_reason

@@ -73,7 +73,8 @@ def make_watchers(config: Config, *, nvml_module: Any = None, emitter: Emitter) 
     limits = LimitsSource()
     slots = SlotsSource()
     builds = UpgradeSource(measure=decode_speed)
-    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage, build=lambda: builds.serving)
+    metrics = MetricsSource(gpu_sample=gpu.last_sample, usage=limits.last_usage, build=lambda: builds.serving,
+                            slot_files=slots.held_files)
     emitter.sinks.append(metrics)
     # The front door (off unless [front].listen is set), on the socket systemd passed if any; its
     # metrics go to the exporter's registry.

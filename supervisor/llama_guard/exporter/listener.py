@@ -12,9 +12,10 @@ own server does. Nothing here logs a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry
@@ -25,16 +26,20 @@ from llama_guard.model.types import State
 from llama_guard.status.health import HEALTH_PATHS, health_response
 
 SCRAPE_TIMEOUT_S = 10.0  # a scrape's rendering must finish within this many seconds (Prometheus' default timeout)
+REFRESH_TIMEOUT_S = 1.0  # the most a scrape waits for its refresh (llama-server's /slots) before rendering
 HEADER_TIMEOUT_S = 15.0  # an idle keep-alive connection is closed after this many seconds
 
 
 class MetricsListener:
     """Serves ``registry`` and the health answers for ``last_state`` (the policy's state as the loop's last
-    record left it) on one listening socket."""
+    record left it) on one listening socket; ``refresh`` runs on the loop before each scrape's render (what
+    must be read at the scrape: llama-server's slots), within :data:`REFRESH_TIMEOUT_S`."""
 
-    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State]) -> None:
+    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State],
+                 refresh: Callable[[], Awaitable[None]] | None = None) -> None:
         self._registry = registry
         self._state = last_state
+        self._refresh = refresh
         self._lane = Lane(LaneKind.SCRAPE)
         self._server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
@@ -74,6 +79,9 @@ class MetricsListener:
         if request.path in HEALTH_PATHS:
             return health_response(request.path, self._state())
         encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
+        if self._refresh is not None:
+            with contextlib.suppress(asyncio.TimeoutError):  # the scrape goes on with what it has
+                await asyncio.wait_for(self._refresh(), REFRESH_TIMEOUT_S)
         try:
             body = await self._lane.run(lambda: encoder(self._registry), SCRAPE_TIMEOUT_S, "a /metrics scrape")
         except (CallTimeout, LaneBusy) as exc:

@@ -34,8 +34,9 @@ from prometheus_client.registry import Collector
 
 from llama_guard.core.listen_wait import bind_waiting
 from llama_guard.core.offload import Lane, LaneKind
+from llama_guard.exporter.fleet import SlotReading, build_info, gpu_capacity, read_slots, slot_metrics
 from llama_guard.gpu.readings import EXPORTED_CLOCK_EVENTS, GpuSample
-from llama_guard.host.build import Build
+from llama_guard.host.build import Build, commit_of
 from llama_guard.limits.usage import UsageSample
 from llama_guard.model.transition import Transition
 from llama_guard.model.types import State
@@ -89,17 +90,21 @@ class Histogram:
 class MetricsSource(Watcher, Collector):
     """Counts events, times phases, and exports everything on scrape. ``gpu_sample``: the GPU
     watcher's latest NVML sample; ``usage``: the limits watcher's latest reading of the server;
-    ``build``: the serving llama-server build (each None when unknown). ``llama-guard bench``'s last
-    result is read from ``[runtime].dir``."""
+    ``build``: the serving llama-server build; ``slot_files``: the committed slot files (each None when
+    unknown; ``slot_files`` is called on the scrape's lane thread and may read the disk). ``llama-guard
+    bench``'s last result is read from ``[runtime].dir``; llama-server's slots before each scrape (:meth:`refresh`)."""
 
     name = "metrics"
 
     def __init__(self, *, gpu_sample: Callable[[], GpuSample | None] = lambda: None,
                  usage: Callable[[], UsageSample | None] = lambda: None,
-                 build: Callable[[], Build | None] = lambda: None, serve: bool = True) -> None:
+                 build: Callable[[], Build | None] = lambda: None,
+                 slot_files: Callable[[], int | None] = lambda: None, serve: bool = True) -> None:
         self._gpu_sample = gpu_sample
         self._usage = usage
         self._build = build
+        self._slot_files = slot_files
+        self._slots: SlotReading | None = None  # the last scrape's read of llama-server's /slots
         self.serve = serve
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -129,7 +134,7 @@ class MetricsSource(Watcher, Collector):
             from llama_guard.exporter.listener import MetricsListener
 
             # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
-            listener = MetricsListener(self.registry, lambda: self._state)
+            listener = MetricsListener(self.registry, lambda: self._state, refresh=self.refresh)
             # A port another process holds is waited for, as the front door's and llama-server's are.
             bound = await bind_waiting(ctx, self._proc, lambda: listener.listen(*address), setting="[metrics].listen",
                                        value=ctx.config.metrics.listen, address=address, taken="metrics_port_taken")
@@ -138,6 +143,11 @@ class MetricsSource(Watcher, Collector):
             self.listening = bound
             self._listener = listener
         return None
+
+    async def refresh(self) -> None:
+        """Before a scrape's render, on the loop: read llama-server's slots (None when no server is ready
+        or it does not answer in time: those series are then absent)."""
+        self._slots = None if self.ctx is None else await read_slots(self.ctx)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         self._state = step.after
@@ -201,6 +211,7 @@ class MetricsSource(Watcher, Collector):
         if ctx is None:
             return
         state, now = self._state, ctx.clock()
+        yield build_info()
         phase = GaugeMetricFamily("llama_guard_phase", "1 for the daemon's current phase", labels=["phase"])
         for p in Phase:
             phase.add_metric([p.value], 1.0 if p is state.phase else 0.0)
@@ -248,12 +259,16 @@ class MetricsSource(Watcher, Collector):
         yield SummaryMetricFamily("llama_guard_vram_wait_seconds", "waits for the previous server's VRAM",
                                   count_value=self.vram_wait[0], sum_value=self.vram_wait[1])
         yield from self._peer_metrics()
+        reading = self._slots
+        current = reading is not None and state.phase is Phase.READY and reading.pid == state.pid
+        yield from slot_metrics(reading if current else None, self._slot_files())
         build = self._build()
         if build is not None:
             info = GaugeMetricFamily("llama_guard_server_build_info", "1 for the serving llama-server build: its "
-                                     "release (SemVer or build number and commit), --version text and SHA-256",
-                                     labels=["release", "version", "sha256", "binary"])
-            info.add_metric([build.release, build.version, build.sha256, str(build.path)], 1.0)
+                                     "release (SemVer or build number and commit), git commit, --version text "
+                                     "and SHA-256", labels=["release", "commit", "version", "sha256", "binary"])
+            info.add_metric([build.release, commit_of(build.version), build.version, build.sha256, str(build.path)],
+                            1.0)
             yield info
         trial = state.last_trial
         if trial is not None:
@@ -280,6 +295,7 @@ class MetricsSource(Watcher, Collector):
                     ("llama_guard_gpu_memory_total_bytes", sample.memory_total_bytes, 1.0, "VRAM total")):
                 if value is not None:
                     yield _gauge(metric, text, labels, gpu_id, value * scale)
+            yield from gpu_capacity(sample, labels, gpu_id)
             server_pid = self._state.pid
             if server_pid is not None and sample.processes is not None:
                 # NVML's per-process figure for llama-server's pid (0 until it appears on the GPU); the rest of

@@ -1,6 +1,6 @@
 """The front door's Prometheus metrics (prometheus-client), registered in the exporter's registry.
 
-Names and labels are listed in docs/front.md; the ``reason`` label takes the values of
+Names and labels are rows of the one metrics table, docs/metrics.md; the ``reason`` label takes the values of
 :class:`llama_guard.front.admission.FailReason`.
 """
 

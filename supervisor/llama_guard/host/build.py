@@ -107,8 +107,8 @@ def release_of(version_text: str) -> str:
     """The release named by ``--version`` output: ``v1.2.3`` (SemVer, llama.cpp from 1.0.0 on) or
     ``b4242`` (its build number before), followed by `` (commit)`` when printed; else the first line
     (``unknown`` when empty)."""
-    commit = _COMMIT.search(version_text)
-    tail = f" ({commit[1] or commit[2]})" if commit else ""
+    commit = commit_of(version_text)
+    tail = f" ({commit})" if commit else ""
     semver = _SEMVER.search(version_text)
     if semver:
         return f"v{semver[1]}{tail}"
@@ -117,6 +117,13 @@ def release_of(version_text: str) -> str:
         return f"b{number[1]}{tail}"
     first = next((line.strip() for line in version_text.splitlines() if line.strip()), "")
     return first[:80] or "unknown"
+
+
+def commit_of(version_text: str) -> str:
+    """The git commit ``--version`` output names (``version: 4242 (abc1234)``, ``commit abc1234``), "" when it
+    names none (a build from a source tree without git says ``commit unknown``)."""
+    found = _COMMIT.search(version_text)
+    return (found[1] or found[2]) if found else ""
 
 
 def file_sha256(path: Path) -> str:

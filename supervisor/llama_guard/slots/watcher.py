@@ -247,6 +247,18 @@ class SlotsSource(Watcher):
         for item in store.take_set_aside():
             ctx.emit("slot_restore_refused", file=item.file, refusal=item.refusal.value, detail=item.detail)
 
+    def held_files(self) -> int | None:
+        """The committed slot files (each one slot's conversation, for the next server); None when the
+        carry-over is off or the directory cannot be read. Blocking (manifest reads, each store call bounded
+        by its I/O timeout): for a caller off the loop, such as a /metrics scrape's lane."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            return len(store.committed())
+        except OSError:
+            return None
+
     # ------------------------------------------------------------ saves
 
     async def after_drain(self, ctx: Context, pid: int) -> None:
