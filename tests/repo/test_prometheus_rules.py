@@ -53,7 +53,7 @@ def test_rules_yaml_structure_and_metric_names() -> None:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"]
-    source = (ROOT / "supervisor" / "llama_guard" / "output" / "metrics.py").read_text()
+    source = (ROOT / "supervisor" / "llama_guard" / "exporter" / "metrics.py").read_text()
     used = {m for r in rules for m in re.findall(r"\bllama_guard_[a-z_]+", r["expr"])}
     for metric in used:
         base = metric.removesuffix("_total")
