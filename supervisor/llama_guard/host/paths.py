@@ -74,3 +74,14 @@ def runtime_dir_of(config_path: Path, environ: Mapping[str, str] | None = None) 
     if value is None:
         return DEFAULT_RUNTIME_DIR
     return Path(value) if isinstance(value, str) and value not in ("", ".") else None
+
+
+def unsearchable_parent(path: Path, uid: int, gids: tuple[int, ...]) -> Path | None:
+    """The first parent of ``path`` that ``uid`` (with the groups ``gids``) may not search (no x bit
+    for it by owner, group or other; ACLs not read), or None when every parent lets it through."""
+    for parent in reversed(path.parents):
+        st = parent.stat()
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid in gids else stat.S_IXOTH
+        if uid != 0 and not st.st_mode & bit:
+            return parent
+    return None

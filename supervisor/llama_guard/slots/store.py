@@ -38,11 +38,12 @@ import hashlib
 import json
 import os
 import re
-import stat
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llama_guard.host.paths import unsearchable_parent
 from llama_guard.host.safe_files import FileRefused, SafeDir, read_through
 from llama_guard.slots.fingerprint import Fingerprint
 from llama_guard.slots.header import HeaderError, StateFormat, state_format_of, tokens_of
@@ -177,24 +178,13 @@ class SlotStore:
         deadline = self._deadline()
         with self._dir() as d:
             try:
-                fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
-            except FileNotFoundError:
-                raise StoreError(f"llama-server's file {name} is missing") from None
-            except FileRefused as exc:
+                with self._servers_file(d, name, remove_refused=True) as (fd, size):
+                    tokens = tokens_of(fd, size)
+                    state_format = state_format_of(fd, size)
+                    sha256 = self._sha256(fd, size, deadline, name)
+            except StoreError:
                 self._remove_quietly(d, name)
-                raise StoreError(str(exc)) from None
-            try:
-                tokens = tokens_of(fd, size)
-                state_format = state_format_of(fd, size)
-                sha256 = self._sha256(fd, size, deadline, name)
-            except HeaderError as exc:
-                self._remove_quietly(d, name)
-                raise StoreError(f"{d.path / name}: {exc}") from None
-            except FileRefused as exc:
-                self._remove_quietly(d, name)
-                raise StoreError(str(exc)) from None
-            finally:
-                os.close(fd)
+                raise
             previous = self._read_manifest(d, slot_id, deadline, quiet=True)
             manifest = Manifest(fingerprint.key, fingerprint.as_dict(), slot_id, len(tokens), size, sha256,
                                 time.time(), name, asdict(state_format))
@@ -202,6 +192,29 @@ class SlotStore:
             if isinstance(previous, Manifest) and previous.file != name:
                 self._remove_quietly(d, previous.file)  # an orphan otherwise: prepare removes it
         return manifest
+
+    @contextlib.contextmanager
+    def _servers_file(self, d: SafeDir, name: str, *, remove_refused: bool) -> Iterator[tuple[int, int]]:
+        """``name``, a file llama-server wrote, opened safely: (fd, size), closed on exit. Raises
+        StoreError when it is missing or refused (not a regular file of llama-server's user, over the
+        budget: then removed where ``remove_refused``); a HeaderError or FileRefused while it is read is a
+        StoreError naming the file too."""
+        try:
+            fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
+        except FileNotFoundError:
+            raise StoreError(f"llama-server's file {name} is missing") from None
+        except FileRefused as exc:
+            if remove_refused:
+                self._remove_quietly(d, name)
+            raise StoreError(str(exc)) from None
+        try:
+            yield fd, size
+        except HeaderError as exc:
+            raise StoreError(f"{d.path / name}: {exc}") from None
+        except FileRefused as exc:
+            raise StoreError(str(exc)) from None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _remove_quietly(d: SafeDir, name: str) -> None:
@@ -273,19 +286,10 @@ class SlotStore:
             raise StoreError(f"{name!r} is not a slot file name")
         with self._dir() as d:
             try:
-                fd, size = d.open_regular(name, owners={self.file_owner}, max_bytes=self.budget_bytes)
-            except FileNotFoundError:
-                raise StoreError(f"llama-server's file {name} is missing") from None
-            except FileRefused as exc:
-                raise StoreError(str(exc)) from None
+                with self._servers_file(d, name, remove_refused=False) as (fd, size):
+                    return state_format_of(fd, size)
             finally:
                 self._remove_quietly(d, name)
-            try:
-                return state_format_of(fd, size)
-            except HeaderError as exc:
-                raise StoreError(f"{d.path / name}: {exc}") from None
-            finally:
-                os.close(fd)
 
     def check(self, fingerprint: Fingerprint,
               written: StateFormat | str | None = None) -> tuple[list[Manifest], list[Refused]]:
@@ -364,14 +368,8 @@ class SlotStore:
     def tokens(self, manifest: Manifest) -> list[int]:
         """The token ids of committed ``manifest``'s file (its header), read safely. Raises StoreError or
         OSError (FileRefused: the file is no longer a regular file of llama-server's user)."""
-        with self._dir() as d:
-            fd, size = d.open_regular(manifest.file, owners={self.file_owner}, max_bytes=self.budget_bytes)
-            try:
-                return tokens_of(fd, size)
-            except HeaderError as exc:
-                raise StoreError(str(exc)) from None
-            finally:
-                os.close(fd)
+        with self._dir() as d, self._servers_file(d, manifest.file, remove_refused=False) as (fd, size):
+            return tokens_of(fd, size)
 
     def prune(self) -> list[Manifest]:
         """Drop the oldest committed files until the rest fit the budget; the dropped ones."""
@@ -450,14 +448,3 @@ def _count(mark: dict[object, object]) -> int:
     older version wrote after a single observation)."""
     count = mark.get("unused", 1)
     return count if isinstance(count, int) else 1
-
-
-def unsearchable_parent(path: Path, uid: int, gids: tuple[int, ...]) -> Path | None:
-    """The first parent of ``path`` that ``uid`` (with the groups ``gids``) may not search (no x bit
-    for it by owner, group or other; ACLs not read), or None when every parent lets it through."""
-    for parent in reversed(path.parents):
-        st = parent.stat()
-        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid in gids else stat.S_IXOTH
-        if uid != 0 and not st.st_mode & bit:
-            return parent
-    return None
