@@ -80,10 +80,15 @@ def run_tune(path: Path, config: Config, *, minutes: float, apply: bool, as_json
         _say(f"llama-guard: tune: {exc}; nothing changed")
         return EXIT_FAILURE
     except (KeyboardInterrupt, Stopped):
-        _say(f"llama-guard: tune stopped; no trial server left running, {path} unchanged")
-        return EXIT_STOPPED
+        return _stopped(path)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(path: Path) -> int:
+    """A stop (Ctrl-C, SIGTERM) in the search, which ends its window as stopped, or around it: said; 130."""
+    _say(f"llama-guard: tune stopped; no trial server left running, {path} unchanged")
+    return EXIT_STOPPED
 
 
 #: How tune's exit status names the end of a window (any other: failed).
@@ -113,8 +118,7 @@ def _tune(path: Path, config: Config, facts: ModelFacts, *, minutes: float, appl
         _say(f"llama-guard: tune: {exc}")
         return EXIT_FAILURE
     except (KeyboardInterrupt, Stopped):
-        _say(f"llama-guard: tune stopped; no trial server left running, {path} unchanged")
-        return EXIT_STOPPED
+        return _stopped(path)
     best = result.best_candidate
     ceiling = ceiling_for(config.model_copy(update={"server": config.server.model_copy(
         update=result.best.as_server_update())}), BenchResult(url="", runs=best.runs, tokens=config.tune.tokens),
