@@ -1062,8 +1062,9 @@ EVENTS: tuple[EventSpec, ...] = (
                     "names\n"
                     "the failing build: fix or replace it and reload; `llama-guard status` shows both builds."),
               readme=("a new build failed to load, its trial (slower than the old one beyond "
-                      "`[upgrade].max_slowdown_pct`, no answer) or its probation (a crash, a fault): started again "
-                      "from the last good build, both named (and both trial figures)")),
+                      "`[upgrade].max_slowdown_pct`, no answer, `/completion` not 2xx) or its probation (a crash, a "
+                      "fault, a run of client 5xx): started again from the last good build, both named (and both "
+                      "trial figures)")),
     EventSpec("upgrade_kept", _S.NOTICE,
               ("llama-server build {build} at {binary} kept after {probation_s:.0f} s of probation "
                "(it replaced {previous_build})"),
