@@ -165,3 +165,44 @@ def test_the_trial_measurement_fails_when_the_native_completion_does_not_answer_
         assert decode_speed(f"http://127.0.0.1:{ok.server_address[1]}", "", 1, 1, 10.0) == 9.0
     finally:
         ok.shutdown()
+
+
+def test_a_cancelled_measurement_cuts_its_request_under_way_and_sends_no_more() -> None:
+    """The daemon's stop in a trial sets the measurement's Cancel: the request under way fails at once
+    (its connection closed: llama-server stops that task) and none follows."""
+    import socket
+    import threading
+
+    from llama_guard.core.client import Cancel
+    from llama_guard.tune.bench import decode_speed
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    asked, closed = threading.Event(), threading.Event()
+
+    def never_answer() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        asked.set()
+        if conn.recv(65536) == b"":  # the client closed it
+            closed.set()
+        conn.close()
+    threading.Thread(target=never_answer, daemon=True).start()
+    cancel, raised = Cancel(), []
+
+    def measure() -> None:
+        try:
+            decode_speed(f"http://127.0.0.1:{listener.getsockname()[1]}", "", 1, 1, 600.0, cancel)
+        except BenchError as exc:
+            raised.append(str(exc))
+    worker = threading.Thread(target=measure)
+    worker.start()
+    assert asked.wait(60)
+    cancel.set()
+    worker.join(60)
+    assert raised == ["POST /completion failed: POST /completion: cancelled"]
+    assert closed.wait(60)
+    listener.close()
+    with pytest.raises(BenchError, match="cancelled"):  # a later measurement with it sends nothing
+        decode_speed("http://127.0.0.1:1", "", 1, 1, 600.0, cancel)

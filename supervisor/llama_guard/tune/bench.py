@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from llama_guard.config import Config
-from llama_guard.core.client import BlockingClient, RequestFailed
+from llama_guard.core.client import BlockingClient, Cancel, RequestFailed
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 BENCH_FILE = "bench.json"  # the last bench's result under [runtime].dir (exported as metrics)
@@ -182,26 +182,27 @@ class Target:
 
 
 def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT, timeout_s: float = 300.0,
-              warmup: bool = True, progress: Progress | None = None, api_key: str = "") -> BenchResult:
+              warmup: bool = True, progress: Progress | None = None, api_key: str = "",
+              cancel: Cancel | None = None) -> BenchResult:
     """Warm up, then ``runs`` completions of ``tokens`` tokens against ``url``; each request has
     ``timeout_s`` and, with ``api_key`` (``[server].api_key_file``'s key), a Bearer token.
-    Raises :class:`BenchError` on the first failed request."""
+    Raises :class:`BenchError` on the first failed request (and once ``cancel`` is set)."""
     return run_interleaved([Target(url, api_key)], runs=runs, tokens=tokens, prompt=prompt, timeout_s=timeout_s,
-                           warmup=warmup, progress=progress)[0]
+                           warmup=warmup, progress=progress, cancel=cancel)[0]
 
 
 def run_interleaved(targets: list[Target], *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT,
                     timeout_s: float = 300.0, warmup: bool = True,
-                    progress: Progress | None = None) -> list[BenchResult]:
+                    progress: Progress | None = None, cancel: Cancel | None = None) -> list[BenchResult]:
     """Warm each of ``targets`` up, then ``runs`` rounds of one completion of ``tokens`` tokens on
     each target in turn (A, B, A, B …: a slow spell of the host falls on all of them alike instead of
     on whichever ran then); one :class:`BenchResult` per target, in order. ``progress`` counts rounds.
-    Raises :class:`BenchError` on the first failed request."""
+    Raises :class:`BenchError` on the first failed request (and once ``cancel`` is set)."""
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
     done: list[list[RunTimings]] = [[] for _ in targets]
     with contextlib.ExitStack() as stack:
-        clients = [stack.enter_context(BlockingClient(t.url, t.api_key)) for t in targets]
+        clients = [stack.enter_context(BlockingClient(t.url, t.api_key, cancel)) for t in targets]
         if warmup:
             if progress:
                 progress.update(0, "warm-up")
@@ -224,13 +225,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float) -> float:
+def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float,
+                 cancel: Cancel | None = None) -> float:
     """The median decode tokens/s of :func:`run_bench` (warm-up, ``runs`` completions of ``tokens``
     tokens), after one request to the native ``/completion`` that must answer 2xx: an upgrade's trial
-    measures each build with it. Raises :class:`BenchError`."""
-    with BlockingClient(url, api_key) as client:
+    measures each build with it. Raises :class:`BenchError` (also once ``cancel`` is set: the request
+    under way is cut)."""
+    with BlockingClient(url, api_key, cancel) as client:
         native_completion(client, timeout_s)
-    return run_bench(url, runs=runs, tokens=tokens, timeout_s=timeout_s, api_key=api_key).eval.median
+    return run_bench(url, runs=runs, tokens=tokens, timeout_s=timeout_s, api_key=api_key, cancel=cancel).eval.median
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from typing import Any
 from llama_guard.config import Config
 from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
+from llama_guard.core.client import Cancel
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
@@ -50,10 +51,10 @@ from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
 
-DecodeSpeed = Callable[[str, str, int, int, float], float]
-"""``(base_url, api_key, runs, tokens, timeout_s) -> median decode tokens/s`` as ``llama-guard bench``
-measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion): the
-daemon's wiring hands in :func:`llama_guard.tune.bench.run_bench`'s figure."""
+DecodeSpeed = Callable[[str, str, int, int, float, Cancel], float]
+"""``(base_url, api_key, runs, tokens, timeout_s, cancel) -> median decode tokens/s`` as ``llama-guard
+bench`` measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion, and once
+``cancel`` is set): the daemon's wiring hands in :func:`llama_guard.tune.bench.decode_speed`."""
 
 
 def _rounded(tps: float | None) -> float | None:
@@ -136,6 +137,7 @@ class UpgradeSource(Watcher):
         self._jobs: asyncio.Queue[Build | _Identify | _Record] = asyncio.Queue()
         self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
+        self._measuring: Cancel | None = None  # the trial's measurement under way
 
     # ------------------------------------------------------------ helpers
 
@@ -300,10 +302,14 @@ class UpgradeSource(Watcher):
             return SpeedMeasured(pid, None, "no decode-speed measurement is wired in")
         url, key = config.server.base_url, ctx.get_api_key()
         what = f"decode speed of server {pid} ({runs} x {tokens} tokens)"
+        cancel = self._measuring = Cancel()
         try:
-            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s), timeout_s, what)
+            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s, cancel), timeout_s, what)
         except (RuntimeError, OSError, LaneBusy) as exc:  # CallTimeout is an OSError
             return SpeedMeasured(pid, None, str(exc) or repr(exc))
+        finally:
+            if self._measuring is cancel:
+                self._measuring = None
         return SpeedMeasured(pid, tps)
 
     def _trial_ended(self, ctx: Context, step: Transition, result: TrialResult) -> None:
@@ -401,6 +407,10 @@ class UpgradeSource(Watcher):
         self._pids.pop(pid, None)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        if step.before.phase is Phase.TRIAL and step.after.phase is not Phase.TRIAL and self._measuring is not None:
+            # The trial ended without its figure (the daemon's stop, an exit, a fatal line): its
+            # requests are cut, so that the server's stop waits for none of them.
+            self._measuring.set()
         result = step.after.last_trial
         if step.before.phase is Phase.TRIAL and result is not None and result is not step.before.last_trial:
             self._trial_ended(ctx, step, result)
