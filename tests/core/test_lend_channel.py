@@ -223,3 +223,20 @@ async def test_tune_ending_before_the_grant_is_posted_with_how(chan: Channel) ->
     await chan.until(lambda: len(chan.posted) == 2, "the cancel posted")
     assert chan.posted[-1] == LendReturned(os.getpid(), LendEnd.STOPPED, "it said stopped")
     writer.close()
+
+
+@pytest.mark.parametrize("line", [
+    b"x" * 5000 + b"\n",                               # a line over the limit
+    b'{"minutes": 1' + b" " * 5000 + b"}\n",            # a valid ask padded past the limit
+    b"y" * 20000,                                      # no newline at all, far past the limit
+])
+async def test_a_request_line_over_the_limit_is_refused_at_once_as_such(chan: Channel, line: bytes) -> None:
+    """Before: refused as "no request line within 10 s" (the overrun caught with the timeout), after
+    the wait; now at once, naming the limit."""
+    reader, writer = await asyncio.open_unix_connection(chan.path)
+    writer.write(line)
+    answer = json.loads(await asyncio.wait_for(reader.readline(), 60))
+    assert answer == {"granted": False, "reason": "bad request: request line longer than 4096 bytes"}
+    assert chan.posted == [] and chan.events == [("lend_refused", {"tune_pid": os.getpid(),
+                                                                   "reason": answer["reason"]})]
+    writer.close()

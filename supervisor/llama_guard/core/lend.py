@@ -181,7 +181,9 @@ class LendChannel:
                     minutes = parse_ask(line)
             except BadRequest as exc:
                 refusal = f"bad request: {exc}"
-            except (asyncio.TimeoutError, ValueError, OSError):
+            except ValueError:  # readline's LimitOverrunError: no newline within the limit
+                refusal = f"bad request: request line longer than {LINE_MAX} bytes"
+            except (asyncio.TimeoutError, OSError):
                 refusal = f"no request line within {ASK_TIMEOUT_S:g} s"
             if refusal:
                 self._emit("lend_refused", tune_pid=pid, reason=refusal)
