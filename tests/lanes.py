@@ -29,6 +29,7 @@ import pytest
 #: Test modules (file stems) that start no process and open no socket: ``make test-fast``.
 FAST_MODULES: frozenset[str] = frozenset((
     "test_bench_size",
+    "test_binary_problem",
     "test_budget",
     "test_ceiling",
     "test_classify",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,12 +19,34 @@ SLOT_SAVE_FLAG = "--slot-save-path"
 
 
 def resolve_binary(binary: str) -> Path | None:
-    """The llama-server executable: a path as given, or looked up on ``$PATH``; None if absent."""
+    """The llama-server executable: a path as given, or looked up on ``$PATH``; None if absent (or a
+    directory: :func:`binary_problem` says which)."""
     if "/" in binary:
         path = Path(binary)
         return path if path.is_file() else None
     found = shutil.which(binary)
     return Path(found) if found else None
+
+
+def binary_problem(binary: str) -> str:
+    """Why ``[server].binary`` ``binary`` cannot be started ("" when it can be tried): not found, a
+    directory, not a regular file, not executable by llama-guard. Blocking (a stat)."""
+    if "/" not in binary:
+        return "" if shutil.which(binary) else f"{binary!r} not found on $PATH"
+    path = Path(binary)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"{binary!r} not found"
+    except OSError as exc:
+        return f"{binary}: {exc.strerror or exc}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"{binary} is a directory, not the llama-server executable"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{binary} is not a regular file"
+    if not os.access(path, os.X_OK):
+        return f"{binary} is not executable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
 
 
 def own_slot_save_path(server: ServerConfig) -> Path | None:
