@@ -1,5 +1,5 @@
-"""``[server].binary`` that cannot be started, named for what it is: not found, a directory, not a
-regular file, not executable — in ``check``, in a reload's refusal, in the upgrade preflight and at a
+"""``[server].binary`` that cannot be started, named for what it is: not found, a directory, not
+executable — in ``check``, in a reload's refusal, in the upgrade preflight and at a
 start. Before: a directory was "not found", and a file without the execute bit reached the preflight as
 "--version: Permission denied" (a reload) or "is not executable" (check) alone."""
 
@@ -24,14 +24,14 @@ def _kinds(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     plain.write_text("#!/bin/sh\necho version: 1\n")
     plain.chmod(0o644)
     fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
+    os.mkfifo(fifo, 0o600)
     return {"directory": (directory, f"{directory} is a directory, not the llama-server executable"),
             "not executable": (plain, f"{plain} is not executable (mode 0644)"),
-            "not a regular file": (fifo, f"{fifo} is not a regular file"),
+            "a FIFO without the execute bit": (fifo, f"{fifo} is not executable (mode 0600)"),
             "missing": (tmp_path / "gone", f"'{tmp_path / 'gone'}' not found")}
 
 
-@pytest.mark.parametrize("kind", ["directory", "not executable", "not a regular file", "missing"])
+@pytest.mark.parametrize("kind", ["directory", "not executable", "a FIFO without the execute bit", "missing"])
 def test_an_unusable_binary_is_named_for_what_it_is_everywhere(tmp_path: Path, kind: str) -> None:
     path, said = _kinds(tmp_path)[kind]
     config = Config.model_validate({"server": {"binary": str(path), "model": str(tmp_path / "m.gguf")}})
