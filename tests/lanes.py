@@ -33,6 +33,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_budget",
     "test_ceiling",
     "test_classify",
+    "test_compare_other",
     "test_decay",
     "test_front_decoded",
     "test_front_hold",
