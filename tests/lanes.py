@@ -29,9 +29,11 @@ import pytest
 #: Test modules (file stems) that start no process and open no socket: ``make test-fast``.
 FAST_MODULES: frozenset[str] = frozenset((
     "test_bench_size",
+    "test_binary_problem",
     "test_budget",
     "test_ceiling",
     "test_classify",
+    "test_compare_other",
     "test_decay",
     "test_front_decoded",
     "test_front_hold",
@@ -85,6 +87,7 @@ FAST_MODULES: frozenset[str] = frozenset((
 SERIAL_TESTS: frozenset[str] = frozenset((
     # the trials of a new build: their verdicts compare two builds' decode speeds measured a minute apart
     "test_upgrade_trial_e2e",
+    "test_upgrade_errors_e2e::test_a_build_that_passes_its_trial_then_answers_500_is_rolled_back_in_its_probation",
     # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
     "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
     # a process spinning a core until the 60 s silence bound

@@ -200,3 +200,43 @@ async def test_the_bound_signals_tune_through_its_pidfd_and_nothing_after_its_wi
     await chan.until(lambda: len(chan.posted) == 2, "the end seen")
     assert chan.posted[-1] == LendReturned(proc.pid, LendEnd.EXITED)
     chan.channel.signal(proc.pid, signal.SIGKILL)  # its window ended: no signal goes to a pid that may be reused
+
+
+async def test_a_peer_gone_before_the_grant_is_posted_as_such_and_never_reloads(chan: Channel) -> None:
+    """Before: the same end as a granted window's (``exited``), with nothing to say it was never granted —
+    the policy's restart after it read ``restart_cause: crash``."""
+    _, writer = await asyncio.open_unix_connection(chan.path)
+    writer.write(b'{"minutes": 1}\n')
+    await chan.until(lambda: chan.posted, "the ask posted")
+    writer.close()  # the connection ends before any answer (tune's process lives on: this one)
+    await chan.until(lambda: len(chan.posted) == 2, "the cancel posted")
+    assert chan.posted[-1] == LendReturned(os.getpid(), LendEnd.EXITED, "its connection closed")
+    assert chan.reloads == 0
+
+
+async def test_tune_ending_before_the_grant_is_posted_with_how(chan: Channel) -> None:
+    """Another input of the kind: tune says it stopped (Ctrl-C) before the grant."""
+    _, writer = await asyncio.open_unix_connection(chan.path)
+    writer.write(b'{"minutes": 1}\n')
+    await chan.until(lambda: chan.posted, "the ask posted")
+    writer.write(b'{"end": "stopped"}\n')
+    await chan.until(lambda: len(chan.posted) == 2, "the cancel posted")
+    assert chan.posted[-1] == LendReturned(os.getpid(), LendEnd.STOPPED, "it said stopped")
+    writer.close()
+
+
+@pytest.mark.parametrize("line", [
+    b"x" * 5000 + b"\n",                               # a line over the limit
+    b'{"minutes": 1' + b" " * 5000 + b"}\n",            # a valid ask padded past the limit
+    b"y" * 20000,                                      # no newline at all, far past the limit
+])
+async def test_a_request_line_over_the_limit_is_refused_at_once_as_such(chan: Channel, line: bytes) -> None:
+    """Before: refused as "no request line within 10 s" (the overrun caught with the timeout), after
+    the wait; now at once, naming the limit."""
+    reader, writer = await asyncio.open_unix_connection(chan.path)
+    writer.write(line)
+    answer = json.loads(await asyncio.wait_for(reader.readline(), 60))
+    assert answer == {"granted": False, "reason": "bad request: request line longer than 4096 bytes"}
+    assert chan.posted == [] and chan.events == [("lend_refused", {"tune_pid": os.getpid(),
+                                                                   "reason": answer["reason"]})]
+    writer.close()

@@ -80,6 +80,25 @@ def test_an_unknown_other_is_a_clear_error(tmp_path: Path, llama_server_bin: Pat
     assert out.returncode == 78 and "config error" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(("name", "text", "said"), [
+    ("llama-server", "#!/bin/sh\nexec true\n", "is a program but not executable (mode 0644)"),
+    ("empty.toml", "", "is empty"),
+    ("empty", "", "is empty"),
+])
+def test_an_other_neither_build_nor_configuration_exits_78_and_starts_nothing(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path, name: str, text: str, said: str) -> None:
+    """Before: a file without the execute bit was parsed as a configuration, an empty one accepted as a
+    configuration of defaults (and its server started)."""
+    cfg = config(tmp_path, llama_server_bin, real_model)
+    other = tmp_path / name
+    other.write_text(text)
+    other.chmod(0o644)
+    out = cli("bench", "--config", str(cfg), "--compare", str(other))
+    assert out.returncode == 78 and f"bench --compare: {other} {said}" in out.stderr, out.stderr
+    assert "warm-up" not in out.stderr and out.stdout == ""
+    assert server_pids_of(int(re.search(r"port = (\d+)", cfg.read_text())[1])) == []  # type: ignore[index]
+
+
 def test_a_build_against_a_copy_of_itself_is_as_fast(tmp_path: Path, llama_server_bin: Path,
                                                      real_model: Path) -> None:
     cfg = config(tmp_path, llama_server_bin, real_model, threads=2)

@@ -27,6 +27,8 @@ from llama_guard.model.inputs import (
     GpuHolder,
     HealthOk,
     Input,
+    LendAsked,
+    LendReturned,
     NotOnGpu,
     ParamsChanged,
     PortHolder,
@@ -40,7 +42,16 @@ from llama_guard.model.inputs import (
     VramFacts,
 )
 from llama_guard.model.policy import decide
-from llama_guard.model.types import GpuFaultKind, Params, RestartCause, State, XidAction, XidScope, initial_state
+from llama_guard.model.types import (
+    GpuFaultKind,
+    LendEnd,
+    Params,
+    RestartCause,
+    State,
+    XidAction,
+    XidScope,
+    initial_state,
+)
 from llama_guard.output.eventlog import Emitter
 from llama_guard.output.journal import journal_fields
 from llama_guard.vocab.phases import Phase
@@ -108,6 +119,8 @@ CASES: list[Case] = [
     ("reload", ready, [RestartRequest("flags changed", cause=RestartCause.CONFIG_CHANGE), Drained(PID)],
      RestartCause.CONFIG_CHANGE),
     ("trial", lambda: _new_build_on_trial(), [SpeedMeasured(PID + 1, 1.0)], RestartCause.TRIAL),
+    ("lend cancelled", ready, [LendAsked(4242, 180.0), Drained(PID), LendReturned(4242, LendEnd.EXITED)],
+     RestartCause.LEND_CANCELLED),
 ]
 
 

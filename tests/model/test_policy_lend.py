@@ -11,6 +11,7 @@ from dataclasses import replace
 from harness import emitted, names
 from harness import ready as policy_ready
 from harness import started as policy_started
+from llama_guard.front.admission import Gate, gate_of
 from llama_guard.model.actions import AnswerLend, Kill, SignalTune, Spawn, StartDrain, Terminate
 from llama_guard.model.inputs import (
     Drained,
@@ -102,17 +103,44 @@ def test_a_window_is_refused_unless_the_server_serves() -> None:
                                                     "from a serving (ready) server") in acts
 
 
-def test_tune_ending_before_the_grant_turns_the_drain_into_a_planned_restart() -> None:
-    s, _ = decide(policy_ready(P), ASK, 5.0)
-    s, acts = decide(s, LendReturned(TUNE, LendEnd.STOPPED), 5.2)
-    assert s.phase is Phase.DRAINING and s.after_stop is AfterStop.RESTART and s.lend is None
-    assert emitted(acts, "lend_returned").fields["end"] == "stopped"
-    s, _ = decide(s, Drained(100), 5.5)
-    s, acts = decide(s, Exited(100, 0), 6.0)
-    assert s.phase is Phase.STARTING and Spawn() in acts
+def test_tune_gone_during_the_drain_cancels_the_window_and_the_server_serves_on() -> None:
+    """Before: the drain became a planned restart, its ``restart_cause`` left at ``crash``."""
+    ready = policy_ready(P)
+    s, _ = decide(ready, ASK, 5.0)
+    s, acts = decide(s, LendReturned(TUNE, LendEnd.EXITED, "its connection closed"), 5.2)
+    assert s.phase is Phase.READY and s.pid == 100 and s.lend is None and s.after_stop is AfterStop.FAILURE
+    assert s.deadline is None and s.ready_at == ready.ready_at and gate_of(s) is Gate.OPEN
+    assert names(acts) == ["lend_cancelled"] and not [a for a in acts if isinstance(a, (Terminate, Spawn))]
+    assert emitted(acts, "lend_cancelled").fields == {
+        "tune_pid": TUNE, "end": "exited", "server_pid": 100, "outcome": "the drain is undone: the server serves on",
+        "cause": f"tune pid {TUNE} is gone before the window was granted: its connection closed"}
+    same, acts = decide(s, Drained(100), 5.5)  # the drain watch's late answer changes nothing
+    assert same == s and acts == []
     # an end for a window nobody asked for changes nothing
     same, acts = decide(s, LendReturned(TUNE, LendEnd.DONE), 7.0)
     assert same == s and acts == []
+
+
+def test_tune_gone_during_the_stop_for_its_window_restarts_with_that_cause() -> None:
+    s, _ = decide(policy_ready(P), ASK, 5.0)
+    s, _ = decide(s, Drained(100), 5.5)
+    assert s.phase is Phase.STOPPING
+    s, acts = decide(s, LendReturned(TUNE, LendEnd.STOPPED), 5.6)
+    assert s.after_stop is AfterStop.RESTART and s.lend is None
+    assert "its stop was under way" in emitted(acts, "lend_cancelled").fields["outcome"]
+    assert "it ended (stopped)" in emitted(acts, "lend_cancelled").fields["cause"]
+    s, acts = decide(s, Exited(100, 0), 6.0)
+    assert s.phase is Phase.STARTING and Spawn() in acts
+    assert emitted(acts, "server_restart").fields["restart_cause"] == "lend_cancelled"
+
+
+def test_tune_gone_after_its_drain_became_anothers_is_forgotten() -> None:
+    """The daemon's exit took the drain over (its refusal posted meanwhile is not seen yet)."""
+    s, _ = decide(policy_ready(P), ASK, 5.0)
+    s = replace(s, after_stop=AfterStop.EXIT)
+    s, acts = decide(s, LendReturned(TUNE, LendEnd.EXITED, "its process ended"), 5.6)
+    assert s.lend is None and s.after_stop is AfterStop.EXIT and s.phase is Phase.DRAINING
+    assert emitted(acts, "lend_cancelled").fields["outcome"] == "nothing was lent"
 
 
 def test_a_stop_of_the_daemon_during_the_drain_refuses_the_window() -> None:

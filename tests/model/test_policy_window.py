@@ -178,8 +178,12 @@ def test_a_restart_asked_while_the_new_build_loaded_comes_once_it_is_kept() -> N
 def test_a_stop_during_the_trial_stops_the_server_and_exits() -> None:
     s, acts = decide(measuring_new(), StopRequest("SIGTERM received"), 11.0)
     assert s.phase is Phase.STOPPING and s.after_stop is AfterStop.EXIT and Terminate(200) in acts
+    assert gate_of(s) is Gate.CLOSED  # held requests get the stop's 503 at once, as in a drain's stop
+    assert emitted(acts, "daemon_stopping").fields["reason"] == (
+        "SIGTERM received; the trial of a new build is abandoned while measuring the new build (no outcome recorded)")
     s, acts = decide(measuring_old(), StopRequest("SIGTERM received", immediate=True), 7.0)
     assert Kill(100) in acts
+    assert "abandoned while measuring the serving build" in emitted(acts, "daemon_stopping").fields["reason"]
     s, acts = decide(s, Exited(100, -9), 8.0)
     assert isinstance(acts[-1], ExitDaemon) and s.phase is Phase.EXITED
 

@@ -84,7 +84,7 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
 
     monkeypatch.setattr(watcher, "PREFLIGHT_CALL_S", 0.5)
     hung = tmp_path / "llama-server"
-    os.mkfifo(hung)
+    os.mkfifo(hung, 0o755)  # executable by its mode: the preflight opens it (to hash it) and waits
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": str(hung)}})
     events: list[tuple[str, dict[str, object]]] = []
     ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda name, **f: events.append((name, f)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,12 +19,32 @@ SLOT_SAVE_FLAG = "--slot-save-path"
 
 
 def resolve_binary(binary: str) -> Path | None:
-    """The llama-server executable: a path as given, or looked up on ``$PATH``; None if absent."""
+    """The llama-server executable: a path as given, or looked up on ``$PATH``; None if absent (or a
+    directory: :func:`binary_problem` says which)."""
     if "/" in binary:
         path = Path(binary)
         return path if path.is_file() else None
     found = shutil.which(binary)
     return Path(found) if found else None
+
+
+def binary_problem(binary: str) -> str:
+    """Why ``[server].binary`` ``binary`` cannot be started ("" when it can be tried): not found, a
+    directory, not executable by llama-guard. Blocking (a stat)."""
+    if "/" not in binary:
+        return "" if shutil.which(binary) else f"{binary!r} not found on $PATH"
+    path = Path(binary)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"{binary!r} not found"
+    except OSError as exc:
+        return f"{binary}: {exc.strerror or exc}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"{binary} is a directory, not the llama-server executable"
+    if not os.access(path, os.X_OK):
+        return f"{binary} is not executable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
 
 
 def own_slot_save_path(server: ServerConfig) -> Path | None:
@@ -185,28 +206,6 @@ def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
     except subprocess.TimeoutExpired as exc:
         raise OSError(f"{binary} --help did not finish within {timeout_s:g} s") from exc
     return (out.stdout + out.stderr).decode("utf-8", errors="replace")
-
-
-BUILD_TIMEOUT_S = 5.0
-BUILD_MAX = 200  # characters of the --version text kept
-
-
-def build_of(binary: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str:
-    """What ``binary --version`` prints, its lines joined by "; " (llama.cpp: ``version: 4242
-    (abc1234); built with GNU 12.2.0 for Linux x86_64``), or why it could not be read. Runs the
-    binary in a session of its own (killed at ``timeout_s``): blocking, call it off the loop."""
-    try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, timeout=timeout_s, check=False,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return f"unknown ({binary} --version did not finish within {timeout_s:g} s)"
-    except OSError as exc:
-        return f"unknown ({binary} --version: {exc.strerror or exc})"
-    lines = [line.strip() for line in (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()]
-    text = "; ".join(line for line in lines if line)
-    if not text:
-        return f"unknown ({binary} --version printed nothing)"
-    return text[:BUILD_MAX] + "…" if len(text) > BUILD_MAX else text
 
 
 def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S) -> list[str] | None:

@@ -14,8 +14,10 @@ a deadline from a failed connection); any HTTP status is an :class:`Answer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json as jsonlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -103,24 +105,75 @@ class ServerClient:
         await self.aclose()
 
 
+class Cancel:
+    """A cancellation of blocking requests from another thread (an upgrade's trial abandoned by the
+    daemon's stop): :meth:`set` makes every :class:`BlockingClient` made with it raise
+    :class:`RequestFailed` — the request under way at once (its connection closed, so llama-server stops
+    that task), any later one before it is sent. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._loops: set[asyncio.AbstractEventLoop] = set()
+
+    @property
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            loops = list(self._loops)
+        for loop in loops:
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                loop.call_soon_threadsafe(_cancel_all, loop)
+
+    def _add(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._loops.add(loop)
+
+    def _discard(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._loops.discard(loop)
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
 class BlockingClient:
     """A :class:`ServerClient` on an event loop of its own, for callers without one (``bench``):
-    each call blocks until the answer or its deadline. Use as a context manager."""
+    each call blocks until the answer or its deadline (or ``cancel``). Use as a context manager."""
 
-    def __init__(self, base_url: str, api_key: str = "") -> None:
+    def __init__(self, base_url: str, api_key: str = "", cancel: Cancel | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = ServerClient(base_url, lambda: api_key, keep_alive=False)
+        self._cancel = cancel
+        if cancel is not None:
+            cancel._add(self._loop)
+
+    def _run(self, method: str, path: str, request: Coroutine[Any, Any, Answer]) -> Answer:
+        if self._cancel is not None and self._cancel.is_set:
+            request.close()
+            raise RequestFailed(f"{method} {path}: cancelled", timed_out=False)
+        try:
+            return self._loop.run_until_complete(request)
+        except asyncio.CancelledError:
+            raise RequestFailed(f"{method} {path}: cancelled", timed_out=False) from None
 
     def get(self, path: str, *, timeout_s: float) -> Answer:
-        return self._loop.run_until_complete(self._client.get(path, timeout_s=timeout_s))
+        return self._run("GET", path, self._client.get(path, timeout_s=timeout_s))
 
     def post(self, path: str, *, json: Any, timeout_s: float) -> Answer:
-        return self._loop.run_until_complete(self._client.post(path, json=json, timeout_s=timeout_s))
+        return self._run("POST", path, self._client.post(path, json=json, timeout_s=timeout_s))
 
     def __enter__(self) -> BlockingClient:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._cancel is not None:
+            self._cancel._discard(self._loop)
         self._loop.run_until_complete(self._client.aclose())
         self._loop.close()

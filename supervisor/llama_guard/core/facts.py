@@ -5,11 +5,13 @@ when a verdict that names it may follow)."""
 
 from __future__ import annotations
 
-from llama_guard.config.argv import BUILD_TIMEOUT_S, build_of, resolve_binary
+from llama_guard.config.argv import resolve_binary
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
+from llama_guard.host.build import version_line
 from llama_guard.host.procs import port_holder
 from llama_guard.model.inputs import BuildInfo, PortHolder
 
+BUILD_TIMEOUT_S = 5.0  # ``--version`` for a verdict that names the build (seconds)
 BUILD_CALL_S = BUILD_TIMEOUT_S + 2.0  # the child's own deadline, then the time to kill and reap it
 
 
@@ -25,11 +27,11 @@ async def find_port_holder(port: int, lane: Lane) -> PortHolder:
 
 async def read_build(binary: str, lane: Lane) -> BuildInfo:
     """``binary --version`` (resolved on $PATH like the spawn) on ``lane``, bounded by
-    argv.BUILD_TIMEOUT_S (the child's own deadline) and BUILD_CALL_S; "unknown" when it did not answer."""
+    BUILD_TIMEOUT_S (the child's own deadline) and BUILD_CALL_S; "unknown" when it did not answer."""
     path = resolve_binary(binary)
     if path is None:
         return BuildInfo(f"unknown ({binary!r} not found)")
     try:
-        return BuildInfo(await lane.run(lambda: build_of(path), BUILD_CALL_S, f"{path} --version"))
+        return BuildInfo(await lane.run(lambda: version_line(path, BUILD_TIMEOUT_S), BUILD_CALL_S, f"{path} --version"))
     except (CallTimeout, LaneBusy) as exc:
         return BuildInfo(f"unknown ({exc})")

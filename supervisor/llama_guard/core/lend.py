@@ -110,6 +110,7 @@ class _Peer:
     pid: int
     writer: asyncio.StreamWriter
     pidfd: int = -1  # its process, for its end and for signals (no pid reuse can redirect them)
+    granted: bool = False  # the window was granted (told to tune)
 
 
 class LendChannel:
@@ -160,6 +161,7 @@ class LendChannel:
         peer = self._peers.get(action.pid)
         if peer is None:
             return  # it went away meanwhile (its end is posted by its watch)
+        peer.granted = action.granted
         body: dict[str, object] = ({"granted": True, "bound_s": action.bound_s} if action.granted
                                    else {"granted": False, "reason": action.reason})
         with contextlib.suppress(OSError, RuntimeError):
@@ -179,7 +181,9 @@ class LendChannel:
                     minutes = parse_ask(line)
             except BadRequest as exc:
                 refusal = f"bad request: {exc}"
-            except (asyncio.TimeoutError, ValueError, OSError):
+            except ValueError:  # readline's LimitOverrunError: no newline within the limit
+                refusal = f"bad request: request line longer than {LINE_MAX} bytes"
+            except (asyncio.TimeoutError, OSError):
                 refusal = f"no request line within {ASK_TIMEOUT_S:g} s"
             if refusal:
                 self._emit("lend_refused", tune_pid=pid, reason=refusal)
@@ -218,9 +222,16 @@ class LendChannel:
         finally:
             said.cancel()
             exited.cancel()
-        end = (said.result() if said.done() and not said.cancelled() else None) or LendEnd.EXITED
-        if self._peers.pop(pid, None) is None:
+        told = said.result() if said.done() and not said.cancelled() else None
+        end = told or LendEnd.EXITED
+        peer = self._peers.pop(pid, None)
+        if peer is None:
             return  # refused meanwhile: nothing was lent
+        if not peer.granted:  # gone before the grant: the policy cancels the window asked for
+            detail = (f"it said {told.value}" if told is not None else
+                      "its connection closed" if said.done() else "its process ended")
+            self._post(LendReturned(pid, end, detail))
+            return
         if _stamp(self._config_path) != before:  # tune --apply wrote it: the next server starts from it
             await self._reload()
         self._post(LendReturned(pid, end))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_guard.config import Config, ConfigError, load_config
-from llama_guard.config.argv import own_slot_save_problem, resolve_binary
+from llama_guard.config.argv import binary_problem, own_slot_save_problem
 from llama_guard.config.base import Reload, reload_of
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
@@ -146,8 +146,9 @@ def port_clash(config: Config, listening: list[tuple[str, int] | None]) -> str:
 def startable(config: Config) -> str:
     """Why llama-server could not be started with ``config`` ("" when it could): a reload must not
     replace a running server's configuration with one that cannot start. Blocking (stat, open)."""
-    if resolve_binary(config.server.binary) is None:
-        return f"server.binary: {config.server.binary!r} not found"
+    problem = binary_problem(config.server.binary)
+    if problem:
+        return f"server.binary: {problem}"
     problem = model_problem(Path(config.server.model))
     if problem:
         return f"server.model: {problem}"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llama_guard.config import Config, ConfigError
 from llama_guard.config.api_key import read_api_key
-from llama_guard.config.argv import build_argv, own_slot_save_problem, resolve_binary
+from llama_guard.config.argv import binary_problem, build_argv, own_slot_save_problem, resolve_binary
 from llama_guard.core.child import ChildSetup, ServerProcess, child_environ, spawn
 from llama_guard.core.gpu_port import GpuPort
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
@@ -90,7 +90,7 @@ class Spawner:
         server_cfg = config.server
         binary = resolve_binary(server_cfg.binary)
         if binary is None:
-            return SpawnFailed(f"llama-server binary {server_cfg.binary!r} not found")
+            return SpawnFailed(f"llama-server binary: {binary_problem(server_cfg.binary)}")
         library_dir: Path | None = None
         if self._builds is not None:  # the configured build once preflighted, or the last good one
             choice = await self._builds.before_spawn(ctx, binary)

@@ -1,5 +1,7 @@
 """What a llama-server build is: the file's content hash, what ``--version`` prints and the release
-read from it (SemVer, or llama.cpp's build number and commit), each bounded in time and output.
+read from it (SemVer, or llama.cpp's build number and commit), each bounded in time and output. The
+one reader of a build's output (:func:`run_bounded`): what it prints is cleaned there
+(:func:`clean_text`), so every consumer — events, ``status``, ``/metrics`` — gets the clean text.
 
 Blocking (reads and runs the binary): call it off the event loop.
 """
@@ -14,6 +16,7 @@ import selectors
 import signal
 import subprocess
 import time
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +98,21 @@ def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX,
         proc.wait()
         returncode = None
     proc.stdout.close()
-    return Ran(returncode, b"".join(chunks).decode("utf-8", errors="replace"))
+    return Ran(returncode, clean_text(b"".join(chunks).decode("utf-8", errors="replace")))
+
+
+# ANSI escape sequences: CSI (colours, cursor moves), OSC (titles, hyperlinks), the others (ECMA-48: ESC,
+# intermediate bytes, a final byte; a lone ESC).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -/]*[0-~]?")
+
+
+def clean_text(text: str) -> str:
+    """A binary's output as text safe to put in events, status and metrics: ANSI escape sequences
+    removed; a carriage return (which redraws a terminal line: ``1.0\\r9.9`` shows as ``9.9``) made a
+    line break, tabs spaces; every other control character (C0, DEL, C1: NUL, BEL, backspace …) and
+    invisible format character (bidirectional overrides) removed."""
+    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n").replace("\t", " ")
+    return "".join(ch for ch in text if ch == "\n" or unicodedata.category(ch) not in ("Cc", "Cf"))
 
 
 _SEMVER = re.compile(r"\bversion:?\s*v?(\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.+-]+)?)")
@@ -176,6 +193,20 @@ def version_shown(text: str) -> str:
     """``--version`` output as one line: non-empty lines joined by "; ", clipped."""
     joined = "; ".join(line.strip() for line in text.splitlines() if line.strip())
     return joined[:VERSION_SHOWN_MAX] + "…" if len(joined) > VERSION_SHOWN_MAX else joined
+
+
+def version_line(binary: Path, timeout_s: float = VERSION_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    """What ``binary --version`` prints as one clean line (:func:`version_shown`; llama.cpp: ``version:
+    4242 (abc1234); built with GNU 12.2.0 for Linux x86_64``), or ``unknown (why)`` when it could not be
+    read. Blocking, bounded by ``timeout_s``."""
+    what = f"{binary} --version"
+    try:
+        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
+    except OSError as exc:
+        return f"unknown ({what}: {exc.strerror or exc})"
+    if ran.returncode is None:
+        return f"unknown ({what} did not finish within {timeout_s:g} s)"
+    return version_shown(ran.text) or f"unknown ({what} printed nothing)"
 
 
 def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,

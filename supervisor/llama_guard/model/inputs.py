@@ -367,7 +367,9 @@ class LendAsked(Input):
 @dataclass(frozen=True)
 class LendReturned(Input):
     """The window of tune ``pid`` ended (``end``: it returned it, or its process ended), seen before
-    or after the grant. A configuration file changed meanwhile (``--apply``) was reloaded first."""
+    or after the grant. A configuration file changed meanwhile (``--apply``) was reloaded first.
+    ``detail``: how the channel saw it end ("" when by tune's own end line)."""
 
     pid: int
     end: LendEnd
+    detail: str = ""

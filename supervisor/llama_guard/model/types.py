@@ -116,6 +116,7 @@ class RestartCause(enum.Enum):
     CONFIG_CHANGE = "reload"             # a reload changed the server's flags
     TRIAL = "trial"                      # a new build's trial failed: back to the last good build
     PORT_TAKEN = "port_taken"            # another process held the server's port (retried within port_wait_s)
+    LEND_CANCELLED = "lend_cancelled"    # tune's window was cancelled (its peer gone) once the server's stop began
 
 
 class TrialStage(enum.Enum):

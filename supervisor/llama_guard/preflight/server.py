@@ -8,6 +8,7 @@ from pathlib import Path
 
 from llama_guard.config import Config
 from llama_guard.config.argv import (
+    binary_problem,
     list_devices,
     own_slot_save_path,
     own_slot_save_problem,
@@ -25,11 +26,10 @@ def check_binary(config: Config) -> list[CheckResult]:
     """The binary exists and starts (``--version``: its release shown), and its ``--help`` lists
     every flag we would pass (each one it does not know is named): the upgrade preflight's own test
     (:func:`~llama_guard.upgrade.preflight.preflight`, run with ``[server].env``), one verdict for both."""
+    problem = binary_problem(config.server.binary)
     binary = resolve_binary(config.server.binary)
-    if binary is None:
-        return [CheckResult("binary", Verdict.FAIL, f"{config.server.binary!r} not found (set [server].binary)")]
-    if not os.access(binary, os.X_OK):
-        return [CheckResult("binary", Verdict.FAIL, f"{binary} is not executable")]
+    if problem or binary is None:
+        return [CheckResult("binary", Verdict.FAIL, f"{problem or config.server.binary} (set [server].binary)")]
     result = preflight(config, binary)
     if result.build is None:
         return [CheckResult("binary", Verdict.FAIL, result.cause)]

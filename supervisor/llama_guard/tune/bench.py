@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from llama_guard.config import Config
-from llama_guard.core.client import BlockingClient, RequestFailed
+from llama_guard.core.client import BlockingClient, Cancel, RequestFailed
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 BENCH_FILE = "bench.json"  # the last bench's result under [runtime].dir (exported as metrics)
+CHAT_PATH = "/v1/chat/completions"  # the measured endpoint
+NATIVE_PATH = "/completion"  # llama-server's native endpoint, checked once by an upgrade's trial
+TIMING_KEYS = ("predicted_n", "predicted_per_second", "prompt_n", "prompt_per_second")
 
 
 class BenchError(RuntimeError):
@@ -126,14 +129,48 @@ def completion(client: BlockingClient, tokens: int, prompt: str, timeout_s: floa
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "cache_prompt": False}
     try:
-        resp = client.post("/v1/chat/completions", json=body, timeout_s=timeout_s)
-        if resp.status != 200:
-            raise BenchError(f"completion failed: HTTP {resp.status}: {' '.join(resp.text.split())[:300]}")
-        t = resp.json()["timings"]
+        resp = client.post(CHAT_PATH, json=body, timeout_s=timeout_s)
+    except RequestFailed as exc:
+        raise BenchError(f"completion failed: POST {CHAT_PATH}: {exc}") from exc
+    if resp.status != 200:
+        raise BenchError(f"completion failed: POST {CHAT_PATH} answered HTTP {resp.status}: "
+                         f"{' '.join(resp.text.split())[:300]}")
+    return _timings(resp.text)
+
+
+def _timings(text: str) -> RunTimings:
+    """The ``timings`` of a chat completion's answer ``text``. Raises :class:`BenchError` naming what is
+    missing or malformed (llama-server answers them; a proxy or another server may not)."""
+    where = f"POST {CHAT_PATH}"
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        raise BenchError(f"completion failed: {where} answered no JSON: {' '.join(text.split())[:200]!r}") from None
+    t = answer.get("timings") if isinstance(answer, dict) else None
+    if not isinstance(t, dict):
+        raise BenchError(f"completion failed: {where} answered without \"timings\" (llama-server's own "
+                         "figures; is this llama-server?)")
+    missing = [k for k in TIMING_KEYS if k not in t]
+    if missing:
+        raise BenchError(f"completion failed: {where} answered \"timings\" without {', '.join(missing)}")
+    try:
         return RunTimings(int(t["predicted_n"]), float(t["predicted_per_second"]),
                           int(t["prompt_n"]), float(t["prompt_per_second"]))
-    except (RequestFailed, ValueError, KeyError, TypeError) as exc:
-        raise BenchError(f"completion failed: {exc!r}") from exc
+    except (TypeError, ValueError):
+        raise BenchError(f"completion failed: {where} answered \"timings\" that are not numbers: "
+                         f"{json.dumps({k: t[k] for k in TIMING_KEYS})[:200]}") from None
+
+
+def native_completion(client: BlockingClient, timeout_s: float) -> None:
+    """One short completion on llama-server's native ``POST /completion`` (the endpoint the trial's chat
+    measurement does not reach). Raises :class:`BenchError` on a failed request or a non-2xx answer."""
+    try:
+        resp = client.post(NATIVE_PATH, json={"prompt": "Hello", "n_predict": 1, "temperature": 0},
+                           timeout_s=timeout_s)
+    except RequestFailed as exc:
+        raise BenchError(f"POST {NATIVE_PATH} failed: {exc}") from exc
+    if not 200 <= resp.status < 300:
+        raise BenchError(f"POST {NATIVE_PATH} answered HTTP {resp.status}: {' '.join(resp.text.split())[:300]}")
 
 
 @dataclass(frozen=True)
@@ -145,26 +182,27 @@ class Target:
 
 
 def run_bench(url: str, *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT, timeout_s: float = 300.0,
-              warmup: bool = True, progress: Progress | None = None, api_key: str = "") -> BenchResult:
+              warmup: bool = True, progress: Progress | None = None, api_key: str = "",
+              cancel: Cancel | None = None) -> BenchResult:
     """Warm up, then ``runs`` completions of ``tokens`` tokens against ``url``; each request has
     ``timeout_s`` and, with ``api_key`` (``[server].api_key_file``'s key), a Bearer token.
-    Raises :class:`BenchError` on the first failed request."""
+    Raises :class:`BenchError` on the first failed request (and once ``cancel`` is set)."""
     return run_interleaved([Target(url, api_key)], runs=runs, tokens=tokens, prompt=prompt, timeout_s=timeout_s,
-                           warmup=warmup, progress=progress)[0]
+                           warmup=warmup, progress=progress, cancel=cancel)[0]
 
 
 def run_interleaved(targets: list[Target], *, runs: int = 10, tokens: int = 256, prompt: str = DEFAULT_PROMPT,
                     timeout_s: float = 300.0, warmup: bool = True,
-                    progress: Progress | None = None) -> list[BenchResult]:
+                    progress: Progress | None = None, cancel: Cancel | None = None) -> list[BenchResult]:
     """Warm each of ``targets`` up, then ``runs`` rounds of one completion of ``tokens`` tokens on
     each target in turn (A, B, A, B …: a slow spell of the host falls on all of them alike instead of
     on whichever ran then); one :class:`BenchResult` per target, in order. ``progress`` counts rounds.
-    Raises :class:`BenchError` on the first failed request."""
+    Raises :class:`BenchError` on the first failed request (and once ``cancel`` is set)."""
     if runs < 1 or tokens < 1:
         raise BenchError("runs and tokens must be at least 1")
     done: list[list[RunTimings]] = [[] for _ in targets]
     with contextlib.ExitStack() as stack:
-        clients = [stack.enter_context(BlockingClient(t.url, t.api_key)) for t in targets]
+        clients = [stack.enter_context(BlockingClient(t.url, t.api_key, cancel)) for t in targets]
         if warmup:
             if progress:
                 progress.update(0, "warm-up")
@@ -187,10 +225,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float) -> float:
+def decode_speed(url: str, api_key: str, runs: int, tokens: int, timeout_s: float,
+                 cancel: Cancel | None = None) -> float:
     """The median decode tokens/s of :func:`run_bench` (warm-up, ``runs`` completions of ``tokens``
-    tokens): an upgrade's trial measures each build with it. Raises :class:`BenchError`."""
-    return run_bench(url, runs=runs, tokens=tokens, timeout_s=timeout_s, api_key=api_key).eval.median
+    tokens), after one request to the native ``/completion`` that must answer 2xx: an upgrade's trial
+    measures each build with it. Raises :class:`BenchError` (also once ``cancel`` is set: the request
+    under way is cut)."""
+    with BlockingClient(url, api_key, cancel) as client:
+        native_completion(client, timeout_s)
+    return run_bench(url, runs=runs, tokens=tokens, timeout_s=timeout_s, api_key=api_key, cancel=cancel).eval.median
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ file (the flash-attention on/off A/B, for instance). Both servers are started an
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,53 @@ class Side:
     config: Config
 
 
+#: How an executable's first bytes begin (ELF, a script): a file that starts so is a build, not a configuration.
+PROGRAM_MAGIC = (b"\x7fELF", b"#!")
+USAGE = "OTHER is a llama-server executable or a configuration file (.toml)"
+
+
 def is_build(other: Path) -> bool:
     """Whether ``other`` names an executable (a llama-server build) rather than a configuration file."""
     return other.suffix != ".toml" and other.is_file() and os.access(other, os.X_OK)
 
 
+def refusal(other: Path) -> str:
+    """Why ``other`` can be neither side B's build nor its configuration ("" when it may be tried; a
+    path that does not exist is left to the configuration's own error): a directory, an empty file, a
+    program without the execute bit, a file that is neither an executable nor a ``.toml``. Blocking
+    (reads the file's first bytes, or the ``.toml``)."""
+    if other.is_dir():
+        return f"{other} is a directory: {USAGE}"
+    if not other.is_file() or is_build(other):
+        return ""
+    try:
+        with other.open("rb") as f:
+            head = f.read(4096)
+    except OSError as exc:
+        return f"{other}: {exc.strerror or exc}"
+    if not head.strip():
+        return f"{other} is empty: {USAGE}"
+    if head.startswith(PROGRAM_MAGIC):
+        mode = stat.S_IMODE(other.stat().st_mode)
+        return f"{other} is a program but not executable (mode {mode:04o}): chmod +x it to compare that build"
+    if other.suffix != ".toml":
+        return f"{other} is neither executable nor a .toml file: {USAGE}"
+    try:
+        lines = [line.strip() for line in other.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""  # the configuration's own error says why
+    if all(not line or line.startswith("#") for line in lines):
+        return f"{other} is empty (no setting, only comments): {USAGE}"
+    return ""
+
+
 def sides(config_path: Path, config: Config, other: Path) -> tuple[Side, Side]:
     """A (``config``) and B (``other``: a build or a configuration; see the module docstring). Raises
-    :class:`CompareError`, or :class:`~llama_guard.config.ConfigError` for a configuration that does
-    not load. Blocking: runs each build's ``--version`` (bounded)."""
+    :class:`CompareError` (:func:`refusal`), or :class:`~llama_guard.config.ConfigError` for a
+    configuration that does not load. Blocking: runs each build's ``--version`` (bounded)."""
+    problem = refusal(other)
+    if problem:
+        raise CompareError(problem)
     if not is_build(other):
         theirs = load_config(other)
         if (theirs.server.host, theirs.server.port) == (config.server.host, config.server.port):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.config import Config
-from llama_guard.config.argv import build_argv, flags_in
+from llama_guard.config.argv import binary_problem, build_argv, flags_in
 from llama_guard.core.child import child_environ
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, identify, run_bounded
 
@@ -44,6 +44,9 @@ def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSIO
               help_timeout_s: float = HELP_TIMEOUT_S) -> Preflight:
     """Preflight ``binary`` for ``config`` (see the module docstring), run with the environment
     llama-server would get (``[server].env`` over llama-guard's)."""
+    problem = binary_problem(str(binary))
+    if problem:  # not run at all: a directory, a file without the execute bit
+        return Preflight(None, problem)
     env = child_environ(os.environ, config.server.env)
     build, failure = identify(binary, version_timeout_s, env)
     if build is None:

@@ -12,8 +12,10 @@
   (llama-server names what it refuses; the policy judges it) and is identified once ready.
 - A new build that becomes ready is on probation for ``[upgrade].probation_s``: an exit of it that
   the daemon did not ask for (died loading, crashed on its first requests) marks it failed and the
-  next start rolls back. After the probation it is the last good build (``upgrade_kept`` when it
-  replaced another) and a copy of it is kept.
+  next start rolls back; so does a run of ``[front].hold_after_errors`` client requests it answered
+  5xx (``/health`` fine, an endpoint broken), through a drained restart it asks for. After the
+  probation it is the last good build (``upgrade_kept`` when it replaced another) and a copy of it is
+  kept.
 
 ``status`` shows the serving build, the one on probation, the last refused one with its cause, and
 the kept copies (:meth:`UpgradeSource.snapshot`).
@@ -33,12 +35,13 @@ from typing import Any
 from llama_guard.config import Config
 from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
+from llama_guard.core.client import Cancel
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
-from llama_guard.model.inputs import Exited, SpeedMeasured, TrialAsked
+from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
-from llama_guard.model.types import AfterStop, TrialResult, exit_text
+from llama_guard.model.types import AfterStop, RestartCause, TrialResult, exit_text
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
@@ -48,10 +51,10 @@ from llama_guard.vocab.phases import Phase
 
 PREFLIGHT_CALL_S = VERSION_TIMEOUT_S + HELP_TIMEOUT_S + 30.0  # both runs, the hash and the argv's own --help
 
-DecodeSpeed = Callable[[str, str, int, int, float], float]
-"""``(base_url, api_key, runs, tokens, timeout_s) -> median decode tokens/s`` as ``llama-guard bench``
-measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion): the
-daemon's wiring hands in :func:`llama_guard.tune.bench.run_bench`'s figure."""
+DecodeSpeed = Callable[[str, str, int, int, float, Cancel], float]
+"""``(base_url, api_key, runs, tokens, timeout_s, cancel) -> median decode tokens/s`` as ``llama-guard
+bench`` measures it (blocking; raises ``RuntimeError`` or ``OSError`` on a failed completion, and once
+``cancel`` is set): the daemon's wiring hands in :func:`llama_guard.tune.bench.decode_speed`."""
 
 
 def _rounded(tps: float | None) -> float | None:
@@ -93,6 +96,13 @@ def _unplanned(step: Transition) -> bool:
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
+def _error_run(step: Transition) -> bool:
+    """Whether this step is the client 5xx answer that completes a run of ``[front].hold_after_errors``
+    (the policy's count, :mod:`llama_guard.model.policy.traffic`; 0: runs are not counted)."""
+    runs = step.after.params.hold_after_errors
+    return runs > 0 and step.before.http_errors < runs <= step.after.http_errors
+
+
 class UpgradeSource(Watcher):
     """Preflight, probation and roll-back of llama-server builds; the daemon's build port
     (:class:`llama_guard.core.ports.BuildPort`)."""
@@ -127,6 +137,7 @@ class UpgradeSource(Watcher):
         self._jobs: asyncio.Queue[Build | _Identify | _Record] = asyncio.Queue()
         self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
+        self._measuring: Cancel | None = None  # the trial's measurement under way
 
     # ------------------------------------------------------------ helpers
 
@@ -291,10 +302,14 @@ class UpgradeSource(Watcher):
             return SpeedMeasured(pid, None, "no decode-speed measurement is wired in")
         url, key = config.server.base_url, ctx.get_api_key()
         what = f"decode speed of server {pid} ({runs} x {tokens} tokens)"
+        cancel = self._measuring = Cancel()
         try:
-            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s), timeout_s, what)
+            tps = await self._trial.run(lambda: measure(url, key, runs, tokens, timeout_s, cancel), timeout_s, what)
         except (RuntimeError, OSError, LaneBusy) as exc:  # CallTimeout is an OSError
             return SpeedMeasured(pid, None, str(exc) or repr(exc))
+        finally:
+            if self._measuring is cancel:
+                self._measuring = None
         return SpeedMeasured(pid, tps)
 
     def _trial_ended(self, ctx: Context, step: Transition, result: TrialResult) -> None:
@@ -392,6 +407,10 @@ class UpgradeSource(Watcher):
         self._pids.pop(pid, None)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
+        if step.before.phase is Phase.TRIAL and step.after.phase is not Phase.TRIAL and self._measuring is not None:
+            # The trial ended without its figure (the daemon's stop, an exit, a fatal line): its
+            # requests are cut, so that the server's stop waits for none of them.
+            self._measuring.set()
         result = step.after.last_trial
         if step.before.phase is Phase.TRIAL and result is not None and result is not step.before.last_trial:
             self._trial_ended(ctx, step, result)
@@ -406,6 +425,10 @@ class UpgradeSource(Watcher):
             failed = self._pids.get(step.input.pid)
             if isinstance(failed, Build):
                 self._failed_exit(failed, step)
+        elif isinstance(step.input, UpstreamError) and _error_run(step):
+            erring = self._pids.get(step.input.pid)
+            if isinstance(erring, Build):
+                self._failed_errors(ctx, erring, step)
         if (self.serving is not None and not self._proven and self._serving_since is not None
                 and step.after.phase is Phase.READY
                 and step.at - self._serving_since >= ctx.config.upgrade.probation_s):
@@ -442,6 +465,26 @@ class UpgradeSource(Watcher):
         self._failed[build.sha256] = f"llama-server {build.short} {how} {when}"
         if on_probation:
             self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
+
+    def _failed_errors(self, ctx: Context, build: Build, step: Transition) -> None:
+        """A server of ``build`` answered a run of ``[front].hold_after_errors`` client requests with
+        HTTP 5xx (none completed between): a build on probation with a different good build to go back
+        to is marked failed and restarted (drained), and the start rolls back to that build
+        (``upgrade_rolled_back`` with this cause). A proven build's runs stay the policy's business (one
+        bad client must not restart the server for everyone)."""
+        if not build.same_as(self.serving) or self._proven:
+            return
+        good = self._last_good_build()
+        if good is None or build.same_content(good):
+            return
+        assert isinstance(step.input, UpstreamError)
+        into = step.at - (self._serving_since or step.at)
+        cause = (f"llama-server {build.short} answered {step.after.http_errors} client requests in a row with "
+                 f"HTTP 5xx (the last {step.input.status}), none completed between, {into:.0f} s into its "
+                 f"probation ([front].hold_after_errors)")
+        self._failed[build.sha256] = cause
+        self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
+        ctx.post(RestartRequest(cause, cause=RestartCause.TRIAL))
 
     def _pass_probation(self, ctx: Context) -> None:
         assert self.serving is not None

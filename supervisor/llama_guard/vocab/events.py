@@ -166,6 +166,7 @@ EventName = Literal[
     "lend_requested",
     "lend_granted",
     "lend_returned",
+    "lend_cancelled",
     "lend_timeout",
     "lend_refused",
     "server_line",
@@ -1062,8 +1063,9 @@ EVENTS: tuple[EventSpec, ...] = (
                     "names\n"
                     "the failing build: fix or replace it and reload; `llama-guard status` shows both builds."),
               readme=("a new build failed to load, its trial (slower than the old one beyond "
-                      "`[upgrade].max_slowdown_pct`, no answer) or its probation (a crash, a fault): started again "
-                      "from the last good build, both named (and both trial figures)")),
+                      "`[upgrade].max_slowdown_pct`, no answer, `/completion` not 2xx) or its probation (a crash, a "
+                      "fault, a run of client 5xx): started again from the last good build, both named (and both "
+                      "trial figures)")),
     EventSpec("upgrade_kept", _S.NOTICE,
               ("llama-server build {build} at {binary} kept after {probation_s:.0f} s of probation "
                "(it replaced {previous_build})"),
@@ -1109,6 +1111,15 @@ EVENTS: tuple[EventSpec, ...] = (
                     "the tune process ended without returning it, timed_out). llama-server starts again, on the\n"
                     "configuration file's flags (reloaded first when tune --apply changed them)."),
               readme="the window ended (`end`: done, stopped, failed, exited, timed_out): the server starts again"),
+    EventSpec("lend_cancelled", _S.NOTICE,
+              "the window asked for by tune pid {tune_pid} is cancelled: {cause}; {outcome}",
+              subject="a window asked for by llama-guard tune was cancelled",
+              body=("`llama-guard tune` (pid @TUNE_PID@) asked for the GPU and was gone before the window was\n"
+                    "granted (@CAUSE@). Nothing was lent: @OUTCOME@ (a drain is undone and the server\n"
+                    "serves on; a stop already under way ends in a start, restart_cause lend_cancelled)."),
+              readme=("tune was gone (its connection or process ended) before its window was granted: a drain under "
+                      "way is undone (the server serves on), a stop under way ends in a start (`restart_cause` "
+                      "`lend_cancelled`)")),
     EventSpec("lend_timeout", _S.WARNING,
               "the window of tune pid {tune_pid} passed its bound of {bound_s:.0f} s: SIGTERM to tune, "
               "SIGKILL in {grace_s:.0f} s",

@@ -38,8 +38,9 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     # a planned restart drains first; a fault or a stop; it exited
     _P.READY: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED}),
     # drained or timed out (STOPPING); a stop request re-enters it (the exit drain); it exited; drained
-    # before a new build: the serving build's decode speed is measured (TRIAL)
-    _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED, _P.TRIAL}),
+    # before a new build: the serving build's decode speed is measured (TRIAL); the window asked for by
+    # tune was cancelled before its stop (its peer gone): the server serves on (READY)
+    _P.DRAINING: frozenset({_P.DRAINING, _P.STOPPING, _P.BACKOFF, _P.RESETTING, _P.EXITED, _P.TRIAL, _P.READY}),
     # the server is gone: what the stop was for (restart, VRAM check, reset, failure, exit, a window for tune)
     _P.STOPPING: frozenset({_P.STARTING, _P.WAITING_VRAM, _P.RESETTING, _P.BACKOFF, _P.EXITED, _P.LENT}),
     # the wait is over (start); a GPU fault; a stop request; a crash loop

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, AnswerLend, Emit, SignalTune, StartDrain
 from llama_guard.model.inputs import Input, LendAsked, LendReturned, RestartRequest, Tick
-from llama_guard.model.policy.steps import Result, start
-from llama_guard.model.types import AfterStop, Lend, LendEnd, State, enter
+from llama_guard.model.policy.steps import Result, restart_for, start
+from llama_guard.model.types import AfterStop, Lend, LendEnd, RestartCause, State, enter
 from llama_guard.vocab.phases import Phase
 
 #: The phases in which a window asked for is on its way (the drain and the stop before the grant).
@@ -64,12 +64,23 @@ def withdrawn(before: State, new: State, actions: list[Action]) -> Result:
 
 
 def on_returned_early(state: State, event: LendReturned) -> Result:
-    """Tune ended before its window was granted: the drain or stop under way becomes a planned restart."""
+    """Tune ended (or its connection did) before its window was granted: the window is cancelled
+    (``lend_cancelled``). A drain under way is undone — the server serves on, not restarted; a stop
+    under way (SIGTERM sent) ends in a start, its ``restart_cause`` ``lend_cancelled``."""
     if state.lend is None or event.pid != state.lend.pid or state.lend.until is not None:
         return state, []
-    new = replace(state, lend=None, after_stop=AfterStop.RESTART if state.after_stop is AfterStop.LEND
-                  else state.after_stop)
-    return new, [Emit("lend_returned", {"tune_pid": event.pid, "end": event.end.value, "lent_s": 0.0})]
+    how = event.detail or f"it ended ({event.end.value})"
+    fields: dict[str, object] = {"tune_pid": event.pid, "end": event.end.value, "server_pid": state.pid,
+                                 "cause": f"tune pid {event.pid} is gone before the window was granted: {how}"}
+    if state.after_stop is not AfterStop.LEND:  # its drain or stop is another's now (a fault, the exit)
+        return replace(state, lend=None), [Emit("lend_cancelled", {**fields, "outcome": "nothing was lent"})]
+    if state.phase is Phase.DRAINING:
+        new = replace(state, phase=enter(state, Phase.READY), lend=None, deadline=None, fault="",
+                      after_stop=AfterStop.FAILURE)
+        return new, [Emit("lend_cancelled", {**fields, "outcome": "the drain is undone: the server serves on"})]
+    new = replace(restart_for(state, RestartCause.LEND_CANCELLED), lend=None, after_stop=AfterStop.RESTART,
+                  fault=str(fields["cause"]))
+    return new, [Emit("lend_cancelled", {**fields, "outcome": "its stop was under way: llama-server starts again"})]
 
 
 def on_lent(state: State, event: Input, now: float) -> Result:

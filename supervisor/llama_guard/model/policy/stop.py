@@ -26,7 +26,7 @@ from llama_guard.model.policy.steps import (
 )
 from llama_guard.model.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.model.server_log import Family
-from llama_guard.model.types import AfterStop, RestartCause, State, enter
+from llama_guard.model.types import AfterStop, RestartCause, State, TrialStage, enter
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -155,7 +155,11 @@ def end_exit_drain(state: State, now: float, drained: bool) -> Result:
 def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.RESETTING:
         return stop_during_reset(state, event, now)
-    emit = Emit("daemon_stopping", {"reason": event.reason, "server_pid": state.pid})
+    reason = event.reason
+    if state.phase is Phase.TRIAL and state.trial is not None:
+        measured = "the serving build" if state.trial.stage is TrialStage.OLD else "the new build"
+        reason += f"; the trial of a new build is abandoned while measuring {measured} (no outcome recorded)"
+    emit = Emit("daemon_stopping", {"reason": reason, "server_pid": state.pid})
     if state.phase in (Phase.STOPPED, Phase.BACKOFF, Phase.WAITING_VRAM, Phase.LENT):
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [emit, *actions]
