@@ -30,11 +30,13 @@ HEADER_TIMEOUT_S = 15.0  # an idle keep-alive connection is closed after this ma
 
 class MetricsListener:
     """Serves ``registry`` and the health answers for ``last_state`` (the policy's state as the loop's last
-    record left it) on one listening socket."""
+    record left it, at ``clock``'s monotonic seconds: the daemon's clock) on one listening socket."""
 
-    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State]) -> None:
+    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State],
+                 clock: Callable[[], float]) -> None:
         self._registry = registry
         self._state = last_state
+        self._clock = clock
         self._lane = Lane(LaneKind.SCRAPE)
         self._server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
@@ -72,7 +74,7 @@ class MetricsListener:
         if request.method not in (hdrs.METH_GET, hdrs.METH_HEAD):
             return web.Response(status=405, headers={hdrs.ALLOW: "GET, HEAD"})
         if request.path in HEALTH_PATHS:
-            return health_response(request.path, self._state())
+            return health_response(request.path, self._state(), self._clock())
         encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
         try:
             body = await self._lane.run(lambda: encoder(self._registry), SCRAPE_TIMEOUT_S, "a /metrics scrape")
