@@ -3,9 +3,12 @@ boxes on this host, each with its own REAL llama-server on the REAL SmolLM2 mode
 
 Two client loops send completions through HAProxy while one box at a time goes through a kill -9 of its
 llama-server, a planned restart (``llama-guard restart``), a SIGTERM of its daemon (then started again) and a
-reload that changes its server's flags (SIGHUP). No client may see a failure, and the balancer's own view (its
-stats socket, ``show stat``) must show each box leave (DOWN: its ``/readyz`` answered 503) and return (UP), with
-traffic through it again. The test prints what the clients saw per scenario (a table, at the end of the run).
+reload that changes its server's flags (SIGHUP), and last a SIGTERM inside the seconds before the checks notice
+(the box's checks turned off on the stats socket: the balancer's L7 retries carry the clients). No client may see a
+failure, and the balancer's own view (its stats socket, ``show stat``) must show each box leave (DOWN: its
+``/readyz`` answered 503, or nothing) and return (UP), with traffic through it again. The test prints what the
+clients saw per scenario (a table, in the run's summary: tests/conftest.py). A second test checks the retry rule
+alone, before two small HTTP servers, one of them answering 503 as a stopping llama-guard does.
 
 Each box's llama-server is the real one behind a gate (a shell wrapper): a serving start waits while the gate
 file exists, as a 16 GB model's load would, so the box stays not ready until the test has seen the balancer take
