@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from front_fixtures import daemon_pool, door  # noqa: F401 (door: the front-door attack tests' fixture)
@@ -69,3 +70,19 @@ def real(tmp_path: Path, llama_server_bin: Path, real_model: Path, pool: RunPool
         return pool.new(tmp_path, binary or str(llama_server_bin), str(real_model), extra)
 
     return make
+
+
+#: The tables tests printed for the run's summary (``request.node.add_report_section("call", "table", text)``):
+#: under pytest-xdist a worker's stdout never reaches the terminal, its reports do.
+_TABLES: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _TABLES.extend((report.nodeid, text) for title, text in report.sections if title == "Captured table call")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for nodeid, text in _TABLES:
+        terminalreporter.section(nodeid, sep="-")
+        terminalreporter.write_line(text)

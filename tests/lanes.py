@@ -63,6 +63,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_upgrade_rollback_lane",
     "test_preflight_gpu",
     "test_public_reports",
+    "test_readiness",
     "test_recovery_defaults",
     "test_reload_values",
     "test_repeat",

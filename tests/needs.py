@@ -25,6 +25,7 @@ HOST_PROGRAMS: dict[str, str] = {
     "prometheus": "prometheus",                       # scrapes a daemon run for the dashboard test
     "/usr/lib/systemd/systemd-journal-remote": "systemd-journal-remote",  # journald to a central box
     "/usr/lib/systemd/systemd-journal-upload": "systemd-journal-remote",
+    "haproxy": "haproxy",                             # the balancer pool before two boxes (test_haproxy_e2e.py)
 }
 
 

@@ -137,7 +137,11 @@ def test_server_never_ready_held_requests_get_503_within_hold_timeout(front: Any
     run.wait_event("server_starting", 30)
     wait_for(lambda: httpx.get(f"http://127.0.0.1:{run.front}/livez", timeout=5).status_code == 200, 20, "livez")
     ready = httpx.get(f"http://127.0.0.1:{run.front}/readyz", timeout=5)
-    assert ready.status_code == 503 and ready.json() == {"ready": False, "phase": "starting"}
+    doc = ready.json()
+    assert ready.status_code == 503 and doc == {"ready": False, "phase": "starting", "cause": "starting",
+                                                "restart_cause": None, "retry_after_s": doc["retry_after_s"]}
+    # no load seen yet: the load is estimated at 5 s (status/readiness.py), less the time it has loaded
+    assert 1 <= doc["retry_after_s"] <= 5 and ready.headers["Retry-After"] == str(doc["retry_after_s"])
     start = time.monotonic()
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda _: completion(run.front, timeout=30.0), range(3)))
@@ -298,7 +302,8 @@ def test_livez_and_readyz_on_the_metrics_listener_without_the_front_door(
         base = f"http://127.0.0.1:{metrics_port}"
         wait_for(lambda: _status(base + "/livez") == 200, 30, "livez")
         run.wait_event("server_ready", 60)
-        assert httpx.get(base + "/readyz", timeout=5).json() == {"ready": True, "phase": "ready"}
+        assert httpx.get(base + "/readyz", timeout=5).json() == {"ready": True, "phase": "ready", "cause": None,
+                                                                 "restart_cause": None, "retry_after_s": None}
         live = httpx.get(base + "/livez", timeout=5)
         assert live.status_code == 200 and live.json()["live"] is True
         assert "llama_guard_phase" in httpx.get(base + "/metrics", timeout=5).text

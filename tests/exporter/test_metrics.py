@@ -23,7 +23,7 @@ from llama_guard.model.actions import Action, Emit, Spawn
 from llama_guard.model.inputs import Boot, Drained, Exited, GpuFault, HealthOk, Input, ParamsChanged, Spawned, Tick
 from llama_guard.model.policy import decide
 from llama_guard.model.transition import Transition
-from llama_guard.model.types import GpuFaultKind, Params, State, XidAction, XidScope, initial_state
+from llama_guard.model.types import AfterStop, GpuFaultKind, Params, State, XidAction, XidScope, initial_state
 from llama_guard.model.watcher import Context
 from llama_guard.vocab.phases import Phase
 from prometheus_client import generate_latest
@@ -172,10 +172,13 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
             live = await client.get(base + "/livez", timeout=5)
             ready = await client.get(base + "/readyz", timeout=5)
             assert (live.status_code, live.json()) == (200, {"live": True, "phase": "ready"})
-            assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready"})
-            holder["state"] = State(phase=Phase.DRAINING, pid=7)
+            assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready", "cause": None,
+                                                              "restart_cause": None, "retry_after_s": None})
+            holder["state"] = State(phase=Phase.DRAINING, pid=7, after_stop=AfterStop.EXIT)
             deliver(src, ctx)
-            assert (await client.get(base + "/readyz", timeout=5)).status_code == 503
+            draining = await client.get(base + "/readyz", timeout=5)
+            assert draining.status_code == 503 and draining.json()["cause"] == "stopping"
+            assert int(draining.headers["Retry-After"]) == draining.json()["retry_after_s"] >= 1
             assert (await client.post(base + "/metrics", timeout=5)).status_code == 405
             scraped = await client.get(base + "/metrics", timeout=5)
             assert scraped.headers["content-type"].startswith("text/plain") and "llama_guard_phase{" in scraped.text

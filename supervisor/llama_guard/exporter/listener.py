@@ -32,13 +32,15 @@ HEADER_TIMEOUT_S = 15.0  # an idle keep-alive connection is closed after this ma
 
 class MetricsListener:
     """Serves ``registry`` and the health answers for ``last_state`` (the policy's state as the loop's last
-    record left it) on one listening socket; ``refresh`` runs on the loop before each scrape's render (what
-    must be read at the scrape: llama-server's slots), within :data:`REFRESH_TIMEOUT_S`."""
+    record left it, at ``clock``'s monotonic seconds: the daemon's clock) on one listening socket; ``refresh``
+    runs on the loop before each scrape's render (what must be read at the scrape: llama-server's slots),
+    within :data:`REFRESH_TIMEOUT_S`."""
 
-    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State],
+    def __init__(self, registry: CollectorRegistry, last_state: Callable[[], State], clock: Callable[[], float],
                  refresh: Callable[[], Awaitable[None]] | None = None) -> None:
         self._registry = registry
         self._state = last_state
+        self._clock = clock
         self._refresh = refresh
         self._lane = Lane(LaneKind.SCRAPE)
         self._server: web.Server | None = None
@@ -77,7 +79,7 @@ class MetricsListener:
         if request.method not in (hdrs.METH_GET, hdrs.METH_HEAD):
             return web.Response(status=405, headers={hdrs.ALLOW: "GET, HEAD"})
         if request.path in HEALTH_PATHS:
-            return health_response(request.path, self._state())
+            return health_response(request.path, self._state(), self._clock())
         encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
         if self._refresh is not None:
             with contextlib.suppress(asyncio.TimeoutError):  # the scrape goes on with what it has

@@ -134,7 +134,7 @@ class MetricsSource(Watcher, Collector):
             from llama_guard.exporter.listener import MetricsListener
 
             # /livez and /readyz beside /metrics (the front door serves them too, when it is on).
-            listener = MetricsListener(self.registry, lambda: self._state, refresh=self.refresh)
+            listener = MetricsListener(self.registry, lambda: self._state, ctx.clock, refresh=self.refresh)
             # A port another process holds is waited for, as the front door's and llama-server's are.
             bound = await bind_waiting(ctx, self._proc, lambda: listener.listen(*address), setting="[metrics].listen",
                                        value=ctx.config.metrics.listen, address=address, taken="metrics_port_taken")

@@ -104,16 +104,18 @@ class _Refuse(asyncio.Protocol):
 
 class FrontApp:
     """Serves the front door on its listening sockets; ``get_config`` is read live, ``last_state`` is the
-    policy's state as the loop's last record left it (the health answers), and ``get_endpoints`` is read
-    live (what llama-server serves under the user's own flags: the rest is answered here)."""
+    policy's state as the loop's last record left it (the health answers, at ``clock``'s monotonic
+    seconds: the daemon's clock), and ``get_endpoints`` is read live (what llama-server serves under the
+    user's own flags: the rest is answered here)."""
 
     def __init__(self, forwarder: Forwarder, metrics: FrontMetrics, *,
                  get_config: Callable[[], FrontConfig], last_state: Callable[[], State],
-                 get_endpoints: Callable[[], Endpoints]) -> None:
+                 get_endpoints: Callable[[], Endpoints], clock: Callable[[], float]) -> None:
         self.forwarder = forwarder
         self.metrics = metrics
         self._config = get_config
         self._state = last_state
+        self._clock = clock
         self._endpoints = get_endpoints
         self._seq = itertools.count()
         self.budget = Budget(lambda: self._config().max_buffered_bytes)
@@ -182,7 +184,7 @@ class FrontApp:
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method in (hdrs.METH_GET, hdrs.METH_HEAD) and request.path in HEALTH_PATHS:
-            return health_response(request.path, self._state())
+            return health_response(request.path, self._state(), self._clock())
         target = origin_form(request)
         if target is None:
             return self._answer(error_response(400, "the request target must be a path (/...) or an absolute URL"))

@@ -88,7 +88,7 @@ class FrontSource(Watcher):
                               chat_prefill=lambda: chat_prefill(ctx.config.server.extra_args, ctx.config.server.env))
         forwarder.suspects.observe(state)
         app = FrontApp(forwarder, metrics, get_config=lambda: ctx.config.front, last_state=self._policy,
-                       get_endpoints=lambda: user_endpoints(ctx.config.server))
+                       get_endpoints=lambda: user_endpoints(ctx.config.server), clock=ctx.clock)
         await forwarder.open()
         bound: list[tuple[str, int]] = []
         try:

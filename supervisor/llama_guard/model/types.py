@@ -349,6 +349,9 @@ class State:
     # of the restart that server_ready's restart_to_ready_s and restart_first_token time (None: the
     # first start, or the restart's first token was reported).
     restart_at: float | None = None
+    # The last server's load: seconds from its spawn to its /health answer (its slots restored), as
+    # server_ready's load_s (None: no server was ready yet); /readyz's Retry-After estimates the next load by it.
+    load_s: float | None = None
     trial: Trial | None = None  # a planned window's trial of a new build under way (None: none)
     last_trial: TrialResult | None = None  # how the last trial ended (None: none yet)
     # TRIAL of a new build: the (pid, name) its HealthOk named as the port's owner, for server_ready

@@ -154,7 +154,8 @@ def release(state: State, event: HealthOk, now: float) -> Result:
     load_s = (answered if answered is not None else now) - (state.started_at if state.started_at is not None else now)
     recovered = alloc_recovered(state, "the server became ready")
     new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
-                  alloc_failure="", port_taken_since=None, port_holder=None, trial=None, ready_owner=None)
+                  alloc_failure="", port_taken_since=None, port_holder=None, trial=None, ready_owner=None,
+                  load_s=load_s)
     fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
     if answered is not None:
         fields["trial_s"] = round(now - answered, 3)  # the new build's measurement, after its load
