@@ -85,7 +85,7 @@ def into_reset(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[Stat
     s, acts = decide(s, Exited(pid, -6), now + 0.5)
     assert s.phase is Phase.RESETTING
     assert names(acts) == ["server_stopped", "gpu_reset_started"]
-    assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.reset_reason)]
+    assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.phase_data.trigger)]
     assert not of_type(acts, Spawn)
     return s, acts
 
@@ -99,7 +99,7 @@ def run_reset(s: State, now: float, *, failed: str = "", facts: ResetFacts = CLE
     fails with ``failed`` as its detail."""
     resets = len(s.resets)
     s, acts = decide(s, facts, now)
-    assert acts == [RunReset(facts.gpu_index, s.reset_reason)] and len(s.resets) == resets + 1, acts
+    assert acts == [RunReset(facts.gpu_index, s.phase_data.trigger)] and len(s.resets) == resets + 1, acts
     done = (ResetDone(0, "nvidia-smi --gpu-reset -i 0", 255, failed, False, failed) if failed
             else ResetDone(0, "nvidia-smi --gpu-reset -i 0", 0, RESET_OK, True, RESET_OK + "; GPU answers and is idle"))
     return decide(s, done, now)
@@ -122,9 +122,9 @@ class TestOomReset:
     def test_oom_stops_resets_then_restarts(self) -> None:
         s, acts = stop_for(ready(), line(100, OOM))
         assert names(acts) == ["server_oom"]
-        assert "server_oom" in s.reset_reason
+        assert "server_oom" in s.phase_data.reset_trigger
         s, acts = into_reset(ready(), line(100, OOM))
-        assert acts[-1] == InspectGpu(100, s.reset_reason)
+        assert acts[-1] == InspectGpu(100, s.phase_data.trigger)
         assert s.deadline == pytest.approx(5.5 + P.reset_deadline_s)
         # Nothing starts while the reset runs, however long the ticks go on (until its deadline).
         for t in (6.0, 20.0, 55.0):
@@ -149,7 +149,7 @@ class TestOomReset:
         assert acts == [] and s.phase is Phase.STARTING  # judged by what the process does next
         s, acts = decide(s, Exited(100, 1), 1.2)
         assert emitted(acts, "server_oom").fields["phase"] == "loading"
-        assert s.phase is Phase.RESETTING and InspectGpu(100, s.reset_reason) in acts
+        assert s.phase is Phase.RESETTING and InspectGpu(100, s.phase_data.trigger) in acts
 
     @pytest.mark.parametrize("params", [replace(P, reset_possible=False),
                                         replace(P, reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID}))],
@@ -167,7 +167,7 @@ class TestOomReset:
         s, _ = stop_for(ready(), line(100, ILLEGAL))
         assert s.after_stop is AfterStop.FAILURE  # not in the default reset_on
         s, _ = into_reset(ready(params=replace(P, reset_on=P.reset_on | {ResetTrigger.CUDA_ERROR})), line(100, ILLEGAL))
-        assert "server_cuda_error" in s.reset_reason
+        assert "server_cuda_error" in s.phase_data.trigger
 
     def test_foreign_process_skips_the_reset_and_restarts_only(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))

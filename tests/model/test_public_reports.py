@@ -223,7 +223,7 @@ def test_nvml_reset_required_at_start_resets_before_any_server() -> None:
     s, acts = decide(waiting_for_start(), VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
     event = emitted(acts, "gpu_recovery_action")
     assert event.fields["recovery_action"] == "gpu_reset" and event.fields["source"] == "nvml"
-    assert s.phase is Phase.RESETTING and InspectGpu(None, s.reset_reason) in acts
+    assert s.phase is Phase.RESETTING and InspectGpu(None, s.phase_data.trigger) in acts
     assert not [a for a in acts if isinstance(a, Spawn)]
 
 

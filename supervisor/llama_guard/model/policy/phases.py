@@ -51,7 +51,7 @@ from llama_guard.model.policy.verdicts import crash_repeat
 from llama_guard.model.policy.window import drain, drain_timed_out, drained, health_answered
 from llama_guard.model.policy.window import on_trial as window_on_trial
 from llama_guard.model.server_log import Family, classify_line
-from llama_guard.model.types import AfterStop, RestartCause, State, exit_signal, exit_text
+from llama_guard.model.types import AfterStop, RestartCause, Starting, State, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 
@@ -155,10 +155,11 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
     if state.port_taken and state.port_taken_since is not None:
         return exited_port_taken(state, event, now)
     fields = exit_fields(event.pid, event.returncode, state.last_error)
-    if state.boot_cause:
-        cause = naming_model(state.boot_cause, state.params.model_path)
+    boot_cause = state.phase_data.boot_cause if isinstance(state.phase_data, Starting) else ""
+    if boot_cause:
+        cause = naming_model(boot_cause, state.params.model_path)
         new, actions = exit_daemon(state, EXIT_CONFIG, cause)
-        model = {"model": state.params.model_path} if cause != state.boot_cause else {}
+        model = {"model": state.params.model_path} if cause != boot_cause else {}
         return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
     new = replace(fail(state, RestartCause.CRASH, f"exited while loading: {exit_text(event.returncode)}"),

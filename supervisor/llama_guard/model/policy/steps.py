@@ -10,7 +10,18 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, CheckVram, Emit, ExitDaemon, SaveSlots, Spawn, Terminate
 from llama_guard.model.policy.repeat import repeat_verdict
-from llama_guard.model.types import AfterStop, Failure, Params, RestartCause, State, enter, exit_text
+from llama_guard.model.types import (
+    AfterStop,
+    CheckingVram,
+    Failure,
+    Params,
+    RestartCause,
+    Starting,
+    State,
+    Stopping,
+    enter,
+    exit_text,
+)
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
 from llama_guard.vocab.phases import Phase
@@ -93,19 +104,20 @@ def exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[
 HUNG_GRACE_S = 1.0
 
 
-def stop(state: State, now: float, after: AfterStop, fault: str, *,
-          code: int = EXIT_OK, reason: str = "", grace_s: float | None = None, save_s: float = 0.0) -> Result:
+def stop(state: State, now: float, after: AfterStop, reason: str, *, code: int = EXIT_OK, exit_reason: str = "",
+         grace_s: float | None = None, save_s: float = 0.0, reset_trigger: str = "") -> Result:
     """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
-    seconds, else ``stop_grace_s``). During the drain before the daemon's exit a fault changes how,
-    not what: the stop still ends in that exit (no restart, no reset). ``save_s`` > 0: first save
-    the slots (:class:`SaveSlots`), SIGTERM once they are saved or ``save_s`` seconds passed
-    (:func:`end_save`)."""
+    seconds, else ``stop_grace_s``), for ``reason`` (words: ``server_stopped``'s reason). During the
+    drain before the daemon's exit a fault changes how, not what: the stop still ends in that exit
+    (no restart, no reset). ``save_s`` > 0: first save the slots (:class:`SaveSlots`), SIGTERM once
+    they are saved or ``save_s`` seconds passed (:func:`end_save`). ``reset_trigger``: the fault a
+    reset after the stop (``after`` RESET or VRAM_CHECK) is for."""
     if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
-        after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
+        after, code, exit_reason = AfterStop.EXIT, state.exit_code, state.exit_reason
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
-    new = replace(state, phase=enter(state, Phase.STOPPING), after_stop=after, fault=fault,
-                  deadline=now + grace, grace_s=grace, killed=False, saving=False,
-                  exit_code=code, exit_reason=reason or state.exit_reason)
+    new = replace(state, phase=enter(state, Phase.STOPPING), phase_data=Stopping(reason, reset_trigger),
+                  after_stop=after, deadline=now + grace, grace_s=grace, killed=False, saving=False,
+                  exit_code=code, exit_reason=exit_reason or state.exit_reason)
     if state.pid is None:
         return new, []
     if save_s > 0:
@@ -122,8 +134,8 @@ def end_save(state: State, now: float) -> Result:
 
 
 def spawn(state: State) -> Result:
-    return (replace(state, phase=enter(state, Phase.STARTING), pid=None, started_at=None, ready_at=None, deadline=None,
-                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
+    return (replace(state, phase=enter(state, Phase.STARTING), phase_data=Starting(), pid=None, started_at=None,
+                    ready_at=None, deadline=None, strikes=0, pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
                     last_line="", failure=replace(state.failure, line=""), on_cpu_reported=False, port_taken=False,
                     stalls=0, http_errors=0, deferred_restart=None,
@@ -132,7 +144,7 @@ def spawn(state: State) -> Result:
 
 
 def exit_daemon(state: State, code: int, reason: str) -> Result:
-    return (replace(state, phase=enter(state, Phase.EXITED), pid=None, deadline=None, exit_code=code,
+    return (replace(state, phase=enter(state, Phase.EXITED), phase_data=None, pid=None, deadline=None, exit_code=code,
                     exit_reason=reason),
             [ExitDaemon(code, reason)])
 
@@ -175,16 +187,19 @@ def _back_off(state: State, now: float) -> Result:
     else:
         wait = state.next_backoff_s
         following = min(wait * p.backoff_factor, p.backoff_max_s)
-    new = replace(state, phase=enter(state, Phase.BACKOFF), deadline=now + wait, next_backoff_s=following)
+    new = replace(state, phase=enter(state, Phase.BACKOFF), phase_data=None, deadline=now + wait,
+                  next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.failure.text})]
 
 
-def start(state: State, now: float) -> Result:
-    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
+def start(state: State, now: float, *, after_oom: str = "") -> Result:
+    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`). ``after_oom``:
+    the OOM at load (in words) this start follows, which the check judges (:class:`CheckingVram`)."""
     if not state.params.vram_admission:
-        return spawn(replace(state, vram_after_oom=False))
-    new = replace(state, phase=enter(state, Phase.WAITING_VRAM), pid=None, deadline=now + VRAM_ANSWER_S,
-                  vram_wait_until=None, vram_short="", vram_facts_at=None)
+        return spawn(state)
+    new = replace(state, phase=enter(state, Phase.WAITING_VRAM),
+                  phase_data=CheckingVram(after_oom) if after_oom else None, pid=None,
+                  deadline=now + VRAM_ANSWER_S, vram_wait_until=None, vram_short="", vram_facts_at=None)
     return new, [CheckVram()]

@@ -70,7 +70,7 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
                        exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why, pending_event=None), [emit]
     if state.pid is not None:
         new, actions = stop(fail(state, state.failure.cause, why), now, AfterStop.EXIT, why,
-                             code=EXIT_GPU_UNRECOVERABLE, reason=why)
+                            code=EXIT_GPU_UNRECOVERABLE, exit_reason=why)
         return new, [emit, *actions]
     new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]

@@ -13,7 +13,7 @@ from llama_guard.model.inputs import Input, Tick, VramFacts
 from llama_guard.model.policy.gpu import begin_reset
 from llama_guard.model.policy.steps import Result, after_fault, count_failure, fail, restart_for, spawn
 from llama_guard.model.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
-from llama_guard.model.types import AfterStop, RecoveryAction, RestartCause, State, XidAction
+from llama_guard.model.types import AfterStop, CheckingVram, RecoveryAction, RestartCause, State, XidAction
 from llama_guard.vocab.triggers import ResetTrigger
 
 
@@ -30,7 +30,7 @@ def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
             return None
         missing = f"{facts.need_mib - facts.free_mib} MiB missing (llama-server needs {facts.need_mib} MiB, " \
                   f"{facts.free_mib} MiB free)"
-    elif state.vram_after_oom:
+    elif isinstance(state.phase_data, CheckingVram):
         free = "?" if facts.free_mib is None else facts.free_mib
         missing = f"llama-server ran out of GPU memory at load ({free} MiB free)"
     else:
@@ -44,13 +44,14 @@ def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
 
 def _admit(state: State, now: float) -> Result:
     """The VRAM is there (or cannot be judged): start, unless an OOM at load is left unexplained."""
-    if state.vram_after_oom and state.vram_wait_until is None:
+    oom = state.phase_data
+    if isinstance(oom, CheckingVram) and state.vram_wait_until is None:
         # The OOM was not another process's doing: what it would have been without the check.
-        state = replace(state, vram_after_oom=False)
+        state = replace(state, phase_data=None)
         if after_fault(state.params, ResetTrigger.OOM, loading=False) is AfterStop.RESET:
-            return begin_reset(replace(state, after_stop=AfterStop.RESET), now)
+            return begin_reset(replace(state, after_stop=AfterStop.RESET), now, oom.reset_trigger)
         return count_failure(state, now)
-    return spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short="", vram_facts_at=None))
+    return spawn(replace(state, vram_wait_until=None, vram_short="", vram_facts_at=None))
 
 
 def _vram_timed_out(state: State, now: float) -> Result:
@@ -60,7 +61,7 @@ def _vram_timed_out(state: State, now: float) -> Result:
     reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
     if state.vram_facts_at is not None and now - state.vram_facts_at > 2 * p.vram_poll_s + 1.0:
         reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
-    new = replace(fail(state, RestartCause.VRAM_WAIT, reason), vram_wait_until=None, vram_after_oom=False,
+    new = replace(fail(state, RestartCause.VRAM_WAIT, reason), vram_wait_until=None, phase_data=None,
                   vram_short="", vram_facts_at=None)
     return count_failure(new, now, judged=False)
 
@@ -79,8 +80,8 @@ def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result
         elif len([t for t in state.resets if now - t < p.reset_window_s]) >= p.max_resets:
             reason += f" (the {p.max_resets} GPU resets allowed within {p.reset_window_s:.0f} s are spent)"
         else:
-            new, actions = begin_reset(replace(restart_for(state, RestartCause.XID), reset_reason=reason, pid=None,
-                                               vram_after_oom=False, after_stop=AfterStop.FAILURE), now)
+            new, actions = begin_reset(replace(restart_for(state, RestartCause.XID), pid=None, phase_data=None,
+                                               after_stop=AfterStop.FAILURE), now, reason)
             return new, [emit, *actions]
     new, actions = needs_reboot(replace(state, pid=None), now, reason,
                                 {"gpu_index": facts.gpu_index, "server_pid": None})
