@@ -29,6 +29,7 @@ from llama_guard.model.inputs import (
 from llama_guard.model.policy import decide
 from llama_guard.model.types import (
     AfterStop,
+    Exit,
     GpuFaultKind,
     Params,
     Resetting,
@@ -127,7 +128,7 @@ def test_a_memlock_line_while_loading_is_no_boot_cause() -> None:
     assert names(acts) == ["resource_exhausted"] and isinstance(s.phase_data, Starting)
     assert "RLIMIT_NPROC" in s.phase_data.boot_cause
     s, acts = decide(s, Exited(100, -6), 0.3)
-    assert ExitDaemon(EXIT_CONFIG, s.exit_reason) in acts and "RLIMIT_NPROC" in s.exit_reason
+    assert ExitDaemon(EXIT_CONFIG, s.exit.reason) in acts and "RLIMIT_NPROC" in s.exit.reason
 
 
 def test_an_allocation_failure_the_server_recovers_from_while_serving_is_a_warning() -> None:
@@ -148,8 +149,8 @@ def test_the_port_holder_is_looked_for_once_per_server_and_only_for_our_port() -
 
 
 def test_a_reset_whose_stop_came_before_its_command_ran_exits_without_running_it() -> None:
-    s = replace(ready(), phase=Phase.RESETTING, pid=None, after_stop=AfterStop.EXIT, exit_code=EXIT_OK,
-                exit_reason="SIGTERM received", phase_data=Resetting("Xid 79"))
+    s = replace(ready(), phase=Phase.RESETTING, pid=None, after_stop=AfterStop.EXIT,
+                exit=Exit(EXIT_OK, "SIGTERM received"), phase_data=Resetting("Xid 79"))
     s, acts = decide(s, ResetFacts(0, True, 0.0, (), True, ""), 6.0)
     skipped = emitted(acts, "gpu_reset")
     assert skipped.fields["outcome"] == "skipped" and "a stop was requested" in str(skipped.fields["reason"])

@@ -194,7 +194,7 @@ class TestOomReset:
         lost = emitted(acts, "gpu_lost")
         assert reason in str(lost.fields["reason"]) and "reboot" in str(lost.fields["reason"])
         assert lost.fields["gpu_index"] == 0
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
         assert s.phase is Phase.EXITED and not of_type(acts, Spawn)
         # Nothing afterwards brings it back.
         assert decide(s, Tick(), 100.0) == (s, [])
@@ -206,7 +206,7 @@ class TestOomReset:
         assert acts == []
         s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
         assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "timed out"
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and s.phase is Phase.EXITED
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and s.phase is Phase.EXITED
 
     def test_deadline_is_reported_by_next_deadline(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
@@ -219,8 +219,8 @@ class TestOomReset:
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s)
         assert Kill(100) in acts
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
-        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
-        assert "reboot" in s.exit_reason and names(acts) == ["server_unkillable"]
+        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
+        assert "reboot" in s.exit.reason and names(acts) == ["server_unkillable"]
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
 
@@ -268,7 +268,7 @@ class TestResetBudget:
         assert names(acts) == ["server_stopped", "gpu_reset", "gpu_lost"]
         refused = emitted(acts, "gpu_reset")
         assert refused.fields["outcome"] == "refused" and refused.fields["gpu_index"] == P.gpu_index
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
     def test_skipped_resets_never_spend_the_budget(self) -> None:
@@ -327,13 +327,13 @@ class TestLostAndXid:
         s, _ = into_reset(ready(), LOST)
         s, acts = run_reset(s, 7.0, failed="nvidia-smi exited 255: Unknown Error")
         assert names(acts) == ["gpu_reset", "gpu_lost"]
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
 
     def test_lost_gpu_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
         s, _ = into_reset(ready(), LOST)
         s, acts = decide(s, ResetFacts(0, True, 0.1, (), False, "llama-guard is not root"), 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"] and not of_type(acts, RunReset)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
     def test_xid_48_skipped_reset_restarts(self) -> None:
         s, _ = into_reset(ready(), xid(48, "reset"))
@@ -396,7 +396,7 @@ class TestLostAndXid:
     def test_fault_while_stopping_on_request_keeps_exit_0(self) -> None:
         s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
         s, acts = decide(s, LOST, 5.1)
-        assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_OK
+        assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_OK
         s, acts = decide(s, Exited(100, -15), 5.5)
         assert ExitDaemon(EXIT_OK, "SIGTERM received") in acts and not of_type(acts, InspectGpu)
 
@@ -405,24 +405,24 @@ class TestLostAndXid:
                              ids=["gpu_lost-not-in-reset_on", "reset-not-possible"])
     def test_lost_gpu_without_reset_stops_and_exits_69(self, params: Params) -> None:
         s, acts = stop_for(ready(params=params), LOST)
-        assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_GPU_UNRECOVERABLE
+        assert s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_GPU_UNRECOVERABLE
         s, acts = decide(s, Exited(100, -15), 6.0)
         assert names(acts) == ["server_stopped"]
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
-        assert "no reset configured" in s.exit_reason
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
+        assert "no reset configured" in s.exit.reason
         assert not of_type(acts, Spawn) and not of_type(acts, InspectGpu)
 
     def test_lost_gpu_without_reset_while_backing_off_exits_69(self) -> None:
         s, _ = decide(ready(params=replace(P, reset_possible=False)), Exited(100, 1), 5.0)
         s, acts = decide(s, LOST, 5.1)
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
 
     def test_lost_gpu_while_stopping_for_a_failure_without_reset_exits_69(self) -> None:
         s, _ = stop_for(ready(params=replace(P, reset_possible=False)), line(100, OOM))
         s, acts = decide(s, LOST, 5.1)
         assert acts == [] and s.after_stop is AfterStop.EXIT
         s, acts = decide(s, Exited(100, -6), 5.5)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
 
 # ------------------------------------------------------------------------------------------- whose Xid
@@ -535,7 +535,7 @@ class TestDuringReset:
         assert acts == []
         s, acts = decide(s, ResetFacts(0, True, 0.1, (), False, "llama-guard is not root"), 7.0)
         assert "gpu_lost" in names(acts)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
     def test_sigterm_while_inspecting_runs_no_command_and_exits_0_at_once(self) -> None:
         # Nothing has been done to the GPU yet: the reset is given up, the daemon exits now.

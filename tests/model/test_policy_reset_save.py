@@ -141,7 +141,7 @@ class TestDuringTheSaves:
         s, acts = decide(s, SlotsSaved(100), 7.0)
         terminated_now(s, acts, 7.0)
         s, acts = decide(s, Exited(100, 0), 8.0)
-        assert s.phase is Phase.EXITED and s.exit_code == EXIT_OK
+        assert s.phase is Phase.EXITED and s.exit.code == EXIT_OK
 
     def test_a_second_signal_kills_at_once_and_the_saves_no_longer_count(self) -> None:
         s, _ = saving(ready(), NVLINK)

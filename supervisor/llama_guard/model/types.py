@@ -19,7 +19,6 @@ from llama_guard.config.gpu import GpuConfig
 from llama_guard.config.listen import FrontConfig
 from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig, UpgradeConfig
 from llama_guard.vocab.events import EventName
-from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import MOVES, Phase
 from llama_guard.vocab.triggers import ResetTrigger
 
@@ -29,7 +28,7 @@ class AfterStop(enum.Enum):
 
     RESTART = "restart"    # planned: start again at once, not a failure
     FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
-    EXIT = "exit"          # the daemon exits with State.exit_code
+    EXIT = "exit"          # the daemon exits (State.exit: its status and why)
     RESET = "reset"        # reset the GPU (for the stop's Stopping.reset_trigger), then start again
     VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
     LEND = "lend"          # lend the GPU to `llama-guard tune` (State.lend), then start again
@@ -182,6 +181,16 @@ class Lend:
     bound_s: float
     until: float | None = None
     asked_to_stop: bool = False
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The daemon's exit, once decided: its exit status (vocab/exitcodes.py) and why, in words
+    (:class:`~llama_guard.model.actions.ExitDaemon`'s reason: ``daemon_exit``'s). Set with
+    ``AfterStop.EXIT`` while a drain, stop or reset finishes first, and as the daemon enters EXITED."""
+
+    code: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -357,8 +366,7 @@ class State:
     ready_at: float | None = None
     deadline: float | None = None
     after_stop: AfterStop = AfterStop.FAILURE
-    exit_code: int = EXIT_OK
-    exit_reason: str = ""
+    exit: Exit | None = None  # the daemon's exit once decided (with AfterStop.EXIT, and in EXITED); None: none
     # The current phase's own state (:data:`PHASE_DATA`): set as the phase is entered, gone when it is left.
     phase_data: PhaseData = None
     killed: bool = False

@@ -9,10 +9,20 @@ from dataclasses import replace
 from llama_guard.model.actions import Emit, InspectGpu, RunReset
 from llama_guard.model.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
 from llama_guard.model.policy.reset_stop import reset_started
-from llama_guard.model.policy.steps import SERVING, Result, count_failure, end_save, exit_daemon, fail, stop
+from llama_guard.model.policy.steps import (
+    SERVING,
+    Result,
+    count_failure,
+    end_save,
+    exit_asked,
+    exit_daemon,
+    fail,
+    stop,
+)
 from llama_guard.model.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.model.types import (
     AfterStop,
+    Exit,
     GpuFaultKind,
     ResetOutcome,
     Resetting,
@@ -94,15 +104,15 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
             after = AfterStop.RESET if can_reset else AfterStop.EXIT
             code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
             return replace(state, after_stop=after, phase_data=Stopping(state.stop_reason, event.reason),
-                           exit_code=code, exit_reason=event.reason), []
+                           exit=Exit(code, event.reason)), []
         return state, []
     if state.pid is not None:
         if can_reset:
             return stop(state, now, AfterStop.RESET, event.reason, save_s=reset_save_s(state, event),
                         reset_trigger=event.reason)
         # No reset allowed: stop cleanly and do not restart onto a GPU that is not verified.
-        return stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_GPU_UNRECOVERABLE,
-                    exit_reason=f"GPU fault and no reset configured: {event.reason}")
+        return stop(state, now, AfterStop.EXIT, event.reason,
+                    exit=Exit(EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}"))
     if state.phase in (Phase.BACKOFF, Phase.STOPPED, Phase.WAITING_VRAM):
         if can_reset:
             return begin_reset(state, now, event.reason)
@@ -158,7 +168,8 @@ def _after_no_reset(state: State, now: float, emit: Emit, reason: str, trigger: 
     """No reset was run (skipped or refused) for ``trigger``: a lost GPU escalates (exit 69), anything
     else restarts the server only (counted as a failure)."""
     if state.after_stop is AfterStop.EXIT:  # a stop request came meanwhile
-        new, actions = exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+        asked = exit_asked(state)
+        new, actions = exit_daemon(state, asked.code, asked.reason or "stopped")
         return new, [emit, *actions]
     if state.gpu_lost:
         why = f"the GPU is lost and was not reset ({reason}); reboot the host"
@@ -214,7 +225,8 @@ def on_resetting(state: State, event: Input, now: float) -> Result:
                   "exit_status": event.exit_status, "output": event.output}
         emit = Emit("gpu_reset", fields)
         if state.after_stop is AfterStop.EXIT:  # a stop request came during the reset
-            new, actions = exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+            asked = exit_asked(state)
+            new, actions = exit_daemon(state, asked.code, asked.reason or "stopped")
             return new, [emit, *actions]
         if outcome is ResetOutcome.SUCCEEDED:
             new, actions = count_failure(replace(state, gpu_lost=False, pid=None), now)

@@ -14,7 +14,7 @@ from llama_guard.model.policy.port import on_port_line
 from llama_guard.model.policy.steps import Result, after_fault, fail, stop
 from llama_guard.model.policy.verdicts import watchdog_hit
 from llama_guard.model.server_log import Family, LineClass
-from llama_guard.model.types import AfterStop, RestartCause, Starting, State
+from llama_guard.model.types import AfterStop, Exit, RestartCause, Starting, State
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
@@ -64,10 +64,10 @@ def incompatible(state: State, now: float, verdict: LineClass, text: str) -> Res
                                             "cause": verdict.cause, "fix": verdict.limit})
     if state.phase is Phase.STOPPING:
         new = replace(fail(state, state.failure.cause, reason, state.failure.line), after_stop=AfterStop.EXIT,
-                      exit_code=EXIT_CONFIG, exit_reason=reason, pending_event=None)
+                      exit=Exit(EXIT_CONFIG, reason), pending_event=None)
         return new, [emit]
     new, actions = stop(fail(state, state.failure.cause, reason), now, AfterStop.EXIT, reason,
-                        code=EXIT_CONFIG, exit_reason=reason)
+                        exit=Exit(EXIT_CONFIG, reason))
     return new, [emit, *actions]
 
 

@@ -37,6 +37,7 @@ from llama_guard.model.policy.steps import (
     HUNG_GRACE_S,
     Result,
     count_failure,
+    exit_asked,
     exit_daemon,
     exit_fields,
     fail,
@@ -187,7 +188,8 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if (isinstance(event, Exited) and event.pid == pid and state.phase is Phase.DRAINING
             and state.after_stop is AfterStop.EXIT):
         # It died while it drained before the daemon's exit: nothing to restart.
-        new, actions = exit_daemon(state, state.exit_code, state.exit_reason)
+        asked = exit_asked(state)
+        new, actions = exit_daemon(state, asked.code, asked.reason)
         fields = exit_fields(pid, event.returncode, state.last_error)
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
     if isinstance(event, Exited) and event.pid == pid and state.alloc_failure:
@@ -276,7 +278,7 @@ def restart_meanwhile(state: State, event: RestartRequest) -> Result:
     the restart or start under way is the one asked for. Either way it is said (``restart_requested``)."""
     fields: dict[str, object] = {"server_pid": state.pid, "reason": event.reason}
     if state.phase in (Phase.DRAINING, Phase.STOPPING, Phase.RESETTING) and state.after_stop is AfterStop.EXIT:
-        fields["refused"] = f"llama-guard is stopping ({state.exit_reason or 'asked to'}): no server follows"
+        fields["refused"] = f"llama-guard is stopping ({exit_asked(state).reason or 'asked to'}): no server follows"
     else:
         fields["under_way"] = f"a new server is already on its way ({state.phase.value})"
     return state, [Emit("restart_requested", fields)]

@@ -16,7 +16,7 @@ from dataclasses import replace
 from llama_guard.model.actions import Emit
 from llama_guard.model.inputs import StopRequest
 from llama_guard.model.policy.steps import Result, exit_daemon
-from llama_guard.model.types import AfterStop, ResetOutcome, Resetting, State
+from llama_guard.model.types import AfterStop, Exit, ResetOutcome, Resetting, State
 from llama_guard.vocab.exitcodes import EXIT_OK
 
 
@@ -53,7 +53,7 @@ def stop_during_reset(state: State, event: StopRequest, now: float) -> Result:
     waiting = (f"waiting for the GPU {index} reset command (running for {running:.0f} s, at most {left:.0f} s "
                f"more): it is never interrupted ({second}a reset killed half way can leave the GPU unusable "
                "until a reboot); exiting when it returns")
-    new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+    new = replace(state, after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
     return new, [Emit("daemon_stopping", {"reason": f"{event.reason}; {waiting}", "server_pid": None,
                                           "waiting_for": "gpu_reset", "wait_s": round(left, 1),
                                           "immediate": event.immediate})]

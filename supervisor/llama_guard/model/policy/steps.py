@@ -13,6 +13,7 @@ from llama_guard.model.policy.repeat import repeat_verdict
 from llama_guard.model.types import (
     AfterStop,
     CheckingVram,
+    Exit,
     Failure,
     Params,
     RestartCause,
@@ -23,7 +24,7 @@ from llama_guard.model.types import (
     exit_text,
 )
 from llama_guard.vocab.events import EventName
-from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
 
@@ -104,20 +105,21 @@ def exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[
 HUNG_GRACE_S = 1.0
 
 
-def stop(state: State, now: float, after: AfterStop, reason: str, *, code: int = EXIT_OK, exit_reason: str = "",
+def stop(state: State, now: float, after: AfterStop, reason: str, *, exit: Exit | None = None,
          grace_s: float | None = None, save_s: float = 0.0, reset_trigger: str = "") -> Result:
     """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
     seconds, else ``stop_grace_s``), for ``reason`` (words: ``server_stopped``'s reason). During the
     drain before the daemon's exit a fault changes how, not what: the stop still ends in that exit
     (no restart, no reset). ``save_s`` > 0: first save the slots (:class:`SaveSlots`), SIGTERM once
     they are saved or ``save_s`` seconds passed (:func:`end_save`). ``reset_trigger``: the fault a
-    reset after the stop (``after`` RESET or VRAM_CHECK) is for."""
+    reset after the stop (``after`` RESET or VRAM_CHECK) is for; ``exit``: the daemon's exit that
+    follows it (``after`` EXIT)."""
     if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
-        after, code, exit_reason = AfterStop.EXIT, state.exit_code, state.exit_reason
+        after, exit = AfterStop.EXIT, state.exit
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
     new = replace(state, phase=enter(state, Phase.STOPPING), phase_data=Stopping(reason, reset_trigger),
                   after_stop=after, deadline=now + grace, grace_s=grace, killed=False, saving=False,
-                  exit_code=code, exit_reason=exit_reason or state.exit_reason)
+                  exit=exit or state.exit)
     if state.pid is None:
         return new, []
     if save_s > 0:
@@ -144,9 +146,16 @@ def spawn(state: State) -> Result:
 
 
 def exit_daemon(state: State, code: int, reason: str) -> Result:
-    return (replace(state, phase=enter(state, Phase.EXITED), phase_data=None, pid=None, deadline=None, exit_code=code,
-                    exit_reason=reason),
+    return (replace(state, phase=enter(state, Phase.EXITED), phase_data=None, pid=None, deadline=None,
+                    exit=Exit(code, reason)),
             [ExitDaemon(code, reason)])
+
+
+def exit_asked(state: State) -> Exit:
+    """The daemon's exit that the stop, drain or reset under way ends in (``after_stop`` EXIT: every
+    step that sets it sets :attr:`State.exit` too)."""
+    assert state.exit is not None
+    return state.exit
 
 
 def count_failure(state: State, now: float, *, judged: bool = True) -> Result:

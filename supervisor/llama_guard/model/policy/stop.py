@@ -18,6 +18,7 @@ from llama_guard.model.policy.steps import (
     after_fault,
     count_failure,
     end_save,
+    exit_asked,
     exit_daemon,
     exit_fields,
     fail,
@@ -26,7 +27,7 @@ from llama_guard.model.policy.steps import (
 )
 from llama_guard.model.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.model.server_log import Family
-from llama_guard.model.types import AfterStop, RestartCause, State, Stopping, enter
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State, Stopping, enter
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -96,7 +97,8 @@ def finish_stop(state: State, now: float, reset_trigger: str | None = None) -> R
     stopping = state.stopping
     trigger = reset_trigger if reset_trigger is not None else stopping.reset_trigger if stopping else ""
     if state.after_stop is AfterStop.EXIT:
-        return exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+        asked = exit_asked(state)
+        return exit_daemon(state, asked.code, asked.reason or "stopped")
     if state.after_stop is AfterStop.RESET:
         return begin_reset(state, now, trigger)
     if state.after_stop is AfterStop.VRAM_CHECK:
@@ -138,7 +140,7 @@ def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
         deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
         drain = []  # its drain watch is running already
     new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(event.reason), deadline=deadline,
-                  after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+                  after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
     emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
                                               f"{deadline - now:.0f} s, [front].stop_drain_s)",
                                     "server_pid": state.pid})
@@ -149,8 +151,7 @@ def end_exit_drain(state: State, now: float, drained: bool) -> Result:
     """The drain before the exit ended: every request in flight finished (``drained``), else
     ``stop_drain_s`` ran out (``stop_drain_timeout``). Either way the server is stopped, then the exit."""
     assert state.pid is not None
-    new, actions = stop(state, now, AfterStop.EXIT, state.stop_reason, code=state.exit_code,
-                        exit_reason=state.exit_reason)
+    new, actions = stop(state, now, AfterStop.EXIT, state.stop_reason, exit=exit_asked(state))
     if drained:
         return new, actions
     return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.exit_drain_s}),
@@ -167,11 +168,11 @@ def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.exit_drain_s > 0:
         return drain_before_exit(state, event, now)
     if state.phase is Phase.STOPPING:
-        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+        new = replace(state, after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
         if event.immediate and state.pid is not None and not state.killed:
             return replace(new, killed=True, deadline=now + state.params.kill_wait_s), [emit, Kill(state.pid)]
         return new, []
-    new, actions = stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_OK, exit_reason=event.reason)
+    new, actions = stop(state, now, AfterStop.EXIT, event.reason, exit=Exit(EXIT_OK, event.reason))
     if event.immediate and state.pid is not None:
         new = replace(new, killed=True, deadline=now + state.params.kill_wait_s)
         actions = [Kill(state.pid)]
