@@ -15,7 +15,7 @@ from llama_guard.model.inputs import BuildInfo, Exited, HealthOk, Line, LoadProg
 from llama_guard.model.judgement import failure_signature
 from llama_guard.model.policy import decide
 from llama_guard.model.server_log import Family, classify_line
-from llama_guard.model.types import AfterStop, CheckingVram, Params, State
+from llama_guard.model.types import AfterStop, Params, State, WaitingVram
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -249,7 +249,7 @@ class TestAllocation:
         s, _ = feed(s, 100, REPRODUCER[:3], 5.0)
         s, acts = decide(s, Exited(100, 1), 5.5)
         assert names(acts)[:2] == ["server_oom", "server_exited"]
-        assert s.phase is Phase.WAITING_VRAM and isinstance(s.phase_data, CheckingVram)
+        assert s.phase is Phase.WAITING_VRAM and isinstance(s.phase_data, WaitingVram) and s.phase_data.after_oom
 
     def test_runtime_pool_oom_answered_as_http_500_is_a_warning(self) -> None:
         s = ready(params=RESET)

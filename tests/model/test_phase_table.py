@@ -79,8 +79,9 @@ def _timed(s: State, now: float) -> list[tuple[Input, float]]:
 
 def _key(s: State) -> tuple[object, ...]:
     return (s.phase, s.pid is None, s.after_stop, s.saving, s.killed, s.gpu_lost, type(s.phase_data),
-            s.vram_wait_until is None, None if s.exit is None else s.exit.code, len(s.failures) > 1, s.stable,
-            s.ready_at is None, bool(s.alloc_failure), s.pending_event is None, s.trial, s.lend is None)
+            getattr(s.phase_data, "until", None) is None, None if s.exit is None else s.exit.code,
+            len(s.failures) > 1, s.stable, s.ready_at is None, bool(s.alloc_failure), s.pending_event is None,
+            s.trial, s.lend is None)
 
 
 def _explore(params: Params) -> set[tuple[Phase, Phase]]:

@@ -24,7 +24,6 @@ from llama_guard.model.inputs import (
 from llama_guard.model.policy import decide
 from llama_guard.model.types import (
     PHASE_DATA,
-    CheckingVram,
     GpuFaultKind,
     IllegalMove,
     Params,
@@ -32,6 +31,7 @@ from llama_guard.model.types import (
     Starting,
     State,
     Stopping,
+    WaitingVram,
     initial_state,
 )
 from llama_guard.vocab.phases import Phase
@@ -44,7 +44,7 @@ OOM = "CUDA error: out of memory"
 
 
 def _checking_vram_after_an_oom() -> State:
-    """A start that ran out of GPU memory at load: stopped, its VRAM check under way (CheckingVram)."""
+    """A start that ran out of GPU memory at load: stopped, its VRAM check under way (WaitingVram.after_oom)."""
     s, _ = decide(initial_state(P), Boot(), 0.0)
     s, acts = decide(s, FITS, 0.1)
     assert acts == [Spawn()]
@@ -53,7 +53,7 @@ def _checking_vram_after_an_oom() -> State:
     assert s.phase is Phase.STOPPING and isinstance(s.phase_data, Stopping)
     assert s.phase_data.reset_trigger == s.failure.text and "server_oom" in s.failure.text
     s, _ = decide(s, Exited(100, 1), 0.4)
-    assert s.phase is Phase.WAITING_VRAM and isinstance(s.phase_data, CheckingVram)
+    assert s.phase is Phase.WAITING_VRAM and s.phase_data == WaitingVram(after_oom=s.failure.text)
     return s
 
 
@@ -66,7 +66,7 @@ def _reset_for_a_lost_gpu_meanwhile(s: State) -> State:
     s, _ = decide(s, ResetDone(0, "nvidia-smi --gpu-reset", 0, "", True, "verified"), 5.0)
     assert s.phase is Phase.BACKOFF and s.phase_data is None
     s, _ = decide(s, Tick(), 1_000.0)
-    assert s.phase is Phase.WAITING_VRAM and s.phase_data is None  # a plain start's check
+    assert s.phase is Phase.WAITING_VRAM and s.phase_data == WaitingVram()  # a plain start's check
     return s
 
 
@@ -109,7 +109,7 @@ def test_the_stop_reason_is_gone_once_the_stop_is_over() -> None:
 @pytest.mark.parametrize("phase", list(Phase))
 def test_a_phase_holds_its_own_state_or_none_and_nothing_else(phase: Phase) -> None:
     assert State(phase=phase).phase_data is None
-    for data in (Starting("x"), Stopping("x"), CheckingVram("x"), Resetting("x")):
+    for data in (Starting("x"), Stopping("x"), WaitingVram("x"), Resetting("x")):
         if PHASE_DATA.get(phase) is type(data):
             assert State(phase=phase, phase_data=data).phase_data == data
         else:

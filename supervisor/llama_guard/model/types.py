@@ -324,11 +324,17 @@ class Stopping:
 
 
 @dataclass(frozen=True)
-class CheckingVram:
-    """WAITING_VRAM's own state when the check follows an OOM at load: unless another process holds the
-    VRAM, the OOM goes on as it would have without the check (a reset for ``reset_trigger``, or a failure)."""
+class WaitingVram:
+    """WAITING_VRAM's own state: the VRAM check before a start, and the wait while another process holds
+    VRAM the server needs."""
 
-    reset_trigger: str  # the OOM in words (gpu_reset's ``trigger`` should a reset follow)
+    # The OOM at load this start follows, in words: unless another process holds the VRAM it goes on as
+    # it would have without the check (a reset for it: gpu_reset's ``trigger``; or a failure). "": a
+    # plain start.
+    after_oom: str = ""
+    until: float | None = None  # when the wait gives up (monotonic s; None: not waiting)
+    short: str = ""  # who holds what is missing, from the latest facts (the VRAM wait's failure names it)
+    facts_at: float | None = None  # when ``short`` was read (monotonic s)
 
 
 @dataclass(frozen=True)
@@ -340,15 +346,15 @@ class Resetting:
 
 
 #: A phase's own state: what only means something in that phase, dropped when it is left.
-PhaseData = Starting | Stopping | CheckingVram | Resetting | None
+PhaseData = Starting | Stopping | WaitingVram | Resetting | None
 
 #: Which phase may hold which own state (any other holds none); :class:`State` refuses anything else.
-PHASE_DATA: dict[Phase, type[Starting | Stopping | CheckingVram | Resetting]] = {
+PHASE_DATA: dict[Phase, type[Starting | Stopping | WaitingVram | Resetting]] = {
     Phase.STARTING: Starting,
     Phase.DRAINING: Stopping,
     Phase.STOPPING: Stopping,
     Phase.TRIAL: Stopping,
-    Phase.WAITING_VRAM: CheckingVram,
+    Phase.WAITING_VRAM: WaitingVram,
     Phase.RESETTING: Resetting,
 }
 
@@ -384,9 +390,6 @@ class State:
     reported_limits: frozenset[str] = frozenset()
     on_cpu_reported: bool = False  # server_on_cpu was reported for the current server
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
-    vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
-    vram_short: str = ""  # who holds what is missing, while waiting (from the latest facts)
-    vram_facts_at: float | None = None  # when vram_short was read (monotonic s)
     last_progress_at: float | None = None  # the last progress signal of a loading server
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server

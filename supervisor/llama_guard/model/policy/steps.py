@@ -12,7 +12,6 @@ from llama_guard.model.actions import Action, CheckVram, Emit, ExitDaemon, SaveS
 from llama_guard.model.policy.repeat import repeat_verdict
 from llama_guard.model.types import (
     AfterStop,
-    CheckingVram,
     Exit,
     Failure,
     Params,
@@ -20,6 +19,7 @@ from llama_guard.model.types import (
     Starting,
     State,
     Stopping,
+    WaitingVram,
     enter,
     exit_text,
 )
@@ -205,10 +205,9 @@ def _back_off(state: State, now: float) -> Result:
 
 def start(state: State, now: float, *, after_oom: str = "") -> Result:
     """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`). ``after_oom``:
-    the OOM at load (in words) this start follows, which the check judges (:class:`CheckingVram`)."""
+    the OOM at load (in words) this start follows, which the check judges (:class:`WaitingVram`)."""
     if not state.params.vram_admission:
         return spawn(state)
-    new = replace(state, phase=enter(state, Phase.WAITING_VRAM),
-                  phase_data=CheckingVram(after_oom) if after_oom else None, pid=None,
-                  deadline=now + VRAM_ANSWER_S, vram_wait_until=None, vram_short="", vram_facts_at=None)
+    new = replace(state, phase=enter(state, Phase.WAITING_VRAM), phase_data=WaitingVram(after_oom), pid=None,
+                  deadline=now + VRAM_ANSWER_S)
     return new, [CheckVram()]
