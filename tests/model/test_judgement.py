@@ -13,9 +13,10 @@ from harness import started as policy_started
 from llama_guard.model.actions import ExitDaemon, InspectGpu, ReadBuild, Terminate
 from llama_guard.model.inputs import BuildInfo, Exited, HealthOk, Line, LoadProgress, Probe, Spawned, Tick
 from llama_guard.model.judgement import failure_signature
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy import decide
 from llama_guard.model.server_log import Family, classify_line
-from llama_guard.model.types import AfterStop, Params, State, WaitingVram
+from llama_guard.model.types import AfterStop, Params, State
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger

@@ -36,8 +36,9 @@ from llama_guard.model.inputs import (
     TrialAsked,
     VramFacts,
 )
+from llama_guard.model.phase_state import IllegalMove
 from llama_guard.model.policy import decide
-from llama_guard.model.types import GpuFaultKind, IllegalMove, LendEnd, Params, State, XidAction, enter, initial_state
+from llama_guard.model.types import GpuFaultKind, LendEnd, Params, State, XidAction, enter, initial_state
 from llama_guard.vocab.phases import MOVES, Phase, render_moves
 
 ROOT = Path(__file__).resolve().parents[2]

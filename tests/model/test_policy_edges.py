@@ -26,18 +26,9 @@ from llama_guard.model.inputs import (
     Tick,
     VramFacts,
 )
+from llama_guard.model.phase_state import Resetting, Starting
 from llama_guard.model.policy import decide
-from llama_guard.model.types import (
-    AfterStop,
-    Exit,
-    GpuFaultKind,
-    Params,
-    Resetting,
-    RestartCause,
-    Starting,
-    State,
-    initial_state,
-)
+from llama_guard.model.types import AfterStop, Exit, GpuFaultKind, Params, RestartCause, State, initial_state
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK
 from llama_guard.vocab.phases import Phase
 

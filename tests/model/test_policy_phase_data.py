@@ -21,19 +21,9 @@ from llama_guard.model.inputs import (
     Tick,
     VramFacts,
 )
+from llama_guard.model.phase_state import PHASE_DATA, IllegalMove, Resetting, Starting, Stopping, WaitingVram
 from llama_guard.model.policy import decide
-from llama_guard.model.types import (
-    PHASE_DATA,
-    GpuFaultKind,
-    IllegalMove,
-    Params,
-    Resetting,
-    Starting,
-    State,
-    Stopping,
-    WaitingVram,
-    initial_state,
-)
+from llama_guard.model.types import GpuFaultKind, Params, State, initial_state
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
 

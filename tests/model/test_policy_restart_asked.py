@@ -13,8 +13,9 @@ from harness import ready as policy_ready
 from harness import started as policy_started
 from llama_guard.model.actions import Spawn, StartDrain, Terminate
 from llama_guard.model.inputs import Drained, Exited, GpuFault, HealthOk, RestartRequest, StopRequest
+from llama_guard.model.phase_state import Resetting, WaitingVram
 from llama_guard.model.policy import decide
-from llama_guard.model.types import AfterStop, GpuFaultKind, Lend, Params, Resetting, RestartCause, State, WaitingVram
+from llama_guard.model.types import AfterStop, GpuFaultKind, Lend, Params, RestartCause, State
 from llama_guard.vocab.phases import Phase
 
 P = Params(hang_strikes=2, stop_grace_s=4, drain_timeout_s=20, backoff_initial_s=1)

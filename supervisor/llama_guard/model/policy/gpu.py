@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Emit, InspectGpu, RunReset
 from llama_guard.model.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
+from llama_guard.model.phase_state import Resetting, Stopping
 from llama_guard.model.policy.reset_stop import reset_started
 from llama_guard.model.policy.steps import (
     SERVING,
@@ -25,10 +26,8 @@ from llama_guard.model.types import (
     Exit,
     GpuFaultKind,
     ResetOutcome,
-    Resetting,
     RestartCause,
     State,
-    Stopping,
     XidAction,
     XidScope,
     enter,

@@ -12,8 +12,9 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, AnswerLend, Emit, SignalTune, StartDrain
 from llama_guard.model.inputs import Input, LendAsked, LendReturned, RestartRequest, Tick
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.steps import Result, start
-from llama_guard.model.types import AfterStop, Lend, LendEnd, State, Stopping, enter
+from llama_guard.model.types import AfterStop, Lend, LendEnd, State, enter
 from llama_guard.vocab.phases import Phase
 
 #: The phases in which a window asked for is on its way (the drain and the stop before the grant).

@@ -10,11 +10,12 @@ from dataclasses import replace
 from llama_guard.model.actions import Action, Emit
 from llama_guard.model.inputs import Line
 from llama_guard.model.judgement import incompatibility
+from llama_guard.model.phase_state import Starting
 from llama_guard.model.policy.port import on_port_line
 from llama_guard.model.policy.steps import Result, after_fault, fail, stop
 from llama_guard.model.policy.verdicts import watchdog_hit
 from llama_guard.model.server_log import Family, LineClass
-from llama_guard.model.types import AfterStop, Exit, RestartCause, Starting, State
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase

@@ -31,6 +31,7 @@ from llama_guard.model.judgement import (
     progress_signals,
     silent_too_long,
 )
+from llama_guard.model.phase_state import Starting
 from llama_guard.model.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.model.policy.port import exited_port_taken
 from llama_guard.model.policy.steps import (
@@ -52,7 +53,7 @@ from llama_guard.model.policy.verdicts import crash_repeat
 from llama_guard.model.policy.window import drain, drain_timed_out, drained, health_answered
 from llama_guard.model.policy.window import on_trial as window_on_trial
 from llama_guard.model.server_log import Family, classify_line
-from llama_guard.model.types import AfterStop, RestartCause, Starting, State, exit_signal, exit_text
+from llama_guard.model.types import AfterStop, RestartCause, State, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
 

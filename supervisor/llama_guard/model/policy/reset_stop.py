@@ -15,8 +15,9 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Emit
 from llama_guard.model.inputs import StopRequest
+from llama_guard.model.phase_state import Resetting
 from llama_guard.model.policy.steps import Result, exit_daemon
-from llama_guard.model.types import AfterStop, Exit, ResetOutcome, Resetting, State
+from llama_guard.model.types import AfterStop, Exit, ResetOutcome, State
 from llama_guard.vocab.exitcodes import EXIT_OK
 
 

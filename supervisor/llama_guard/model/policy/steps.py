@@ -9,20 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.model.actions import Action, CheckVram, Emit, ExitDaemon, SaveSlots, Spawn, Terminate
+from llama_guard.model.phase_state import Starting, Stopping, WaitingVram
 from llama_guard.model.policy.repeat import repeat_verdict
-from llama_guard.model.types import (
-    AfterStop,
-    Exit,
-    Failure,
-    Params,
-    RestartCause,
-    Starting,
-    State,
-    Stopping,
-    WaitingVram,
-    enter,
-    exit_text,
-)
+from llama_guard.model.types import AfterStop, Exit, Failure, Params, RestartCause, State, enter, exit_text
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
 from llama_guard.vocab.phases import Phase

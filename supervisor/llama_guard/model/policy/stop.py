@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, Emit, Kill, StartDrain, Terminate
 from llama_guard.model.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.gpu import begin_reset
 from llama_guard.model.policy.lend import grant
 from llama_guard.model.policy.lines import FATAL_FAMILIES, fault_event, incompatible
@@ -27,7 +28,7 @@ from llama_guard.model.policy.steps import (
 )
 from llama_guard.model.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.model.server_log import Family
-from llama_guard.model.types import AfterStop, Exit, RestartCause, State, Stopping, enter
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State, enter
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 from llama_guard.model.actions import CheckVram, Emit
 from llama_guard.model.inputs import Input, Tick, VramFacts
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy.gpu import begin_reset
 from llama_guard.model.policy.steps import Result, after_fault, count_failure, fail, restart_for, spawn
 from llama_guard.model.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
-from llama_guard.model.types import AfterStop, RecoveryAction, RestartCause, State, WaitingVram, XidAction
+from llama_guard.model.types import AfterStop, RecoveryAction, RestartCause, State, XidAction
 from llama_guard.vocab.triggers import ResetTrigger
 
 

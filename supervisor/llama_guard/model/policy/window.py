@@ -43,6 +43,7 @@ from llama_guard.model.inputs import (
     SpeedMeasured,
     TrialAsked,
 )
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.lines import alloc_recovered, fault_line
 from llama_guard.model.policy.steps import (
     Result,
@@ -58,7 +59,6 @@ from llama_guard.model.types import (
     AfterStop,
     RestartCause,
     State,
-    Stopping,
     Trial,
     TrialResult,
     TrialStage,
