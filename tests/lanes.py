@@ -52,6 +52,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_edges",
     "test_policy_error_run",
     "test_policy_lend",
+    "test_policy_phase_data",
     "test_policy_port",
     "test_policy_reset",
     "test_policy_reset_save",

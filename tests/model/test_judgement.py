@@ -13,6 +13,7 @@ from harness import started as policy_started
 from llama_guard.model.actions import ExitDaemon, InspectGpu, ReadBuild, Terminate
 from llama_guard.model.inputs import BuildInfo, Exited, HealthOk, Line, LoadProgress, Probe, Spawned, Tick
 from llama_guard.model.judgement import failure_signature
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy import decide
 from llama_guard.model.server_log import Family, classify_line
 from llama_guard.model.types import AfterStop, Params, State
@@ -249,7 +250,7 @@ class TestAllocation:
         s, _ = feed(s, 100, REPRODUCER[:3], 5.0)
         s, acts = decide(s, Exited(100, 1), 5.5)
         assert names(acts)[:2] == ["server_oom", "server_exited"]
-        assert s.phase is Phase.WAITING_VRAM and s.vram_after_oom
+        assert s.phase is Phase.WAITING_VRAM and isinstance(s.phase_data, WaitingVram) and s.phase_data.after_oom
 
     def test_runtime_pool_oom_answered_as_http_500_is_a_warning(self) -> None:
         s = ready(params=RESET)
@@ -287,10 +288,10 @@ class TestIncompatible:
         assert "server_gpu_incompatible" in names(acts)
         event = emitted(acts, "server_gpu_incompatible")
         assert "toolchain" in str(event.fields["cause"]) and "driver" in str(event.fields["fix"])
-        assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_CONFIG
+        assert s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_CONFIG
         s, acts = decide(s, Exited(100, -6), 10.2)
         assert s.phase is Phase.EXITED and not any(isinstance(a, InspectGpu) for a in acts)
-        assert ExitDaemon(EXIT_CONFIG, s.exit_reason) in acts and "fix:" in s.exit_reason
+        assert ExitDaemon(EXIT_CONFIG, s.exit.reason) in acts and "fix:" in s.exit.reason
 
     @pytest.mark.parametrize("text", [
         "0.00.812.004 E CUDA error: no kernel image is available for execution on the device",
@@ -301,11 +302,11 @@ class TestIncompatible:
     def test_other_wordings_while_loading(self, text: str) -> None:
         s, acts = feed(started(params=replace(P, require_gpu=True)), 100, [text], 1.0)
         assert names(acts) == ["server_gpu_incompatible"]
-        assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_CONFIG
+        assert s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_CONFIG
 
     def test_message_before_the_abort_line_also_stops(self) -> None:
         s, acts = feed(ready(), 100, [PTX[2], PTX[0]], 10.0)
-        assert names(acts) == ["server_gpu_incompatible"] and s.exit_code == EXIT_CONFIG
+        assert names(acts) == ["server_gpu_incompatible"] and s.exit.code == EXIT_CONFIG
 
     def test_init_failure_without_a_required_gpu_falls_back_to_the_cpu(self) -> None:
         text = "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version"
@@ -338,7 +339,7 @@ class TestBootFailure:
                 assert s.phase is Phase.BACKOFF, "two identical starts are not yet a verdict"
                 assert ReadBuild() in acts  # the verdict to come names the build
                 s, _ = decide(s, BuildInfo("version: 4242 (abc1234)"), when + 0.7)
-        assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
+        assert s.phase is Phase.EXITED and s.exit.code == EXIT_CONFIG
         failure = emitted(acts, "server_boot_failure")
         assert "get_sub_batch" in str(failure.fields["cause"]) and "consecutive" in str(failure.fields["cause"])
         assert failure.fields["consecutive_starts"] == 3 and "get_sub_batch" in str(failure.fields["line"])
@@ -352,7 +353,7 @@ class TestBootFailure:
             s, _ = decide(s, Tick(), when)
             s, _ = decide(s, Spawned(100 + i), when)
             s, _ = decide(s, Exited(100 + i, 0), when + 0.5)
-        assert s.exit_code == EXIT_CONFIG and "exit status 0" in s.exit_reason
+        assert s.exit.code == EXIT_CONFIG and "exit status 0" in s.exit.reason
 
     def test_the_confirming_start_waits_so_a_fault_that_goes_away_is_ridden_out(self) -> None:
         """The same line twice, then the fault is gone (a driver that came back): the third start

@@ -36,8 +36,9 @@ from llama_guard.model.inputs import (
     TrialAsked,
     VramFacts,
 )
+from llama_guard.model.phase_state import IllegalMove
 from llama_guard.model.policy import decide
-from llama_guard.model.types import GpuFaultKind, IllegalMove, LendEnd, Params, State, XidAction, enter, initial_state
+from llama_guard.model.types import GpuFaultKind, LendEnd, Params, State, XidAction, enter, initial_state
 from llama_guard.vocab.phases import MOVES, Phase, render_moves
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,10 +79,10 @@ def _timed(s: State, now: float) -> list[tuple[Input, float]]:
 
 
 def _key(s: State) -> tuple[object, ...]:
-    return (s.phase, s.pid is None, s.after_stop, s.saving, s.killed, s.gpu_lost, s.vram_after_oom,
-            s.vram_wait_until is None, s.exit_code, len(s.failures) > 1, s.stable, s.ready_at is None,
-            bool(s.alloc_failure), s.pending_event is None, s.trial,
-            s.lend is None)
+    return (s.phase, s.pid is None, s.after_stop, s.saving, s.killed, s.gpu_lost, type(s.phase_data),
+            getattr(s.phase_data, "until", None) is None, None if s.exit is None else s.exit.code,
+            len(s.failures) > 1, s.stable, s.ready_at is None, bool(s.alloc_failure), s.pending_event is None,
+            s.trial, s.lend is None)
 
 
 def _explore(params: Params) -> set[tuple[Phase, Phase]]:

@@ -112,7 +112,7 @@ class TestStartup:
         s, acts = decide(s, line(100, "what():  Resource temporarily unavailable"), 0.1)
         assert names(acts) == ["resource_exhausted"]
         s, acts = decide(s, Exited(100, -6), 0.2)
-        assert s.exit_code == EXIT_CONFIG and "RLIMIT_NPROC" in s.exit_reason
+        assert s.exit.code == EXIT_CONFIG and "RLIMIT_NPROC" in s.exit.reason
 
 
 class TestServingFaults:

@@ -26,8 +26,9 @@ from llama_guard.model.inputs import (
     Tick,
     VramFacts,
 )
+from llama_guard.model.phase_state import Resetting, Starting
 from llama_guard.model.policy import decide
-from llama_guard.model.types import AfterStop, GpuFaultKind, Params, RestartCause, State, initial_state
+from llama_guard.model.types import AfterStop, Exit, GpuFaultKind, Params, RestartCause, State, initial_state
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_OK
 from llama_guard.vocab.phases import Phase
 
@@ -113,11 +114,12 @@ def test_a_resource_limit_is_reported_once_per_server() -> None:
 
 def test_a_memlock_line_while_loading_is_no_boot_cause() -> None:
     s, acts = decide(started(), line(100, MEMLOCK), 0.1)
-    assert names(acts) == ["resource_exhausted"] and s.boot_cause == ""
+    assert names(acts) == ["resource_exhausted"] and s.phase_data == Starting()
     s, acts = decide(s, line(100, THREADS), 0.2)  # a limit that stops a start: the boot cause
-    assert names(acts) == ["resource_exhausted"] and "RLIMIT_NPROC" in s.boot_cause
+    assert names(acts) == ["resource_exhausted"] and isinstance(s.phase_data, Starting)
+    assert "RLIMIT_NPROC" in s.phase_data.boot_cause
     s, acts = decide(s, Exited(100, -6), 0.3)
-    assert ExitDaemon(EXIT_CONFIG, s.exit_reason) in acts and "RLIMIT_NPROC" in s.exit_reason
+    assert ExitDaemon(EXIT_CONFIG, s.exit.reason) in acts and "RLIMIT_NPROC" in s.exit.reason
 
 
 def test_an_allocation_failure_the_server_recovers_from_while_serving_is_a_warning() -> None:
@@ -138,8 +140,8 @@ def test_the_port_holder_is_looked_for_once_per_server_and_only_for_our_port() -
 
 
 def test_a_reset_whose_stop_came_before_its_command_ran_exits_without_running_it() -> None:
-    s = replace(ready(), phase=Phase.RESETTING, pid=None, after_stop=AfterStop.EXIT, exit_code=EXIT_OK,
-                exit_reason="SIGTERM received", reset_reason="Xid 79")
+    s = replace(ready(), phase=Phase.RESETTING, pid=None, after_stop=AfterStop.EXIT,
+                exit=Exit(EXIT_OK, "SIGTERM received"), phase_data=Resetting("Xid 79"))
     s, acts = decide(s, ResetFacts(0, True, 0.0, (), True, ""), 6.0)
     skipped = emitted(acts, "gpu_reset")
     assert skipped.fields["outcome"] == "skipped" and "a stop was requested" in str(skipped.fields["reason"])

@@ -96,7 +96,7 @@ def test_a_second_tune_is_refused_while_a_window_is_asked_for_or_lent() -> None:
 
 def test_a_window_is_refused_unless_the_server_serves() -> None:
     loading = policy_started(P, 100, 0.0)
-    stopped = replace(loading, phase=Phase.STOPPED, pid=None)
+    stopped = replace(loading, phase=Phase.STOPPED, phase_data=None, pid=None)
     for s in (loading, stopped):
         new, acts = decide(s, ASK, 1.0)
         assert new == s and AnswerLend(TUNE, False, f"llama-server is {s.phase.value}: a window is lent only "

@@ -45,7 +45,7 @@ def test_a_taken_port_is_named_retried_without_counting_then_78_naming_the_holde
             break
         assert s.phase is Phase.BACKOFF and s.failures == (), names(acts)  # more than max_restarts: no crash loop
         now = (s.deadline or now) + 0.01
-    assert s.phase is Phase.EXITED and s.exit_code == EXIT_CONFIG
+    assert s.phase is Phase.EXITED and s.exit.code == EXIT_CONFIG
     failure = emitted(acts, "server_boot_failure")
     assert "pid 4242 (nc)" in str(failure.fields["cause"]) and failure.fields["port"] == 8080
     assert now >= P.port_wait_s

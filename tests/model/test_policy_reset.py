@@ -105,7 +105,7 @@ def into_reset(s: State, event: Line | GpuFault, now: float = 5.0) -> tuple[Stat
     s, acts = decide(s, Exited(pid, -6), now + 0.5)
     assert s.phase is Phase.RESETTING
     assert names(acts) == ["server_stopped", "gpu_reset_started"]
-    assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.reset_reason)]
+    assert of_type(acts, InspectGpu) == [InspectGpu(pid, s.phase_data.trigger)]
     assert not of_type(acts, Spawn)
     return s, acts
 
@@ -119,7 +119,7 @@ def run_reset(s: State, now: float, *, failed: str = "", facts: ResetFacts = CLE
     fails with ``failed`` as its detail."""
     resets = len(s.resets)
     s, acts = decide(s, facts, now)
-    assert acts == [RunReset(facts.gpu_index, s.reset_reason)] and len(s.resets) == resets + 1, acts
+    assert acts == [RunReset(facts.gpu_index, s.phase_data.trigger)] and len(s.resets) == resets + 1, acts
     done = (ResetDone(0, "nvidia-smi --gpu-reset -i 0", 255, failed, False, failed) if failed
             else ResetDone(0, "nvidia-smi --gpu-reset -i 0", 0, RESET_OK, True, RESET_OK + "; GPU answers and is idle"))
     return decide(s, done, now)
@@ -142,9 +142,9 @@ class TestOomReset:
     def test_oom_stops_resets_then_restarts(self) -> None:
         s, acts = stop_for(ready(), line(100, OOM))
         assert names(acts) == ["server_oom"]
-        assert "server_oom" in s.reset_reason
+        assert "server_oom" in s.phase_data.reset_trigger
         s, acts = into_reset(ready(), line(100, OOM))
-        assert acts[-1] == InspectGpu(100, s.reset_reason)
+        assert acts[-1] == InspectGpu(100, s.phase_data.trigger)
         assert s.deadline == pytest.approx(5.5 + P.reset_deadline_s)
         # Nothing starts while the reset runs, however long the ticks go on (until its deadline).
         for t in (6.0, 20.0, 55.0):
@@ -169,7 +169,7 @@ class TestOomReset:
         assert acts == [] and s.phase is Phase.STARTING  # judged by what the process does next
         s, acts = decide(s, Exited(100, 1), 1.2)
         assert emitted(acts, "server_oom").fields["phase"] == "loading"
-        assert s.phase is Phase.RESETTING and InspectGpu(100, s.reset_reason) in acts
+        assert s.phase is Phase.RESETTING and InspectGpu(100, s.phase_data.trigger) in acts
 
     @pytest.mark.parametrize("params", [replace(P, reset_possible=False),
                                         replace(P, reset_on=frozenset({ResetTrigger.GPU_LOST, ResetTrigger.XID}))],
@@ -187,7 +187,7 @@ class TestOomReset:
         s, _ = stop_for(ready(), line(100, ILLEGAL))
         assert s.after_stop is AfterStop.FAILURE  # not in the default reset_on
         s, _ = into_reset(ready(params=replace(P, reset_on=P.reset_on | {ResetTrigger.CUDA_ERROR})), line(100, ILLEGAL))
-        assert "server_cuda_error" in s.reset_reason
+        assert "server_cuda_error" in s.phase_data.trigger
 
     def test_foreign_process_skips_the_reset_and_restarts_only(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
@@ -214,7 +214,7 @@ class TestOomReset:
         lost = emitted(acts, "gpu_lost")
         assert reason in str(lost.fields["reason"]) and "reboot" in str(lost.fields["reason"])
         assert lost.fields["gpu_index"] == 0
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
         assert s.phase is Phase.EXITED and not of_type(acts, Spawn)
         # Nothing afterwards brings it back.
         assert decide(s, Tick(), 100.0) == (s, [])
@@ -226,7 +226,7 @@ class TestOomReset:
         assert acts == []
         s, acts = decide(s, Tick(), 5.5 + P.reset_deadline_s)
         assert names(acts) == ["gpu_reset"] and emitted(acts, "gpu_reset").fields["outcome"] == "timed out"
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and s.phase is Phase.EXITED
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and s.phase is Phase.EXITED
 
     def test_deadline_is_reported_by_next_deadline(self) -> None:
         s, _ = into_reset(ready(), line(100, OOM))
@@ -239,8 +239,8 @@ class TestOomReset:
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s)
         assert Kill(100) in acts
         s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
-        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
-        assert "reboot" in s.exit_reason and names(acts) == ["server_unkillable"]
+        assert s.phase is Phase.EXITED and ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
+        assert "reboot" in s.exit.reason and names(acts) == ["server_unkillable"]
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
 
@@ -288,7 +288,7 @@ class TestResetBudget:
         assert names(acts) == ["server_stopped", "gpu_reset", "gpu_lost"]
         refused = emitted(acts, "gpu_reset")
         assert refused.fields["outcome"] == "refused" and refused.fields["gpu_index"] == P.gpu_index
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
         assert not of_type(acts, InspectGpu) and not of_type(acts, Spawn)
 
     def test_skipped_resets_never_spend_the_budget(self) -> None:
@@ -347,13 +347,13 @@ class TestLostAndXid:
         s, _ = into_reset(ready(), LOST)
         s, acts = run_reset(s, 7.0, failed="nvidia-smi exited 255: Unknown Error")
         assert names(acts) == ["gpu_reset", "gpu_lost"]
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
 
     def test_lost_gpu_skipped_reset_does_not_restart_onto_a_lost_gpu(self) -> None:
         s, _ = into_reset(ready(), LOST)
         s, acts = decide(s, ResetFacts(0, True, 0.1, (), False, "llama-guard is not root"), 7.0)
         assert names(acts) == ["gpu_reset", "gpu_lost"] and not of_type(acts, RunReset)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
     def test_xid_48_skipped_reset_restarts(self) -> None:
         s, _ = into_reset(ready(), xid(48, "reset"))
@@ -416,7 +416,7 @@ class TestLostAndXid:
     def test_fault_while_stopping_on_request_keeps_exit_0(self) -> None:
         s, _ = decide(ready(), StopRequest("SIGTERM received"), 5.0)
         s, acts = decide(s, LOST, 5.1)
-        assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_OK
+        assert acts == [] and s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_OK
         s, acts = decide(s, Exited(100, -15), 5.5)
         assert ExitDaemon(EXIT_OK, "SIGTERM received") in acts and not of_type(acts, InspectGpu)
 
@@ -425,24 +425,24 @@ class TestLostAndXid:
                              ids=["gpu_lost-not-in-reset_on", "reset-not-possible"])
     def test_lost_gpu_without_reset_stops_and_exits_69(self, params: Params) -> None:
         s, acts = stop_for(ready(params=params), LOST)
-        assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_GPU_UNRECOVERABLE
+        assert s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_GPU_UNRECOVERABLE
         s, acts = decide(s, Exited(100, -15), 6.0)
         assert names(acts) == ["server_stopped"]
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
-        assert "no reset configured" in s.exit_reason
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
+        assert "no reset configured" in s.exit.reason
         assert not of_type(acts, Spawn) and not of_type(acts, InspectGpu)
 
     def test_lost_gpu_without_reset_while_backing_off_exits_69(self) -> None:
         s, _ = decide(ready(params=replace(P, reset_possible=False)), Exited(100, 1), 5.0)
         s, acts = decide(s, LOST, 5.1)
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
 
     def test_lost_gpu_while_stopping_for_a_failure_without_reset_exits_69(self) -> None:
         s, _ = stop_for(ready(params=replace(P, reset_possible=False)), line(100, OOM))
         s, acts = decide(s, LOST, 5.1)
         assert acts == [] and s.after_stop is AfterStop.EXIT
         s, acts = decide(s, Exited(100, -6), 5.5)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
 
 # ------------------------------------------------------------------------------------------- whose Xid
@@ -555,7 +555,7 @@ class TestDuringReset:
         assert acts == []
         s, acts = decide(s, ResetFacts(0, True, 0.1, (), False, "llama-guard is not root"), 7.0)
         assert "gpu_lost" in names(acts)
-        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not of_type(acts, Spawn)
+        assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not of_type(acts, Spawn)
 
     def test_sigterm_while_inspecting_runs_no_command_and_exits_0_at_once(self) -> None:
         # Nothing has been done to the GPU yet: the reset is given up, the daemon exits now.
@@ -637,8 +637,8 @@ class TestResetOff:
         assert not of_type(acts, RunReset)
         s, acts = decide(s, Exited(100, -6), 5.5)
         assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and not of_type(acts, Spawn)
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
-        assert "no reset configured" in s.exit_reason
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
+        assert s.exit is not None and "no reset configured" in s.exit.reason
 
     def test_nvml_asking_for_a_reset_before_a_start_exits_69_with_the_advice(self) -> None:
         off = replace(self.OFF, vram_admission=True)
@@ -646,5 +646,5 @@ class TestResetOff:
         assert acts == [CheckVram()]
         s, acts = decide(s, VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
         assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and not of_type(acts, Spawn)
-        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason)]
-        assert "reset_on" in s.exit_reason
+        assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
+        assert s.exit is not None and "reset_on" in s.exit.reason

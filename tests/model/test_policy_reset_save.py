@@ -69,7 +69,7 @@ class TestSavedFirst:
         terminated_now(s, acts, 6.5)
         s, acts = decide(s, Exited(100, 0), 7.0)
         assert s.phase is Phase.RESETTING and names(acts) == ["server_stopped", "gpu_reset_started"]
-        assert InspectGpu(100, s.reset_reason) in acts
+        assert InspectGpu(100, s.phase_data.trigger) in acts
 
     def test_saves_past_their_bound_do_not_hold_the_reset(self) -> None:
         s, _ = saving(ready(), NVLINK)
@@ -141,7 +141,7 @@ class TestDuringTheSaves:
         s, acts = decide(s, SlotsSaved(100), 7.0)
         terminated_now(s, acts, 7.0)
         s, acts = decide(s, Exited(100, 0), 8.0)
-        assert s.phase is Phase.EXITED and s.exit_code == EXIT_OK
+        assert s.phase is Phase.EXITED and s.exit.code == EXIT_OK
 
     def test_a_second_signal_kills_at_once_and_the_saves_no_longer_count(self) -> None:
         s, _ = saving(ready(), NVLINK)

@@ -13,6 +13,7 @@ from harness import ready as policy_ready
 from harness import started as policy_started
 from llama_guard.model.actions import Spawn, StartDrain, Terminate
 from llama_guard.model.inputs import Drained, Exited, GpuFault, HealthOk, RestartRequest, StopRequest
+from llama_guard.model.phase_state import Resetting, WaitingVram
 from llama_guard.model.policy import decide
 from llama_guard.model.types import AfterStop, GpuFaultKind, Lend, Params, RestartCause, State
 from llama_guard.vocab.phases import Phase
@@ -55,8 +56,8 @@ def test_a_plans_restart_while_loading_is_refused_with_its_reason() -> None:
 def test_a_restart_asked_while_a_restart_is_under_way_is_said_to_be_that_one() -> None:
     draining, _ = decide(policy_ready(P), RestartRequest("first"), 5.0)
     stopping, _ = decide(draining, Drained(100), 6.0)
-    resetting = replace(stopping, phase=Phase.RESETTING, after_stop=AfterStop.RESET)
-    waiting = replace(stopping, phase=Phase.WAITING_VRAM, pid=None)
+    resetting = replace(stopping, phase=Phase.RESETTING, phase_data=Resetting("Xid 79"), after_stop=AfterStop.RESET)
+    waiting = replace(stopping, phase=Phase.WAITING_VRAM, phase_data=WaitingVram(), pid=None)
     for s in (draining, stopping, resetting, waiting):
         new, acts = decide(s, ASKED, 7.0)
         assert new == s, s.phase

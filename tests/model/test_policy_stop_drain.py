@@ -64,7 +64,7 @@ def test_a_crash_during_the_drain_ends_in_the_exit_not_a_restart() -> None:
 
 def test_a_fault_during_the_drain_stops_the_server_and_still_exits_0() -> None:
     s, acts = decide(draining(), line(100, "CUDA error: out of memory"), 6.0)
-    assert Terminate(100) in acts and s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_OK
+    assert Terminate(100) in acts and s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_OK
     s, acts = decide(s, Exited(100, -15), 7.0)
     assert acts[-1] == ExitDaemon(EXIT_OK, "SIGTERM received") and not any(isinstance(a, Spawn) for a in acts)
 

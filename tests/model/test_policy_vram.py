@@ -74,7 +74,7 @@ def test_foreign_shortfall_waits_then_starts_without_a_failure() -> None:
         s, acts = decide(s, SHORT, s.deadline - P.vram_poll_s + 0.05)
         assert acts == [] and s.phase is Phase.WAITING_VRAM
     s, acts = decide(s, FITS, 4.2)
-    assert acts == [Spawn()] and s.failures == () and s.resets == () and s.vram_wait_until is None
+    assert acts == [Spawn()] and s.failures == () and s.resets == () and s.phase is Phase.STARTING
 
 
 def test_a_stop_request_while_waiting_exits_at_once() -> None:

@@ -86,7 +86,7 @@ def test_a_new_build_slower_than_the_limit_is_rolled_back_at_once(old: float, ne
     assert s.phase is Phase.STOPPING and acts == [Terminate(200)] and s.after_stop is AfterStop.RESTART
     assert gate_of(s) is Gate.HOLD  # the clients stay held: released only once the old build serves again
     cause = f"slower: {new:.1f} tok/s vs {old:.1f} tok/s ({shown}, limit 25 %)"
-    assert s.failure.cause is RestartCause.TRIAL and s.failure.text == cause and s.fault == cause
+    assert s.failure.cause is RestartCause.TRIAL and s.failure.text == cause and s.stop_reason == cause
     assert s.last_trial == TrialResult(old, new, kept=False, cause=cause, max_slowdown_pct=25.0)
     s, acts = decide(s, Exited(200, 0), 13.0)
     assert s.phase is Phase.STARTING and Spawn() in acts and s.trial is None  # the last good build: no trial

@@ -190,9 +190,9 @@ def test_reset_required_changing_to_reboot_stops_with_advice() -> None:
     s, _ = decide(s, xid119, 5.0)
     s, acts = decide(s, xid154, 5.1)
     assert "reboot" in emitted(acts, "gpu_lost").fields["reason"]  # type: ignore[operator]
-    assert s.after_stop is AfterStop.EXIT and s.exit_code == EXIT_GPU_UNRECOVERABLE
+    assert s.after_stop is AfterStop.EXIT and s.exit.code == EXIT_GPU_UNRECOVERABLE
     s, acts = decide(s, Exited(PID, -15), 6.0)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
     assert not [a for a in acts if isinstance(a, (InspectGpu, RunReset, Spawn))]
 
 
@@ -223,7 +223,7 @@ def test_nvml_reset_required_at_start_resets_before_any_server() -> None:
     s, acts = decide(waiting_for_start(), VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
     event = emitted(acts, "gpu_recovery_action")
     assert event.fields["recovery_action"] == "gpu_reset" and event.fields["source"] == "nvml"
-    assert s.phase is Phase.RESETTING and InspectGpu(None, s.reset_reason) in acts
+    assert s.phase is Phase.RESETTING and InspectGpu(None, s.phase_data.trigger) in acts
     assert not [a for a in acts if isinstance(a, Spawn)]
 
 
@@ -233,17 +233,17 @@ def test_nvml_reset_required_at_start_resets_before_any_server() -> None:
 def test_nvml_reboot_or_drain_before_a_start_exits_69_with_advice(recovery: RecoveryAction) -> None:
     s, acts = decide(waiting_for_start(), VramFacts(0, 100_000, 1000, recovery=recovery), 0.5)
     advice = emitted(acts, "gpu_recovery_action").fields["advice"]
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and str(advice) in s.exit_reason
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and str(advice) in s.exit.reason
     assert not [a for a in acts if isinstance(a, (Spawn, InspectGpu))]
 
 
 def test_reset_required_with_the_budget_spent_or_no_reset_stops_instead_of_looping() -> None:
     s = replace(waiting_for_start(), resets=(0.1, 0.2))
     s, acts = decide(s, VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and "spent" in s.exit_reason
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and "spent" in s.exit.reason
     s, acts = decide(waiting_for_start(replace(P, reset_possible=False)),
                      VramFacts(0, 100_000, 1000, recovery=RecoveryAction.GPU_RESET), 0.5)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and "no reset" in s.exit_reason
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and "no reset" in s.exit.reason
 
 
 def test_recovery_none_or_unreadable_starts_normally() -> None:
@@ -289,12 +289,12 @@ def test_off_the_bus_stops_with_reboot_advice_and_never_resets(kmsg: str) -> Non
     s, acts = decide(s, fell, 5.0)
     assert "reboot" in str(emitted(acts, "gpu_lost").fields["reason"]) and Terminate(PID) in acts
     s, acts = decide(s, Exited(PID, -15), 5.5)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and "reboot" in s.exit_reason
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and "reboot" in s.exit.reason
     assert not [a for a in acts if isinstance(a, (InspectGpu, RunReset, Spawn))]
     # The adapter failure at the next start (the daemon restarted by systemd): no CPU fallback.
     s, acts = decide(initial_state(P), Boot(), 0.0)
     s, acts = decide(s, adapter, 0.2)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and not [a for a in acts
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and not [a for a in acts
                                                                              if isinstance(a, Spawn)]
 
 
@@ -317,7 +317,7 @@ def test_adapter_failure_while_the_server_falls_back_to_the_cpu() -> None:
     s, acts = decide(s, HealthOk(PID), 0.7)  # the CPU server answers: never READY
     assert s.phase is Phase.STOPPING
     s, acts = decide(s, Exited(PID, -15), 1.0)
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts
 
 
 # ============================================================ 12: a server stuck in the driver
@@ -335,7 +335,7 @@ def test_server_outliving_sigkill_is_a_reboot_verdict(cause: str) -> None:
     s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
     event = emitted(acts, "server_unkillable")
     assert event.fields["server_pid"] == PID and event.fields["advice"] == "reboot the host"
-    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit_reason) in acts and "reboot the host" in s.exit_reason
+    assert ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason) in acts and "reboot the host" in s.exit.reason
     assert not [a for a in acts if isinstance(a, (InspectGpu, RunReset, Spawn))]
 
 
@@ -343,7 +343,7 @@ def test_server_outliving_sigkill_on_a_requested_stop_keeps_exit_0() -> None:
     s, _ = decide(ready(), StopRequest("SIGTERM"), 5.0)
     s, _ = decide(s, Tick(), 5.0 + P.stop_grace_s)
     s, acts = decide(s, Tick(), 5.0 + P.stop_grace_s + P.kill_wait_s)
-    assert "server_unkillable" in names(acts) and ExitDaemon(EXIT_OK, s.exit_reason) in acts
+    assert "server_unkillable" in names(acts) and ExitDaemon(EXIT_OK, s.exit.reason) in acts
 
 
 # ============================================================ 13: handled exceptions are not crashes

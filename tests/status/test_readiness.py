@@ -13,6 +13,7 @@ import pytest
 from harness import ready as policy_ready
 from harness import started as policy_started
 from llama_guard.model.inputs import Drained, Exited, LendAsked, RestartRequest, StopRequest, Tick
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy import decide
 from llama_guard.model.types import AfterStop, Lend, Params, RestartCause, State, Trial, TrialStage
 from llama_guard.status.health import health_response, readiness
@@ -96,7 +97,7 @@ def test_a_stop_of_the_daemon_behind_the_front_door_is_stopping() -> None:
     # the requests in flight may take [front].stop_drain_s (30 s), the stop 4 s, a next daemon's load 1 s
     assert body(s, 5.0) == {"ready": False, "phase": "draining", "cause": "stopping", "restart_cause": None,
                             "retry_after_s": 35}
-    assert not_ready_cause(replace(s, phase=Phase.EXITED)) is NotReady.STOPPING
+    assert not_ready_cause(replace(s, phase=Phase.EXITED, phase_data=None)) is NotReady.STOPPING
 
 
 def test_a_window_lent_to_tune_is_lent_to_tune_until_its_bound() -> None:
@@ -119,7 +120,7 @@ def test_the_other_not_ready_states_name_their_own_cause() -> None:
     before_reset = replace(ready, phase=Phase.STOPPING, deadline=5.0, after_stop=AfterStop.RESET)
     assert body(before_reset, 1.0)["cause"] == "gpu_reset"
     assert body(before_reset, 1.0)["retry_after_s"] == 4 + 90 + 1  # the stop, the reset's deadline, the load
-    vram = replace(ready, phase=Phase.WAITING_VRAM, pid=None, deadline=3.0, vram_wait_until=61.0)
+    vram = replace(ready, phase=Phase.WAITING_VRAM, pid=None, deadline=3.0, phase_data=WaitingVram(until=61.0))
     assert body(vram, 1.0)["cause"] == "waiting_for_vram" and body(vram, 1.0)["retry_after_s"] == 61
     trial = replace(ready, phase=Phase.TRIAL, trial=Trial(TrialStage.NEW, old_tps=80.0, spawned=True))
     assert body(trial, 1.0)["cause"] == "build_trial" and body(trial, 1.0)["retry_after_s"] == 1

@@ -36,7 +36,7 @@ class Transition:
     def restart_begins(self) -> bool:
         """Whether a planned restart begins with this step: the server that served (or loaded) is
         drained, or stopped at once, to start again. Its cause is ``after.failure.cause``, its
-        reason ``after.fault``."""
+        reason ``after.stop_reason``."""
         drains_to_restart = self.entered(Phase.DRAINING) and self.after.after_stop is AfterStop.RESTART
         return self.before.phase in (Phase.READY, Phase.STARTING) and (drains_to_restart or self._stops_to_restart)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from llama_guard.config.gpu import GpuConfig
 from llama_guard.config.listen import FrontConfig
 from llama_guard.config.sections import HealthConfig, RecoveryConfig, ScheduleConfig, SlotsConfig, UpgradeConfig
+from llama_guard.model.phase_state import PHASE_DATA, IllegalMove, PhaseData, Stopping
 from llama_guard.vocab.events import EventName
-from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import MOVES, Phase
 from llama_guard.vocab.triggers import ResetTrigger
 
@@ -29,8 +29,8 @@ class AfterStop(enum.Enum):
 
     RESTART = "restart"    # planned: start again at once, not a failure
     FAILURE = "failure"    # count a failure, then back off (or give up: crash loop)
-    EXIT = "exit"          # the daemon exits with State.exit_code
-    RESET = "reset"        # reset the GPU (State.reset_reason), then start again
+    EXIT = "exit"          # the daemon exits (State.exit: its status and why)
+    RESET = "reset"        # reset the GPU (for the stop's Stopping.reset_trigger), then start again
     VRAM_CHECK = "vram_check"  # an OOM at load: wait for VRAM if another process holds it, else as RESET/FAILURE
     LEND = "lend"          # lend the GPU to `llama-guard tune` (State.lend), then start again
 
@@ -186,6 +186,16 @@ class Lend:
 
 
 @dataclass(frozen=True)
+class Exit:
+    """The daemon's exit, once decided: its exit status (vocab/exitcodes.py) and why, in words
+    (:class:`~llama_guard.model.actions.ExitDaemon`'s reason: ``daemon_exit``'s). Set with
+    ``AfterStop.EXIT`` while a drain, stop or reset finishes first, and as the daemon enters EXITED."""
+
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failure:
     """Why the current or last server failed, typed: set by the policy where it decides the stop or
     counts the failure (:func:`llama_guard.model.policy.steps.fail`), read by the restart event
@@ -299,8 +309,9 @@ class State:
     ready_at: float | None = None
     deadline: float | None = None
     after_stop: AfterStop = AfterStop.FAILURE
-    exit_code: int = EXIT_OK
-    exit_reason: str = ""
+    exit: Exit | None = None  # the daemon's exit once decided (with AfterStop.EXIT, and in EXITED); None: none
+    # The current phase's own state (:data:`PHASE_DATA`): set as the phase is entered, gone when it is left.
+    phase_data: PhaseData = None
     killed: bool = False
     grace_s: float = 0.0         # the stop under way: seconds between its SIGTERM and its SIGKILL
     saving: bool = False        # STOPPING: the slots are being saved before SIGTERM (``deadline`` bounds it)
@@ -308,21 +319,14 @@ class State:
     next_backoff_s: float = 1.0
     stable: bool = False
     strikes: int = 0
-    boot_cause: str = ""
-    fault: str = ""             # why the current/last server is being stopped
     pending_event: tuple[EventName, str] | None = None  # (name, cause) still to report at exit
     failure: Failure = field(default_factory=Failure)  # why the last server failed, why the next restart happens
     restarts: int = 0
     resets: tuple[float, ...] = ()
-    reset_reason: str = ""
     gpu_lost: bool = False
     reported_limits: frozenset[str] = frozenset()
     on_cpu_reported: bool = False  # server_on_cpu was reported for the current server
     gpu_index: int | None = None  # the GPU a reset acts on, as the last ResetFacts named it
-    vram_wait_until: float | None = None  # while WAITING_VRAM: when waiting gives up (None: not waiting yet)
-    vram_after_oom: bool = False  # the VRAM check follows an OOM at load (reset or failure if not VRAM)
-    vram_short: str = ""  # who holds what is missing, while waiting (from the latest facts)
-    vram_facts_at: float | None = None  # when vram_short was read (monotonic s)
     last_progress_at: float | None = None  # the last progress signal of a loading server
     alloc_failure: str = ""     # an allocation failure line not yet judged (recovered or fatal)
     last_error: str = ""        # the last error/abort line of the current server
@@ -333,7 +337,6 @@ class State:
     exit_signal: int | None = None  # the signal that ended the last server (None: it exited, or not yet)
     fault_signals: frozenset[int] = frozenset()  # CPU-fault signals (SIGILL, SIGSEGV …) of the current chain
     build: str = ""             # the binary's `--version` (BuildInfo), named in verdicts
-    reset_command_at: float | None = None  # while RESETTING: when the reset command was started
     port_taken: bool = False    # the current server said its port is taken
     port_taken_since: float | None = None  # since when starts find the port taken (None: it was free)
     port_holder: tuple[int | None, str] | None = None  # (pid, name) holding it, as last found
@@ -359,6 +362,23 @@ class State:
     # The window asked for by or lent to `llama-guard tune` (None: none): pending while the server
     # drains and stops for it (``until`` None), granted in LENT.
     lend: Lend | None = None
+
+    def __post_init__(self) -> None:
+        held = self.phase_data
+        if held is not None and PHASE_DATA.get(self.phase) is not type(held):
+            raise IllegalMove(f"{self.phase.value} cannot hold {type(held).__name__}: a phase's own state "
+                              "is set as it is entered and dropped when it is left")
+
+    @property
+    def stopping(self) -> Stopping | None:
+        """DRAINING's, STOPPING's (or TRIAL's) own state; None in any other phase."""
+        return self.phase_data if isinstance(self.phase_data, Stopping) else None
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the server is being stopped (DRAINING, STOPPING; TRIAL before the old build's stop), in
+        words; "" in any other phase."""
+        return self.phase_data.reason if isinstance(self.phase_data, Stopping) else ""
 
     def request_completed_since(self, since: float) -> bool:
         """Whether the front door saw a client request completed at or after monotonic ``since``
@@ -408,15 +428,11 @@ def exit_text(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
-class IllegalMove(Exception):
-    """A phase change the phase table (:data:`~llama_guard.vocab.phases.MOVES`) does not allow: a
-    bug in the policy, never an input's fault."""
-
-
 def enter(state: State, to: Phase) -> Phase:
     """``to``, once :data:`~llama_guard.vocab.phases.MOVES` allows ``state.phase`` → ``to``; every
-    phase change of the policy goes through it (``replace(state, phase=enter(state, Phase.X), …)``).
-    Raises :class:`IllegalMove` otherwise."""
+    phase change of the policy goes through it (``replace(state, phase=enter(state, Phase.X),
+    phase_data=…, …)``: the new phase's own state, :data:`PHASE_DATA`, or None). Raises
+    :class:`IllegalMove` otherwise."""
     if to not in MOVES[state.phase]:
         raise IllegalMove(f"{state.phase.value} -> {to.value} is not in the phase table")
     return to

@@ -59,7 +59,7 @@ class RestartFollower:
         self.decay_trigger = None
         ready_at = step.before.ready_at
         self.history.begin(RestartRecord(
-            kind=kind, reason=step.after.fault, requested_at=wall,
+            kind=kind, reason=step.after.stop_reason, requested_at=wall,
             uptime_s=step.at - ready_at if ready_at is not None else 0.0,
             tokens_per_s_before=monitor.speed.last_window_tps, vram_mib_before=monitor.vram.last_mib))
         self._pending = _Pending(pid=step.before.pid, held_from=step.at if front_on else None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy.steps import RESTART_EVENT
 from llama_guard.model.types import AfterStop, State
 from llama_guard.vocab.phases import Phase
@@ -90,7 +91,8 @@ def ready_in_s(state: State, now: float) -> float:
     if phase is Phase.LENT:
         return left(state.lend.until if state.lend is not None else None) + load
     if phase is Phase.WAITING_VRAM:
-        return left(state.vram_wait_until if state.vram_wait_until is not None else state.deadline) + load
+        waiting = state.phase_data if isinstance(state.phase_data, WaitingVram) else None
+        return left(waiting.until if waiting is not None and waiting.until is not None else state.deadline) + load
     step = left(state.deadline)
     if phase in _STOPPING:
         if state.after_stop is AfterStop.LEND and state.lend is not None:

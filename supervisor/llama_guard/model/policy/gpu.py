@@ -8,11 +8,22 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Emit, InspectGpu, RunReset
 from llama_guard.model.inputs import GpuFault, Input, ResetDone, ResetFacts, Tick
+from llama_guard.model.phase_state import Resetting, Stopping
 from llama_guard.model.policy.reset_stop import reset_started
-from llama_guard.model.policy.steps import SERVING, Result, count_failure, end_save, exit_daemon, fail, stop
+from llama_guard.model.policy.steps import (
+    SERVING,
+    Result,
+    count_failure,
+    end_save,
+    exit_asked,
+    exit_daemon,
+    fail,
+    stop,
+)
 from llama_guard.model.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_step, watchdog_hit
 from llama_guard.model.types import (
     AfterStop,
+    Exit,
     GpuFaultKind,
     ResetOutcome,
     RestartCause,
@@ -91,19 +102,19 @@ def _act_on_gpu_fault(state: State, event: GpuFault, now: float) -> Result:
         if state.after_stop in (AfterStop.FAILURE, AfterStop.RESTART, AfterStop.VRAM_CHECK, AfterStop.LEND):
             after = AfterStop.RESET if can_reset else AfterStop.EXIT
             code = EXIT_OK if can_reset else EXIT_GPU_UNRECOVERABLE
-            return replace(state, after_stop=after, reset_reason=event.reason, exit_code=code,
-                           exit_reason=event.reason), []
+            return replace(state, after_stop=after, phase_data=Stopping(state.stop_reason, event.reason),
+                           exit=Exit(code, event.reason)), []
         return state, []
     if state.pid is not None:
         if can_reset:
-            return stop(replace(state, reset_reason=event.reason), now, AfterStop.RESET, event.reason,
-                        save_s=reset_save_s(state, event))
+            return stop(state, now, AfterStop.RESET, event.reason, save_s=reset_save_s(state, event),
+                        reset_trigger=event.reason)
         # No reset allowed: stop cleanly and do not restart onto a GPU that is not verified.
-        return stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_GPU_UNRECOVERABLE,
-                     reason=f"GPU fault and no reset configured: {event.reason}")
+        return stop(state, now, AfterStop.EXIT, event.reason,
+                    exit=Exit(EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}"))
     if state.phase in (Phase.BACKOFF, Phase.STOPPED, Phase.WAITING_VRAM):
         if can_reset:
-            return begin_reset(replace(state, reset_reason=event.reason), now)
+            return begin_reset(state, now, event.reason)
         new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, f"GPU fault and no reset configured: {event.reason}")
         return new, actions
     return state, []
@@ -125,8 +136,9 @@ def gpu_index_of(state: State) -> int | None:
     return state.gpu_index if state.gpu_index is not None else state.params.gpu_index
 
 
-def begin_reset(state: State, now: float) -> Result:
-    """Enter RESETTING (inspect the GPU first), unless the reset budget of the window is spent.
+def begin_reset(state: State, now: float, trigger: str) -> Result:
+    """Enter RESETTING (inspect the GPU first) for ``trigger`` (the fault, in words: the reset events'
+    ``trigger``), unless the reset budget of the window is spent.
 
     The budget counts only reset commands that ran (:func:`_on_reset_facts`): a skipped reset
     leaves it untouched.
@@ -137,25 +149,32 @@ def begin_reset(state: State, now: float) -> Result:
         reason = (f"{len(recent)} GPU resets within {p.reset_window_s:.0f} s already; "
                   "not resetting again (a reboot is the operator's call)")
         emit = Emit("gpu_reset", {"outcome": ResetOutcome.REFUSED.value, "reason": reason,
-                                  "trigger": state.reset_reason, "gpu_index": gpu_index_of(state)})
-        return _after_no_reset(replace(state, resets=recent), now, emit, reason)
-    new = replace(state, phase=enter(state, Phase.RESETTING), resets=recent, deadline=now + p.reset_deadline_s,
-                  after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop,
-                  reset_command_at=None)
-    return new, [reset_started(state, now), InspectGpu(state.pid, state.reset_reason)]
+                                  "trigger": trigger, "gpu_index": gpu_index_of(state)})
+        return _after_no_reset(replace(state, resets=recent), now, emit, reason, trigger)
+    new = replace(state, phase=enter(state, Phase.RESETTING), phase_data=Resetting(trigger), resets=recent,
+                  deadline=now + p.reset_deadline_s,
+                  after_stop=AfterStop.FAILURE if state.after_stop is AfterStop.RESET else state.after_stop)
+    return new, [reset_started(state, now, trigger), InspectGpu(state.pid, trigger)]
 
 
-def _after_no_reset(state: State, now: float, emit: Emit, reason: str) -> Result:
-    """No reset was run (skipped or refused): a lost GPU escalates (exit 69), anything else
-    restarts the server only (counted as a failure)."""
+def _resetting(state: State) -> Resetting:
+    """RESETTING's own state (every way into RESETTING sets it: :func:`begin_reset`)."""
+    assert isinstance(state.phase_data, Resetting)
+    return state.phase_data
+
+
+def _after_no_reset(state: State, now: float, emit: Emit, reason: str, trigger: str) -> Result:
+    """No reset was run (skipped or refused) for ``trigger``: a lost GPU escalates (exit 69), anything
+    else restarts the server only (counted as a failure)."""
     if state.after_stop is AfterStop.EXIT:  # a stop request came meanwhile
-        new, actions = exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+        asked = exit_asked(state)
+        new, actions = exit_daemon(state, asked.code, asked.reason or "stopped")
         return new, [emit, *actions]
     if state.gpu_lost:
         why = f"the GPU is lost and was not reset ({reason}); reboot the host"
         new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
         return new, [emit, Emit("gpu_lost", {"reason": why, "gpu_index": gpu_index_of(state)}), *actions]
-    why = f"{state.reset_reason or reason} (no GPU reset: {reason})"
+    why = f"{trigger or reason} (no GPU reset: {reason})"
     new = replace(fail(state, state.failure.cause, why), pid=None)
     new, actions = count_failure(new, now)
     return new, [emit, *actions]
@@ -180,30 +199,33 @@ def _skip_reason(facts: ResetFacts, previous_pid: int | None) -> tuple[str, dict
 def _on_reset_facts(state: State, facts: ResetFacts, now: float) -> Result:
     """Skip, or run the reset command (only a command that runs spends the budget)."""
     state = replace(state, gpu_index=facts.gpu_index if facts.gpu_index is not None else state.gpu_index)
+    trigger = _resetting(state).trigger
     skip = _skip_reason(facts, state.pid)
     if skip is None and state.after_stop is AfterStop.EXIT:
         skip = "a stop was requested before the reset command ran", {}
     if skip is not None:
         reason, extra = skip
         emit = Emit("gpu_reset", {"outcome": ResetOutcome.SKIPPED.value, "reason": reason,
-                                  "trigger": state.reset_reason, "gpu_index": gpu_index_of(state), **extra})
-        return _after_no_reset(state, now, emit, f"reset skipped: {reason}")
-    new = replace(state, resets=(*state.resets, now), reset_command_at=now)
-    return new, [RunReset(gpu_index_of(new), state.reset_reason)]
+                                  "trigger": trigger, "gpu_index": gpu_index_of(state), **extra})
+        return _after_no_reset(state, now, emit, f"reset skipped: {reason}", trigger)
+    new = replace(state, resets=(*state.resets, now), phase_data=Resetting(trigger, command_at=now))
+    return new, [RunReset(gpu_index_of(new), trigger)]
 
 
 def on_resetting(state: State, event: Input, now: float) -> Result:
     if isinstance(event, ResetFacts):
         return _on_reset_facts(state, event, now)
     if isinstance(event, ResetDone):
-        state = replace(state, reset_command_at=None)
+        trigger = _resetting(state).trigger
+        state = replace(state, phase_data=Resetting(trigger))
         outcome = ResetOutcome.SUCCEEDED if event.ok else ResetOutcome.FAILED
-        fields = {**event.fields, "outcome": outcome.value, "reason": event.detail, "trigger": state.reset_reason,
+        fields = {**event.fields, "outcome": outcome.value, "reason": event.detail, "trigger": trigger,
                   "reset_count": len(state.resets), "gpu_index": event.gpu_index, "command": event.command,
                   "exit_status": event.exit_status, "output": event.output}
         emit = Emit("gpu_reset", fields)
         if state.after_stop is AfterStop.EXIT:  # a stop request came during the reset
-            new, actions = exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+            asked = exit_asked(state)
+            new, actions = exit_daemon(state, asked.code, asked.reason or "stopped")
             return new, [emit, *actions]
         if outcome is ResetOutcome.SUCCEEDED:
             new, actions = count_failure(replace(state, gpu_lost=False, pid=None), now)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, AnswerLend, Emit, SignalTune, StartDrain
 from llama_guard.model.inputs import Input, LendAsked, LendReturned, RestartRequest, Tick
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.steps import Result, restart_for, start
 from llama_guard.model.types import AfterStop, Lend, LendEnd, RestartCause, State, enter
 from llama_guard.vocab.phases import Phase
@@ -30,8 +31,8 @@ def on_lend_asked(state: State, event: LendAsked, now: float) -> Result:
     if state.phase is not Phase.READY or state.pid is None:
         return state, _refuse(event, f"llama-server is {state.phase.value}: a window is lent only from a "
                                      "serving (ready) server")
-    new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + state.params.drain_timeout_s,
-                  fault=f"lent to tune pid {event.pid}", after_stop=AfterStop.LEND,
+    new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(f"lent to tune pid {event.pid}"),
+                  deadline=now + state.params.drain_timeout_s, after_stop=AfterStop.LEND,
                   lend=Lend(event.pid, event.bound_s))
     return new, [Emit("lend_requested", {"tune_pid": event.pid, "bound_s": event.bound_s, "server_pid": state.pid}),
                  StartDrain(state.pid)]
@@ -46,7 +47,7 @@ def grant(state: State, now: float) -> Result:
     lend = state.lend
     assert lend is not None
     until = now + lend.bound_s
-    new = replace(state, phase=enter(state, Phase.LENT), pid=None, deadline=until, restart_at=None,
+    new = replace(state, phase=enter(state, Phase.LENT), phase_data=None, pid=None, deadline=until, restart_at=None,
                   lend=replace(lend, until=until))
     return new, [Emit("lend_granted", {"tune_pid": lend.pid, "bound_s": lend.bound_s, "server_pid": state.pid}),
                  AnswerLend(lend.pid, True, bound_s=lend.bound_s)]
@@ -58,7 +59,9 @@ def withdrawn(before: State, new: State, actions: list[Action]) -> Result:
     lend = new.lend
     if lend is None or lend.until is not None or (new.phase in PENDING and new.after_stop is AfterStop.LEND):
         return new, actions
-    why = f"the drain for the window ended otherwise: {new.phase.value} ({new.fault or before.phase.value})"
+    # The stop under way now, else the drain's or stop's that the window waited for.
+    stopped_for = new.stop_reason or before.stop_reason or before.phase.value
+    why = f"the drain for the window ended otherwise: {new.phase.value} ({stopped_for})"
     return replace(new, lend=None), [*actions, Emit("lend_refused", {"tune_pid": lend.pid, "reason": why}),
                                      AnswerLend(lend.pid, False, why)]
 
@@ -75,11 +78,12 @@ def on_returned_early(state: State, event: LendReturned) -> Result:
     if state.after_stop is not AfterStop.LEND:  # its drain or stop is another's now (a fault, the exit)
         return replace(state, lend=None), [Emit("lend_cancelled", {**fields, "outcome": "nothing was lent"})]
     if state.phase is Phase.DRAINING:
-        new = replace(state, phase=enter(state, Phase.READY), lend=None, deadline=None, fault="",
+        new = replace(state, phase=enter(state, Phase.READY), phase_data=None, lend=None, deadline=None,
                       after_stop=AfterStop.FAILURE)
         return new, [Emit("lend_cancelled", {**fields, "outcome": "the drain is undone: the server serves on"})]
+    stopping = state.stopping
     new = replace(restart_for(state, RestartCause.LEND_CANCELLED), lend=None, after_stop=AfterStop.RESTART,
-                  fault=str(fields["cause"]))
+                  phase_data=Stopping(str(fields["cause"]), stopping.reset_trigger if stopping else ""))
     return new, [Emit("lend_cancelled", {**fields, "outcome": "its stop was under way: llama-server starts again"})]
 
 

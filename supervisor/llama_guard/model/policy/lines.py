@@ -10,11 +10,12 @@ from dataclasses import replace
 from llama_guard.model.actions import Action, Emit
 from llama_guard.model.inputs import Line
 from llama_guard.model.judgement import incompatibility
+from llama_guard.model.phase_state import Starting
 from llama_guard.model.policy.port import on_port_line
 from llama_guard.model.policy.steps import Result, after_fault, fail, stop
 from llama_guard.model.policy.verdicts import watchdog_hit
 from llama_guard.model.server_log import Family, LineClass
-from llama_guard.model.types import AfterStop, RestartCause, State
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
 from llama_guard.vocab.phases import Phase
@@ -54,7 +55,7 @@ def stop_for_fault(state: State, now: float, trigger: ResetTrigger, reason: str)
     after = after_fault(state.params, trigger, loading=state.phase is Phase.STARTING)
     if after is AfterStop.FAILURE:
         return stop(state, now, AfterStop.FAILURE, reason)
-    return stop(replace(state, reset_reason=reason), now, after, reason)
+    return stop(state, now, after, reason, reset_trigger=reason)
 
 
 def incompatible(state: State, now: float, verdict: LineClass, text: str) -> Result:
@@ -64,10 +65,10 @@ def incompatible(state: State, now: float, verdict: LineClass, text: str) -> Res
                                             "cause": verdict.cause, "fix": verdict.limit})
     if state.phase is Phase.STOPPING:
         new = replace(fail(state, state.failure.cause, reason, state.failure.line), after_stop=AfterStop.EXIT,
-                      exit_code=EXIT_CONFIG, exit_reason=reason, pending_event=None)
+                      exit=Exit(EXIT_CONFIG, reason), pending_event=None)
         return new, [emit]
     new, actions = stop(fail(state, state.failure.cause, reason), now, AfterStop.EXIT, reason,
-                         code=EXIT_CONFIG, reason=reason)
+                        exit=Exit(EXIT_CONFIG, reason))
     return new, [emit, *actions]
 
 
@@ -153,11 +154,12 @@ def on_starting_line(state: State, event: Line, now: float) -> Result:
                                                      "cause": verdict.cause}), *actions]
     if verdict.family is Family.PORT_IN_USE:
         return on_port_line(state, event, now)
-    if verdict.family is Family.BOOT_CONFIG and not state.boot_cause:
-        return replace(state, boot_cause=verdict.cause), []
+    named = isinstance(state.phase_data, Starting) and state.phase_data.boot_cause
+    if verdict.family is Family.BOOT_CONFIG and not named:
+        return replace(state, phase_data=Starting(verdict.cause)), []
     if verdict.family is Family.RESOURCE_LIMIT:
         new, report = limit_line(state, event)
-        if verdict.limit != "RLIMIT_MEMLOCK" and not new.boot_cause:
-            return replace(new, boot_cause=f"{verdict.cause} ({verdict.limit})"), report
+        if verdict.limit != "RLIMIT_MEMLOCK" and not named:
+            return replace(new, phase_data=Starting(f"{verdict.cause} ({verdict.limit})")), report
         return new, report
     return state, []

@@ -31,12 +31,14 @@ from llama_guard.model.judgement import (
     progress_signals,
     silent_too_long,
 )
+from llama_guard.model.phase_state import Starting
 from llama_guard.model.policy.lines import alloc_recovered, fault_line, limit_line, on_starting_line
 from llama_guard.model.policy.port import exited_port_taken
 from llama_guard.model.policy.steps import (
     HUNG_GRACE_S,
     Result,
     count_failure,
+    exit_asked,
     exit_daemon,
     exit_fields,
     fail,
@@ -155,10 +157,11 @@ def _exited_while_loading(state: State, event: Exited, now: float) -> Result:
     if state.port_taken and state.port_taken_since is not None:
         return exited_port_taken(state, event, now)
     fields = exit_fields(event.pid, event.returncode, state.last_error)
-    if state.boot_cause:
-        cause = naming_model(state.boot_cause, state.params.model_path)
+    boot_cause = state.phase_data.boot_cause if isinstance(state.phase_data, Starting) else ""
+    if boot_cause:
+        cause = naming_model(boot_cause, state.params.model_path)
         new, actions = exit_daemon(state, EXIT_CONFIG, cause)
-        model = {"model": state.params.model_path} if cause != state.boot_cause else {}
+        model = {"model": state.params.model_path} if cause != boot_cause else {}
         return new, [Emit("server_boot_failure", {"cause": cause, **model, **fields}), *actions]
     exited = Emit("server_exited", {**fields, "phase": "loading"})
     new = replace(fail(state, RestartCause.CRASH, f"exited while loading: {exit_text(event.returncode)}"),
@@ -186,7 +189,8 @@ def on_serving(state: State, event: Input, now: float) -> Result:
     if (isinstance(event, Exited) and event.pid == pid and state.phase is Phase.DRAINING
             and state.after_stop is AfterStop.EXIT):
         # It died while it drained before the daemon's exit: nothing to restart.
-        new, actions = exit_daemon(state, state.exit_code, state.exit_reason)
+        asked = exit_asked(state)
+        new, actions = exit_daemon(state, asked.code, asked.reason)
         fields = exit_fields(pid, event.returncode, state.last_error)
         return new, [Emit("server_exited", {**fields, "phase": state.phase.value}), *actions]
     if isinstance(event, Exited) and event.pid == pid and state.alloc_failure:
@@ -275,7 +279,7 @@ def restart_meanwhile(state: State, event: RestartRequest) -> Result:
     the restart or start under way is the one asked for. Either way it is said (``restart_requested``)."""
     fields: dict[str, object] = {"server_pid": state.pid, "reason": event.reason}
     if state.phase in (Phase.DRAINING, Phase.STOPPING, Phase.RESETTING) and state.after_stop is AfterStop.EXIT:
-        fields["refused"] = f"llama-guard is stopping ({state.exit_reason or 'asked to'}): no server follows"
+        fields["refused"] = f"llama-guard is stopping ({exit_asked(state).reason or 'asked to'}): no server follows"
     else:
         fields["under_way"] = f"a new server is already on its way ({state.phase.value})"
     return state, [Emit("restart_requested", fields)]

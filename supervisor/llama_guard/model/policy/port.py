@@ -66,8 +66,8 @@ def exited_port_taken(state: State, event: Exited, now: float) -> Result:
                                                           "waited_s": round(waited, 1), **fields}), *actions]
     wait = min(p.port_retry_s, max(0.0, p.port_wait_s - waited))
     reason = f"port {p.port} held by {holder}"
-    new = replace(fail(state, RestartCause.PORT_TAKEN, reason), phase=enter(state, Phase.BACKOFF), pid=None,
-                  deadline=now + wait)
+    new = replace(fail(state, RestartCause.PORT_TAKEN, reason), phase=enter(state, Phase.BACKOFF), phase_data=None,
+                  pid=None, deadline=now + wait)
     return new, [exited, Emit("server_backoff", {
         "backoff_s": wait, "restart_count": len(state.failures), "max_restarts": p.max_restarts,
         "window_s": p.restart_window_s, "last_failure": f"{reason} (retrying until it has been taken "

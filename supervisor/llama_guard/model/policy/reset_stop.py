@@ -15,12 +15,13 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Emit
 from llama_guard.model.inputs import StopRequest
+from llama_guard.model.phase_state import Resetting
 from llama_guard.model.policy.steps import Result, exit_daemon
-from llama_guard.model.types import AfterStop, ResetOutcome, State
+from llama_guard.model.types import AfterStop, Exit, ResetOutcome, State
 from llama_guard.vocab.exitcodes import EXIT_OK
 
 
-def reset_started(state: State, now: float) -> Emit:
+def reset_started(state: State, now: float, trigger: str) -> Emit:
     """``gpu_reset_started``: the reset of GPU ``gpu_index`` begins, for ``trigger``, and waits for
     (in order) the stopped server to leave the GPU, other processes to let go, then the command —
     each bounded; the whole sequence ends by ``deadline_s`` seconds from now."""
@@ -30,7 +31,7 @@ def reset_started(state: State, now: float) -> Emit:
              if state.pid is not None else "")
     waits = (f"{leave}other processes to let go of it (up to {p.foreign_wait_s:.0f} s), then the reset "
              f"command (up to {p.reset_timeout_s:.0f} s{', twice with persistence mode off' if p.reset_retry else ''})")
-    return Emit("gpu_reset_started", {"gpu_index": index, "trigger": state.reset_reason, "server_pid": state.pid,
+    return Emit("gpu_reset_started", {"gpu_index": index, "trigger": trigger, "server_pid": state.pid,
                                       "waits_for": waits, "deadline_s": round(p.reset_deadline_s, 1)})
 
 
@@ -39,19 +40,21 @@ def stop_during_reset(state: State, event: StopRequest, now: float) -> Result:
     (``gpu_reset`` skipped), else exit when the command returns — never interrupt it, a second
     signal included (``daemon_stopping`` says what it waits for and at most how long)."""
     index = state.gpu_index if state.gpu_index is not None else state.params.gpu_index
-    if state.reset_command_at is None:
+    resetting = state.phase_data
+    assert isinstance(resetting, Resetting)  # set as RESETTING is entered (gpu.begin_reset)
+    if resetting.command_at is None:
         skipped = Emit("gpu_reset", {"outcome": ResetOutcome.SKIPPED.value, "gpu_index": index,
                                      "reason": "a stop was requested before the reset command ran",
-                                     "trigger": state.reset_reason})
+                                     "trigger": resetting.trigger})
         new, actions = exit_daemon(state, EXIT_OK, event.reason)
         return new, [Emit("daemon_stopping", {"reason": event.reason, "server_pid": None}), skipped, *actions]
     left = max(0.0, (state.deadline if state.deadline is not None else now) - now)
-    running = now - state.reset_command_at
+    running = now - resetting.command_at
     second = "a second signal does not interrupt it either; " if event.immediate else ""
     waiting = (f"waiting for the GPU {index} reset command (running for {running:.0f} s, at most {left:.0f} s "
                f"more): it is never interrupted ({second}a reset killed half way can leave the GPU unusable "
                "until a reboot); exiting when it returns")
-    new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+    new = replace(state, after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
     return new, [Emit("daemon_stopping", {"reason": f"{event.reason}; {waiting}", "server_pid": None,
                                           "waiting_for": "gpu_reset", "wait_s": round(left, 1),
                                           "immediate": event.immediate})]

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.model.actions import Action, CheckVram, Emit, ExitDaemon, SaveSlots, Spawn, Terminate
+from llama_guard.model.phase_state import Starting, Stopping, WaitingVram
 from llama_guard.model.policy.repeat import repeat_verdict
-from llama_guard.model.types import AfterStop, Failure, Params, RestartCause, State, enter, exit_text
+from llama_guard.model.types import AfterStop, Exit, Failure, Params, RestartCause, State, enter, exit_text
 from llama_guard.vocab.events import EventName
-from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_OK
+from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
 
@@ -93,19 +94,21 @@ def exit_fields(pid: int, returncode: int | None, last_error: str = "") -> dict[
 HUNG_GRACE_S = 1.0
 
 
-def stop(state: State, now: float, after: AfterStop, fault: str, *,
-          code: int = EXIT_OK, reason: str = "", grace_s: float | None = None, save_s: float = 0.0) -> Result:
+def stop(state: State, now: float, after: AfterStop, reason: str, *, exit: Exit | None = None,
+         grace_s: float | None = None, save_s: float = 0.0, reset_trigger: str = "") -> Result:
     """Begin stopping the current server (SIGTERM now, SIGKILL at the grace deadline: ``grace_s``
-    seconds, else ``stop_grace_s``). During the drain before the daemon's exit a fault changes how,
-    not what: the stop still ends in that exit (no restart, no reset). ``save_s`` > 0: first save
-    the slots (:class:`SaveSlots`), SIGTERM once they are saved or ``save_s`` seconds passed
-    (:func:`end_save`)."""
+    seconds, else ``stop_grace_s``), for ``reason`` (words: ``server_stopped``'s reason). During the
+    drain before the daemon's exit a fault changes how, not what: the stop still ends in that exit
+    (no restart, no reset). ``save_s`` > 0: first save the slots (:class:`SaveSlots`), SIGTERM once
+    they are saved or ``save_s`` seconds passed (:func:`end_save`). ``reset_trigger``: the fault a
+    reset after the stop (``after`` RESET or VRAM_CHECK) is for; ``exit``: the daemon's exit that
+    follows it (``after`` EXIT)."""
     if state.phase is Phase.DRAINING and state.after_stop is AfterStop.EXIT and after is not AfterStop.EXIT:
-        after, code, reason = AfterStop.EXIT, state.exit_code, state.exit_reason
+        after, exit = AfterStop.EXIT, state.exit
     grace = state.params.stop_grace_s if grace_s is None else min(grace_s, state.params.stop_grace_s)
-    new = replace(state, phase=enter(state, Phase.STOPPING), after_stop=after, fault=fault,
-                  deadline=now + grace, grace_s=grace, killed=False, saving=False,
-                  exit_code=code, exit_reason=reason or state.exit_reason)
+    new = replace(state, phase=enter(state, Phase.STOPPING), phase_data=Stopping(reason, reset_trigger),
+                  after_stop=after, deadline=now + grace, grace_s=grace, killed=False, saving=False,
+                  exit=exit or state.exit)
     if state.pid is None:
         return new, []
     if save_s > 0:
@@ -122,8 +125,8 @@ def end_save(state: State, now: float) -> Result:
 
 
 def spawn(state: State) -> Result:
-    return (replace(state, phase=enter(state, Phase.STARTING), pid=None, started_at=None, ready_at=None, deadline=None,
-                    strikes=0, boot_cause="", fault="", pending_event=None, stable=False, killed=False,
+    return (replace(state, phase=enter(state, Phase.STARTING), phase_data=Starting(), pid=None, started_at=None,
+                    ready_at=None, deadline=None, strikes=0, pending_event=None, stable=False, killed=False,
                     reported_limits=frozenset(), last_progress_at=None, alloc_failure="", last_error="",
                     last_line="", failure=replace(state.failure, line=""), on_cpu_reported=False, port_taken=False,
                     stalls=0, http_errors=0, deferred_restart=None,
@@ -132,9 +135,16 @@ def spawn(state: State) -> Result:
 
 
 def exit_daemon(state: State, code: int, reason: str) -> Result:
-    return (replace(state, phase=enter(state, Phase.EXITED), pid=None, deadline=None, exit_code=code,
-                    exit_reason=reason),
+    return (replace(state, phase=enter(state, Phase.EXITED), phase_data=None, pid=None, deadline=None,
+                    exit=Exit(code, reason)),
             [ExitDaemon(code, reason)])
+
+
+def exit_asked(state: State) -> Exit:
+    """The daemon's exit that the stop, drain or reset under way ends in (``after_stop`` EXIT: every
+    step that sets it sets :attr:`State.exit` too)."""
+    assert state.exit is not None
+    return state.exit
 
 
 def count_failure(state: State, now: float, *, judged: bool = True) -> Result:
@@ -175,16 +185,18 @@ def _back_off(state: State, now: float) -> Result:
     else:
         wait = state.next_backoff_s
         following = min(wait * p.backoff_factor, p.backoff_max_s)
-    new = replace(state, phase=enter(state, Phase.BACKOFF), deadline=now + wait, next_backoff_s=following)
+    new = replace(state, phase=enter(state, Phase.BACKOFF), phase_data=None, deadline=now + wait,
+                  next_backoff_s=following)
     return new, [Emit("server_backoff", {"backoff_s": wait, "restart_count": len(recent),
                                          "max_restarts": p.max_restarts, "window_s": p.restart_window_s,
                                          "last_failure": state.failure.text})]
 
 
-def start(state: State, now: float) -> Result:
-    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`)."""
+def start(state: State, now: float, *, after_oom: str = "") -> Result:
+    """Start a server: on a watched GPU, check its free VRAM first (:class:`CheckVram`). ``after_oom``:
+    the OOM at load (in words) this start follows, which the check judges (:class:`WaitingVram`)."""
     if not state.params.vram_admission:
-        return spawn(replace(state, vram_after_oom=False))
-    new = replace(state, phase=enter(state, Phase.WAITING_VRAM), pid=None, deadline=now + VRAM_ANSWER_S,
-                  vram_wait_until=None, vram_short="", vram_facts_at=None)
+        return spawn(state)
+    new = replace(state, phase=enter(state, Phase.WAITING_VRAM), phase_data=WaitingVram(after_oom), pid=None,
+                  deadline=now + VRAM_ANSWER_S)
     return new, [CheckVram()]

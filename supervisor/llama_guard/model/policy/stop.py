@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from llama_guard.model.actions import Action, Emit, Kill, StartDrain, Terminate
 from llama_guard.model.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.gpu import begin_reset
 from llama_guard.model.policy.lend import grant
 from llama_guard.model.policy.lines import FATAL_FAMILIES, fault_event, incompatible
@@ -18,6 +19,7 @@ from llama_guard.model.policy.steps import (
     after_fault,
     count_failure,
     end_save,
+    exit_asked,
     exit_daemon,
     exit_fields,
     fail,
@@ -26,7 +28,7 @@ from llama_guard.model.policy.steps import (
 )
 from llama_guard.model.policy.verdicts import unkillable, watchdog_hit
 from llama_guard.model.server_log import Family
-from llama_guard.model.types import AfterStop, RestartCause, State, TrialStage, enter
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State, TrialStage, enter
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -64,7 +66,7 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             if new.after_stop is AfterStop.FAILURE:
                 after = after_fault(state.params, trigger, loading=state.ready_at is None)
                 if after is not AfterStop.FAILURE:
-                    new = replace(new, after_stop=after, reset_reason=reason)
+                    new = replace(new, after_stop=after, phase_data=Stopping(state.stop_reason, reason))
             return new, [Emit(name, fields)]
         return state, []
     if isinstance(event, Exited) and event.pid == state.pid:
@@ -75,7 +77,7 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
         if state.pending_event is not None:
             name, cause = state.pending_event
             actions.append(Emit(name, {"server_pid": state.pid, "line": cause, "cause": cause, **fields}))
-        actions.append(Emit("server_stopped", {**fields, "reason": state.fault}))
+        actions.append(Emit("server_stopped", {**fields, "reason": state.stop_reason}))
         new, more = finish_stop(replace(state, pending_event=None, saving=False), now)
         return new, actions + more
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
@@ -89,19 +91,24 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
     return state, []
 
 
-def finish_stop(state: State, now: float) -> Result:
-    """The stopped server is gone: carry out ``state.after_stop`` (exit, reset, VRAM check, restart, a failure)."""
+def finish_stop(state: State, now: float, reset_trigger: str | None = None) -> Result:
+    """The stopped server is gone: carry out ``state.after_stop`` (exit, reset, VRAM check, restart, a
+    failure). ``reset_trigger``: the fault a reset or VRAM check is for (None: the stop's own,
+    :attr:`Stopping.reset_trigger`)."""
+    stopping = state.stopping
+    trigger = reset_trigger if reset_trigger is not None else stopping.reset_trigger if stopping else ""
     if state.after_stop is AfterStop.EXIT:
-        return exit_daemon(state, state.exit_code, state.exit_reason or "stopped")
+        asked = exit_asked(state)
+        return exit_daemon(state, asked.code, asked.reason or "stopped")
     if state.after_stop is AfterStop.RESET:
-        return begin_reset(state, now)
+        return begin_reset(state, now, trigger)
     if state.after_stop is AfterStop.VRAM_CHECK:
-        return start(replace(state, pid=None, vram_after_oom=True), now)
+        return start(replace(state, pid=None), now, after_oom=trigger)
     if state.after_stop is AfterStop.LEND:
         return grant(state, now)
     if state.after_stop is AfterStop.RESTART:
         new, actions = start(replace(state, restarts=state.restarts + 1), now)
-        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
+        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.stop_reason,
                                              "restart_cause": state.failure.cause.value}), *actions]
     return count_failure(state, now)
 
@@ -114,10 +121,10 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
     oom = Emit("server_oom", {"server_pid": state.pid, "line": state.alloc_failure,
                               "cause": state.alloc_failure, "phase": phase, **{
                                   k: v for k, v in fields.items() if k != "server_pid"}})
-    new = replace(fail(state, RestartCause.OOM, reason), alloc_failure="", boot_signature="", reset_reason=reason)
+    new = replace(fail(state, RestartCause.OOM, reason), alloc_failure="", boot_signature="")
     # As for an OOM line that stops the server (after_fault): VRAM check, reset or a failure.
     after = after_fault(state.params, ResetTrigger.OOM, loading=phase == "loading")
-    new, actions = finish_stop(replace(new, after_stop=after), now)
+    new, actions = finish_stop(replace(new, after_stop=after), now, reset_trigger=reason)
     return new, [oom, Emit("server_exited", {**fields, "phase": phase}), *actions]
 
 
@@ -133,8 +140,8 @@ def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
     if state.phase is Phase.DRAINING:
         deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
         drain = []  # its drain watch is running already
-    new = replace(state, phase=enter(state, Phase.DRAINING), deadline=deadline, after_stop=AfterStop.EXIT,
-                  exit_code=EXIT_OK, exit_reason=event.reason, fault=event.reason)
+    new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(event.reason), deadline=deadline,
+                  after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
     emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
                                               f"{deadline - now:.0f} s, [front].stop_drain_s)",
                                     "server_pid": state.pid})
@@ -145,7 +152,7 @@ def end_exit_drain(state: State, now: float, drained: bool) -> Result:
     """The drain before the exit ended: every request in flight finished (``drained``), else
     ``stop_drain_s`` ran out (``stop_drain_timeout``). Either way the server is stopped, then the exit."""
     assert state.pid is not None
-    new, actions = stop(state, now, AfterStop.EXIT, state.fault, code=state.exit_code, reason=state.exit_reason)
+    new, actions = stop(state, now, AfterStop.EXIT, state.stop_reason, exit=exit_asked(state))
     if drained:
         return new, actions
     return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.exit_drain_s}),
@@ -166,11 +173,11 @@ def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
     if state.phase in (Phase.READY, Phase.DRAINING) and not event.immediate and state.params.exit_drain_s > 0:
         return drain_before_exit(state, event, now)
     if state.phase is Phase.STOPPING:
-        new = replace(state, after_stop=AfterStop.EXIT, exit_code=EXIT_OK, exit_reason=event.reason)
+        new = replace(state, after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
         if event.immediate and state.pid is not None and not state.killed:
             return replace(new, killed=True, deadline=now + state.params.kill_wait_s), [emit, Kill(state.pid)]
         return new, []
-    new, actions = stop(state, now, AfterStop.EXIT, event.reason, code=EXIT_OK, reason=event.reason)
+    new, actions = stop(state, now, AfterStop.EXIT, event.reason, exit=Exit(EXIT_OK, event.reason))
     if event.immediate and state.pid is not None:
         new = replace(new, killed=True, deadline=now + state.params.kill_wait_s)
         actions = [Kill(state.pid)]

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llama_guard.model.actions import Emit
-from llama_guard.model.policy.steps import Result, exit_daemon, fail, stop
-from llama_guard.model.types import AfterStop, RecoveryAction, State, XidAction
+from llama_guard.model.policy.steps import Result, exit_asked, exit_daemon, fail, stop
+from llama_guard.model.types import AfterStop, Exit, RecoveryAction, State, XidAction
 from llama_guard.vocab.exitcodes import EXIT_GPU_UNRECOVERABLE
 from llama_guard.vocab.phases import Phase
 
@@ -67,10 +67,10 @@ def needs_reboot(state: State, now: float, reason: str, fields: dict[str, object
     emit = Emit("gpu_lost", {**fields, "reason": why, "reset": "not attempted (a reset cannot help)"})
     if state.phase is Phase.STOPPING:
         return replace(fail(state, state.failure.cause, why, state.failure.line), after_stop=AfterStop.EXIT,
-                       exit_code=EXIT_GPU_UNRECOVERABLE, exit_reason=why, pending_event=None), [emit]
+                       exit=Exit(EXIT_GPU_UNRECOVERABLE, why), pending_event=None), [emit]
     if state.pid is not None:
         new, actions = stop(fail(state, state.failure.cause, why), now, AfterStop.EXIT, why,
-                             code=EXIT_GPU_UNRECOVERABLE, reason=why)
+                            exit=Exit(EXIT_GPU_UNRECOVERABLE, why))
         return new, [emit, *actions]
     new, actions = exit_daemon(state, EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]
@@ -94,7 +94,8 @@ def unkillable(state: State) -> Result:
     emit = Emit("server_unkillable", {"server_pid": pid, "waited_s": waited, "holds": "it is still alive",
                                       "advice": "reboot the host"})
     if state.after_stop is AfterStop.EXIT:  # a stop was asked for (or a verdict given): keep its code
-        new, actions = exit_daemon(fail(state, state.failure.cause, why), state.exit_code, state.exit_reason or why)
+        asked = exit_asked(state)
+        new, actions = exit_daemon(fail(state, state.failure.cause, why), asked.code, asked.reason or why)
     else:
         new, actions = exit_daemon(fail(state, state.failure.cause, why), EXIT_GPU_UNRECOVERABLE, why)
     return new, [emit, *actions]

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from llama_guard.model.actions import CheckVram, Emit
 from llama_guard.model.inputs import Input, Tick, VramFacts
+from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy.gpu import begin_reset
 from llama_guard.model.policy.steps import Result, after_fault, count_failure, fail, restart_for, spawn
 from llama_guard.model.policy.verdicts import RECOVERY_ADVICE, needs_reboot, recovery_fields, recovery_step
@@ -30,7 +31,7 @@ def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
             return None
         missing = f"{facts.need_mib - facts.free_mib} MiB missing (llama-server needs {facts.need_mib} MiB, " \
                   f"{facts.free_mib} MiB free)"
-    elif state.vram_after_oom:
+    elif _waiting(state).after_oom:
         free = "?" if facts.free_mib is None else facts.free_mib
         missing = f"llama-server ran out of GPU memory at load ({free} MiB free)"
     else:
@@ -42,27 +43,32 @@ def _vram_shortfall(state: State, facts: VramFacts) -> dict[str, object] | None:
             "holders": ", ".join(f"pid {h.pid} ({h.name}, {h.used_mib} MiB)" for h in facts.holders)}
 
 
+def _waiting(state: State) -> WaitingVram:
+    """WAITING_VRAM's own state (every way into WAITING_VRAM sets it: :func:`~.steps.start`)."""
+    assert isinstance(state.phase_data, WaitingVram)
+    return state.phase_data
+
+
 def _admit(state: State, now: float) -> Result:
     """The VRAM is there (or cannot be judged): start, unless an OOM at load is left unexplained."""
-    if state.vram_after_oom and state.vram_wait_until is None:
+    waiting = _waiting(state)
+    if waiting.after_oom and waiting.until is None:
         # The OOM was not another process's doing: what it would have been without the check.
-        state = replace(state, vram_after_oom=False)
         if after_fault(state.params, ResetTrigger.OOM, loading=False) is AfterStop.RESET:
-            return begin_reset(replace(state, after_stop=AfterStop.RESET), now)
+            return begin_reset(replace(state, after_stop=AfterStop.RESET), now, waiting.after_oom)
         return count_failure(state, now)
-    return spawn(replace(state, vram_after_oom=False, vram_wait_until=None, vram_short="", vram_facts_at=None))
+    return spawn(state)
 
 
 def _vram_timed_out(state: State, now: float) -> Result:
     """The wait's deadline passed: a failure, named after the latest facts (and their age when
     the checks since then failed or did not answer)."""
     p = state.params
-    reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {state.vram_short}"
-    if state.vram_facts_at is not None and now - state.vram_facts_at > 2 * p.vram_poll_s + 1.0:
-        reason += f" (as read {now - state.vram_facts_at:.0f} s before; the VRAM checks since then failed)"
-    new = replace(fail(state, RestartCause.VRAM_WAIT, reason), vram_wait_until=None, vram_after_oom=False,
-                  vram_short="", vram_facts_at=None)
-    return count_failure(new, now, judged=False)
+    waiting = _waiting(state)
+    reason = f"VRAM still held after {p.vram_wait_timeout_s:.0f} s: {waiting.short}"
+    if waiting.facts_at is not None and now - waiting.facts_at > 2 * p.vram_poll_s + 1.0:
+        reason += f" (as read {now - waiting.facts_at:.0f} s before; the VRAM checks since then failed)"
+    return count_failure(fail(state, RestartCause.VRAM_WAIT, reason), now, judged=False)
 
 
 def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result:
@@ -79,8 +85,8 @@ def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result
         elif len([t for t in state.resets if now - t < p.reset_window_s]) >= p.max_resets:
             reason += f" (the {p.max_resets} GPU resets allowed within {p.reset_window_s:.0f} s are spent)"
         else:
-            new, actions = begin_reset(replace(restart_for(state, RestartCause.XID), reset_reason=reason, pid=None,
-                                               vram_after_oom=False, after_stop=AfterStop.FAILURE), now)
+            new, actions = begin_reset(replace(restart_for(state, RestartCause.XID), pid=None,
+                                               after_stop=AfterStop.FAILURE), now, reason)
             return new, [emit, *actions]
     new, actions = needs_reboot(replace(state, pid=None), now, reason,
                                 {"gpu_index": facts.gpu_index, "server_pid": None})
@@ -89,30 +95,30 @@ def _recovery_before_start(state: State, facts: VramFacts, now: float) -> Result
 
 def on_waiting_vram(state: State, event: Input, now: float) -> Result:
     p = state.params
-    waiting = state.vram_wait_until is not None
+    until = _waiting(state).until  # None: not waiting (yet)
     if isinstance(event, VramFacts) and event.recovery not in (None, RecoveryAction.NONE):
         return _recovery_before_start(state, event, now)
     if isinstance(event, VramFacts):
-        if event.error and waiting:  # a failed check (reported) tells nothing: keep waiting
-            if state.vram_wait_until is not None and now >= state.vram_wait_until:
+        if event.error and until is not None:  # a failed check (reported) tells nothing: keep waiting
+            if now >= until:
                 return _vram_timed_out(state, now)
             return replace(state, deadline=now + p.vram_poll_s), []
         short = _vram_shortfall(state, event)
         if short is None:
             return _admit(state, now)
         text = f"{short['holders']}: {short['missing']}"
-        if not waiting:  # the wait begins: no failure is counted, no reset
-            new = replace(state, vram_wait_until=now + p.vram_wait_timeout_s, deadline=now + p.vram_poll_s,
-                          vram_short=text, vram_facts_at=now)
+        if until is None:  # the wait begins: no failure is counted, no reset
+            new = replace(state, deadline=now + p.vram_poll_s, phase_data=replace(
+                _waiting(state), until=now + p.vram_wait_timeout_s, short=text, facts_at=now))
             return new, [Emit("gpu_vram_wait", short)]
-        state = replace(state, vram_short=text, vram_facts_at=now)
-        if state.vram_wait_until is not None and now >= state.vram_wait_until:
+        state = replace(state, phase_data=replace(_waiting(state), short=text, facts_at=now))
+        if now >= until:
             return _vram_timed_out(state, now)
         return replace(state, deadline=now + p.vram_poll_s), []
     if isinstance(event, Tick) and state.deadline is not None and now >= state.deadline:
-        if state.vram_wait_until is None:  # the check never answered: go on without it
+        if until is None:  # the check never answered: go on without it
             return _admit(state, now)
-        if now >= state.vram_wait_until:
+        if now >= until:
             return _vram_timed_out(state, now)
         return replace(state, deadline=now + p.vram_poll_s), [CheckVram()]
     return state, []

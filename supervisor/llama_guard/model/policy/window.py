@@ -43,6 +43,7 @@ from llama_guard.model.inputs import (
     SpeedMeasured,
     TrialAsked,
 )
+from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.lines import alloc_recovered, fault_line
 from llama_guard.model.policy.steps import (
     Result,
@@ -81,8 +82,8 @@ def drain(state: State, event: RestartRequest, now: float) -> Result:
     if not event.drain:
         new, actions = stop(state, now, AfterStop.RESTART, event.reason)
         return new, [emit, *actions]
-    new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + state.params.drain_timeout_s,
-                  fault=event.reason, after_stop=AfterStop.RESTART)
+    new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(event.reason),
+                  deadline=now + state.params.drain_timeout_s, after_stop=AfterStop.RESTART)
     return new, [emit, StartDrain(pid)]
 
 
@@ -96,16 +97,16 @@ def drained(state: State, now: float) -> Result:
     else the stop (or, before the daemon's exit, the exit's stop)."""
     if state.after_stop is AfterStop.EXIT:
         return end_exit_drain(state, now, drained=True)
-    return trial_after_drain(state) or stop(state, now, planned_after(state), state.fault)
+    return trial_after_drain(state) or stop(state, now, planned_after(state), state.stop_reason)
 
 
 def drain_timed_out(state: State, now: float) -> Result:
     """The drain outlasted its deadline: stop the server with its requests (``drain_timeout``)."""
     if state.after_stop is AfterStop.EXIT:
         return end_exit_drain(state, now, drained=False)
-    new, actions = stop(state, now, planned_after(state), state.fault)
+    new, actions = stop(state, now, planned_after(state), state.stop_reason)
     return new, [Emit("drain_timeout", {"server_pid": state.pid, "drain_timeout_s": state.params.drain_timeout_s,
-                                        "reason": state.fault}), *actions]
+                                        "reason": state.stop_reason}), *actions]
 
 
 def trial_wanted(state: State, event: ParamsChanged) -> State:
@@ -141,7 +142,7 @@ def health_answered(state: State, event: HealthOk, now: float) -> Result:
     """A loading server answered ``/health`` (its slots restored): a new build on trial is measured
     first (TRIAL), any other server is released."""
     if state.trial is not None and state.trial.stage is TrialStage.NEW:
-        return replace(state, phase=enter(state, Phase.TRIAL), deadline=None, ready_owner=(
+        return replace(state, phase=enter(state, Phase.TRIAL), phase_data=None, deadline=None, ready_owner=(
             event.port_pid, event.port_comm), trial=replace(state.trial, answered_at=now)), _measure(state)
     return release(state, event, now)
 
@@ -153,9 +154,9 @@ def release(state: State, event: HealthOk, now: float) -> Result:
     answered = state.trial.answered_at if state.trial is not None else None
     load_s = (answered if answered is not None else now) - (state.started_at if state.started_at is not None else now)
     recovered = alloc_recovered(state, "the server became ready")
-    new = replace(state, phase=enter(state, Phase.READY), ready_at=now, deadline=None, strikes=0, stable=False,
-                  alloc_failure="", port_taken_since=None, port_holder=None, trial=None, ready_owner=None,
-                  load_s=load_s)
+    new = replace(state, phase=enter(state, Phase.READY), phase_data=None, ready_at=now, deadline=None, strikes=0,
+                  stable=False, alloc_failure="", port_taken_since=None, port_holder=None, trial=None,
+                  ready_owner=None, load_s=load_s)
     fields: dict[str, object] = {"server_pid": state.pid, "load_s": load_s}
     if answered is not None:
         fields["trial_s"] = round(now - answered, 3)  # the new build's measurement, after its load
@@ -176,7 +177,7 @@ def on_trial(state: State, event: Input, now: float) -> Result:
     if isinstance(event, SpeedMeasured) and event.pid == pid:
         if trial.stage is TrialStage.OLD:
             measured = Trial(TrialStage.NEW, old_tps=event.tokens_per_s, old_error=event.error)
-            return stop(replace(state, trial=measured), now, AfterStop.RESTART, state.fault)
+            return stop(replace(state, trial=measured), now, AfterStop.RESTART, state.stop_reason)
         return judge(state, event, now)
     if isinstance(event, Line) and event.pid == pid:
         fatal = fault_line(state, event, now, "")
