@@ -648,3 +648,27 @@ class TestResetOff:
         assert not of_type(acts, InspectGpu) and not of_type(acts, RunReset) and not of_type(acts, Spawn)
         assert of_type(acts, ExitDaemon) == [ExitDaemon(EXIT_GPU_UNRECOVERABLE, s.exit.reason)]
         assert s.exit is not None and "reset_on" in s.exit.reason
+
+
+def test_a_reset_fault_while_backing_off_with_the_budget_spent_is_one_more_failure() -> None:
+    """In BACKOFF (a crash at load), an Xid asking for a reset when the window's reset budget is spent:
+    counted as a failure — BACKOFF again with a longer wait — never a loop crash (before: IllegalMove)."""
+    p = Params(reset_possible=True, max_resets=1)
+    s, _ = decide(initial_state(p), Boot(), 0.0)
+    s, _ = decide(s, Spawned(100), 0.1)
+    s, _ = decide(s, Exited(100, 1), 0.2)
+    assert s.phase is Phase.BACKOFF and s.deadline is not None
+    s = replace(s, resets=(0.0,))  # one reset already run in the window
+    first_wait = s.deadline - 0.2
+    after, acts = decide(s, GpuFault(GpuFaultKind.XID, "Xid 79", action=XidAction.RESET), 0.3)
+    assert after.phase is Phase.BACKOFF and len(after.failures) == len(s.failures) + 1
+    assert after.deadline is not None and after.deadline - 0.3 > first_wait
+    assert not any(isinstance(a, Spawn) for a in acts)
+
+
+def test_a_reset_fault_before_the_first_start_with_no_reset_budget_backs_off() -> None:
+    """Before the first start (STOPPED), a GPU fault asking for a reset the budget does not allow
+    (``max_resets = 0``): one failure, BACKOFF (before: IllegalMove stopped -> backoff)."""
+    s = initial_state(Params(reset_possible=True, max_resets=0))
+    after, _ = decide(s, GpuFault(GpuFaultKind.XID, "Xid 79", action=XidAction.RESET), 0.0)
+    assert after.phase is Phase.BACKOFF and len(after.failures) == 1
