@@ -38,13 +38,15 @@ from llama_guard.model.inputs import (
 )
 from llama_guard.model.phase_state import IllegalMove
 from llama_guard.model.policy import decide
-from llama_guard.model.types import GpuFaultKind, LendEnd, Params, State, XidAction, enter, initial_state
+from llama_guard.model.types import AfterStop, GpuFaultKind, LendEnd, Params, State, XidAction, enter, initial_state
 from llama_guard.vocab.phases import MOVES, Phase, render_moves
 
 ROOT = Path(__file__).resolve().parents[2]
 EDGES = {(a, b) for a, targets in MOVES.items() for b in targets}
 OOM = "CUDA error: out of memory"
 ALLOC = "cudaMalloc failed: out of memory"  # an allocation failure, judged when the server exits
+ABORT = "/src/ggml-cuda.cu:88: CUDA error"  # the abort line: the fault's message may come after it
+WATCHDOG = "CUDA error: the launch timed out and was terminated"  # the launch watchdog: a restart
 TUNE = 4242  # the pid of a `llama-guard tune` asking for the GPU
 LATER = 100_000.0  # a Tick this many seconds on: every wait of the state has run out
 
@@ -55,7 +57,7 @@ def _inputs(s: State) -> list[Input]:
     holder = (GpuHolder(7, 9000, "other"),)
     return [
         Boot(), Spawned(pid), SpawnFailed("no model"), SpawnFailed("hung", fatal=False), HealthOk(pid),
-        Exited(pid, 1), Exited(pid, -9), line(pid, OOM), line(pid, ALLOC),
+        Exited(pid, 1), Exited(pid, -9), line(pid, OOM), line(pid, ALLOC), line(pid, ABORT), line(pid, WATCHDOG),
         GpuFault(GpuFaultKind.GPU_LOST, "lost"), GpuFault(GpuFaultKind.XID, "xid 79", action=XidAction.RESET),
         GpuFault(GpuFaultKind.XID, "xid 13", action=XidAction.RESTART),
         StopRequest("stop"), StopRequest("stop now", immediate=True),
@@ -87,7 +89,8 @@ def _key(s: State) -> tuple[object, ...]:
 
 def _explore(params: Params) -> set[tuple[Phase, Phase]]:
     """Every phase move the policy takes from a start with ``params``, breadth first over
-    ``_inputs`` (states told apart by :func:`_key`); IllegalMove propagates."""
+    ``_inputs`` (states told apart by :func:`_key`); IllegalMove propagates, and so does a step that
+    turns an exit asked for into something else."""
     first = initial_state(params)
     seen, moves = {_key(first)}, set()
     todo = deque([(first, 0.0)])
@@ -95,6 +98,9 @@ def _explore(params: Params) -> set[tuple[Phase, Phase]]:
         state, now = todo.popleft()
         for event, at in _timed(state, now):
             after, _ = decide(state, event, at)
+            # an exit once asked for (a stop request, a verdict) is never turned into a restart
+            assert state.after_stop is not AfterStop.EXIT or after.after_stop is AfterStop.EXIT, \
+                (state.phase, event, after.phase, after.after_stop)
             if after.phase is not state.phase:
                 moves.add((state.phase, after.phase))
             if _key(after) not in seen:

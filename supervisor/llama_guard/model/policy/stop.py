@@ -60,8 +60,10 @@ def on_stopping(state: State, event: Input, now: float) -> Result:
             # the cause and whether this fault calls for a reset.
             restart_cause, trigger = FATAL_FAMILIES[event.verdict.family]
             new = replace(fail(state, restart_cause, reason, event.text.strip()), pending_event=None)
-            if trigger is None:  # the launch watchdog: a restart only, even after an abort line
-                new, repeated = watchdog_hit(replace(new, after_stop=AfterStop.FAILURE), now, event.verdict.cause)
+            if trigger is None:  # the launch watchdog: a restart only, even after an abort line (an exit asked
+                # for meanwhile stays the exit)
+                after_stop = AfterStop.EXIT if new.after_stop is AfterStop.EXIT else AfterStop.FAILURE
+                new, repeated = watchdog_hit(replace(new, after_stop=after_stop), now, event.verdict.cause)
                 return new, [Emit(name, fields), *repeated]
             if new.after_stop is AfterStop.FAILURE:
                 after = after_fault(state.params, trigger, loading=state.ready_at is None)
