@@ -44,17 +44,17 @@ def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None, usage: Usage
                                  "recovery": {"port_wait_s": port_wait_s}})
     holder = {"state": State()}
     clock = Clock()
-    ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
+    ctx = Context(get_config=lambda: cfg, emit=lambda *a, **k: None,
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=clock,
                   loop=asyncio.get_event_loop_policy().get_event_loop())
     return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
-def deliver(src: MetricsSource, ctx: Context, *actions: Action) -> None:
-    """What the daemon does with one step that kept the state ``ctx.state`` and asked for ``actions``:
+def deliver(src: MetricsSource, ctx: Context, holder: dict[str, State], *actions: Action) -> None:
+    """What the daemon does with one step that kept the state ``holder["state"]`` and asked for ``actions``:
     the sources see the record (``on_transition``), then each action is executed — an ``Emit`` goes
     through the emitter, whose sinks (the metrics source among them, as wiring attaches it) get it."""
-    src.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), actions, ctx.clock()))
+    src.on_transition(ctx, Transition(holder["state"], holder["state"], Tick(), actions, ctx.clock()))
     for action in actions:
         if isinstance(action, Emit):
             src.write({"event": action.name, **action.fields})
@@ -77,15 +77,15 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
-    deliver(src, ctx, Spawn())
+    deliver(src, ctx, holder, Spawn())
     clock.now += 2.5
     holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
-    deliver(src, ctx, Emit("server_ready", {"server_pid": 1}))
+    deliver(src, ctx, holder, Emit("server_ready", {"server_pid": 1}))
     clock.now += 30
     for cause in ("oom", "hang", "oom"):
-        deliver(src, ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
-    deliver(src, ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
-    deliver(src, ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
+        deliver(src, ctx, holder, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
+    deliver(src, ctx, holder, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
+    deliver(src, ctx, holder, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
     m = scrape(src)
     assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 2
     assert m[("llama_guard_restarts_total", (("cause", "hang"),))] == 1
@@ -165,7 +165,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
     src, ctx, holder, _ = make(tmp_path, listen=str(port))
     holder["state"] = State(phase=Phase.READY, pid=7)
     assert await src.start(ctx) is None
-    deliver(src, ctx)  # the listener answers from the loop's records, as the metrics do
+    deliver(src, ctx, holder)  # the listener answers from the loop's records, as the metrics do
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as client:
@@ -174,7 +174,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
             assert (live.status_code, live.json()) == (200, {"live": True, "phase": "ready"})
             assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready"})
             holder["state"] = State(phase=Phase.DRAINING, pid=7)
-            deliver(src, ctx)
+            deliver(src, ctx, holder)
             assert (await client.get(base + "/readyz", timeout=5)).status_code == 503
             assert (await client.post(base + "/metrics", timeout=5)).status_code == 405
             scraped = await client.get(base + "/metrics", timeout=5)
@@ -208,7 +208,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     metrics.ctx = ctx
     emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
     emitter.emit("server_line", server_pid=1, line="x")
-    metrics.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), (Emit("server_oom", {}),), ctx.clock()))
+    metrics.on_transition(ctx, Transition(ctx.initial, ctx.initial, Tick(), (Emit("server_oom", {}),), ctx.clock()))
     # seen as an action of a step: counted once, through the sink only (the emit below)
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
     emitter.emit("server_restart", reason="oom", restart_cause="oom")
@@ -221,7 +221,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
 class PolicyRun:
     """The real policy driven input by input, each action handed to the metrics source as the daemon
-    does (``on_transition`` with ``ctx.state`` already the state after the step, then :func:`deliver`'s
+    does (``on_transition`` with ``holder["state"]`` already the state after the step, then :func:`deliver`'s
     execution of each action)."""
 
     def __init__(self, src: MetricsSource, ctx: Context, holder: dict[str, State], clock: Clock,
@@ -279,7 +279,7 @@ async def test_a_reload_followed_by_a_crash_counts_as_crash(tmp_path: Path) -> N
     run = PolicyRun(src, ctx, holder, clock, PARAMS)
     run.feed(Boot())
     run.start(100)
-    deliver(src, ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
+    deliver(src, ctx, holder, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
     assert run.feed(ParamsChanged(PARAMS, server_changed=False)).phase is Phase.READY
     run.feed(Exited(100, -9))
     run.until_restart()

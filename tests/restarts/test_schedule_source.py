@@ -48,7 +48,7 @@ class Rig:
         self.source = ScheduleSource(gpu_sample=lambda: self.gpu, wall_clock=lambda: self.wall,
                                      sample_interval_s=3600,
                                      rss_reader=self._rss, metrics_reader=self._metrics)
-        self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
+        self.ctx = Context(get_config=lambda: self.config,
                            emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
                            post_threadsafe=self.posted.append, clock=lambda: self.mono,
                            loop=asyncio.get_running_loop())

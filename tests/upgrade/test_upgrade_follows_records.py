@@ -19,14 +19,10 @@ from llama_guard.upgrade.watcher import UpgradeSource
 from llama_guard.vocab.phases import Phase
 
 
-def polled() -> State:
-    raise AssertionError("the build port read the live policy state instead of the loop's records")
-
-
 async def test_a_replaced_build_asks_for_its_trial_by_what_the_records_say(tmp_path: Path) -> None:
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"model": "/m.gguf"}})
     posted: list[Input] = []
-    ctx = Context(get_config=lambda: cfg, get_state=polled, emit=lambda name, **f: None, post=posted.append,
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: None, post=posted.append,
                   post_threadsafe=posted.append, clock=lambda: 0.0, loop=asyncio.get_running_loop())
     source = UpgradeSource()
     exe = tmp_path / "bin" / "llama-server"
