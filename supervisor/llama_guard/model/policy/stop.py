@@ -11,6 +11,7 @@ from dataclasses import replace
 from llama_guard.model.actions import Action, Emit, Kill, Terminate
 from llama_guard.model.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.model.policy.gpu import begin_reset
+from llama_guard.model.policy.lend import grant
 from llama_guard.model.policy.lines import FATAL_FAMILIES, fault_event, incompatible
 from llama_guard.model.policy.reset_stop import stop_during_reset
 from llama_guard.model.policy.steps import (
@@ -98,8 +99,10 @@ def finish_stop(state: State, now: float) -> Result:
         return begin_reset(state, now)
     if state.after_stop is AfterStop.VRAM_CHECK:
         return start(replace(state, pid=None, vram_after_oom=True), now)
-    if state.after_stop in (AfterStop.RESTART, AfterStop.LEND):
-        return start_again(state, now)  # a planned window's start (or the GPU lent)
+    if state.after_stop is AfterStop.LEND:
+        return grant(state, now)
+    if state.after_stop is AfterStop.RESTART:
+        return start_again(state, now)  # a planned window's start
     return count_failure(state, now)
 
 

@@ -10,7 +10,8 @@ READY holds them). Pure. In order:
 0. **asked** (:func:`restart_event`; :func:`restart_while_loading` for a loading server,
    :func:`restart_meanwhile` when one is under way; a changed configuration asks with
    ``RestartCause.CONFIG_CHANGE``; :func:`trial_wanted` when the reload names a new build).
-1. **drain** (READY → DRAINING, :func:`drain`): no new request reaches the server; the ones in flight
+1. **drain** (READY → DRAINING, :func:`drain`, :func:`begin_drain`, which the GPU lent to tune
+   shares): no new request reaches the server; the ones in flight
    finish, bounded by ``[schedule].drain_timeout_s`` (:func:`drain_timed_out`, the one owner of that
    deadline). :class:`StartDrain` runs the server's drain watch (``ServerWatch.drain``,
    :mod:`llama_guard.core.server`): no request in flight (the front door's count), then
@@ -26,7 +27,8 @@ READY holds them). Pure. In order:
    is gone (:func:`~.stop.finish_stop`)
 5. **start** (:func:`start_again`: ``server_restart``, then :func:`~.steps.start`, a VRAM check first
    on a watched GPU; the build port picks the executable, same or new build, and the spawn takes the
-   configuration's current flags) — or, for a window lent to tune, LENT (:func:`~.lend.grant`).
+   configuration's current flags) — or, for a window lent to tune, LENT (:func:`~.lend.grant`, called
+   by :func:`~.stop.finish_stop`).
 6. **restore slots**: once the new server answers ``/health`` and runs on the GPU, its server watch
    has the slot port restore and verify the saved slots (``SlotPort.restore``, within
    ``[slots].restore_timeout_s``) before it answers HealthOk (:func:`health_answered`).
@@ -60,7 +62,6 @@ from llama_guard.model.inputs import (
     StopRequest,
     TrialAsked,
 )
-from llama_guard.model.policy.lend import grant
 from llama_guard.model.policy.lines import alloc_recovered, fault_line
 from llama_guard.model.policy.steps import (
     Result,
@@ -150,9 +151,18 @@ def drain(state: State, event: RestartRequest, now: float) -> Result:
     if not event.drain:
         new, actions = stop(state, now, AfterStop.RESTART, event.reason)
         return new, [emit, *actions]
+    new, actions = begin_drain(state, now, AfterStop.RESTART, event.reason)
+    return new, [emit, *actions]
+
+
+def begin_drain(state: State, now: float, after: AfterStop, fault: str) -> Result:
+    """READY → DRAINING, the one place a planned drain begins (a restart, the GPU lent to tune): its
+    deadline ``[schedule].drain_timeout_s`` (the policy alone keeps it), then ``after``; the server's
+    drain watch is started (:class:`StartDrain`)."""
+    assert state.pid is not None
     new = replace(state, phase=enter(state, Phase.DRAINING), deadline=now + state.params.drain_timeout_s,
-                  fault=event.reason, after_stop=AfterStop.RESTART)
-    return new, [emit, StartDrain(pid)]
+                  fault=fault, after_stop=after)
+    return new, [StartDrain(state.pid)]
 
 
 def planned_after(state: State) -> AfterStop:
@@ -249,10 +259,9 @@ def trial_after_drain(state: State) -> Result | None:
 
 
 def start_again(state: State, now: float) -> Result:
-    """The server stopped for a planned window is gone (:func:`~.stop.finish_stop`, ``AfterStop.RESTART``
-    or ``LEND``): the window lent to tune (LENT), else the next server's start (``server_restart``)."""
-    if state.after_stop is AfterStop.LEND:
-        return grant(state, now)
+    """The server stopped for a planned restart is gone (:func:`~.stop.finish_stop`, ``AfterStop.RESTART``;
+    a window lent to tune is granted there instead, :func:`~.lend.grant`): the next server's start
+    (``server_restart``)."""
     new, actions = start(replace(state, restarts=state.restarts + 1), now)
     return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.fault,
                                          "restart_cause": state.failure.cause.value}), *actions]
