@@ -10,10 +10,10 @@ READY holds them). Pure. In order:
 0. **asked** (:func:`restart_event`; :func:`restart_while_loading` for a loading server,
    :func:`restart_meanwhile` when one is under way; a changed configuration asks with
    ``RestartCause.CONFIG_CHANGE``; :func:`trial_wanted` when the reload names a new build).
-1. **drain** (READY → DRAINING, :func:`drain`, :func:`begin_drain`, which the GPU lent to tune
-   shares): no new request reaches the server; the ones in flight
-   finish, bounded by ``[schedule].drain_timeout_s`` (:func:`drain_timed_out`, the one owner of that
-   deadline). :class:`StartDrain` runs the server's drain watch (``ServerWatch.drain``,
+1. **drain** (READY → DRAINING, :func:`drain`; :func:`begin_drain`, which the GPU lent to tune
+   shares): no new request reaches the server; the ones in flight finish, bounded by
+   ``[schedule].drain_timeout_s`` (:func:`drain_timed_out`: the policy is that deadline's one owner).
+   :class:`StartDrain` runs the server's drain watch (``ServerWatch.drain``,
    :mod:`llama_guard.core.server`): no request in flight (the front door's count), then
 2. **save slots**: the slot port saves every changed slot (``SlotPort.after_drain``,
    :mod:`llama_guard.slots.watcher`, within ``[slots].save_timeout_s``; labelled by
