@@ -61,6 +61,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_vram",
     "test_policy_window",
     "test_upgrade_figures",
+    "test_upgrade_follows_records",
     "test_upgrade_rollback_lane",
     "test_preflight_gpu",
     "test_public_reports",

@@ -66,7 +66,7 @@ def _config(tmp_path: Path, binary: Path, model: Path) -> Config:
 
 def _start(config: Config, child: Child, gpu: Gpu, slots: Slots) -> SpawnFailed | object:
     async def go() -> SpawnFailed | object:
-        ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
+        ctx = Context(get_config=lambda: config,
                       emit=lambda *_, **__: None, post=lambda _: None, post_threadsafe=lambda _: None,
                       clock=time.monotonic, loop=asyncio.get_running_loop())
         spawner = Spawner(lambda *_, **__: None, daemon_lanes(), time.monotonic,
@@ -175,10 +175,10 @@ def test_a_drained_server_is_let_go_by_every_watcher_after_its_slots_are_saved_a
     async def go() -> None:
         task = asyncio.ensure_future(daemon.run())
         deadline = time.monotonic() + 60
-        while daemon.ctx is None or daemon.ctx.state.phase.value != "ready":
+        while daemon.ctx is None or daemon.state.phase.value != "ready":
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.05)
-        first = daemon.ctx.state.pid
+        first = daemon.state.pid
         daemon.queue.put_nowait(RestartRequest("test"))
         while f"exit({first})" not in order.calls:
             assert time.monotonic() < deadline and not task.done()

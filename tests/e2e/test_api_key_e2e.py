@@ -23,7 +23,6 @@ from harness import ROOT, DaemonRun, base_sections, free_port, merge
 from llama_guard.config import Config
 from llama_guard.config.sections import HealthConfig
 from llama_guard.core.probes import CanaryOutcome, ServerProbe, make_client
-from llama_guard.model.types import Params, initial_state
 from llama_guard.model.watcher import Context
 from llama_guard.restarts.readings import fetch_metrics
 from llama_guard.restarts.watcher import ScheduleSource
@@ -98,7 +97,7 @@ def test_metrics_sampling_sends_the_key(keyed_server: str, key_file: tuple[Path,
     async def main() -> None:
         loop = asyncio.get_running_loop()
         config = Config()
-        ctx = Context(get_config=lambda: config, get_state=lambda: initial_state(Params()), emit=lambda *a, **k: None,
+        ctx = Context(get_config=lambda: config, emit=lambda *a, **k: None,
                       post=lambda e: None, post_threadsafe=lambda e: None, clock=time.monotonic, loop=loop,
                       get_api_key=lambda: key)
         source = ScheduleSource()

@@ -197,7 +197,7 @@ def test_fifo_model_on_reload_is_refused_at_once_and_never_starves(tmp_path: Pat
     fifo = _fifo(tmp_path)
 
     async def go() -> None:
-        daemon.ctx = Context(get_config=lambda: daemon.config, get_state=lambda: daemon.state,
+        daemon.ctx = Context(get_config=lambda: daemon.config, initial=daemon.state,
                              emit=emitter.emit, post=daemon.queue.put_nowait,
                              post_threadsafe=daemon.queue.put_nowait, clock=time.monotonic,
                              loop=asyncio.get_running_loop())
@@ -262,7 +262,7 @@ def test_hung_nvml_degrades_the_gpu_watch_then_counts_as_a_lost_gpu(tmp_path: Pa
     source = GpuSource(nvml_module=fake, nvml_call_timeout_s=0.3, hung_as_lost_s=1.0)
 
     async def go() -> None:
-        ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
+        ctx = Context(get_config=lambda: config,
                       emit=emitter.emit, post=posted.append, post_threadsafe=posted.append,
                       clock=time.monotonic, loop=asyncio.get_running_loop())
         assert await source.start(ctx) is None
@@ -652,7 +652,7 @@ def test_kernel_log_thread_that_raises_is_reported_restarted_then_fails_its_watc
     source.kmsg_backoff_s = 0.01
 
     async def go() -> BaseException | None:
-        ctx = Context(get_config=lambda: config, get_state=lambda: None,  # type: ignore[arg-type,return-value]
+        ctx = Context(get_config=lambda: config,
                       emit=emitter.emit, post=lambda _: None, post_threadsafe=lambda _: None,
                       clock=time.monotonic, loop=asyncio.get_running_loop())
         assert await source.start(ctx) is None

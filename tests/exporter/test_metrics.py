@@ -44,17 +44,17 @@ def make(tmp: Path, listen: str = "", gpu: GpuSample | None = None, usage: Usage
                                  "recovery": {"port_wait_s": port_wait_s}})
     holder = {"state": State()}
     clock = Clock()
-    ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"], emit=lambda *a, **k: None,
+    ctx = Context(get_config=lambda: cfg, emit=lambda *a, **k: None,
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=clock,
                   loop=asyncio.get_event_loop_policy().get_event_loop())
     return MetricsSource(gpu_sample=lambda: gpu, usage=lambda: usage), ctx, holder, clock
 
 
-def deliver(src: MetricsSource, ctx: Context, *actions: Action) -> None:
-    """What the daemon does with one step that kept the state ``ctx.state`` and asked for ``actions``:
+def deliver(src: MetricsSource, ctx: Context, holder: dict[str, State], *actions: Action) -> None:
+    """What the daemon does with one step that kept the state ``holder["state"]`` and asked for ``actions``:
     the sources see the record (``on_transition``), then each action is executed — an ``Emit`` goes
     through the emitter, whose sinks (the metrics source among them, as wiring attaches it) get it."""
-    src.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), actions, ctx.clock()))
+    src.on_transition(ctx, Transition(holder["state"], holder["state"], Tick(), actions, ctx.clock()))
     for action in actions:
         if isinstance(action, Emit):
             src.write({"event": action.name, **action.fields})
@@ -77,15 +77,15 @@ async def test_restarts_counted_by_cause_and_phase_times(tmp_path: Path) -> None
     src, ctx, holder, clock = make(tmp_path, gpu=gpu, usage=usage)
     assert await src.start(ctx) is None
     holder["state"] = replace(holder["state"], phase=Phase.STARTING)
-    deliver(src, ctx, Spawn())
+    deliver(src, ctx, holder, Spawn())
     clock.now += 2.5
     holder["state"] = replace(holder["state"], phase=Phase.READY, ready_at=clock.now)
-    deliver(src, ctx, Emit("server_ready", {"server_pid": 1}))
+    deliver(src, ctx, holder, Emit("server_ready", {"server_pid": 1}))
     clock.now += 30
     for cause in ("oom", "hang", "oom"):
-        deliver(src, ctx, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
-    deliver(src, ctx, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
-    deliver(src, ctx, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
+        deliver(src, ctx, holder, Emit("server_restart", {"reason": "x", "restart_cause": cause}))
+    deliver(src, ctx, holder, Emit("gpu_reset", {"outcome": "succeeded", "trigger": "oom"}))
+    deliver(src, ctx, holder, Emit("gpu_vram_not_released", {"waited_s": 4.0}))
     m = scrape(src)
     assert m[("llama_guard_restarts_total", (("cause", "oom"),))] == 2
     assert m[("llama_guard_restarts_total", (("cause", "hang"),))] == 1
@@ -165,7 +165,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
     src, ctx, holder, _ = make(tmp_path, listen=str(port))
     holder["state"] = State(phase=Phase.READY, pid=7)
     assert await src.start(ctx) is None
-    deliver(src, ctx)  # the listener answers from the loop's records, as the metrics do
+    deliver(src, ctx, holder)  # the listener answers from the loop's records, as the metrics do
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as client:
@@ -175,7 +175,7 @@ async def test_the_listener_answers_health_on_the_loop_and_a_blocked_loop_answer
             assert (ready.status_code, ready.json()) == (200, {"ready": True, "phase": "ready", "cause": None,
                                                               "restart_cause": None, "retry_after_s": None})
             holder["state"] = State(phase=Phase.DRAINING, pid=7, after_stop=AfterStop.EXIT)
-            deliver(src, ctx)
+            deliver(src, ctx, holder)
             draining = await client.get(base + "/readyz", timeout=5)
             assert draining.status_code == 503 and draining.json()["cause"] == "stopping"
             assert int(draining.headers["Retry-After"]) == draining.json()["retry_after_s"] >= 1
@@ -211,7 +211,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
     metrics.ctx = ctx
     emitter.emit("gpu_temperature_high", gpu_index=0, gpu_temp_c=90, threshold_c=85)  # a watcher's own event
     emitter.emit("server_line", server_pid=1, line="x")
-    metrics.on_transition(ctx, Transition(ctx.state, ctx.state, Tick(), (Emit("server_oom", {}),), ctx.clock()))
+    metrics.on_transition(ctx, Transition(ctx.initial, ctx.initial, Tick(), (Emit("server_oom", {}),), ctx.clock()))
     # seen as an action of a step: counted once, through the sink only (the emit below)
     emitter.emit("server_oom", server_pid=1, line="CUDA error: out of memory", cause="oom")
     emitter.emit("server_restart", reason="oom", restart_cause="oom")
@@ -224,7 +224,7 @@ async def test_as_an_emitter_sink_it_counts_the_watchers_own_events(tmp_path: Pa
 
 class PolicyRun:
     """The real policy driven input by input, each action handed to the metrics source as the daemon
-    does (``on_transition`` with ``ctx.state`` already the state after the step, then :func:`deliver`'s
+    does (``on_transition`` with ``holder["state"]`` already the state after the step, then :func:`deliver`'s
     execution of each action)."""
 
     def __init__(self, src: MetricsSource, ctx: Context, holder: dict[str, State], clock: Clock,
@@ -282,7 +282,7 @@ async def test_a_reload_followed_by_a_crash_counts_as_crash(tmp_path: Path) -> N
     run = PolicyRun(src, ctx, holder, clock, PARAMS)
     run.feed(Boot())
     run.start(100)
-    deliver(src, ctx, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
+    deliver(src, ctx, holder, Emit("config_reloaded", {"changed": "health"}))  # the daemon's own event
     assert run.feed(ParamsChanged(PARAMS, server_changed=False)).phase is Phase.READY
     run.feed(Exited(100, -9))
     run.until_restart()
@@ -382,7 +382,7 @@ async def test_build_info_and_slot_figures_only_for_the_server_that_is_ready(tmp
                                      SlotInfo(2, False, 9, 1, True), SlotInfo(3, False, None, 0, False)))
     src._slots = reading
     holder["state"] = replace(holder["state"], phase=Phase.READY, pid=100)
-    deliver(src, ctx)
+    deliver(src, ctx, holder)
     m = scrape(src)
     assert m[("llama_guard_server_slots", (("state", "busy"),))] == 1
     assert m[("llama_guard_server_slots", (("state", "free"),))] == 3
@@ -390,7 +390,7 @@ async def test_build_info_and_slot_figures_only_for_the_server_that_is_ready(tmp
     assert m[("llama_guard_kv_cache_conversations", (("place", "server"),))] == 2
     # A reading of another server (the one before a restart) is not this one's.
     holder["state"] = replace(holder["state"], pid=101)
-    deliver(src, ctx)
+    deliver(src, ctx, holder)
     assert not any(k[0] == "llama_guard_server_slots" for k in scrape(src))
 
 
@@ -435,7 +435,7 @@ async def test_a_server_that_answers_slots_badly_or_never_costs_the_scrape_only_
         ctx = replace(ctx, get_config=lambda: cfg)
         await src.start(ctx)
         holder["state"] = State(phase=Phase.READY, pid=7)
-        deliver(src, ctx)
+        deliver(src, ctx, holder)
         await src.refresh()
         m = scrape(src)
         assert not any(k[0] in ("llama_guard_server_slots", "llama_guard_kv_cache_conversations") for k in m)

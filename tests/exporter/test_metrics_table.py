@@ -51,7 +51,7 @@ def served(tmp: Path) -> dict[str, str]:
                     last_trial=TrialResult(old_tps=50.0, new_tps=49.0, kept=True))
     loop = asyncio.new_event_loop()
     try:
-        ctx = Context(get_config=lambda: cfg, get_state=lambda: state, emit=lambda *a, **k: None,
+        ctx = Context(get_config=lambda: cfg, emit=lambda *a, **k: None,
                       post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 10.0, loop=loop)
         sample = GpuSample(GpuIdentity(0, "GPU-0", "0000:00:00.0", "H200"), temperature_c=60, temp_slowdown_c=90,
                            power_mw=1, power_limit_mw=2, memory_used_bytes=1, memory_total_bytes=2,

@@ -23,7 +23,6 @@ from llama_guard.gpu import DeviceSelector, Nvml, persistence
 from llama_guard.gpu.reset import ResetExecutor, run_bounded
 from llama_guard.gpu.watcher import GpuSource
 from llama_guard.model.inputs import GpuHolder
-from llama_guard.model.types import Params, initial_state
 from llama_guard.model.watcher import Context
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -46,7 +45,7 @@ def make(fake: FakeNvml, command: list[str], tmp: Path, *, euid: int = 0) -> tup
                                  credentials=lambda: creds_of(euid), poll_s=0.05)
     src._can_reset = True
     events: list[tuple[str, dict[str, object]]] = []
-    ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
+    ctx = Context(get_config=lambda: cfg,
                   emit=lambda name, **f: events.append((name, f)), post=lambda e: None,
                   post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
     return src, ctx

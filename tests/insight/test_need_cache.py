@@ -23,7 +23,6 @@ from llama_guard.gpu.watcher import GpuSource
 from llama_guard.insight import model_facts
 from llama_guard.insight.budget import Settings
 from llama_guard.insight.need_cache import MAX_ENTRIES, NEED_FILE, NeedCache, need_key
-from llama_guard.model.types import Params, initial_state
 from llama_guard.model.watcher import Context
 from llama_guard.preflight.vram_check import estimated_need_mib, need_mib_in_child
 
@@ -118,7 +117,7 @@ def watched(fake: FakeNvml, tmp: Path, model: Path, est: Estimates) -> tuple[Gpu
     src.nvml = Nvml(DeviceSelector(), module=fake)
     src.identity = src.nvml.open()
     src.executor = ResetExecutor(src.nvml, halt_xid=src._halt_xid, resume_xid=src._resume_xid)
-    ctx = Context(get_config=lambda: cfg, get_state=lambda: initial_state(Params()),
+    ctx = Context(get_config=lambda: cfg,
                   emit=lambda name, **f: None, post=lambda e: None, post_threadsafe=lambda e: None,
                   clock=lambda: 0.0, loop=asyncio.get_running_loop())
     return src, ctx

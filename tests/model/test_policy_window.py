@@ -216,3 +216,26 @@ def test_a_trial_asked_outside_a_start_or_with_trials_off_changes_nothing() -> N
     assert decide(off, TrialAsked(40.0), 2.0) == (off, [])
     on_trial = measuring_new(100.0)
     assert decide(on_trial, TrialAsked(40.0), 11.0) == (on_trial, [])
+
+
+def test_a_plain_planned_window_top_to_bottom_and_what_its_slot_saves_are_for() -> None:
+    """The window's sequence without a trial (``llama-guard restart``): drain, (saves), stop, start,
+    (restores), release — each step the next input's answer; the saves after the drain are labelled
+    by the window (a planned restart, a window lent to tune, the daemon's exit)."""
+    from llama_guard.model.inputs import LendAsked
+    from llama_guard.model.policy.window import slot_save_reason
+
+    s, acts = decide(ready(P), RestartRequest("operator", cause=RestartCause.OPERATOR), 5.0)
+    assert s.phase is Phase.DRAINING and acts[-1] == StartDrain(100) and s.deadline == 5.0 + P.drain_timeout_s
+    assert slot_save_reason(s) == "planned restart"
+    s, acts = decide(s, Drained(100), 6.0)
+    assert s.phase is Phase.STOPPING and acts == [Terminate(100)]
+    s, acts = decide(s, Exited(100, 0), 7.0)
+    assert s.phase is Phase.STARTING and names(acts) == ["server_stopped", "server_restart"] and Spawn() in acts
+    s, _ = decide(s, Spawned(200), 7.1)
+    s, acts = decide(s, HealthOk(200), 9.0)
+    assert s.phase is Phase.READY and acts[-1] == NotifyReady() and gate_of(s) is Gate.OPEN
+    lent, _ = decide(ready(P), LendAsked(4242, 60.0), 5.0)
+    assert lent.phase is Phase.DRAINING and slot_save_reason(lent) == "planned restart"
+    exiting, _ = decide(ready(replace(P, exit_drain_s=30)), StopRequest("SIGTERM received"), 5.0)
+    assert exiting.phase is Phase.DRAINING and slot_save_reason(exiting) == "llama-guard stopping"

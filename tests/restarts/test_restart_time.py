@@ -97,7 +97,7 @@ def test_serving_line_matches_both_formats_and_nothing_else() -> None:
 
 def _metrics() -> tuple[MetricsSource, Context]:
     cfg = Config.model_validate({})
-    ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda *a, **k: None,
+    ctx = Context(get_config=lambda: cfg, emit=lambda *a, **k: None,
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=time.monotonic,
                   loop=asyncio.new_event_loop())
     return MetricsSource(serve=False), ctx

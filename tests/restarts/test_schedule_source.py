@@ -48,7 +48,7 @@ class Rig:
         self.source = ScheduleSource(gpu_sample=lambda: self.gpu, wall_clock=lambda: self.wall,
                                      sample_interval_s=3600,
                                      rss_reader=self._rss, metrics_reader=self._metrics)
-        self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
+        self.ctx = Context(get_config=lambda: self.config,
                            emit=lambda name, **f: self.emitted.append((name, f)), post=self.posted.append,
                            post_threadsafe=self.posted.append, clock=lambda: self.mono,
                            loop=asyncio.get_running_loop())
@@ -263,17 +263,34 @@ async def test_rss_growth_fires_one_decay_restart_when_ready() -> None:
     assert detected["trigger"] == "rss_growth" and detected["server_pid"] == 100
     assert detected["baseline_mib"] == 1000.0 and detected["growth_mib"] == 160.0
     assert rig.names().count("decay_detected") == 1
-    rig.state = replace(rig.state, phase=Phase.DRAINING)
-    rig.source.tick(rig.ctx)
-    assert rig.posted == []  # waits for READY
-    rig.state = replace(rig.state, phase=Phase.READY)
-    rig.source.tick(rig.ctx)
-    [request] = rig.posted
+    [request] = rig.posted  # asked for by the sample that fired (READY): no schedule tick in between
     assert request.cause is RestartCause.DECAY and request.reason.startswith("decay: rss_growth")
     rig.source.tick(rig.ctx)
     assert len(rig.posted) == 1
     await rig.policy_restarts(100, 101, cause=RestartCause.DECAY)
     assert rig.event("planned_restart_done")["kind"] == "rss_growth"
+
+
+async def test_a_decay_fired_while_not_ready_is_asked_for_by_the_record_that_makes_it_ready() -> None:
+    """The decay restart is fed by the loop's records, never by a poll: a trigger that fired while the
+    policy did not hold its server READY is sent by the step that enters READY (no tick, no sleep)."""
+    rig = await Rig(server={"extra_args": ["--cache-ram", "0"]}, restart_cron="", rss_growth_mib=100.0,
+                    decay_warmup_s=0.0, decay_baseline_samples=1, decay_confirm=2).start()
+    rig.serve(100)
+    rig.state = replace(rig.state, phase=Phase.DRAINING)
+    rig.rss = [1000.0, 1150.0, 1160.0, 1170.0]
+    for _ in range(4):
+        await rig.source._sample(rig.ctx)
+        rig.advance(10)
+    assert rig.names().count("decay_detected") == 1 and rig.posted == []  # not READY: held back
+    draining = rig.state
+    rig._state = replace(draining, phase=Phase.READY)
+    rig.source.on_transition(rig.ctx, Transition(draining, rig.state, Tick(), (), rig.mono))
+    [request] = rig.posted
+    assert request.cause is RestartCause.DECAY and request.reason.startswith("decay: rss_growth")
+    await rig.settle()
+    rig.source.on_transition(rig.ctx, Transition(rig.state, rig.state, Tick(), (), rig.mono))
+    assert len(rig.posted) == 1  # asked for once
 
 
 @pytest.mark.parametrize(("extra_args", "series", "fires"), [

@@ -146,7 +146,7 @@ async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
         events.append((name, fields))
 
     holder = Policy()
-    ctx = Context(get_config=lambda: cfg, get_state=lambda: holder["state"],
+    ctx = Context(get_config=lambda: cfg,
                   emit=emit, post=lambda e: None,
                   post_threadsafe=lambda e: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
     fp = fingerprint_of(cfg.server, TEST_BUILD)

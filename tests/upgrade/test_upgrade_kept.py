@@ -78,7 +78,6 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
 
     from llama_guard.config import Config
     from llama_guard.core.ports import BuildChoice
-    from llama_guard.model.types import State
     from llama_guard.model.watcher import Context
     from llama_guard.upgrade import watcher
 
@@ -87,7 +86,7 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
     os.mkfifo(hung, 0o755)  # executable by its mode: the preflight opens it (to hash it) and waits
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": str(hung)}})
     events: list[tuple[str, dict[str, object]]] = []
-    ctx = Context(get_config=lambda: cfg, get_state=State, emit=lambda name, **f: events.append((name, f)),
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: events.append((name, f)),
                   post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
                   loop=asyncio.get_running_loop())
     keep(a_build(tmp_path / "good", "1"), tmp_path / "builds")  # a last good build is at hand: preflights run

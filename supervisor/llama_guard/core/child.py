@@ -101,17 +101,7 @@ class ServerProcess:
             return self.proc.returncode
         if self.pidfd is None:
             return await self.proc.wait()
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_reader(self.pidfd, wake)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(self.pidfd)
+        await self.gone()
         # Reaped by asyncio's child watcher (which then sets returncode from its thread) or still
         # a zombie (its status read without reaping it): either way the status is known at once.
         for _ in range(200):
@@ -127,6 +117,28 @@ class ServerProcess:
                 return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
             await asyncio.sleep(0.005)
         return self.proc.returncode
+
+    async def gone(self) -> None:
+        """Return once the process has exited, told by the kernel (its pidfd becomes readable; no
+        status read, nothing reaped); where pidfds are missing (Linux < 5.3) or the pidfd is closed
+        already, once asyncio knows its status (:meth:`asyncio.subprocess.Process.wait`)."""
+        if self.proc.returncode is not None:
+            return
+        if self.pidfd is None:
+            await self.proc.wait()
+            return
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self.pidfd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self.pidfd)
 
     def close(self) -> None:
         """Release the pidfd and the output pipe's read end (idempotent): a grandchild that still
@@ -263,11 +275,10 @@ def pipe_holders(inode: int, exclude: frozenset[int] = frozenset()) -> list[tupl
 
 
 async def kill_and_reap(server: ServerProcess, timeout_s: float = 5.0) -> None:
-    """SIGKILL the group and wait (bounded) for the exit; for the daemon's last-resort cleanup.
-    Waits for the exit status (set by asyncio's child watcher), not for the output pipe to close:
-    a process that escaped the group may hold it."""
+    """SIGKILL the group and wait (at most ``timeout_s`` seconds) for the exit; for the daemon's
+    last-resort cleanup. Woken by the kernel (:meth:`ServerProcess.gone`: its pidfd), never by polling,
+    and not by the output pipe's end: a process that escaped the group may hold it. asyncio's child
+    watcher reaps it."""
     server.signal_group(signal.SIGKILL)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while server.proc.returncode is None and loop.time() < deadline:  # noqa: ASYNC110 - no event to wait on
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(server.gone(), timeout_s)

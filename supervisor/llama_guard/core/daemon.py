@@ -237,10 +237,10 @@ class Daemon:
             loop.add_signal_handler(sig, handler, sig)
         self.emitter.emit("daemon_started", version=__version__, config_path=str(self.config_path),
                           daemon_pid=os.getpid())
-        self.ctx = Context(get_config=lambda: self.config, get_state=lambda: self.state,
+        self.ctx = Context(get_config=lambda: self.config,
                            emit=self.emitter.emit, post=self.queue.put_nowait,
                            post_threadsafe=self._post_threadsafe, clock=self.clock, loop=loop,
-                           get_api_key=lambda: self.spawner.live_key)
+                           get_api_key=lambda: self.spawner.live_key, initial=self.state)
         self.executor.gpu = GpuRequests(self.ctx, self.gpu)
         self.status.write()
         try:

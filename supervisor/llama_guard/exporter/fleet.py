@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from llama_guard import __version__
 from llama_guard.gpu.readings import THROTTLE_MASK, GpuSample
+from llama_guard.model.types import State
 from llama_guard.model.watcher import Context
 from llama_guard.slots.client import SlotCallError, SlotClient, SlotInfo
 from llama_guard.vocab.phases import Phase
@@ -44,10 +45,10 @@ class SlotReading:
         return sum(1 for s in self.slots if s.id_task is not None and s.n_tokens > 0 and not s.canary)
 
 
-async def read_slots(ctx: Context) -> SlotReading | None:
-    """The ready server's slots, or None: no server is ready, or it did not answer ``/slots`` within
-    :data:`SLOTS_READ_TIMEOUT_S` (a busy or hung server is the liveness watch's business, not the scrape's)."""
-    state = ctx.state
+async def read_slots(ctx: Context, state: State) -> SlotReading | None:
+    """The slots of the server ``state`` (the loop's last record) holds ready, or None: no server is ready,
+    or it did not answer ``/slots`` within :data:`SLOTS_READ_TIMEOUT_S` (a busy or hung server is the
+    liveness watch's business, not the scrape's)."""
     if state.phase is not Phase.READY or state.pid is None:
         return None
     client = SlotClient(ctx.config.server.base_url, ctx.get_api_key, SLOTS_READ_TIMEOUT_S)

@@ -147,7 +147,7 @@ class MetricsSource(Watcher, Collector):
     async def refresh(self) -> None:
         """Before a scrape's render, on the loop: read llama-server's slots (None when no server is ready
         or it does not answer in time: those series are then absent)."""
-        self._slots = None if self.ctx is None else await read_slots(self.ctx)
+        self._slots = None if self.ctx is None else await read_slots(self.ctx, self._state)
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         self._state = step.after

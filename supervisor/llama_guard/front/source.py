@@ -75,7 +75,7 @@ class FrontSource(Watcher):
         from llama_guard.front.app import FrontApp
         from llama_guard.front.forward import Forwarder
 
-        self._state = state = ctx.state  # once, before the loop's first step; then on_transition
+        self._state = state = ctx.initial  # before the loop's first step; then on_transition
         admission = Admission(ctx.clock, lambda episode: self._episode(ctx, episode))
         admission.update(state)
         metrics = FrontMetrics(self._registry, waiting=lambda: admission.waiting,

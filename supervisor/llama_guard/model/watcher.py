@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llama_guard.config import Config
@@ -27,10 +27,11 @@ from llama_guard.vocab.events import EmitFn
 
 @dataclass
 class Context:
-    """What a watcher may use: the live config and policy state, emit, post, the clocks."""
+    """What a watcher may use: the live config, emit, post, the clocks, and the policy's state before
+    the loop's first step (``initial``). The policy's later states come only through the loop's records
+    (:meth:`Watcher.on_transition`): a watcher is fed them, it never reads (polls) the live state."""
 
     get_config: Callable[[], Config]
-    get_state: Callable[[], State]
     emit: EmitFn
     post: Callable[[Input], None]
     post_threadsafe: Callable[[Input], None]
@@ -38,14 +39,13 @@ class Context:
     loop: asyncio.AbstractEventLoop
     # The API key of [server].api_key_file as last read (start, reload); "" without one.
     get_api_key: Callable[[], str] = lambda: ""
+    # The policy's state as the daemon made it, before the loop's first step (a watcher that must act
+    # before any record, such as the front door's gate at its start).
+    initial: State = field(default_factory=State)
 
     @property
     def config(self) -> Config:
         return self.get_config()
-
-    @property
-    def state(self) -> State:
-        return self.get_state()
 
 
 class Watcher:
@@ -76,8 +76,7 @@ class Watcher:
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
         """The loop took one ``step`` (every input, whether or not the state or phase changed): the
-        state before and after, the input, the actions it is about to carry out. ``ctx.state`` is
-        already ``step.after``. Observe only."""
+        state before and after, the input, the actions it is about to carry out. Observe only."""
 
     def on_reload(self, ctx: Context, old: Config, new: Config) -> None:
         """A validated configuration replaced ``old``."""

@@ -11,7 +11,8 @@ Every ``SAMPLE_INTERVAL_S`` (and at once when a server becomes ready and when a 
 feeds :class:`~llama_guard.restarts.decay.DecayMonitor`: the server's anonymous memory (RssAnon + VmSwap), its VRAM
 (from the GPU source's last NVML sample, when there is one) and the ``/metrics`` generation
 counters. A trigger past its opt-in bound reports ``decay_detected`` and asks for the same
-drained restart.
+drained restart: at once when the policy holds that server READY, else from the loop's record that
+makes it READY (fed, not polled).
 
 Each planned restart — scheduled, decay, or requested (``llama-guard restart``, SIGUSR1) — is
 followed through the records the loop publishes (:meth:`on_transition`, :meth:`on_exit`) into its
@@ -190,6 +191,7 @@ class ScheduleSource(Watcher):
         if step.entered(Phase.READY):
             self.follower.ready(ctx, step.after.pid)
             self._spawn_task(self._sample(ctx))  # the start of the new server's speed window
+            self._send_decay(ctx)  # a trigger that fired while the server drained or loaded
 
     async def _warm_model(self, ctx: Context) -> None:
         """While the old server drains: the model file into the page cache for the new one
@@ -225,14 +227,8 @@ class ScheduleSource(Watcher):
             await self._sample(ctx)
 
     def tick(self, ctx: Context) -> Decision | None:
-        """Ask the schedule once (and send a decay restart waiting for READY); the decision, if any."""
+        """Ask the schedule once; the decision, if any."""
         serving = self._phase is Phase.READY
-        if self._decay is not None and serving and self._policy_pid == self._decay[0]:
-            _, fired = self._decay
-            self._decay = None
-            self.follower.decay_trigger = fired.trigger.value
-            ctx.post(RestartRequest(f"decay: {fired.reason}", cause=RestartCause.DECAY, drain=True))
-            return None
         if self.schedule is None:
             return None
         started = self._start_wall if self._pid is not None else None
@@ -290,7 +286,18 @@ class ScheduleSource(Watcher):
         if decision.fire and self._decay is None:
             ctx.emit("decay_detected", server_pid=pid, **decision.fields())
             self._decay = (pid, decision)
+            self._send_decay(ctx)
         self.follower.fill_after(self._pid, self.monitor)
+
+    def _send_decay(self, ctx: Context) -> None:
+        """Ask for the decay restart of a fired trigger once the policy holds its server READY: at once
+        when it does, else from the record that makes it READY (:meth:`on_transition`); never polled."""
+        if self._decay is None or self._phase is not Phase.READY or self._policy_pid != self._decay[0]:
+            return
+        _, fired = self._decay
+        self._decay = None
+        self.follower.decay_trigger = fired.trigger.value
+        ctx.post(RestartRequest(f"decay: {fired.reason}", cause=RestartCause.DECAY, drain=True))
 
     # ------------------------------------------------------------ status
 

@@ -43,8 +43,9 @@ from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
 from llama_guard.core.privileges import resolve_identity
 from llama_guard.host.build import Build, identify, stamp_of
+from llama_guard.model.policy.window import slot_save_reason
 from llama_guard.model.transition import Transition
-from llama_guard.model.types import AfterStop
+from llama_guard.model.types import State
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.slots.client import SlotCallError, SlotClient
 from llama_guard.slots.fingerprint import Fingerprint, fingerprint_of
@@ -76,9 +77,9 @@ class SlotsSource(Watcher):
         self._off_reason: str | None = None  # why the carry-over is off now (said once)
         self._files = Lane(LaneKind.SLOT_FILES)  # the store's file work: a hung disk stays on this lane
         # The policy as the loop's last record showed it: the server it holds READY (None: none), and
-        # whether the stop under way ends in the daemon's exit.
+        # what the saves after a drain are for (the window's slot_save_reason).
         self._ready_pid: int | None = None
-        self._exiting = False
+        self._drain_reason = slot_save_reason(State())
 
     async def _on_files(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` (the store's blocking file work) on the slot-files lane, within
@@ -236,11 +237,12 @@ class SlotsSource(Watcher):
             await client.aclose()
 
     def on_transition(self, ctx: Context, step: Transition) -> None:
-        """Follow the loop's records: the server the policy holds READY and whether the stop under way
-        ends in the daemon's exit (cheap: no call)."""
+        """Follow the loop's records: the server the policy holds READY and what the saves after a
+        drain are for (the planned window decides: :func:`~llama_guard.model.policy.window.slot_save_reason`;
+        cheap: no call)."""
         after = step.after
         self._ready_pid = after.pid if after.phase is Phase.READY else None
-        self._exiting = after.after_stop is AfterStop.EXIT
+        self._drain_reason = slot_save_reason(after)
 
     @staticmethod
     def _report_set_aside(ctx: Context, store: SlotStore) -> None:
@@ -262,12 +264,13 @@ class SlotsSource(Watcher):
     # ------------------------------------------------------------ saves
 
     async def after_drain(self, ctx: Context, pid: int) -> None:
-        """Save the changed slots of drained server ``pid`` (bounded by ``[slots].save_timeout_s``); the
-        reason is what follows its stop: the daemon's exit, or else a planned restart."""
+        """Save the changed slots of drained server ``pid`` (bounded by ``[slots].save_timeout_s``; step 2
+        of the planned window, :mod:`llama_guard.model.policy.window`); the reason is what follows its
+        stop, as the window says: the daemon's exit, or else a planned restart."""
         if self.store is None:
             return
         bound = ctx.config.slots.save_timeout_s
-        reason = "llama-guard stopping" if self._exiting else "planned restart"
+        reason = self._drain_reason
         try:
             await asyncio.wait_for(self._save_changed(ctx, pid, reason, retry_failed=True), bound)
         except asyncio.TimeoutError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 
 from llama_guard.model.phase_state import WaitingVram
-from llama_guard.model.policy.steps import RESTART_EVENT
+from llama_guard.model.policy.window import RESTART_EVENT
 from llama_guard.model.types import AfterStop, State
 from llama_guard.vocab.phases import Phase
 

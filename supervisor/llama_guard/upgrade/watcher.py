@@ -138,6 +138,10 @@ class UpgradeSource(Watcher):
         self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
         self._measuring: Cancel | None = None  # the trial's measurement under way
+        # The policy as the loop's last record showed it (on_transition; never read from the live state):
+        # whether a trial is under way, and the server it holds READY (None: none).
+        self._trial_under_way = False
+        self._ready_pid: int | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -247,7 +251,7 @@ class UpgradeSource(Watcher):
         the path): ask the policy to measure it against the serving build's figure recorded at its last
         trial here with these flags (none recorded: judged by load, answer and probation)."""
         good = self.serving
-        if (good is None or build.same_content(good) or ctx.state.trial is not None
+        if (good is None or build.same_content(good) or self._trial_under_way
                 or ctx.config.upgrade.trial_runs < 1):
             return
         root, key = self._root(ctx.config), flags_key(ctx.config)
@@ -393,10 +397,9 @@ class UpgradeSource(Watcher):
 
     async def _identify_serving(self) -> None:
         """Identify the ready server's build now when it was started unverified and is not yet."""
-        ctx = self._ctx
-        pid = ctx.state.pid if ctx is not None else None
+        ctx, pid = self._ctx, self._ready_pid
         entry = self._pids.get(pid) if pid is not None else None
-        if ctx is not None and pid is not None and isinstance(entry, Path) and ctx.state.phase is Phase.READY:
+        if ctx is not None and pid is not None and isinstance(entry, Path):
             await self._identify(ctx, _Identify(entry, pid, ctx.clock()))
 
     def on_spawn(self, ctx: Context, pid: int) -> None:
@@ -411,6 +414,8 @@ class UpgradeSource(Watcher):
             # The trial ended without its figure (the daemon's stop, an exit, a fatal line): its
             # requests are cut, so that the server's stop waits for none of them.
             self._measuring.set()
+        self._trial_under_way = step.after.trial is not None
+        self._ready_pid = step.after.pid if step.after.phase is Phase.READY else None
         result = step.after.last_trial
         if step.before.phase is Phase.TRIAL and result is not None and result is not step.before.last_trial:
             self._trial_ended(ctx, step, result)

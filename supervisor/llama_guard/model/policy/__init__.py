@@ -17,9 +17,11 @@ outlives SIGKILL; faults said when they repeat), :mod:`.traffic` (client traffic
 reports it: completions, stalls, 5xx), :mod:`.steps` (start, stop, spawn, exit, count a failure;
 :func:`~.steps.after_fault`, the OOM decision), :mod:`.repeat` (the same failure on consecutive
 starts: a verdict), :mod:`.port` (a port another process holds), :mod:`.reset_stop` (a stop
-during a GPU reset; the event that announces one), :mod:`.window` (the planned window, top to bottom:
-drain, the trial of a new build, stop, start, keep or roll back, the release of the held clients) and
-:mod:`.lend` (the GPU lent to ``llama-guard tune``: LENT).
+during a GPU reset; the event that announces one), :mod:`.window` (the planned window, top to bottom,
+every step's decision: asked, drain, slot saves, the trial of a new build, stop, start, slot restores,
+keep or roll back, the release of the held clients; the drain before the daemon's exit) and
+:mod:`.lend` (the GPU lent to ``llama-guard tune``: LENT, granted and ended; its drain and stop are the
+window's).
 """
 
 from __future__ import annotations
@@ -44,20 +46,13 @@ from llama_guard.model.inputs import (
 )
 from llama_guard.model.policy.gpu import on_gpu_fault, on_resetting
 from llama_guard.model.policy.lend import on_lend_asked, on_lent, on_returned_early, refuse_restart, withdrawn
-from llama_guard.model.policy.phases import (
-    on_backoff,
-    on_serving,
-    on_starting,
-    on_stopped,
-    on_trial,
-    restart_meanwhile,
-)
+from llama_guard.model.policy.phases import on_backoff, on_serving, on_starting, on_stopped
 from llama_guard.model.policy.port import on_port_holder
 from llama_guard.model.policy.repeat import on_crashes_charged
 from llama_guard.model.policy.steps import SERVING, VRAM_CHECK_TIMEOUT_S, Result
 from llama_guard.model.policy.stop import on_stop_request, on_stopping
 from llama_guard.model.policy.vram import on_waiting_vram
-from llama_guard.model.policy.window import trial_asked, trial_wanted
+from llama_guard.model.policy.window import restart_meanwhile, trial_asked, trial_step, trial_wanted
 from llama_guard.model.server_log import ERROR_FAMILIES
 from llama_guard.model.types import AfterStop, RestartCause, State
 from llama_guard.vocab.phases import Phase
@@ -127,6 +122,6 @@ _HANDLERS: dict[Phase, Callable[[State, Input, float], Result]] = {
     Phase.DRAINING: on_serving,
     Phase.STOPPING: on_stopping,
     Phase.BACKOFF: on_backoff,
-    Phase.TRIAL: on_trial,
+    Phase.TRIAL: trial_step,
     Phase.LENT: on_lent,
 }

@@ -10,10 +10,11 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.model.actions import Action, AnswerLend, Emit, SignalTune, StartDrain
+from llama_guard.model.actions import Action, AnswerLend, Emit, SignalTune
 from llama_guard.model.inputs import Input, LendAsked, LendReturned, RestartRequest, Tick
 from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.steps import Result, restart_for, start
+from llama_guard.model.policy.window import begin_drain
 from llama_guard.model.types import AfterStop, Lend, LendEnd, RestartCause, State, enter
 from llama_guard.vocab.phases import Phase
 
@@ -31,11 +32,10 @@ def on_lend_asked(state: State, event: LendAsked, now: float) -> Result:
     if state.phase is not Phase.READY or state.pid is None:
         return state, _refuse(event, f"llama-server is {state.phase.value}: a window is lent only from a "
                                      "serving (ready) server")
-    new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(f"lent to tune pid {event.pid}"),
-                  deadline=now + state.params.drain_timeout_s, after_stop=AfterStop.LEND,
-                  lend=Lend(event.pid, event.bound_s))
+    new, drain = begin_drain(replace(state, lend=Lend(event.pid, event.bound_s)), now, AfterStop.LEND,
+                             f"lent to tune pid {event.pid}")
     return new, [Emit("lend_requested", {"tune_pid": event.pid, "bound_s": event.bound_s, "server_pid": state.pid}),
-                 StartDrain(state.pid)]
+                 *drain]
 
 
 def _refuse(event: LendAsked, why: str) -> list[Action]:

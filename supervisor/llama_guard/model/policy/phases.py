@@ -42,16 +42,20 @@ from llama_guard.model.policy.steps import (
     exit_daemon,
     exit_fields,
     fail,
-    restart_event,
-    restart_for,
     start,
     stop,
 )
 from llama_guard.model.policy.stop import alloc_fatal
 from llama_guard.model.policy.traffic import on_traffic
 from llama_guard.model.policy.verdicts import crash_repeat
-from llama_guard.model.policy.window import drain, drain_timed_out, drained, health_answered
-from llama_guard.model.policy.window import on_trial as window_on_trial
+from llama_guard.model.policy.window import (
+    drain,
+    drain_timed_out,
+    drained,
+    health_answered,
+    restart_meanwhile,
+    restart_while_loading,
+)
 from llama_guard.model.server_log import Family, classify_line
 from llama_guard.model.types import AfterStop, RestartCause, State, exit_signal, exit_text
 from llama_guard.vocab.exitcodes import EXIT_CONFIG
@@ -77,20 +81,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         new, actions = exit_daemon(state, EXIT_CONFIG, event.reason)
         return new, [Emit("server_boot_failure", {"cause": event.reason}), *actions]
     if isinstance(event, RestartRequest):
-        if event.cause is RestartCause.OPERATOR:
-            # Restarting a load does not make it faster: an operator's request (the load may hang, a slot
-            # restore too) is carried out once the server is ready (on_starting's HealthOk).
-            return replace(state, deferred_restart=(event.cause, event.reason)), [Emit("restart_requested", {
-                "server_pid": state.pid, "reason": event.reason,
-                "deferred": "the server is still loading; it restarts once ready"})]
-        if event.cause is not RestartCause.CONFIG_CHANGE:  # a plan: the server being started is a fresh one
-            return state, [Emit("restart_requested", {"server_pid": state.pid, "reason": event.reason,
-                                                      "refused": "the server is still loading: a fresh one"})]
-        # Changed server flags: the process being started has the old argv (even before its pid is
-        # known: the stop then waits for the spawn to answer).
-        new, actions = stop(restart_for(state, event.cause), now, AfterStop.RESTART, event.reason)
-        return new, [Emit(restart_event(event.cause), {"server_pid": state.pid, "reason": event.reason,
-                                                       "cause": event.cause.value}), *actions]
+        return restart_while_loading(state, event, now)
     if state.pid is None:
         return state, []
     if isinstance(event, NotOnGpu) and event.pid == state.pid:
@@ -99,7 +90,7 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_gpu_unavailable", {"server_pid": state.pid, "line": event.reason,
                                                      "cause": event.reason}), *actions]
     if isinstance(event, HealthOk) and event.pid == state.pid:
-        return restart_deferred(*health_answered(state, event, now), now)
+        return health_answered(state, event, now)
     if isinstance(event, LoadProgress) and event.pid == state.pid:
         return replace(state, last_progress_at=now), []
     if isinstance(event, Line) and event.pid == state.pid:
@@ -114,22 +105,6 @@ def on_starting(state: State, event: Input, now: float) -> Result:
         return new, [Emit("server_load_timeout", {"server_pid": state.pid, "load_timeout_s": p.load_timeout_s}),
                      *actions]
     return state, []
-
-
-def restart_deferred(state: State, actions: list[Action], now: float) -> Result:
-    """A server just released (READY) for which an operator's restart was asked while it loaded:
-    that restart now."""
-    if state.phase is not Phase.READY or state.deferred_restart is None:
-        return state, actions
-    cause, reason = state.deferred_restart
-    new, restart = on_serving(replace(state, deferred_restart=None), RestartRequest(reason, cause=cause), now)
-    return new, [*actions, *restart]
-
-
-def on_trial(state: State, event: Input, now: float) -> Result:
-    """TRIAL (:func:`llama_guard.model.policy.window.on_trial`), with a restart asked while it loaded
-    carried out once it is kept."""
-    return restart_deferred(*window_on_trial(state, event, now), now)
 
 
 def _load_stalled(state: State, now: float) -> Result | None:
@@ -271,18 +246,6 @@ def _on_probe(state: State, event: Probe, now: float) -> Result:
     new, actions = stop(new, now, AfterStop.FAILURE, "hang", grace_s=HUNG_GRACE_S)
     return new, [*recovered, Emit("server_hang", {"server_pid": state.pid, "failures": strikes, "reason": reason,
                                                   "phase": state.phase.value}), *actions]
-
-
-def restart_meanwhile(state: State, event: RestartRequest) -> Result:
-    """A restart asked for while the server is neither serving, loading nor backing off (draining,
-    stopping, resetting the GPU, waiting for VRAM): a stop that ends the daemon refuses it; otherwise
-    the restart or start under way is the one asked for. Either way it is said (``restart_requested``)."""
-    fields: dict[str, object] = {"server_pid": state.pid, "reason": event.reason}
-    if state.phase in (Phase.DRAINING, Phase.STOPPING, Phase.RESETTING) and state.after_stop is AfterStop.EXIT:
-        fields["refused"] = f"llama-guard is stopping ({exit_asked(state).reason or 'asked to'}): no server follows"
-    else:
-        fields["under_way"] = f"a new server is already on its way ({state.phase.value})"
-    return state, [Emit("restart_requested", fields)]
 
 
 def on_backoff(state: State, event: Input, now: float) -> Result:

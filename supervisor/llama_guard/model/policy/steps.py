@@ -12,7 +12,6 @@ from llama_guard.model.actions import Action, CheckVram, Emit, ExitDaemon, SaveS
 from llama_guard.model.phase_state import Starting, Stopping, WaitingVram
 from llama_guard.model.policy.repeat import repeat_verdict
 from llama_guard.model.types import AfterStop, Exit, Failure, Params, RestartCause, State, enter, exit_text
-from llama_guard.vocab.events import EventName
 from llama_guard.vocab.exitcodes import EXIT_CONFIG, EXIT_CRASH_LOOP
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -31,21 +30,6 @@ VRAM_CHECK_TIMEOUT_S = 25.0
 
 #: The phases in which a server serves (liveness probes, drains).
 SERVING = (Phase.READY, Phase.DRAINING)
-
-#: The event that reports a graceful restart of each planned cause.
-RESTART_EVENT: dict[RestartCause, EventName] = {
-    RestartCause.OPERATOR: "restart_requested",
-    RestartCause.SCHEDULE: "scheduled_restart",
-    RestartCause.DECAY: "decay_restart",
-    RestartCause.CONFIG_CHANGE: "restart_requested",
-}
-
-
-def restart_event(cause: RestartCause) -> EventName:
-    """The event name for a graceful restart asked for with ``cause`` (``restart_requested`` for any
-    cause that is not a plan)."""
-    return RESTART_EVENT.get(cause, "restart_requested")
-
 
 def fail(state: State, cause: RestartCause, text: str, line: str = "") -> State:
     """``state`` with its failure record set: the restart ``cause``, the failure in words, and the

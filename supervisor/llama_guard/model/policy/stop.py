@@ -1,5 +1,6 @@
 """Stopping a server and what comes after it (:class:`~llama_guard.model.types.AfterStop`): the
-STOPPING phase, a stop request, the exit after an unrecovered allocation failure. Pure.
+STOPPING phase, a stop request, the exit after an unrecovered allocation failure. A planned window's
+drain and its start after the stop are :mod:`.window`'s. Pure.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from llama_guard.model.actions import Action, Emit, Kill, StartDrain, Terminate
+from llama_guard.model.actions import Action, Emit, Kill, Terminate
 from llama_guard.model.inputs import Exited, Input, Line, SlotsSaved, Spawned, SpawnFailed, StopRequest, Tick
 from llama_guard.model.phase_state import Stopping
 from llama_guard.model.policy.gpu import begin_reset
@@ -27,8 +28,9 @@ from llama_guard.model.policy.steps import (
     stop,
 )
 from llama_guard.model.policy.verdicts import unkillable, watchdog_hit
+from llama_guard.model.policy.window import drain_before_exit, start_again
 from llama_guard.model.server_log import Family
-from llama_guard.model.types import AfterStop, Exit, RestartCause, State, TrialStage, enter
+from llama_guard.model.types import AfterStop, Exit, RestartCause, State, TrialStage
 from llama_guard.vocab.exitcodes import EXIT_OK
 from llama_guard.vocab.phases import Phase
 from llama_guard.vocab.triggers import ResetTrigger
@@ -109,9 +111,7 @@ def finish_stop(state: State, now: float, reset_trigger: str | None = None) -> R
     if state.after_stop is AfterStop.LEND:
         return grant(state, now)
     if state.after_stop is AfterStop.RESTART:
-        new, actions = start(replace(state, restarts=state.restarts + 1), now)
-        return new, [Emit("server_restart", {"server_pid": state.pid, "reason": state.stop_reason,
-                                             "restart_cause": state.failure.cause.value}), *actions]
+        return start_again(state, now)  # a planned window's start
     return count_failure(state, now)
 
 
@@ -128,37 +128,6 @@ def alloc_fatal(state: State, event: Exited, now: float, phase: str) -> Result:
     after = after_fault(state.params, ResetTrigger.OOM, loading=phase == "loading")
     new, actions = finish_stop(replace(new, after_stop=after), now, reset_trigger=reason)
     return new, [oom, Emit("server_exited", {**fields, "phase": phase}), *actions]
-
-
-def drain_before_exit(state: State, event: StopRequest, now: float) -> Result:
-    """SIGTERM/SIGINT while the server serves behind the front door: let the requests in flight finish
-    (DRAINING, at most ``stop_drain_s``; a planned drain under way goes on, its deadline cut to that), then stop the
-    server and exit 0. New requests are refused at once meanwhile (the front door's gate closes on
-    the pending exit); a second signal kills the server at once."""
-    assert state.pid is not None
-    p = state.params
-    deadline = now + p.exit_drain_s
-    drain: list[Action] = [StartDrain(state.pid)]
-    if state.phase is Phase.DRAINING:
-        deadline = min(deadline, state.deadline if state.deadline is not None else deadline)
-        drain = []  # its drain watch is running already
-    new = replace(state, phase=enter(state, Phase.DRAINING), phase_data=Stopping(event.reason), deadline=deadline,
-                  after_stop=AfterStop.EXIT, exit=Exit(EXIT_OK, event.reason))
-    emit = Emit("daemon_stopping", {"reason": f"{event.reason}; the requests in flight may finish first (up to "
-                                              f"{deadline - now:.0f} s, [front].stop_drain_s)",
-                                    "server_pid": state.pid})
-    return new, [emit, *drain]
-
-
-def end_exit_drain(state: State, now: float, drained: bool) -> Result:
-    """The drain before the exit ended: every request in flight finished (``drained``), else
-    ``stop_drain_s`` ran out (``stop_drain_timeout``). Either way the server is stopped, then the exit."""
-    assert state.pid is not None
-    new, actions = stop(state, now, AfterStop.EXIT, state.stop_reason, exit=exit_asked(state))
-    if drained:
-        return new, actions
-    return new, [Emit("stop_drain_timeout", {"server_pid": state.pid, "stop_drain_s": state.params.exit_drain_s}),
-                 *actions]
 
 
 def on_stop_request(state: State, event: StopRequest, now: float) -> Result:
