@@ -1,11 +1,12 @@
-"""``[server].binary`` that cannot be started, named for what it is: not found, a directory, not
-executable — in ``check``, in a reload's refusal, in the upgrade preflight and at a
+"""``[server].binary`` that cannot be started, named for what it is: not found, a directory, a FIFO or a
+socket (whatever its mode says), not executable — in ``check``, in a reload's refusal, in the upgrade preflight and at a
 start. Before: a directory was "not found", and a file without the execute bit reached the preflight as
 "--version: Permission denied" (a reload) or "is not executable" (check) alone."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,20 @@ def _kinds(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     plain.chmod(0o644)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
+    runnable_fifo = tmp_path / "runnable-fifo"
+    os.mkfifo(runnable_fifo, 0o755)  # its mode says executable; exec and a hash read of it do not work
+    os.mknod(tmp_path / "sock", 0o755 | stat.S_IFSOCK)  # the inode a bound unix socket leaves
+    not_regular = "not a regular file: not the llama-server executable"
     return {"directory": (directory, f"{directory} is a directory, not the llama-server executable"),
             "not executable": (plain, f"{plain} is not executable (mode 0644)"),
-            "a FIFO without the execute bit": (fifo, f"{fifo} is not executable (mode 0600)"),
+            "a FIFO without the execute bit": (fifo, f"{fifo} is a FIFO, {not_regular}"),
+            "an executable FIFO": (runnable_fifo, f"{runnable_fifo} is a FIFO, {not_regular}"),
+            "an executable socket": (tmp_path / "sock", f"{tmp_path / 'sock'} is a socket, {not_regular}"),
             "missing": (tmp_path / "gone", f"'{tmp_path / 'gone'}' not found")}
 
 
-@pytest.mark.parametrize("kind", ["directory", "not executable", "a FIFO without the execute bit", "missing"])
+@pytest.mark.parametrize("kind", ["directory", "not executable", "a FIFO without the execute bit", "an executable FIFO",
+                                  "an executable socket", "missing"])
 def test_an_unusable_binary_is_named_for_what_it_is_everywhere(tmp_path: Path, kind: str) -> None:
     path, said = _kinds(tmp_path)[kind]
     config = Config.model_validate({"server": {"binary": str(path), "model": str(tmp_path / "m.gguf")}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,9 @@ def test_the_copies_live_in_the_state_directory(tmp_path: Path) -> None:
 
 async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A binary on a hung filesystem (a FIFO nobody writes: reading it for its hash never returns) is
-    no build fault: the start goes on with the configured binary (as before preflights existed)."""
+    """A preflight that does not return (a binary on a hung filesystem: its stat or its hash read never
+    returns; here the preflight itself waits on an event) is no build fault: the start goes on with the
+    configured binary (as before preflights existed)."""
     import asyncio
 
     from llama_guard.config import Config
@@ -82,8 +84,9 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
     from llama_guard.upgrade import watcher
 
     monkeypatch.setattr(watcher, "PREFLIGHT_CALL_S", 0.5)
-    hung = tmp_path / "llama-server"
-    os.mkfifo(hung, 0o755)  # executable by its mode: the preflight opens it (to hash it) and waits
+    release = threading.Event()
+    monkeypatch.setattr(watcher, "preflight", lambda *a, **k: release.wait())
+    hung = a_build(tmp_path / "hung", "2").path
     cfg = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": str(hung)}})
     events: list[tuple[str, dict[str, object]]] = []
     ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: events.append((name, f)),
@@ -95,5 +98,5 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
     assert await source.before_spawn(ctx, hung) == BuildChoice(hung)
     assert events == [("blocking_call_timeout", {"call": f"preflight of {hung}", "timeout_s": 0.5,
                                                  "effect": "the server is started without it"})]
-    os.close(os.open(hung, os.O_WRONLY | os.O_NONBLOCK))  # the reader left on its lane gets its end of file
+    release.set()  # the call left on its lane returns
 

@@ -30,7 +30,8 @@ def resolve_binary(binary: str) -> Path | None:
 
 def binary_problem(binary: str) -> str:
     """Why ``[server].binary`` ``binary`` cannot be started ("" when it can be tried): not found, a
-    directory, not executable by llama-guard. Blocking (a stat)."""
+    directory or another file that is not a regular one (a FIFO, a socket, a device: exec refuses them,
+    and reading one for its hash may never return), not executable by llama-guard. Blocking (a stat)."""
     if "/" not in binary:
         return "" if shutil.which(binary) else f"{binary!r} not found on $PATH"
     path = Path(binary)
@@ -42,6 +43,9 @@ def binary_problem(binary: str) -> str:
         return f"{binary}: {exc.strerror or exc}"
     if stat.S_ISDIR(st.st_mode):
         return f"{binary} is a directory, not the llama-server executable"
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+        return f"{binary} is {kind}, not a regular file: not the llama-server executable"
     if not os.access(path, os.X_OK):
         return f"{binary} is not executable (mode {stat.S_IMODE(st.st_mode):04o})"
     return ""
