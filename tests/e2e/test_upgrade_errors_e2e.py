@@ -1,7 +1,9 @@
 """A new llama-server build whose answers fail while ``/health`` is fine (a backend rename after which an
 endpoint answers 500): a serving daemon pointed at it (reload) ends up serving on the last good build,
 with the cause named, whether the trial finds it (the native ``/completion``) or its probation does
-(a run of ``[front].hold_after_errors`` client requests answered 5xx).
+(``[front].hold_after_errors`` client requests answered 5xx, in a row or not, confirmed by llama-guard's
+own requests). Client requests that any build answers 500 (an out-of-range token to ``/detokenize``, an
+image to a text model) do not roll a good new build back: llama-guard's own requests answer 2xx.
 
 The bad builds are the real llama-server behind a small proxy that answers 500 on the endpoints it is
 told to break (tests/endpoint_fault_proxy.py) — what an attack put in front of the real server, where a
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_upgrade_e2e import ClientLoop, reload_with, script, serving, started_binaries, status_when
+from test_upgrade_e2e import ClientLoop, copy_build, reload_with, script, serving, started_binaries, status_when
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -71,8 +73,9 @@ def test_a_run_of_5xx_in_its_probation_rolls_the_build_back(
         assert statuses == [500, 500, 500]
         back = run.wait_event("upgrade_rolled_back", 120)
         assert back["from_binary"] == str(bad) and back["to_binary"] == str(llama_server_bin), back
-        assert "3 client requests in a row with HTTP 5xx (the last 500)" in back["cause"], back
+        assert "3 client requests with HTTP 5xx (the last 500)" in back["cause"], back
         assert "into its probation" in back["cause"], back
+        assert f"llama-guard's own request too: POST {endpoint} answered HTTP 500" in back["cause"], back
         run.wait_event("server_ready", 120, skip=2)
         assert started_binaries(run) == [str(llama_server_bin), str(bad), str(llama_server_bin)]
         assert httpx.post(url, json=body, timeout=120).status_code == 200
@@ -96,7 +99,61 @@ def test_a_build_that_passes_its_trial_then_answers_500_is_rolled_back_in_its_pr
         assert [httpx.post(url, json=chat, timeout=120).status_code for _ in range(3)] == [500, 500, 500]
         back = run.wait_event("upgrade_rolled_back", 120)
         assert back["from_binary"] == str(bad) and back["to_binary"] == str(llama_server_bin), back
-        assert "in a row with HTTP 5xx" in back["cause"], back
+        assert "client requests with HTTP 5xx" in back["cause"], back
+        assert "own request too: POST /v1/chat/completions answered HTTP 500" in back["cause"], back
         run.wait_event("server_ready", 300, skip=2)
         assert httpx.post(url, json=chat, timeout=120).status_code == 200
         assert started_binaries(run) == [str(llama_server_bin), str(bad), str(llama_server_bin)]
+
+
+def test_a_broken_endpoint_hidden_in_mixed_traffic_is_rolled_back_in_its_probation(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """Clients alternate the broken chat endpoint (500) with the native one (200): no run of 5xx in a
+    row, yet 3 client 5xx on a build on probation are checked, llama-guard's own chat request answers 500
+    and the build is rolled back. Before: each 200 reset the run, and the build was kept after its
+    probation."""
+    bad = broken_endpoints(tmp_path / "llama-server-no-chat", llama_server_bin, "/v1/chat/completions")
+    with serving(tmp_path, llama_server_bin, real_model, upgrade={"probation_s": 600.0},
+                 front={"hold_after_errors": 3}) as run:
+        reload_with(run, bad)
+        run.wait_event("server_ready", 120, skip=1)
+        chat = (f"http://127.0.0.1:{run.front}/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        native = (f"http://127.0.0.1:{run.front}/completion", {"prompt": "Hello", "n_predict": 2})
+        statuses = [httpx.post(url, json=body, timeout=120).status_code
+                    for url, body in (chat, native, chat, native, chat)]
+        assert statuses == [500, 200, 500, 200, 500]
+        back = run.wait_event("upgrade_rolled_back", 120)
+        assert back["from_binary"] == str(bad) and back["to_binary"] == str(llama_server_bin), back
+        assert "POST /v1/chat/completions answered HTTP 500" in back["cause"], back
+        run.wait_event("server_ready", 120, skip=2)
+        assert httpx.post(chat[0], json=chat[1], timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [
+    ("/detokenize", {"tokens": [999_999_999]}),  # llama-server: 500 vector::_M_range_check
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 2}),
+])
+def test_client_requests_that_any_build_fails_do_not_roll_a_good_build_back(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path, endpoint: str, body: dict[str, object]) -> None:
+    """A good new build (the real one, a byte appended: another content hash) on probation; a client sends
+    requests that llama-server answers 500 whatever its build. llama-guard's own requests answer 2xx
+    (``upgrade_errors_not_confirmed``) and the build stays. Before: 3 such requests rolled it back, and it
+    stayed refused for the daemon's life."""
+    new = copy_build(llama_server_bin, tmp_path / "new-build")
+    with new.open("ab") as f:
+        f.write(b"\0another build\0")
+    with serving(tmp_path, llama_server_bin, real_model, upgrade={"probation_s": 600.0},
+                 front={"hold_after_errors": 3}) as run:
+        reload_with(run, new)
+        run.wait_event("server_ready", 120, skip=1)
+        url = f"http://127.0.0.1:{run.front}{endpoint}"
+        assert [httpx.post(url, json=body, timeout=120).status_code for _ in range(3)] == [500, 500, 500]
+        checked = run.wait_event("upgrade_errors_not_confirmed", 120)
+        assert checked["errors"] == 3 and checked["status"] == 500, checked
+        assert "upgrade_rolled_back" not in run.names()
+        assert started_binaries(run) == [str(llama_server_bin), str(new)]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(f"http://127.0.0.1:{run.front}/v1/chat/completions", json=chat, timeout=120).status_code \
+            == 200

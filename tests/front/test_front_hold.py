@@ -41,7 +41,7 @@ async def test_every_held_request_ends_in_one_outcome_and_the_counts_add_up() ->
 
     forwarded = [hold(1), hold(2)]
     replayed = hold(3, arrived=arrived_long_ago, replay=True)
-    timed_out = hold(4, hold_s=0.05)
+    timed_out = hold(4, hold_s=2.0)  # still held when the queue is seen full, however slow the loop's first steps
     gone = hold(5)
     await until(lambda: admission.waiting == 5, "5 held")
     with pytest.raises(Refused) as full:

@@ -26,11 +26,10 @@ from typing import IO, Any
 
 from llama_guard.config import Config
 from llama_guard.core.client import BlockingClient, Cancel, RequestFailed
+from llama_guard.core.own_requests import CHAT_PATH, OWN_REQUESTS, answer_problem
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 BENCH_FILE = "bench.json"  # the last bench's result under [runtime].dir (exported as metrics)
-CHAT_PATH = "/v1/chat/completions"  # the measured endpoint
-NATIVE_PATH = "/completion"  # llama-server's native endpoint, checked once by an upgrade's trial
 TIMING_KEYS = ("predicted_n", "predicted_per_second", "prompt_n", "prompt_per_second")
 
 
@@ -164,13 +163,13 @@ def _timings(text: str) -> RunTimings:
 def native_completion(client: BlockingClient, timeout_s: float) -> None:
     """One short completion on llama-server's native ``POST /completion`` (the endpoint the trial's chat
     measurement does not reach). Raises :class:`BenchError` on a failed request or a non-2xx answer."""
+    path, body = OWN_REQUESTS[0]
     try:
-        resp = client.post(NATIVE_PATH, json={"prompt": "Hello", "n_predict": 1, "temperature": 0},
-                           timeout_s=timeout_s)
+        problem = answer_problem(path, client.post(path, json=body, timeout_s=timeout_s))
     except RequestFailed as exc:
-        raise BenchError(f"POST {NATIVE_PATH} failed: {exc}") from exc
-    if not 200 <= resp.status < 300:
-        raise BenchError(f"POST {NATIVE_PATH} answered HTTP {resp.status}: {' '.join(resp.text.split())[:300]}")
+        raise BenchError(f"POST {path} failed: {exc}") from exc
+    if problem:
+        raise BenchError(problem)
 
 
 @dataclass(frozen=True)

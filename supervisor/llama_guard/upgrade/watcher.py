@@ -35,8 +35,9 @@ from typing import Any
 from llama_guard.config import Config
 from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
-from llama_guard.core.client import Cancel
+from llama_guard.core.client import Cancel, RequestFailed, ServerClient
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
+from llama_guard.core.own_requests import OWN_REQUESTS, own_requests_failure
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
@@ -79,6 +80,18 @@ class _Record:
 
 
 @dataclass(frozen=True)
+class _Confirm:
+    """Confirm (or not) with llama-guard's own requests the client 5xx answered by server ``pid`` of
+    ``build`` on probation: ``errors`` of them, the last ``status``, the last at ``at``."""
+
+    build: Build
+    pid: int
+    errors: int
+    status: int
+    at: float
+
+
+@dataclass(frozen=True)
 class _Refusal:
     binary: str
     build: str
@@ -96,13 +109,6 @@ def _unplanned(step: Transition) -> bool:
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
-def _error_run(step: Transition) -> bool:
-    """Whether this step is the client 5xx answer that completes a run of ``[front].hold_after_errors``
-    (the policy's count, :mod:`llama_guard.model.policy.traffic`; 0: runs are not counted)."""
-    runs = step.after.params.hold_after_errors
-    return runs > 0 and step.before.http_errors < runs <= step.after.http_errors
-
-
 class UpgradeSource(Watcher):
     """Preflight, probation and roll-back of llama-server builds; the daemon's build port
     (:class:`llama_guard.core.ports.BuildPort`)."""
@@ -113,6 +119,8 @@ class UpgradeSource(Watcher):
         """``measure``: a trial's measurement of a server's decode speed (None: a trial's measurement
         answers that none is available, and the new build is rolled back)."""
         self._measure = measure
+        self._probation_5xx = 0  # client 5xx answers by the build on probation since the last confirmation
+        self._confirming = False  # a _Confirm is queued or running
         self._trial = Lane(LaneKind.TRIAL)
         self.last_trial: dict[str, Any] | None = None  # the last trial with both builds, for status
         self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
@@ -134,7 +142,7 @@ class UpgradeSource(Watcher):
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
         # copies to keep, builds to identify, trial figures to record
-        self._jobs: asyncio.Queue[Build | _Identify | _Record] = asyncio.Queue()
+        self._jobs: asyncio.Queue[Build | _Identify | _Record | _Confirm] = asyncio.Queue()
         self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
         self._measuring: Cancel | None = None  # the trial's measurement under way
@@ -368,6 +376,9 @@ class UpgradeSource(Watcher):
             if isinstance(job, _Identify):
                 await self._identify(ctx, job)
                 continue
+            if isinstance(job, _Confirm):
+                await self._confirm(ctx, job)
+                continue
             if isinstance(job, _Record):
                 with contextlib.suppress(OSError, CallTimeout, LaneBusy):
                     root = self._root(ctx.config)
@@ -430,10 +441,8 @@ class UpgradeSource(Watcher):
             failed = self._pids.get(step.input.pid)
             if isinstance(failed, Build):
                 self._failed_exit(failed, step)
-        elif isinstance(step.input, UpstreamError) and _error_run(step):
-            erring = self._pids.get(step.input.pid)
-            if isinstance(erring, Build):
-                self._failed_errors(ctx, erring, step)
+        elif isinstance(step.input, UpstreamError):
+            self._client_5xx(step.input, step)
         if (self.serving is not None and not self._proven and self._serving_since is not None
                 and step.after.phase is Phase.READY
                 and step.at - self._serving_since >= ctx.config.upgrade.probation_s):
@@ -445,6 +454,7 @@ class UpgradeSource(Watcher):
         if self.serving is not None and (self._proven or self._previous is None):
             self._previous = self.serving  # the build that served before (proven if one was)
         self.serving, self._serving_since, self._proven = build, at, False
+        self._probation_5xx = 0
 
     def _last_good_build(self) -> Build | None:
         """The build a failing new one is judged against: the serving one once proven, else the one
@@ -471,23 +481,52 @@ class UpgradeSource(Watcher):
         if on_probation:
             self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
 
-    def _failed_errors(self, ctx: Context, build: Build, step: Transition) -> None:
-        """A server of ``build`` answered a run of ``[front].hold_after_errors`` client requests with
-        HTTP 5xx (none completed between): a build on probation with a different good build to go back
-        to is marked failed and restarted (drained), and the start rolls back to that build
-        (``upgrade_rolled_back`` with this cause). A proven build's runs stay the policy's business (one
-        bad client must not restart the server for everyone)."""
-        if not build.same_as(self.serving) or self._proven:
-            return
+    def _on_probation(self, build: Build) -> bool:
+        """Whether ``build`` serves on probation with a different good build to go back to."""
         good = self._last_good_build()
-        if good is None or build.same_content(good):
+        return (build.same_as(self.serving) and not self._proven and good is not None
+                and not build.same_content(good))
+
+    def _client_5xx(self, error: UpstreamError, step: Transition) -> None:
+        """A client request answered HTTP 5xx. On a build on probation, every ``[front].hold_after_errors``
+        such answers (in a row or not: mixed traffic must not hide a broken endpoint) are checked with
+        llama-guard's own requests (:meth:`_confirm`), never judged by themselves: a client's input that
+        the server rejects with 500 would fail the last good build too. A proven build's 5xx stay the
+        policy's business (``server_http_errors``)."""
+        build = self._pids.get(error.pid)
+        runs = step.after.params.hold_after_errors
+        if runs == 0 or not isinstance(build, Build) or not self._on_probation(build):
             return
-        assert isinstance(step.input, UpstreamError)
-        into = step.at - (self._serving_since or step.at)
-        cause = (f"llama-server {build.short} answered {step.after.http_errors} client requests in a row with "
-                 f"HTTP 5xx (the last {step.input.status}), none completed between, {into:.0f} s into its "
-                 f"probation ([front].hold_after_errors)")
-        self._failed[build.sha256] = cause
+        self._probation_5xx += 1
+        if self._probation_5xx < runs or self._confirming:
+            return
+        self._probation_5xx, self._confirming = 0, True
+        self._jobs.put_nowait(_Confirm(build, error.pid, runs, error.status, step.at))
+
+    async def _confirm(self, ctx: Context, job: _Confirm) -> None:
+        """Send llama-guard's own requests (:data:`~llama_guard.core.own_requests.OWN_REQUESTS`) to the server
+        of ``job``: one that fails marks the build failed and asks for a drained restart, whose start rolls
+        back to the last good build (``upgrade_rolled_back`` with the cause); all answered 2xx:
+        ``upgrade_errors_not_confirmed``, the build stays. No complete answer in time: no verdict (a
+        server that does not answer is the liveness watch's to judge)."""
+        try:
+            async with ServerClient(ctx.config.server.base_url, ctx.get_api_key) as client:
+                failure = await own_requests_failure(client, ctx.config.upgrade.trial_timeout_s)
+        except RequestFailed:
+            return
+        finally:
+            self._confirming = False
+        if job.pid != self._ready_pid or not self._on_probation(job.build):
+            return  # that server is gone, or the build was judged meanwhile
+        into = job.at - (self._serving_since or job.at)
+        errors = (f"{job.errors} client requests with HTTP 5xx (the last {job.status}) {into:.0f} s into its "
+                  "probation ([front].hold_after_errors)")
+        if not failure:
+            ctx.emit("upgrade_errors_not_confirmed", build=job.build.short, errors=job.errors, status=job.status,
+                     endpoints=", ".join(path for path, _ in OWN_REQUESTS))
+            return
+        cause = f"llama-server {job.build.short} answered {errors}, and llama-guard's own request too: {failure}"
+        self._failed[job.build.sha256] = cause
         self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
         ctx.post(RestartRequest(cause, cause=RestartCause.TRIAL))
 

@@ -158,6 +158,7 @@ EventName = Literal[
     "model_page_cache_short",
     "upgrade_preflight_passed",
     "upgrade_trial_passed",
+    "upgrade_errors_not_confirmed",
     "upgrade_refused",
     "upgrade_rolled_back",
     "upgrade_kept",
@@ -1042,6 +1043,18 @@ EVENTS: tuple[EventSpec, ...] = (
                     "it serves on probation ([upgrade].probation_s)."),
               readme=("a new build loaded, answered and decoded within `[upgrade].max_slowdown_pct` of the old "
                       "one in the drained window: kept, both figures named")),
+    EventSpec("upgrade_errors_not_confirmed", _S.NOTICE,
+              ("llama-server build {build} on probation answered {errors} client requests with HTTP 5xx (the "
+               "last {status}), but llama-guard's own requests to {endpoints} answered 2xx: the clients' "
+               "requests are the cause, the build stays"),
+              subject="client errors on a new build were not the build's",
+              body=("A build on probation answered [front].hold_after_errors client requests with HTTP 5xx.\n"
+                    "llama-guard sent its own short requests to the inference endpoints (@ENDPOINTS@) and\n"
+                    "each answered 2xx: what failed was the clients' requests (an input the server rejects\n"
+                    "with 500), which the last good build would have failed too. The build is not rolled\n"
+                    "back for them."),
+              readme=("a run of client 5xx on a build on probation that llama-guard's own requests to the "
+                      "inference endpoints did not confirm: the build stays (a client cannot roll it back)")),
     EventSpec("upgrade_refused", _S.ERROR,
               "llama-server build {build} at {binary} refused: {cause}; {outcome}",
               subject="a llama-server build was refused",
