@@ -111,3 +111,48 @@ def test_a_build_forced_to_one_thread_is_the_slower_side(tmp_path: Path, llama_s
     cfg = config(tmp_path, llama_server_bin, real_model, threads=2)
     doc = json.loads(compare(cfg, one_thread(tmp_path, llama_server_bin), "--json", runs=5).stdout)
     assert doc["ratio_eval"] < 0.85, doc  # one thread against two: clearly slower
+
+
+def test_a_server_already_on_the_configured_port_is_never_the_one_measured(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """A running daemon's llama-server on the configured port (here a stand-in that answers ``/health``
+    200 and every completion 500): ``bench --compare`` starts both of its servers on free ports and
+    measures them, never the one already there. Before: side A's server could not bind, the wait for
+    ``/health`` got the stand-in's 200, and the bench measured it — a running server's figures as the
+    configuration's, and load on the serving box."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[str] = []
+
+    class Serving(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def do_POST(self) -> None:
+            asked.append(self.path)
+            self.send_response(500)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    cfg = config(tmp_path, llama_server_bin, real_model)
+    port = int(re.search(r"port = (\d+)", cfg.read_text())[1])  # type: ignore[index]
+    squatter = ThreadingHTTPServer(("127.0.0.1", port), Serving)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        out = cli("bench", "--runs", "1", "--tokens", "8", "--config", str(cfg), "--compare",
+                  str(copy_build(llama_server_bin, tmp_path / "copy")), "--json")
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert out.returncode == 0, out.stderr
+    assert asked == [], asked
+    assert all(r["eval_tokens_per_s"]["median"] > 0 for r in json.loads(out.stdout)["results"])

@@ -209,11 +209,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Target,
         ceiling_for,
         describe,
+        free_port,
         record,
         run_interleaved,
         spawned_server,
     )
-    from llama_guard.tune.compare import CompareError, Side, ratio_line, ratios, sides
+    from llama_guard.tune.compare import CompareError, Side, on_port, ratio_line, ratios, sides
 
     path, config = _load(args)
     chosen = [Side(path.name, config)]
@@ -228,19 +229,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"llama-guard: bench --compare: {exc}", file=sys.stderr)
             return EXIT_CONFIG
     spawn = args.spawn or bool(args.compare)
+    if spawn:  # the bench's own servers, each on a free port: never a running daemon's server on the configured one
+        chosen = [Side(side.label, on_port(side.config, free_port())) for side in chosen]
     urls = [args.url if args.url and not spawn else side.config.server.base_url for side in chosen]
     for side, url in zip(chosen, urls, strict=True):
         print(f"bench {side.label}: warm-up + {args.runs} runs of {args.tokens} tokens against {url}"
               f"{' (server started for the bench)' if spawn else ''}", file=sys.stderr)
     if len(chosen) > 1:
         print("the runs alternate, one on each server in turn", file=sys.stderr)
+    logs: list[Path] = []  # the spawned servers' output: kept (and named) when the bench fails, else removed
     try:
         with contextlib.ExitStack() as stack:
             if spawn:
                 for side in chosen:
                     fd, log_name = tempfile.mkstemp(prefix="llama-guard-bench-", suffix=".log")
                     os.close(fd)
-                    stack.enter_context(spawned_server(side.config, Path(log_name)))
+                    logs.append(Path(log_name))
+                    stack.enter_context(spawned_server(side.config, logs[-1]))
             targets = [Target(url, read_api_key(side.config.server)) for side, url in zip(chosen, urls, strict=True)]
             results = run_interleaved(targets, runs=args.runs, tokens=args.tokens, prompt=args.prompt,
                                       timeout_s=args.timeout,
@@ -251,6 +256,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"llama-guard: config error: {exc.lines[0]}", file=sys.stderr)
         return EXIT_CONFIG
+    for log in logs:
+        log.unlink(missing_ok=True)
     for side, result in zip(chosen, results, strict=True):
         result.label = side.label
         result.ceiling = ceiling_for(side.config, result, nvml_module=args.nvml_module)
