@@ -12,7 +12,18 @@ from llama_guard.config import Config
 from llama_guard.config.sections import ScheduleConfig
 from llama_guard.gpu.readings import GpuIdentity, GpuProcess, GpuSample
 from llama_guard.model.actions import NotifyReady
-from llama_guard.model.inputs import Drained, Exited, HealthOk, Input, Probe, RestartRequest, Spawned, Tick
+from llama_guard.model.inputs import (
+    Drained,
+    Exited,
+    HealthOk,
+    Input,
+    ParamsChanged,
+    Probe,
+    RestartRequest,
+    Spawned,
+    SpeedMeasured,
+    Tick,
+)
 from llama_guard.model.policy import decide
 from llama_guard.model.transition import Transition
 from llama_guard.model.types import AfterStop, RestartCause, State
@@ -218,6 +229,24 @@ async def test_a_drain_timeout_and_a_requested_restart_are_recorded() -> None:
     done = rig.event("planned_restart_done")
     assert done["kind"] == "requested" and done["outcome"] == "drain_timeout" and done["drained"] is False
     assert "tokens_per_s_before" not in done  # nothing measured: left out, not zero
+
+
+async def test_a_reload_to_a_new_build_that_drained_and_measured_the_old_one_is_called_drained() -> None:
+    """A reload that names a new build drains the old server, measures it (TRIAL), then stops it: that
+    stop follows a drain that answered, so the restart is ``drained`` — not a drain timeout (before:
+    the stop's step was the measurement's, and the record said ``drain_timeout``)."""
+    rig = await Rig().start()
+    rig.serve(100)
+    rig.play(ParamsChanged(rig.state.params, server_changed=True, new_build=True))
+    await rig.settle()
+    rig.play(Drained(100))
+    assert rig.state.phase is Phase.TRIAL
+    rig.play(SpeedMeasured(100, 80.0))
+    assert rig.state.phase is Phase.STOPPING
+    rig.play(Exited(100, 0))
+    rig.source.on_exit(rig.ctx, 100, 0)
+    last = rig.source.history.last()
+    assert last is not None and last.drained is True
 
 
 async def test_a_fault_while_draining_is_not_called_drained() -> None:

@@ -52,5 +52,6 @@ class Transition:
 
     @property
     def drained(self) -> bool:
-        """Whether the server stopped by this step had gone idle first (its drain answered)."""
-        return isinstance(self.input, Drained)
+        """Whether the server stopped by this step had gone idle first: its drain answered now, or it
+        did before the trial that measured it (TRIAL is entered from a drain that answered)."""
+        return isinstance(self.input, Drained) or self.before.phase is Phase.TRIAL
