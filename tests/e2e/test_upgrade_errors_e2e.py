@@ -128,6 +128,17 @@ def test_a_broken_endpoint_hidden_in_mixed_traffic_is_rolled_back_in_its_probati
         assert "POST /v1/chat/completions answered HTTP 500" in back["cause"], back
         run.wait_event("server_ready", 120, skip=2)
         assert httpx.post(chat[0], json=chat[1], timeout=120).status_code == 200
+        # back to the good build, then to the failed one again: refused at the reload, saying why (before:
+        # reloaded, then quietly started as the good build, no event)
+        reload_with(run, llama_server_bin)
+        run.wait_event("config_reloaded", 60, skip=1)
+        reload_with(run, bad)
+        refused = run.wait_event("upgrade_refused", 120)
+        assert refused["binary"] == str(bad) and "it failed here before" in refused["cause"], refused
+        assert "POST /v1/chat/completions answered HTTP 500" in refused["cause"], refused
+        assert httpx.post(chat[0], json=chat[1], timeout=120).status_code == 200
+        # the good build's path named again restarts it (the file named the failed one); the failed one never again
+        assert started_binaries(run) == [str(llama_server_bin), str(bad), str(llama_server_bin), str(llama_server_bin)]
 
 
 @pytest.mark.parametrize(("endpoint", "body"), [

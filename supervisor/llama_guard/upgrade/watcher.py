@@ -205,6 +205,14 @@ class UpgradeSource(Watcher):
         if result is None:  # the running configuration stays: it is known to serve
             self.refused = _Refusal(str(binary), "unknown", f"the preflight of {binary} did not finish")
             return ReloadBuild.REFUSED
+        if result.passed and result.build is not None and result.build.sha256 in self._failed \
+                and not result.build.same_content(self.serving):
+            # it failed here before (loading, its trial or its probation): refused again, saying why,
+            # rather than reloaded and then quietly rolled back at the start
+            earlier = Preflight(result.build, f"it failed here before: {self._failed[result.build.sha256]} "
+                                              "(a restart of llama-guard forgets it)")
+            self._refuse(binary, earlier, "the running configuration and build go on serving", once=False)
+            return ReloadBuild.REFUSED
         if result.passed and result.build is not None:
             self.refused = None  # the configuration now names a build that passes
             if self.serving is None or result.build.same_as(self.serving):
