@@ -290,3 +290,17 @@ def test_a_reload_may_not_put_llama_server_on_a_port_the_daemon_listens_on(tmp_p
     config = load_config(path)
     assert "18560 is where this llama-guard listens (0.0.0.0:18560)" in port_clash(config, [None, ("0.0.0.0", 18560)])
     assert port_clash(config, [("127.0.0.1", 18561), None]) == ""
+
+
+def test_check_says_which_listener_answers_livez_and_readyz_when_metrics_is_off() -> None:
+    """``[metrics].listen`` off: with the front door on, ``check`` no longer says /livez and /readyz need
+    ``[metrics]`` — the front door answers them (before: a newcomer was told to set it for them)."""
+    from llama_guard.config import Config
+    from llama_guard.front.check import check_metrics
+    from llama_guard.vocab.verdicts import Verdict
+
+    front = check_metrics(Config.model_validate({"front": {"listen": "127.0.0.1:18080"}}))
+    assert front.verdict is Verdict.NOTE
+    assert front.detail == "off (set [metrics].listen for /metrics; the front door answers /livez and /readyz)"
+    bare = check_metrics(Config.model_validate({}))
+    assert bare.detail == "off (set [metrics].listen for /metrics, /livez and /readyz)"

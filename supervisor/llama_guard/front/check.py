@@ -78,7 +78,9 @@ def check_metrics(config: Config) -> CheckResult:
     something other than this user's llama-guard holds it, else OK with the address."""
     address = config.metrics.address
     if address is None:
-        return CheckResult("metrics", Verdict.NOTE, "off (set [metrics].listen for /metrics, /livez and /readyz)")
+        served = ("/metrics; the front door answers /livez and /readyz" if config.front.address is not None
+                  else "/metrics, /livez and /readyz")
+        return CheckResult("metrics", Verdict.NOTE, f"off (set [metrics].listen for {served})")
     listen = host_port(*address)
     family = _family(*address)
     if isinstance(family, str):
