@@ -88,9 +88,20 @@ class Spawner:
 
     async def _start(self, config: Config, ctx: Context) -> Started | SpawnFailed:
         server_cfg = config.server
-        binary = resolve_binary(server_cfg.binary)
+
+        def find() -> tuple[Path | None, str]:  # stats of the binary's path: off the loop (a hung filesystem)
+            found = resolve_binary(server_cfg.binary)
+            return found, binary_problem(server_cfg.binary) if found is None else ""
+
+        try:
+            binary, problem = await self._lanes[LaneKind.CONFIG].run(find, MODEL_CHECK_TIMEOUT_S,
+                                                                     f"finding {server_cfg.binary}")
+        except (CallTimeout, LaneBusy) as exc:  # a hung filesystem: a failure, retried after backoff
+            self._emit("blocking_call_timeout", call=f"finding {server_cfg.binary}", timeout_s=MODEL_CHECK_TIMEOUT_S,
+                       effect="the server is not started now")
+            return SpawnFailed(f"server.binary: {exc}", fatal=False)
         if binary is None:
-            return SpawnFailed(f"llama-server binary: {binary_problem(server_cfg.binary)}")
+            return SpawnFailed(f"llama-server binary: {problem}")
         library_dir: Path | None = None
         if self._builds is not None:  # the configured build once preflighted, or the last good one
             choice = await self._builds.before_spawn(ctx, binary)
