@@ -21,7 +21,7 @@ from llama_guard.status.readiness import UNKNOWN_LOAD_S, NotReady, not_ready_cau
 from llama_guard.vocab.phases import Phase
 
 P = Params(stop_grace_s=4, kill_wait_s=2, drain_timeout_s=20, backoff_initial_s=2, exit_drain_s=30,
-           reset_deadline_s=90)
+           reset_deadline_s=90, trial_timeout_s=60)
 
 
 def body(state: State, now: float) -> dict[str, object]:
@@ -122,12 +122,20 @@ def test_the_other_not_ready_states_name_their_own_cause() -> None:
     assert body(before_reset, 1.0)["retry_after_s"] == 4 + 90 + 1  # the stop, the reset's deadline, the load
     vram = replace(ready, phase=Phase.WAITING_VRAM, pid=None, deadline=3.0, phase_data=WaitingVram(until=61.0))
     assert body(vram, 1.0)["cause"] == "waiting_for_vram" and body(vram, 1.0)["retry_after_s"] == 61
-    trial = replace(ready, phase=Phase.TRIAL, trial=Trial(TrialStage.NEW, old_tps=80.0, spawned=True))
-    assert body(trial, 1.0)["cause"] == "build_trial" and body(trial, 1.0)["retry_after_s"] == 1
+    # a build trial counts its measurements at their bound ([upgrade].trial_timeout_s, 60 s here; before:
+    # only a load, 1 s, for a window that measures, stops, loads and measures again)
+    new = replace(ready, phase=Phase.TRIAL, trial=Trial(TrialStage.NEW, old_tps=80.0, spawned=True, answered_at=11.0))
+    assert body(new, 1.0)["cause"] == "build_trial" and body(new, 41.0)["retry_after_s"] == 30  # 30 s of 60 left
+    old = replace(ready, phase=Phase.TRIAL, trial=Trial(TrialStage.OLD))
+    assert body(old, 1.0)["retry_after_s"] == 60 + 4 + 1 + 60  # measured, stopped; the new one loaded, measured
     reload = replace(ready.failure, cause=RestartCause.CONFIG_CHANGE)
     old_drained = replace(ready, phase=Phase.DRAINING, trial=Trial(TrialStage.OLD), deadline=21.0,
                           after_stop=AfterStop.RESTART, failure=reload)
     assert body(old_drained, 1.0)["cause"] == "build_trial"
+    assert body(old_drained, 1.0)["retry_after_s"] == 20 + 4 + 60 + 1 + 60  # the drain, the stop, both measured
+    loading_new = replace(ready, phase=Phase.STARTING, trial=Trial(TrialStage.NEW, spawned=True), started_at=1.0,
+                          restarts=1, failure=reload)
+    assert body(loading_new, 1.0)["retry_after_s"] == 1 + 60  # its load, then its measurement
 
 
 def test_every_phase_but_ready_has_a_cause_and_a_retry_after_of_at_least_a_second() -> None:

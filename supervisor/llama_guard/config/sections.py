@@ -234,4 +234,4 @@ class UpgradeConfig(Section):
     trial_runs: Annotated[int, Field(ge=0, le=50), Policy()] = 3
     trial_tokens: Annotated[int, Field(ge=1, le=4096), Policy()] = 32
     max_slowdown_pct: Annotated[float, Field(gt=0, lt=100), Policy()] = 25.0
-    trial_timeout_s: PositiveFloat = 120.0
+    trial_timeout_s: Annotated[PositiveFloat, Policy()] = 120.0

@@ -290,10 +290,12 @@ class Params:
     hold_after_errors: int = _FRONT.hold_after_errors
     canary: bool = _HEALTH.canary  # [health].canary: the liveness rounds may send the canary completion
     # A planned window that changes the build measures both ([upgrade]): completions per build (0: no
-    # trial), tokens each, and how much slower (percent of the old figure) the new build may decode.
+    # trial), tokens each, how much slower (percent of the old figure) the new build may decode, and the
+    # bound on one build's measurement (seconds: what /readyz's Retry-After counts for it).
     trial_runs: int = _UPGRADE.trial_runs
     trial_tokens: int = _UPGRADE.trial_tokens
     max_slowdown_pct: float = _UPGRADE.max_slowdown_pct
+    trial_timeout_s: float = _UPGRADE.trial_timeout_s
 
 
 # ---------------------------------------------------------------- state

@@ -6,11 +6,12 @@ itself decided, never a guess of its own.
 
 The estimate (:func:`ready_in_s`, seconds) is the bound the policy set on the step under way (the drain's
 deadline, the backoff's wait, the stop's grace, the reset's deadline, the window lent to tune, the VRAM
-wait) plus the next server's load, estimated by the last load seen (``State.load_s``: spawn to
-``/health``, slot restore included; :data:`UNKNOWN_LOAD_S` before any server was ready). A step the
-policy bounds from above (a drain, a stop's grace) may end sooner: the estimate never promises readiness
-earlier than the supervisor could deliver it, and a router probing again at ``Retry-After`` finds the
-box ready or a new estimate.
+wait, a build trial's measurements: ``[upgrade].trial_timeout_s`` each) plus the next server's load,
+estimated by the last load seen (``State.load_s``: spawn to ``/health``, slot restore included;
+:data:`UNKNOWN_LOAD_S` before any server was ready). A step the policy bounds from above (a drain, a
+stop's grace, a measurement) may end sooner: the estimate never promises readiness earlier than the
+supervisor could deliver it, and a router probing again at ``Retry-After`` finds the box ready or a new
+estimate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import enum
 
 from llama_guard.model.phase_state import WaitingVram
 from llama_guard.model.policy.window import RESTART_EVENT
-from llama_guard.model.types import AfterStop, State
+from llama_guard.model.types import AfterStop, State, TrialStage
 from llama_guard.vocab.phases import Phase
 
 #: Seconds assumed for a server's load before any was seen to load (no ``State.load_s`` yet): a
@@ -84,10 +85,17 @@ def ready_in_s(state: State, now: float) -> float:
     def left(until: float | None) -> float:
         return max(0.0, until - now) if until is not None else 0.0
 
-    phase, params = state.phase, state.params
+    phase, params, trial = state.phase, state.params, state.trial
+    measure = params.trial_timeout_s
+    if phase is Phase.TRIAL and trial is not None:
+        if trial.stage is TrialStage.NEW:  # the new build, loaded, is measured: then it serves (or rolls back)
+            return left((trial.answered_at if trial.answered_at is not None else now) + measure)
+        # the old build measured and stopped; the new one loaded and measured
+        return measure + params.stop_grace_s + load + measure
+    new_measured = measure if trial is not None else 0.0  # a trial under way: the new build is measured too
     if phase is Phase.STARTING:
         begun = now - state.started_at if state.started_at is not None else 0.0
-        return max(0.0, load - begun)
+        return max(0.0, load - begun) + new_measured
     if phase is Phase.LENT:
         return left(state.lend.until if state.lend is not None else None) + load
     if phase is Phase.WAITING_VRAM:
@@ -101,4 +109,6 @@ def ready_in_s(state: State, now: float) -> float:
             step += params.reset_deadline_s
         if phase is Phase.DRAINING:
             step += params.stop_grace_s  # the drained server's stop follows the drain
-    return step + load
+            if trial is not None:
+                step += measure  # the drained old build is measured before its stop
+    return step + load + new_measured
