@@ -60,9 +60,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_policy_stop_drain",
     "test_policy_vram",
     "test_policy_window",
-    "test_upgrade_figures",
-    "test_upgrade_follows_records",
-    "test_upgrade_rollback_lane",
+    "test_port_scan",
     "test_preflight_gpu",
     "test_public_reports",
     "test_readiness",
@@ -81,6 +79,9 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_suspects",
     "test_tasks",
     "test_transparency",
+    "test_upgrade_figures",
+    "test_upgrade_follows_records",
+    "test_upgrade_rollback_lane",
     "test_vram_wait_h200_fixture",
 ))
 

@@ -37,11 +37,20 @@ def port_owner(pid: int, port: int) -> tuple[int, str] | None:
     return None
 
 
+SCAN_TRIES = 3  # scans of /proc for one answer: each may meet a process's fd as it closes
+
+
 def port_listener(port: int) -> int | None:
     """The pid listening on TCP ``port`` (0 when it cannot be told whose), else None. Blocking."""
-    try:
-        conns = psutil.net_connections(kind="inet")
-    except psutil.Error:
+    for _ in range(SCAN_TRIES):
+        try:
+            conns = psutil.net_connections(kind="inet")
+            break
+        except psutil.Error:
+            return None
+        except OSError:  # another process's fd closed mid-scan (/proc answers EBADF): scanned again
+            continue
+    else:
         return None
     for c in conns:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
