@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT / "supervisor"), str(ROOT / "tests"), str(ROOT / "tests" / "e2e"), str(ROOT / "benchmarks")]
 
 from benchlib import add_server_args, epoch, sized  # noqa: E402
 from harness import DaemonRun, base_sections, free_port, merge, terminate  # noqa: E402
