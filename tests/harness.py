@@ -78,11 +78,18 @@ def config_text(sections: dict[str, dict[str, object]]) -> str:
     return "\n".join(out)
 
 
+#: llama-server's ``--threads`` in the tests' configuration. Beside the parallel lane's other workers
+#: (pytest-xdist sets PYTEST_XDIST_WORKER), one: a second thread spins at ggml's barrier against them (measured
+#: on this 2-core host: two e2e modules in 162 s with two threads, 39 s with one). Alone (the serial lane,
+#: a single test), both cores.
+SERVER_THREADS = 1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, len(os.sched_getaffinity(0)))
+
+
 def base_sections(tmp: Path, binary: str, model: str, port: int) -> dict[str, dict[str, object]]:
     """A fast-probing CPU configuration for tests."""
     return {
         "server": {"binary": binary, "model": model, "port": port, "n_gpu_layers": 0, "ctx_size": 1024,
-                   "threads": 2, "env": {}},
+                   "threads": SERVER_THREADS, "env": {}},
         "health": {"interval_s": 0.5, "timeout_s": 1.0, "canary_timeout_s": 2.0, "hang_strikes": 2,
                    "load_timeout_s": 60.0},
         "gpu": {"enabled": "off"},

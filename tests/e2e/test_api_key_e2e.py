@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from harness import ROOT, DaemonRun, base_sections, free_port, merge
+from harness import ROOT, SERVER_THREADS, DaemonRun, base_sections, free_port, merge
 from llama_guard.config import Config
 from llama_guard.config.sections import HealthConfig
 from llama_guard.core.probes import CanaryOutcome, ServerProbe, make_client
@@ -47,7 +47,7 @@ def keyed_server(key_file: tuple[Path, str], llama_server_bin: Path, real_model:
     """A real llama-server started with --api-key-file; yields its base URL once /health is 200."""
     port = free_port()
     proc = subprocess.Popen([str(llama_server_bin), "--model", str(real_model), "--host", "127.0.0.1",
-                             "--port", str(port), "--ctx-size", "1024", "--threads", "2", "--metrics",
+                             "--port", str(port), "--ctx-size", "1024", "--threads", str(SERVER_THREADS), "--metrics",
                              "--api-key-file", str(key_file[0])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

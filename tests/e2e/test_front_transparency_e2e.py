@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import free_port, terminate
+from harness import SERVER_THREADS, free_port, terminate
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -25,7 +25,7 @@ def bare_server(binary: Path, model: Path, *flags: str) -> Iterator[str]:
     ``/health`` answers 200."""
     port = free_port()
     proc = subprocess.Popen([str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx-size", "512", "--threads", "2", *flags],
+                             "--ctx-size", "512", "--threads", str(SERVER_THREADS), *flags],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ROOT, DaemonRun, RunPool, config_text, free_port, server_pids_of
+from harness import ROOT, SERVER_THREADS, DaemonRun, RunPool, config_text, free_port, server_pids_of
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.real
@@ -177,7 +177,7 @@ def test_bench_compare_flash_attention_on_and_off(tmp_path: Path, llama_server_b
         path = tmp_path / f"fa-{fa}.toml"
         path.write_text(config_text({"server": {"binary": str(llama_server_bin), "model": str(real_model),
                                                 "port": free_port(), "n_gpu_layers": 0, "ctx_size": 1024,
-                                                "threads": 2, "flash_attn": fa, "cache_type_k": "f16",
+                                                "threads": SERVER_THREADS, "flash_attn": fa, "cache_type_k": "f16",
                                                 "cache_type_v": "f16"},
                                      "gpu": {"enabled": "off", "memory_bandwidth_gbs": 20.0},
                                      "runtime": {"dir": str(tmp_path / f"run-{fa}")}}))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from harness import free_port
+from harness import SERVER_THREADS, free_port
 
 if TYPE_CHECKING:
     from systemd_fixtures import PrivateJournald, PrivateUserManager
@@ -56,7 +56,7 @@ parallel = 1
 cache_type_k = "f16"
 cache_type_v = "f16"
 flash_attn = "off"
-threads = 2
+threads = {SERVER_THREADS}
 
 [health]
 interval_s = 1.0

@@ -45,9 +45,16 @@ def serving(tmp_path: Path, llama_server_bin: Path, real_model: Path) -> Iterato
         yield make
 
 
+def _as_a_terminals_foreground_job() -> None:
+    """Ctrl-C reaches tune as from a terminal: a test run started in the background of a shell without job
+    control inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def tune(run: Any, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "llama_guard", "tune", "--config", str(run.config), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=_as_a_terminals_foreground_job)
 
 
 def argv_of(event: dict[str, Any]) -> str:
