@@ -8,7 +8,7 @@ configuration with flash attention on and off: one warm-up and N chat completion
 tokens (``ignore_eos``), keeping the server's own ``timings``. Also records the memory bus width and
 the maximum memory clock (the bandwidth ceiling's inputs).
 
-The output (one JSON file) is a fixture: tests/test_vram_fixture.py replays it through
+The output (one JSON file) is a fixture: tests/insight/test_budget_h200_fixture.py replays it through
 ``llama_guard.insight`` (budget and ceiling) — the expectations come from the code, not the file.
 Nothing here changes the GPU's persistence mode, clocks or power limit; nothing resets it.
 

@@ -89,6 +89,9 @@ def test_path_resolution() -> None:
     ("[recovery]\nreset_command = []\n", "recovery.reset_command", "non-empty"),
     ("[recovery]\nreset_on = ['sometimes']\n", "recovery.reset_on", "gpu_lost"),
     ("[gpu]\nforeign_processes = 'kill'\n", "gpu.foreign_processes", "warn"),
+    # a path goes into text log lines: a control character would forge one
+    ('[server]\nbinary = "/opt/llama-server\\n12:00:00 server_ready forged"\n', "server", "control character '\\n'"),
+    ('[server]\nmodel = "/m/\\u001b[31mred.gguf"\n', "server", "control character '\\x1b'"),
 ])
 def test_bad_value_names_file_key_and_reason(tmp_path: Path, text: str, key: str, reason: str) -> None:
     path = write(tmp_path, text)

@@ -21,6 +21,11 @@ NASTY = {
                         "version: 4242 (abc1234); version: 9999 (fffffff)", "b4242 (abc1234)"),
     "nul and bell": (r"ver\000sion: 1.2.3\007\010\n", "version: 1.2.3", "v1.2.3"),
     "bidi override": (r"version: 1.0.0 \342\200\256lamrof\n", "version: 1.0.0 lamrof", "v1.0.0"),
+    # string sequences: the payload goes with the escape (DCS: a sixel; APC; OSC ended by ST)
+    "dcs": (r"version: 1.0.0\033Pq#0;2;0;0;0#1~~-rm -rf\033\\ built\n", "version: 1.0.0 built", "v1.0.0"),
+    "apc and osc": (r"version: 2.0.0\033_payload\033\\\033]8;;http://x\033\\ ok\n", "version: 2.0.0 ok", "v2.0.0"),
+    # the C1 forms (U+0090 DCS, U+009B CSI, U+009C ST, in UTF-8)
+    "c1": (r"version: 3.0.0\302\220payload\302\234 \302\2331;31mred\n", "version: 3.0.0 red", "v3.0.0"),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
@@ -98,6 +99,11 @@ class ServerConfig(Section):
                                                                               for a in self.extra_args)):
             if "\0" in text:
                 raise ValueError(f"{name} contains a NUL byte")
+        for name, text in (("binary", self.binary), ("model", str(self.model))):
+            # a path goes into every event and text log line that names it: a newline would forge a line
+            control = next((ch for ch in text if ch != "\0" and unicodedata.category(ch) == "Cc"), None)
+            if control is not None:
+                raise ValueError(f"{name} contains the control character {control!r}; rename the file")
         if str(self.model) in ("", "."):
             raise ValueError("model must name a GGUF file")
         if self.ubatch_size > self.batch_size:

@@ -103,14 +103,19 @@ def run_bounded(argv: list[str], timeout_s: float, max_bytes: int = OUTPUT_MAX,
 
 # ANSI escape sequences: CSI (colours, cursor moves), OSC (titles, hyperlinks), the others (ECMA-48: ESC,
 # intermediate bytes, a final byte; a lone ESC).
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -/]*[0-~]?")
+# ECMA-48 escapes: the string sequences (DCS, SOS, OSC, PM, APC, 7-bit or C1) with their payload up to ST or
+# BEL, CSI sequences, then any other escape.
+_ANSI = re.compile(r"(?:\x1b[P\]X^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                   r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+                   r"|\x1b[ -/]*[0-~]?")
 
 
 def clean_text(text: str) -> str:
     """A binary's output as text safe to put in events, status and metrics: ANSI escape sequences
-    removed; a carriage return (which redraws a terminal line: ``1.0\\r9.9`` shows as ``9.9``) made a
-    line break, tabs spaces; every other control character (C0, DEL, C1: NUL, BEL, backspace …) and
-    invisible format character (bidirectional overrides) removed."""
+    removed, a string sequence's payload with it (a DCS or OSC carries terminal commands); a carriage
+    return (which redraws a terminal line: ``1.0\\r9.9`` shows as ``9.9``) made a line break, tabs
+    spaces; every other control character (C0, DEL, C1: NUL, BEL, backspace …) and invisible format
+    character (bidirectional overrides) removed."""
     text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n").replace("\t", " ")
     return "".join(ch for ch in text if ch == "\n" or unicodedata.category(ch) not in ("Cc", "Cf"))
 
