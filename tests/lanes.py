@@ -81,6 +81,7 @@ FAST_MODULES: frozenset[str] = frozenset((
     "test_transparency",
     "test_upgrade_figures",
     "test_upgrade_follows_records",
+    "test_upgrade_lineage",
     "test_upgrade_rollback_lane",
     "test_vram_wait_h200_fixture",
 ))

@@ -27,7 +27,7 @@ async def test_a_replaced_build_asks_for_its_trial_by_what_the_records_say(tmp_p
     source = UpgradeSource()
     exe = tmp_path / "bin" / "llama-server"
     good, replaced = Build(exe, "a" * 64, "version: 1", "b1"), Build(exe, "b" * 64, "version: 2", "b2")
-    source.serving = good
+    source.lineage.serving = good
     record(source._root(cfg), {good.sha256: 42.0}, flags_key(cfg))
 
     idle = State()

@@ -20,7 +20,7 @@ async def test_a_copy_under_way_does_not_hide_the_serving_build_from_a_roll_back
     serving = Build(binary, file_sha256(binary), "version: 1", "v1")
     failing = Build(tmp_path / "new" / "llama-server", "f" * 64, "version: 2", "v2")
     source = UpgradeSource()
-    source.serving = serving
+    source.lineage.serving = serving
     copying = threading.Event()
     copy = asyncio.ensure_future(source._files.run(copying.wait, 30.0, "keeping a build"))
     await asyncio.sleep(0.05)  # the copy holds the file lane

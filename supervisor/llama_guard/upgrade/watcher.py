@@ -46,6 +46,7 @@ from llama_guard.model.types import AfterStop, RestartCause, TrialResult, exit_t
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
+from llama_guard.upgrade.lineage import Lineage
 from llama_guard.upgrade.preflight import Preflight, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
@@ -131,14 +132,10 @@ class UpgradeSource(Watcher):
         self._checks = Lane(LaneKind.CONFIG, max_calls=1)
         self._ctx: Context | None = None
         self._passed: dict[tuple[str, tuple[int, int, int, int], str], Build] = {}
-        self._failed: dict[str, str] = {}  # sha256 → why that build is not started again
+        self.lineage = Lineage(lambda: self._kept[0].build if self._kept else None)
         self._reported: set[tuple[str, str]] = set()  # (event, sha256 or path) already emitted
         self._pids: dict[int, Build | Path] = {}
         self._chosen: Build | Path | None = None  # a Path: not identified yet
-        self.serving: Build | None = None
-        self._serving_since: float | None = None
-        self._proven = False
-        self._previous: Build | None = None  # the good build before the one on probation
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
         # copies to keep, builds to identify, trial figures to record
@@ -150,6 +147,11 @@ class UpgradeSource(Watcher):
         # whether a trial is under way, and the server it holds READY (None: none).
         self._trial_under_way = False
         self._ready_pid: int | None = None
+
+    @property
+    def serving(self) -> Build | None:
+        """The build that serves (None: not identified yet)."""
+        return self.lineage.serving
 
     # ------------------------------------------------------------ helpers
 
@@ -205,11 +207,11 @@ class UpgradeSource(Watcher):
         if result is None:  # the running configuration stays: it is known to serve
             self.refused = _Refusal(str(binary), "unknown", f"the preflight of {binary} did not finish")
             return ReloadBuild.REFUSED
-        if result.passed and result.build is not None and result.build.sha256 in self._failed \
+        if result.passed and result.build is not None and result.build.sha256 in self.lineage.failed \
                 and not result.build.same_content(self.serving):
             # it failed here before (loading, its trial or its probation): refused again, saying why,
             # rather than reloaded and then quietly rolled back at the start
-            earlier = Preflight(result.build, f"it failed here before: {self._failed[result.build.sha256]} "
+            earlier = Preflight(result.build, f"it failed here before: {self.lineage.failed[result.build.sha256]} "
                                               "(a restart of llama-guard forgets it)")
             self._refuse(binary, earlier, "the running configuration and build go on serving", once=False)
             return ReloadBuild.REFUSED
@@ -228,7 +230,7 @@ class UpgradeSource(Watcher):
 
     async def before_spawn(self, ctx: Context, binary: Path) -> BuildChoice | BuildRefused:
         self._ctx = ctx
-        if self.serving is None and self._previous is None and not self._kept:
+        if self.serving is None and self.lineage.previous is None and not self._kept:
             # Nothing to fall back to: started as before (llama-server names what it refuses, and
             # the policy judges it); the build is identified once it is ready.
             self._chosen = binary
@@ -238,11 +240,11 @@ class UpgradeSource(Watcher):
             self._chosen = None
             return BuildChoice(binary)
         build = result.build
-        if result.passed and build is not None and build.sha256 not in self._failed:
+        if result.passed and build is not None and build.sha256 not in self.lineage.failed:
             self._chosen = build
             await self._ask_trial(ctx, build)
             return BuildChoice(binary)
-        cause = self._failed[build.sha256] if result.passed and build is not None else result.cause
+        cause = self.lineage.failed[build.sha256] if result.passed and build is not None else result.cause
         good = await self._last_good(ctx.config, exclude=build)
         if good is None:
             if not result.passed:
@@ -283,8 +285,8 @@ class UpgradeSource(Watcher):
     async def _last_good(self, config: Config, *, exclude: Build | None) -> tuple[Build, BuildChoice] | None:
         """The build to roll back to: the serving (or previous) one while its file still holds it,
         else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified`."""
-        for build in (self.serving, self._previous):
-            if build is None or build.sha256 in self._failed or build.same_content(exclude):
+        for build in (self.serving, self.lineage.previous):
+            if build is None or build.sha256 in self.lineage.failed or build.same_content(exclude):
                 continue
             path = build.path
             try:
@@ -297,7 +299,7 @@ class UpgradeSource(Watcher):
         with contextlib.suppress(CallTimeout, LaneBusy):
             self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         for kept in self._kept:
-            if kept.build.sha256 in self._failed or kept.build.same_content(exclude):
+            if kept.build.sha256 in self.lineage.failed or kept.build.same_content(exclude):
                 continue
             try:
                 problem = await self._checks.run(partial(verified, kept), COPY_TIMEOUT_S,
@@ -361,8 +363,7 @@ class UpgradeSource(Watcher):
                      binary=str(new.path) if new is not None else "unknown",
                      previous_build=self.last_trial["previous_build"],
                      note=result.cause or "within the limit", **figures)
-        elif new is not None and (old is None or not new.same_content(old)):
-            self._failed[new.sha256] = result.cause
+        elif new is not None and self.lineage.trial_failed(new, result.cause):
             self._trial_figures[new.sha256] = figures
 
     # ------------------------------------------------------------ the watcher
@@ -448,52 +449,16 @@ class UpgradeSource(Watcher):
         elif isinstance(step.input, Exited) and _unplanned(step):
             failed = self._pids.get(step.input.pid)
             if isinstance(failed, Build):
-                self._failed_exit(failed, step)
+                self.lineage.exited(failed, exit_text(step.input.returncode), step.at)
         elif isinstance(step.input, UpstreamError):
             self._client_5xx(step.input, step)
-        if (self.serving is not None and not self._proven and self._serving_since is not None
-                and step.after.phase is Phase.READY
-                and step.at - self._serving_since >= ctx.config.upgrade.probation_s):
+        if step.after.phase is Phase.READY and self.lineage.probation_over(step.at, ctx.config.upgrade.probation_s):
             self._pass_probation(ctx)
 
     def _ready(self, build: Build, at: float) -> None:
-        if build.same_as(self.serving):
-            return
-        if self.serving is not None and (self._proven or self._previous is None):
-            self._previous = self.serving  # the build that served before (proven if one was)
-        self.serving, self._serving_since, self._proven = build, at, False
-        self._probation_5xx = 0
-
-    def _last_good_build(self) -> Build | None:
-        """The build a failing new one is judged against: the serving one once proven, else the one
-        before it, else the newest kept copy."""
-        if self.serving is not None and self._proven:
-            return self.serving
-        return self._previous if self._previous is not None else (self._kept[0].build if self._kept else None)
-
-    def _failed_exit(self, build: Build, step: Transition) -> None:
-        """A server of ``build`` exited unasked: a new build (not proven here) is marked failed when a
-        different good build exists to go back to — the serving one for a build that died loading,
-        the one before it (or the newest kept copy) for a build that crashed in its probation."""
-        on_probation = build.same_as(self.serving)
-        if on_probation and self._proven:
-            return
-        good = self._last_good_build() if on_probation else (self.serving or self._last_good_build())
-        if good is None or build.same_content(good):
-            return
-        assert isinstance(step.input, Exited)
-        how = exit_text(step.input.returncode)
-        when = ("while loading" if self._serving_since is None or not on_probation else
-                f"{step.at - (self._serving_since or step.at):.0f} s into its probation")
-        self._failed[build.sha256] = f"llama-server {build.short} {how} {when}"
-        if on_probation:
-            self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
-
-    def _on_probation(self, build: Build) -> bool:
-        """Whether ``build`` serves on probation with a different good build to go back to."""
-        good = self._last_good_build()
-        return (build.same_as(self.serving) and not self._proven and good is not None
-                and not build.same_content(good))
+        if not build.same_as(self.lineage.serving):
+            self.lineage.ready(build, at)
+            self._probation_5xx = 0
 
     def _client_5xx(self, error: UpstreamError, step: Transition) -> None:
         """A client request answered HTTP 5xx. On a build on probation, every ``[front].hold_after_errors``
@@ -503,7 +468,7 @@ class UpgradeSource(Watcher):
         policy's business (``server_http_errors``)."""
         build = self._pids.get(error.pid)
         runs = step.after.params.hold_after_errors
-        if runs == 0 or not isinstance(build, Build) or not self._on_probation(build):
+        if runs == 0 or not isinstance(build, Build) or not self.lineage.on_probation(build):
             return
         self._probation_5xx += 1
         if self._probation_5xx < runs or self._confirming:
@@ -524,9 +489,9 @@ class UpgradeSource(Watcher):
             return
         finally:
             self._confirming = False
-        if job.pid != self._ready_pid or not self._on_probation(job.build):
+        if job.pid != self._ready_pid or not self.lineage.on_probation(job.build):
             return  # that server is gone, or the build was judged meanwhile
-        into = job.at - (self._serving_since or job.at)
+        into = job.at - (self.lineage.since or job.at)
         errors = (f"{job.errors} client requests with HTTP 5xx (the last {job.status}) {into:.0f} s into its "
                   "probation ([front].hold_after_errors)")
         if not failure:
@@ -534,20 +499,17 @@ class UpgradeSource(Watcher):
                      endpoints=", ".join(path for path, _ in OWN_REQUESTS))
             return
         cause = f"llama-server {job.build.short} answered {errors}, and llama-guard's own request too: {failure}"
-        self._failed[job.build.sha256] = cause
-        self.serving, self._serving_since, self._proven = self._previous, None, self._previous is not None
+        self.lineage.serving_failed(cause)
         ctx.post(RestartRequest(cause, cause=RestartCause.TRIAL))
 
     def _pass_probation(self, ctx: Context) -> None:
-        assert self.serving is not None
-        previous = self._last_good_build()
-        self._proven = True
-        if previous is not None and not previous.same_as(self.serving):
-            ctx.emit("upgrade_kept", build=self.serving.short, binary=str(self.serving.path),
+        previous, serving = self.lineage.pass_probation(), self.lineage.serving
+        assert serving is not None
+        if previous is not None:
+            ctx.emit("upgrade_kept", build=serving.short, binary=str(serving.path),
                      previous_build=previous.short, probation_s=ctx.config.upgrade.probation_s)
-        self._previous = None
-        if self._library_dir(ctx.config, self.serving.path) is None:
-            self._jobs.put_nowait(self.serving)
+        if self._library_dir(ctx.config, serving.path) is None:
+            self._jobs.put_nowait(serving)
 
     def snapshot(self) -> dict[str, Any] | None:
         def shown(build: Build | None) -> dict[str, str] | None:
@@ -555,7 +517,7 @@ class UpgradeSource(Watcher):
                                                "version": build.version, "sha256": build.sha256}
         return {
             "serving": shown(self.serving),
-            "on_probation": self.serving is not None and not self._proven,
+            "on_probation": self.serving is not None and not self.lineage.proven,
             "refused": (None if self.refused is None else
                         {"binary": self.refused.binary, "build": self.refused.build, "cause": self.refused.cause}),
             "kept": [{"build": k.build.short, "dir": str(k.dir)} for k in self._kept],

@@ -1,0 +1,83 @@
+"""The probation's rules (upgrade/lineage.py), without a file or a process: which build a failure marks,
+which one serves after it, and that a build with the last good one's content is never marked failed
+(nothing would be left to go back to)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_guard.host.build import Build
+from llama_guard.upgrade.lineage import Lineage
+
+GOOD = Build(Path("/opt/good/llama-server"), "a" * 64, "version: 1", "b1")
+NEW = Build(Path("/opt/new/llama-server"), "b" * 64, "version: 2", "b2")
+COPY = Build(Path("/opt/copy/llama-server"), GOOD.sha256, "version: 1", "b1")  # the good content elsewhere
+
+
+def proven(build: Build = GOOD, kept: Build | None = None) -> Lineage:
+    lineage = Lineage(lambda: kept)
+    lineage.ready(build, 0.0)
+    assert lineage.probation_over(600.0, 600.0)
+    lineage.pass_probation()
+    return lineage
+
+
+def test_a_new_build_is_on_probation_until_its_time_has_passed_then_replaces_the_last_good() -> None:
+    lineage = proven()
+    lineage.ready(NEW, 1000.0)
+    assert lineage.on_probation(NEW) and lineage.last_good() == GOOD
+    assert not lineage.probation_over(1599.0, 600.0) and lineage.probation_over(1600.0, 600.0)
+    assert lineage.pass_probation() == GOOD
+    assert lineage.last_good() == NEW and not lineage.on_probation(NEW)
+
+
+def test_the_first_build_replaces_none_and_a_kept_copy_is_the_last_good_of_a_fresh_daemon() -> None:
+    assert proven().pass_probation() is None  # proven again: it replaced itself
+    fresh = Lineage(lambda: GOOD)
+    fresh.ready(NEW, 0.0)
+    assert fresh.on_probation(NEW) and fresh.last_good() == GOOD
+
+
+def test_a_crash_in_the_probation_marks_the_new_build_and_the_good_one_serves_again() -> None:
+    lineage = proven()
+    lineage.ready(NEW, 1000.0)
+    lineage.exited(NEW, "was killed by SIGSEGV", 1012.0)
+    assert lineage.failed == {NEW.sha256: f"llama-server {NEW.short} was killed by SIGSEGV 12 s into its probation"}
+    assert lineage.serving == GOOD and lineage.proven and lineage.since is None
+
+
+def test_a_build_that_dies_loading_is_marked_and_the_serving_one_stays() -> None:
+    lineage = proven()
+    lineage.exited(NEW, "exited with status 1", 1000.0)  # never ready: not the serving build
+    assert lineage.failed[NEW.sha256].endswith("exited with status 1 while loading")
+    assert lineage.serving == GOOD and lineage.proven
+
+
+def test_an_exit_of_a_proven_build_or_of_the_only_build_marks_nothing() -> None:
+    lineage = proven()
+    lineage.exited(GOOD, "was killed by SIGKILL", 5000.0)  # the liveness watch's business
+    alone = Lineage(lambda: None)
+    alone.ready(NEW, 0.0)
+    alone.exited(NEW, "was killed by SIGSEGV", 10.0)  # nothing to go back to
+    assert lineage.failed == {} and alone.failed == {}
+
+
+def test_the_good_builds_content_elsewhere_is_never_marked_failed() -> None:
+    """A copy of the serving build at another path (a kept copy named in the configuration): a trial's
+    noise or a crash of it marks nothing — the hash is the good build's."""
+    lineage = proven()
+    assert lineage.trial_failed(COPY, "decoded 30 % slower") is False
+    lineage.ready(COPY, 1000.0)
+    assert not lineage.on_probation(COPY)
+    lineage.exited(COPY, "was killed by SIGSEGV", 1010.0)
+    assert lineage.failed == {}
+    assert lineage.trial_failed(NEW, "decoded 30 % slower") is True
+    assert lineage.failed == {NEW.sha256: "decoded 30 % slower"}
+
+
+def test_errors_confirmed_on_probation_mark_the_serving_build_and_fall_back() -> None:
+    lineage = proven()
+    lineage.ready(NEW, 1000.0)
+    lineage.serving_failed("answered 500 to llama-guard's own request")
+    assert lineage.failed == {NEW.sha256: "answered 500 to llama-guard's own request"}
+    assert lineage.serving == GOOD and lineage.proven
