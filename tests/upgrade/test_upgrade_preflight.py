@@ -158,6 +158,27 @@ def test_the_build_runs_with_the_environment_llama_server_gets(tmp_path: Path, l
     assert result.passed, result.cause
 
 
+@pytest.mark.real
+def test_a_build_the_server_user_cannot_execute_is_refused_as_that_user(tmp_path: Path, llama_server_bin: Path,
+                                                                       real_model: Path) -> None:
+    """Root may execute what ``[server].user`` may not (here: a build in a directory of mode 0700 owned by
+    root, as after a ``make install`` into root's home): refused at the preflight, naming the cause, not
+    found at the start. The real build, which that user can run, passes as that user."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    new = script(private, "llama-server-new", f'exec "{llama_server_bin}" "$@"\n')
+    config = config_for(tmp_path, new, real_model)
+    as_nobody = config.model_copy(update={"server": config.server.model_copy(update={"user": "nobody"})})
+    assert preflight(config, new).passed  # as root
+    refused = preflight(as_nobody, new)
+    assert not refused.passed and refused.build is None
+    assert f"{new} --version exited with status" in refused.cause and "Permission denied" in refused.cause, \
+        refused.cause
+    served = preflight(as_nobody.model_copy(update={"server": as_nobody.server.model_copy(
+        update={"binary": str(llama_server_bin)})}), llama_server_bin)
+    assert served.passed, served.cause
+
+
 def check_lines(path: Path) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
     """``check --config path``: its lines by name, and the run."""
     out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,14 +215,14 @@ def version_line(binary: Path, timeout_s: float = VERSION_TIMEOUT_S, env: Mappin
 
 
 def identify(binary: Path, timeout_s: float = VERSION_TIMEOUT_S,
-             env: Mapping[str, str] | None = None) -> tuple[Build | None, str]:
-    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``), and
-    "" — or None and why it cannot be a build that starts (a signal, a non-zero exit, no answer in
-    time, not executable)."""
+             env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> tuple[Build | None, str]:
+    """``binary``'s :class:`Build` from its hash and a bounded ``--version`` (run with ``env``, after
+    the exec wrapper ``prefix``: e.g. the drop to ``[server].user``), and "" — or None and why it
+    cannot be a build that starts (a signal, a non-zero exit, no answer in time, not executable)."""
     what = f"{binary} --version"
     try:
         sha = file_sha256(binary)
-        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
+        ran = run_bounded([*prefix, str(binary), "--version"], timeout_s, env=env)
     except OSError as exc:
         return None, f"{what}: {exc.strerror or exc}"
     failure = ran.failure(what, timeout_s)
