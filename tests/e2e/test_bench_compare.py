@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import config_text, free_port, server_pids_of
+from harness import SERVER_THREADS, config_text, free_port, server_pids_of
 from test_insight_e2e import cli
 from test_upgrade_e2e import copy_build
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
 
-def config(tmp_path: Path, binary: Path, model: Path, threads: int = 2) -> Path:
+def config(tmp_path: Path, binary: Path, model: Path, threads: int = SERVER_THREADS) -> Path:
     path = tmp_path / "bench.toml"
     path.write_text(config_text({"server": {"binary": str(binary), "model": str(model), "port": free_port(),
                                             "n_gpu_layers": 0, "ctx_size": 1024, "threads": threads},

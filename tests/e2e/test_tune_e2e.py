@@ -108,7 +108,7 @@ def test_candidates_that_do_not_fit_the_stated_vram_are_never_started(tmp_path: 
     text = config.read_text().replace("n_gpu_layers = 0", "n_gpu_layers = 99")
     text = text.replace('[gpu]\nenabled = "off"', f'[gpu]\nenabled = "off"\nvram_total_mib = {int(need) + 2}')
     config.write_text(text)
-    done = tune(config, "--minutes", "2", "--json")
+    done = tune(config, "--minutes", "0.5", "--json")  # priced out at every knob, measured or skipped for time
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     budget = result["available_vram_mib"]
