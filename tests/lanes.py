@@ -93,7 +93,7 @@ SERIAL_TESTS: frozenset[str] = frozenset((
     # the trials of a new build: their verdicts compare two builds' decode speeds measured a minute apart
     "test_upgrade_trial_e2e",
     "test_upgrade_errors_e2e::test_a_build_that_passes_its_trial_then_answers_500_is_rolled_back_in_its_probation",
-    # a minute of long-prompt batches at the shipped liveness defaults: busy, never hung
+    # 40 s of long-prompt batches at the shipped liveness defaults: busy, never hung
     "test_judgement_real::test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults",
     # a process spinning a core until the silence bound (20 s here)
     "test_liveness_real::test_a_spinning_process_whose_server_answers_nothing_is_hung_within_the_silence_bound",

@@ -85,7 +85,9 @@ def test_busy_with_long_prompt_batches_is_never_hung_at_shipped_defaults(real: A
     rng = random.Random(12)
     done: list[float] = []
     errors: list[str] = []
-    until = time.monotonic() + 60.0  # 3x the verdict's window (hang_strikes x interval_s + timeout_s = 18 s)
+    # over 2x the verdict's window (hang_strikes x interval_s + timeout_s = 18 s): two prefills or more, each
+    # longer than that window alone on this 2-core host (~25 s)
+    until = time.monotonic() + 40.0
 
     def client() -> None:
         while time.monotonic() < until:

@@ -109,7 +109,9 @@ def test_tune_apply_beside_a_serving_daemon_fails_no_client_and_the_daemon_serve
     slow = tmp_path / "slow-llama-server"
     slow.write_text(SLOW_BUILD.format(python=sys.executable, real=str(llama_server_bin)))
     slow.chmod(0o755)
-    run = serving({"hold_timeout_s": 600.0}, {"binaries": [str(llama_server_bin)]}, binary=str(slow))
+    # short measurements: the slow build is ~3x slower by design, and the window is what is tested here
+    run = serving({"hold_timeout_s": 600.0}, {"binaries": [str(llama_server_bin)], "runs": 3, "tokens": 16},
+                  binary=str(slow))
     before_text = run.config.read_text()
     first = run.wait_event("server_starting")
     statuses: list[int] = []
