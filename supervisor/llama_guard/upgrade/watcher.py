@@ -12,10 +12,10 @@
   (llama-server names what it refuses; the policy judges it) and is identified once ready.
 - A new build that becomes ready is on probation for ``[upgrade].probation_s``: an exit of it that
   the daemon did not ask for (died loading, crashed on its first requests) marks it failed and the
-  next start rolls back; so does a run of ``[front].hold_after_errors`` client requests it answered
-  5xx (``/health`` fine, an endpoint broken), through a drained restart it asks for. After the
-  probation it is the last good build (``upgrade_kept`` when it replaced another) and a copy of it is
-  kept.
+  next start rolls back (the rules: :mod:`.lineage`); so do ``[front].hold_after_errors`` client
+  requests it answered 5xx that llama-guard's own requests confirm (``/health`` fine, an endpoint
+  broken: :mod:`.confirm`), through a drained restart. After the probation it is the last good build
+  (``upgrade_kept`` when it replaced another) and a copy of it is kept.
 
 ``status`` shows the serving build, the one on probation, the last refused one with its cause, and
 the kept copies (:meth:`UpgradeSource.snapshot`).
@@ -35,15 +35,15 @@ from typing import Any
 from llama_guard.config import Config
 from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
-from llama_guard.core.client import Cancel, RequestFailed, ServerClient
+from llama_guard.core.client import Cancel
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
-from llama_guard.core.own_requests import OWN_REQUESTS, own_requests_failure
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
-from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
+from llama_guard.model.inputs import Exited, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
-from llama_guard.model.types import AfterStop, RestartCause, TrialResult, exit_text
+from llama_guard.model.types import AfterStop, TrialResult, exit_text
 from llama_guard.model.watcher import Context, Watcher
+from llama_guard.upgrade.confirm import Confirm, ProbationErrors
 from llama_guard.upgrade.figures import flags_key, record, recorded
 from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
 from llama_guard.upgrade.lineage import Lineage
@@ -81,18 +81,6 @@ class _Record:
 
 
 @dataclass(frozen=True)
-class _Confirm:
-    """Confirm (or not) with llama-guard's own requests the client 5xx answered by server ``pid`` of
-    ``build`` on probation: ``errors`` of them, the last ``status``, the last at ``at``."""
-
-    build: Build
-    pid: int
-    errors: int
-    status: int
-    at: float
-
-
-@dataclass(frozen=True)
 class _Refusal:
     binary: str
     build: str
@@ -120,8 +108,7 @@ class UpgradeSource(Watcher):
         """``measure``: a trial's measurement of a server's decode speed (None: a trial's measurement
         answers that none is available, and the new build is rolled back)."""
         self._measure = measure
-        self._probation_5xx = 0  # client 5xx answers by the build on probation since the last confirmation
-        self._confirming = False  # a _Confirm is queued or running
+        self._errors = ProbationErrors()  # client 5xx answers by the build on probation
         self._trial = Lane(LaneKind.TRIAL)
         self.last_trial: dict[str, Any] | None = None  # the last trial with both builds, for status
         self._probe = Lane(LaneKind.PROBE, max_calls=2)  # running the builds (an identification beside a preflight)
@@ -139,7 +126,7 @@ class UpgradeSource(Watcher):
         self.refused: _Refusal | None = None
         self._kept: list[Kept] = []
         # copies to keep, builds to identify, trial figures to record
-        self._jobs: asyncio.Queue[Build | _Identify | _Record | _Confirm] = asyncio.Queue()
+        self._jobs: asyncio.Queue[Build | _Identify | _Record | Confirm] = asyncio.Queue()
         self._baseline_recorded = False  # the trial under way compares with a recorded figure
         self._trial_figures: dict[str, dict[str, object]] = {}  # sha256 → the figures of its failed trial
         self._measuring: Cancel | None = None  # the trial's measurement under way
@@ -385,8 +372,8 @@ class UpgradeSource(Watcher):
             if isinstance(job, _Identify):
                 await self._identify(ctx, job)
                 continue
-            if isinstance(job, _Confirm):
-                await self._confirm(ctx, job)
+            if isinstance(job, Confirm):
+                await self._errors.confirm(ctx, job, self.lineage, lambda: self._ready_pid)
                 continue
             if isinstance(job, _Record):
                 with contextlib.suppress(OSError, CallTimeout, LaneBusy):
@@ -458,49 +445,18 @@ class UpgradeSource(Watcher):
     def _ready(self, build: Build, at: float) -> None:
         if not build.same_as(self.lineage.serving):
             self.lineage.ready(build, at)
-            self._probation_5xx = 0
+            self._errors.reset()
 
     def _client_5xx(self, error: UpstreamError, step: Transition) -> None:
-        """A client request answered HTTP 5xx. On a build on probation, every ``[front].hold_after_errors``
-        such answers (in a row or not: mixed traffic must not hide a broken endpoint) are checked with
-        llama-guard's own requests (:meth:`_confirm`), never judged by themselves: a client's input that
-        the server rejects with 500 would fail the last good build too. A proven build's 5xx stay the
-        policy's business (``server_http_errors``)."""
+        """A client request answered HTTP 5xx: on a build on probation, counted towards a confirmation
+        (:mod:`.confirm`)."""
         build = self._pids.get(error.pid)
         runs = step.after.params.hold_after_errors
         if runs == 0 or not isinstance(build, Build) or not self.lineage.on_probation(build):
             return
-        self._probation_5xx += 1
-        if self._probation_5xx < runs or self._confirming:
-            return
-        self._probation_5xx, self._confirming = 0, True
-        self._jobs.put_nowait(_Confirm(build, error.pid, runs, error.status, step.at))
-
-    async def _confirm(self, ctx: Context, job: _Confirm) -> None:
-        """Send llama-guard's own requests (:data:`~llama_guard.core.own_requests.OWN_REQUESTS`) to the server
-        of ``job``: one that fails marks the build failed and asks for a drained restart, whose start rolls
-        back to the last good build (``upgrade_rolled_back`` with the cause); all answered 2xx:
-        ``upgrade_errors_not_confirmed``, the build stays. No complete answer in time: no verdict (a
-        server that does not answer is the liveness watch's to judge)."""
-        try:
-            async with ServerClient(ctx.config.server.base_url, ctx.get_api_key) as client:
-                failure = await own_requests_failure(client, ctx.config.upgrade.trial_timeout_s)
-        except RequestFailed:
-            return
-        finally:
-            self._confirming = False
-        if job.pid != self._ready_pid or not self.lineage.on_probation(job.build):
-            return  # that server is gone, or the build was judged meanwhile
-        into = job.at - (self.lineage.since or job.at)
-        errors = (f"{job.errors} client requests with HTTP 5xx (the last {job.status}) {into:.0f} s into its "
-                  "probation ([front].hold_after_errors)")
-        if not failure:
-            ctx.emit("upgrade_errors_not_confirmed", build=job.build.short, errors=job.errors, status=job.status,
-                     endpoints=", ".join(path for path, _ in OWN_REQUESTS))
-            return
-        cause = f"llama-server {job.build.short} answered {errors}, and llama-guard's own request too: {failure}"
-        self.lineage.serving_failed(cause)
-        ctx.post(RestartRequest(cause, cause=RestartCause.TRIAL))
+        job = self._errors.count(build, error, runs, step.at)
+        if job is not None:
+            self._jobs.put_nowait(job)
 
     def _pass_probation(self, ctx: Context) -> None:
         previous, serving = self.lineage.pass_probation(), self.lineage.serving
