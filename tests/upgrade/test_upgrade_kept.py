@@ -100,3 +100,47 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
                                                  "effect": "the server is started without it"})]
     release.set()  # the call left on its lane returns
 
+
+
+async def test_a_reload_whose_binary_lookup_does_not_return_is_refused_and_the_loop_runs_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload's ``$PATH`` lookup of the new binary (it stats files: a hung filesystem) runs on a lane,
+    bounded: the reload is refused, said, and the running configuration stays. Before, it ran on the
+    event loop, which a hung stat would have stopped."""
+    import asyncio
+    import threading
+
+    from llama_guard.config import Config
+    from llama_guard.core.ports import ReloadBuild
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade import watcher
+
+    monkeypatch.setattr(watcher, "PREFLIGHT_CALL_S", 0.5)
+    release = threading.Event()
+    monkeypatch.setattr(watcher, "resolve_binary", lambda *a, **k: release.wait())
+    old = Config.model_validate({"runtime": {"dir": str(tmp_path)}})
+    new = Config.model_validate({"runtime": {"dir": str(tmp_path)}, "server": {"binary": "llama-server-next"}})
+    events: list[tuple[str, dict[str, object]]] = []
+    ctx = Context(get_config=lambda: old, emit=lambda name, **f: events.append((name, f)),
+                  post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
+                  loop=asyncio.get_running_loop())
+    source = watcher.UpgradeSource()
+    await source.start(ctx)
+    ticks = 0
+
+    async def ticker() -> None:  # the loop runs on while the lookup hangs
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    beat = asyncio.ensure_future(ticker())
+    try:
+        assert await source.vet_reload(old, new) is ReloadBuild.REFUSED
+    finally:
+        beat.cancel()
+        release.set()
+    assert ticks >= 1
+    assert events == [("blocking_call_timeout", {"call": "looking up llama-server-next", "timeout_s": 0.5,
+                                                 "effect": "the reload is refused; the running configuration stays"})]
+    assert source.refused is not None and "did not finish" in source.refused.cause

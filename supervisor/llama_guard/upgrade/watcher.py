@@ -153,19 +153,18 @@ class UpgradeSource(Watcher):
         """:func:`preflight` on the probe lane; None when it did not return in time (a hung
         filesystem: the runs themselves are bounded) or the lane is busy, reported as
         ``blocking_call_timeout`` with ``effect`` (what the caller does then)."""
-        try:
-            stamp = stamp_of(binary)
-        except OSError as exc:
-            return Preflight(None, f"{binary}: {exc.strerror or exc}")
-        key = (str(binary), stamp, config.server.model_dump_json())
-        if key in self._passed:
-            return Preflight(self._passed[key], "")
         what = f"preflight of {binary}"
-        try:
+        try:  # the stat too off the loop: a hung filesystem must not stop the daemon
+            stamp = await self._probe.run(partial(stamp_of, binary), PREFLIGHT_CALL_S, what)
+            key = (str(binary), stamp, config.server.model_dump_json())
+            if key in self._passed:
+                return Preflight(self._passed[key], "")
             result = await self._probe.run(lambda: preflight(config, binary), PREFLIGHT_CALL_S, what)
-        except (CallTimeout, LaneBusy):
+        except (CallTimeout, LaneBusy):  # first: CallTimeout is a TimeoutError, an OSError
             self._emit("blocking_call_timeout", call=what, timeout_s=PREFLIGHT_CALL_S, effect=effect)
             return None
+        except OSError as exc:  # the stat's
+            return Preflight(None, f"{binary}: {exc.strerror or exc}")
         if result.passed and result.build is not None:
             self._passed[key] = result.build
         return result
@@ -187,7 +186,15 @@ class UpgradeSource(Watcher):
 
     async def vet_reload(self, old: Config, new: Config) -> ReloadBuild:
         await self._identify_serving()
-        binary = resolve_binary(new.server.binary)
+        try:  # a $PATH lookup stats files: off the loop
+            binary = await self._probe.run(partial(resolve_binary, new.server.binary), PREFLIGHT_CALL_S,
+                                           f"looking up {new.server.binary}")
+        except (CallTimeout, LaneBusy):
+            what = f"looking up {new.server.binary}"
+            self._emit("blocking_call_timeout", call=what, timeout_s=PREFLIGHT_CALL_S,
+                       effect="the reload is refused; the running configuration stays")
+            self.refused = _Refusal(new.server.binary, "unknown", f"{what} did not finish")
+            return ReloadBuild.REFUSED
         if binary is None:
             return ReloadBuild.SAME  # the reload's own check refuses it, naming the path
         result = await self._preflight(new, binary, "the reload is refused; the running configuration stays")
