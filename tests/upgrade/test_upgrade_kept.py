@@ -144,3 +144,47 @@ async def test_a_reload_whose_binary_lookup_does_not_return_is_refused_and_the_l
     assert events == [("blocking_call_timeout", {"call": "looking up llama-server-next", "timeout_s": 0.5,
                                                  "effect": "the reload is refused; the running configuration stays"})]
     assert source.refused is not None and "did not finish" in source.refused.cause
+
+
+async def test_the_binary_pointed_at_the_kept_copy_of_the_serving_build_is_no_upgrade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[server].binary`` pointed at the kept copy of the build that serves: the same build (its
+    executable's hash, its libraries checked when kept), so no trial — and it starts with the copy's own
+    libraries first, as a roll-back to it does. The same executable copied anywhere else stays a new build
+    to try (it may sit beside other libraries)."""
+    import asyncio
+    import shutil
+
+    from llama_guard.config import Config
+    from llama_guard.core.ports import BuildChoice, ReloadBuild
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade import watcher
+    from llama_guard.upgrade.preflight import Preflight
+
+    def passes(config: Config, binary: Path) -> Preflight:
+        return Preflight(Build(binary, file_sha256(binary), "version: 1", "b1"), "")
+
+    monkeypatch.setattr(watcher, "preflight", passes)
+    serving = a_build(tmp_path / "src", "1")
+    old = Config.model_validate({"runtime": {"dir": str(tmp_path / "run")}, "server": {"binary": str(serving.path)}})
+    source = watcher.UpgradeSource()
+    kept = keep(serving, source._root(old))
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "src", elsewhere, symlinks=True)
+    ctx = Context(get_config=lambda: old, emit=lambda name, **f: None, post=lambda i: None,
+                  post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    await source.start(ctx)
+    source.lineage.ready(serving, 0.0)
+    source.lineage.pass_probation()
+
+    def pointed_at(binary: Path) -> Config:
+        return old.model_copy(update={"server": old.server.model_copy(update={"binary": str(binary)})})
+
+    assert await source.vet_reload(old, pointed_at(kept.build.path)) is ReloadBuild.SAME
+    assert await source.vet_reload(old, pointed_at(elsewhere / "llama-server")) is ReloadBuild.NEW
+    copy = pointed_at(kept.build.path)
+    choice = await source.before_spawn(Context(get_config=lambda: copy, emit=lambda name, **f: None,
+                                               post=lambda i: None, post_threadsafe=lambda i: None,
+                                               clock=lambda: 0.0, loop=asyncio.get_running_loop()),
+                                       kept.build.path)
+    assert choice == BuildChoice(kept.build.path, kept.dir)

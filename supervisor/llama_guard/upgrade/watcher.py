@@ -211,7 +211,10 @@ class UpgradeSource(Watcher):
             return ReloadBuild.REFUSED
         if result.passed and result.build is not None:
             self.refused = None  # the configuration now names a build that passes
-            if self.serving is None or result.build.same_as(self.serving):
+            if self.serving is None or result.build.same_as(self.serving) or (
+                    result.build.same_content(self.serving) and self._library_dir(new, binary) is not None):
+                # the serving build, or the kept copy of it (the same executable, its libraries checked
+                # by hash when kept): no trial — a restart on the new path if the flags ask for one
                 return ReloadBuild.SAME
             self._emit("upgrade_preflight_passed", binary=str(binary), build=result.build.short,
                        version=result.build.version, serving_build=self.serving.short)
@@ -228,16 +231,16 @@ class UpgradeSource(Watcher):
             # Nothing to fall back to: started as before (llama-server names what it refuses, and
             # the policy judges it); the build is identified once it is ready.
             self._chosen = binary
-            return BuildChoice(binary)
+            return self._configured(ctx.config, binary)
         result = await self._preflight(ctx.config, binary, "the server is started without it")
         if result is None:  # started unverified, as before preflights: a hung disk is no build fault
             self._chosen = None
-            return BuildChoice(binary)
+            return self._configured(ctx.config, binary)
         build = result.build
         if result.passed and build is not None and build.sha256 not in self.lineage.failed:
             self._chosen = build
             await self._ask_trial(ctx, build)
-            return BuildChoice(binary)
+            return self._configured(ctx.config, binary)
         cause = self.lineage.failed[build.sha256] if result.passed and build is not None else result.cause
         good = await self._last_good(ctx.config, exclude=build)
         if good is None:
@@ -305,6 +308,11 @@ class UpgradeSource(Watcher):
                 continue
             return kept.build, BuildChoice(kept.build.path, kept.dir)
         return None
+
+    def _configured(self, config: Config, binary: Path) -> BuildChoice:
+        """The configured ``binary`` as started: with its kept directory's libraries first when it is a
+        kept copy (``[server].binary`` pointed at one), as a roll-back to that copy starts it."""
+        return BuildChoice(binary, self._library_dir(config, binary))
 
     def _library_dir(self, config: Config, path: Path) -> Path | None:
         """The kept directory when ``path`` is a kept copy's executable, else None."""
