@@ -200,6 +200,31 @@ def test_check_names_the_real_builds_version_and_finds_every_flag(tmp_path: Path
 
 
 @pytest.mark.real
+def test_check_runs_the_build_as_the_server_user_and_says_when_it_cannot_switch(
+        tmp_path: Path, llama_server_bin: Path, real_model: Path) -> None:
+    """``check`` runs the build as ``[server].user`` (a build that account cannot execute fails its binary
+    row, naming the cause); an account llama-guard cannot switch to fails the "server user" row, and the
+    build and its flags are still read, as llama-guard's own user."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    hidden = script(private, "llama-server", f'exec "{llama_server_bin}" "$@"\n')
+    for binary, user, row in ((hidden, "nobody", "FAIL"), (llama_server_bin, "nobody", "OK"),
+                              (llama_server_bin, "no-such-account-xyz", "OK")):
+        sections = base_sections(tmp_path, str(binary), str(real_model), free_port())
+        sections["server"]["user"] = user
+        path = tmp_path / "config.toml"
+        path.write_text(config_text(sections))
+        lines, out = check_lines(path)
+        assert lines["binary"].split()[0] == row, out.stdout
+        if row == "FAIL":
+            assert "Permission denied" in lines["binary"], out.stdout
+        if user == "no-such-account-xyz":
+            account = next(line for line in out.stdout.splitlines() if " server user " in line)
+            assert account.split()[0] == "FAIL" and "no-such-account-xyz" in account, out.stdout
+            assert lines["flags"].split()[0] == "OK", out.stdout
+
+
+@pytest.mark.real
 def test_check_runs_help_with_the_environment_llama_server_gets(tmp_path: Path, llama_server_bin: Path,
                                                                 real_model: Path) -> None:
     """A build that finds its libraries only through ``[server].env``: ``check`` reads its ``--help`` as

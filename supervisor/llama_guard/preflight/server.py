@@ -18,19 +18,24 @@ from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
 from llama_guard.status.instance import port_daemon
-from llama_guard.upgrade.preflight import preflight
+from llama_guard.upgrade.preflight import as_server_user, preflight
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
 def check_binary(config: Config) -> list[CheckResult]:
     """The binary exists and starts (``--version``: its release shown), and its ``--help`` lists
     every flag we would pass (each one it does not know is named): the upgrade preflight's own test
-    (:func:`~llama_guard.upgrade.preflight.preflight`, run with ``[server].env``), one verdict for both."""
+    (:func:`~llama_guard.upgrade.preflight.preflight`, run with ``[server].env`` as ``[server].user`` when
+    llama-guard can switch to it), one verdict for both."""
     problem = binary_problem(config.server.binary)
     binary = resolve_binary(config.server.binary)
     if problem or binary is None:
         return [CheckResult("binary", Verdict.FAIL, f"{problem or config.server.binary} (set [server].binary)")]
-    result = preflight(config, binary)
+    try:
+        prefix = as_server_user(config)
+    except (ValueError, FileNotFoundError):  # the "server user" row says why; read as llama-guard's own user
+        prefix = []
+    result = preflight(config, binary, prefix=prefix)
     if result.build is None:
         return [CheckResult("binary", Verdict.FAIL, result.cause)]
     build = result.build

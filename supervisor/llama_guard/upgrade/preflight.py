@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,16 +56,18 @@ def as_server_user(config: Config) -> list[str]:
 
 
 def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSION_TIMEOUT_S,
-              help_timeout_s: float = HELP_TIMEOUT_S) -> Preflight:
+              help_timeout_s: float = HELP_TIMEOUT_S, prefix: Sequence[str] | None = None) -> Preflight:
     """Preflight ``binary`` for ``config`` (see the module docstring), run as llama-server would be:
-    as ``[server].user`` (:func:`as_server_user`), with ``[server].env`` over llama-guard's environment."""
+    after ``prefix`` (None: :func:`as_server_user`, the drop to ``[server].user``), with ``[server].env``
+    over llama-guard's environment."""
     problem = binary_problem(str(binary))
     if problem:  # not run at all: a directory, a file without the execute bit
         return Preflight(None, problem)
-    try:
-        prefix = as_server_user(config)
-    except (ValueError, FileNotFoundError) as exc:
-        return Preflight(None, f"[server].user: {exc}")
+    if prefix is None:
+        try:
+            prefix = as_server_user(config)
+        except (ValueError, FileNotFoundError) as exc:
+            return Preflight(None, f"[server].user: {exc}")
     env = child_environ(os.environ, config.server.env)
     build, failure = identify(binary, version_timeout_s, env, prefix)
     if build is None:
