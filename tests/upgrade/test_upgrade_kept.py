@@ -4,12 +4,18 @@ read-only, content-hashed, the last two; a copy whose content changed is not use
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from llama_guard.core.privileges import drop_argv, resolve_identity
 from llama_guard.host.build import Build, file_sha256
+from llama_guard.upgrade.figures import record
 from llama_guard.upgrade.kept import KEEP_MAX, builds_dir, keep, listing, verified
 
 
@@ -63,6 +69,34 @@ def test_a_copy_made_writable_is_not_used(tmp_path: Path) -> None:
     kept = keep(a_build(tmp_path / "src", "1"), tmp_path / "builds")
     (kept.dir / "libllama.so.0.6.0").chmod(0o666)
     assert "is not a read-only regular file" in verified(kept)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A directory as systemd makes ``StateDirectory=`` (mode 0755, root's), outside pytest's own
+    (mode 0700: no other user reaches into it)."""
+    path = Path(tempfile.mkdtemp(prefix="llama-guard-state-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("first", ["the copy", "the trial figures"])
+def test_a_kept_copy_runs_as_the_server_user_under_the_units_umask(state_dir: Path, first: str) -> None:
+    """The unit's ``UMask=0027`` made ``builds/`` mode 0750, root's: ``[server].user`` could not reach
+    the copy, and a roll-back to it could not start (an outage). Whichever makes ``builds/`` first
+    (a copy, or a trial's figures written beside the copies), the copy runs as that user."""
+    build = a_build(state_dir / "src", "1")
+    umask = os.umask(0o027)
+    try:
+        if first == "the trial figures":
+            record(state_dir / "builds", {build.sha256: 12.5}, "0" * 16)
+        kept = keep(build, state_dir / "builds")
+    finally:
+        os.umask(umask)
+    ran = subprocess.run([*drop_argv(resolve_identity("nobody", "", ())), str(kept.build.path)],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert (ran.returncode, ran.stdout) == (0, "version: 1\n"), ran.stderr
 
 
 def test_the_copies_live_in_the_state_directory(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 (``lib*.so*``; a symbolic link to a file beside it stays a link) of each build that served well, under
 ``<state>/builds/<sha256 of the executable>/`` with a manifest of every file's SHA-256; at most
 :data:`KEEP_MAX`, the oldest removed first. Files are read-only (0555/0444) in a read-only directory
-owned by llama-guard's user, so llama-server, started as another ``[server].user``, cannot change them.
+owned by llama-guard's user, so llama-server, started as another ``[server].user``, cannot change them;
+``builds/`` is 0755, so that it can run them.
 
 A copy is used only after every file's hash is checked again (:func:`verified`). Blocking: call it
 off the event loop.
@@ -58,6 +59,9 @@ def keep(build: Build, root: Path) -> Kept:
         if kept.build.sha256 == build.sha256:
             return kept
     root.mkdir(parents=True, exist_ok=True)
+    # 0755 whatever made it and under whatever umask (the unit's UMask=0027 made it 0750, root's):
+    # [server].user must reach a copy to run it at a roll-back
+    root.chmod(0o755)
     final = root / build.sha256[:16]
     work = root / f".{build.sha256[:16]}.{os.getpid()}.tmp"
     _remove(work)
