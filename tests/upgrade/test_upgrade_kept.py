@@ -134,3 +134,35 @@ async def test_a_preflight_that_does_not_return_starts_the_server_unverified(
                                                  "effect": "the server is started without it"})]
     release.set()  # the call left on its lane returns
 
+
+
+async def test_a_kept_copy_the_server_user_cannot_reach_is_not_rolled_back_to(state_dir: Path) -> None:
+    """Outside systemd the copies lie in ``<[runtime].dir>/builds``, and a runtime directory is 0700,
+    root's: as ``[server].user`` the copy cannot start. It is refused at the roll-back with
+    ``upgrade_copy_failed`` naming the directory, as a copy that fails its hashes is, rather than
+    started to fail; with llama-guard's own user it is used."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    runtime = state_dir / "run"
+    runtime.mkdir(mode=0o700)
+    kept = keep(a_build(state_dir / "good", "1"), runtime / "builds")
+    events: list[tuple[str, dict[str, object]]] = []
+    for user in ("nobody", ""):
+        cfg = Config.model_validate({"runtime": {"dir": str(runtime)}, "server": {"user": user}})
+        ctx = Context(get_config=lambda cfg=cfg: cfg, emit=lambda name, **f: events.append((name, f)),
+                      post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
+                      loop=asyncio.get_running_loop())
+        source = UpgradeSource()
+        await source.start(ctx)
+        found = await source._last_good(cfg, exclude=None)
+        if user:
+            assert found is None
+            assert events == [("upgrade_copy_failed", {
+                "build": kept.build.short, "dir": str(kept.dir),
+                "reason": f"{kept.build.path}: {runtime} is not searchable for [server].user (uid 65534)"})]
+        else:
+            assert found is not None and found[1].binary == kept.build.path

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_guard.core.privileges import ServerIdentity, unreachable
 from llama_guard.host.build import Build, file_sha256
 
 KEEP_MAX = 2
@@ -128,9 +129,10 @@ def listing(root: Path) -> list[Kept]:
     return sorted(found, key=lambda k: k.kept_at, reverse=True)
 
 
-def verified(kept: Kept) -> str:
+def verified(kept: Kept, identity: ServerIdentity | None = None) -> str:
     """Why ``kept`` cannot be used ("" when every file still has its hash, none is writable by
-    others than its owner, and the executable is executable)."""
+    others than its owner, and the executable is executable — by ``identity``, llama-server's
+    ``[server].user``, when it is another account: the mode bits of each directory on the way)."""
     for name, digest in kept.files.items():
         path = kept.dir / name
         try:
@@ -141,4 +143,9 @@ def verified(kept: Kept) -> str:
                 return f"{path} no longer has the content that was kept"
         except OSError as exc:
             return f"{path}: {exc.strerror or exc}"
+    if identity is not None and identity.uid is not None:
+        gids = {g for g in (identity.gid, *(identity.groups or ())) if g is not None}
+        blocked = unreachable(kept.build.path, identity.uid, gids, 1)
+        if blocked:
+            return f"{kept.build.path}: {blocked} for [server].user (uid {identity.uid})"
     return "" if os.access(kept.build.path, os.X_OK) else f"{kept.build.path} is not executable"

@@ -39,6 +39,7 @@ from llama_guard.core.client import Cancel, RequestFailed, ServerClient
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.own_requests import OWN_REQUESTS, own_requests_failure
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
+from llama_guard.core.privileges import resolve_identity
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
@@ -298,11 +299,16 @@ class UpgradeSource(Watcher):
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
             self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
+        server = config.server
+        try:  # the copy must run as llama-server runs (a user gone: the start names it)
+            identity = resolve_identity(server.user, server.group, server.supplementary_groups)
+        except ValueError:
+            identity = None
         for kept in self._kept:
             if kept.build.sha256 in self.lineage.failed or kept.build.same_content(exclude):
                 continue
             try:
-                problem = await self._checks.run(partial(verified, kept), COPY_TIMEOUT_S,
+                problem = await self._checks.run(partial(verified, kept, identity), COPY_TIMEOUT_S,
                                          f"checking {kept.dir}")
             except (CallTimeout, LaneBusy) as exc:
                 problem = str(exc)
