@@ -166,3 +166,29 @@ async def test_a_kept_copy_the_server_user_cannot_reach_is_not_rolled_back_to(st
                 "reason": f"{kept.build.path}: {runtime} is not searchable for [server].user (uid 65534)"})]
         else:
             assert found is not None and found[1].binary == kept.build.path
+
+
+async def test_a_roll_back_after_a_reload_to_another_server_user_starts_a_build_that_user_runs(
+        state_dir: Path) -> None:
+    """A reload changed ``[server].user`` and the binary, and the new build failed: the serving build's
+    file (in a directory of mode 0700, root's) still holds it, but the new user cannot execute it — the
+    roll-back starts its kept copy instead; for llama-guard's own user, the serving file itself."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    private = state_dir / "private"
+    private.mkdir(mode=0o700)
+    serving = a_build(private / "bin", "1")
+    kept = keep(serving, state_dir / "builds")
+    for user, expected in (("nobody", kept.build.path), ("", serving.path)):
+        cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": user}})
+        ctx = Context(get_config=lambda cfg=cfg: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                      post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+        source = UpgradeSource()
+        await source.start(ctx)
+        source.lineage.ready(serving, 0.0)
+        found = await source._last_good(cfg, exclude=None)
+        assert found is not None and found[1].binary == expected, user

@@ -225,3 +225,13 @@ def unreachable(path: Path, uid: int, gids: Collection[int], bit: int) -> str:
     except OSError as exc:
         return exc.strerror or str(exc)
     return ""
+
+
+def unexecutable_by(identity: ServerIdentity | None, path: Path) -> str:
+    """Why llama-server started as ``identity`` could not execute ``path`` (:func:`unreachable`:
+    mode bits); "" when it can, or when ``identity`` is None or llama-guard's own user."""
+    if identity is None or identity.uid is None:
+        return ""
+    gids = {g for g in (identity.gid, *(identity.groups or ())) if g is not None}
+    blocked = unreachable(path, identity.uid, gids, 1)
+    return f"{path}: {blocked} for [server].user (uid {identity.uid})" if blocked else ""

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_guard.core.privileges import ServerIdentity, unreachable
+from llama_guard.core.privileges import ServerIdentity, unexecutable_by
 from llama_guard.host.build import Build, file_sha256
 
 KEEP_MAX = 2
@@ -143,9 +143,7 @@ def verified(kept: Kept, identity: ServerIdentity | None = None) -> str:
                 return f"{path} no longer has the content that was kept"
         except OSError as exc:
             return f"{path}: {exc.strerror or exc}"
-    if identity is not None and identity.uid is not None:
-        gids = {g for g in (identity.gid, *(identity.groups or ())) if g is not None}
-        blocked = unreachable(kept.build.path, identity.uid, gids, 1)
-        if blocked:
-            return f"{kept.build.path}: {blocked} for [server].user (uid {identity.uid})"
+    blocked = unexecutable_by(identity, kept.build.path)
+    if blocked:
+        return blocked
     return "" if os.access(kept.build.path, os.X_OK) else f"{kept.build.path} is not executable"

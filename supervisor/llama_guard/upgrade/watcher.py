@@ -39,7 +39,7 @@ from llama_guard.core.client import Cancel, RequestFailed, ServerClient
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.own_requests import OWN_REQUESTS, own_requests_failure
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
-from llama_guard.core.privileges import resolve_identity
+from llama_guard.core.privileges import ServerIdentity, resolve_identity, unexecutable_by
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
@@ -109,6 +109,12 @@ def _unplanned(step: Transition) -> bool:
     before = step.before
     return before.phase in (Phase.STARTING, Phase.READY, Phase.TRIAL) or (
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
+
+
+def _still_runs(build: Build, identity: ServerIdentity | None) -> bool:
+    """Whether ``build``'s file still holds it and llama-server as ``identity`` can execute it.
+    Blocking; raises OSError."""
+    return file_sha256(build.path) == build.sha256 and not unexecutable_by(identity, build.path)
 
 
 class UpgradeSource(Watcher):
@@ -285,25 +291,25 @@ class UpgradeSource(Watcher):
 
     async def _last_good(self, config: Config, *, exclude: Build | None) -> tuple[Build, BuildChoice] | None:
         """The build to roll back to: the serving (or previous) one while its file still holds it,
-        else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified`."""
+        else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified` — either one
+        executable by ``[server].user`` as it is now (a reload may have changed it)."""
+        server = config.server
+        try:  # the build must run as llama-server runs (a user gone: the start names it)
+            identity = resolve_identity(server.user, server.group, server.supplementary_groups)
+        except ValueError:
+            identity = None
         for build in (self.serving, self.lineage.previous):
             if build is None or build.sha256 in self.lineage.failed or build.same_content(exclude):
                 continue
             path = build.path
             try:
-                digest = await self._checks.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
+                if await self._checks.run(partial(_still_runs, build, identity), COPY_TIMEOUT_S, f"hashing {path}"):
+                    return build, BuildChoice(path, self._library_dir(config, path))
             except (OSError, CallTimeout, LaneBusy):
                 continue
-            if digest == build.sha256:
-                return build, BuildChoice(path, self._library_dir(config, path))
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
             self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
-        server = config.server
-        try:  # the copy must run as llama-server runs (a user gone: the start names it)
-            identity = resolve_identity(server.user, server.group, server.supplementary_groups)
-        except ValueError:
-            identity = None
         for kept in self._kept:
             if kept.build.sha256 in self.lineage.failed or kept.build.same_content(exclude):
                 continue
