@@ -192,3 +192,27 @@ async def test_a_roll_back_after_a_reload_to_another_server_user_starts_a_build_
         source.lineage.ready(serving, 0.0)
         found = await source._last_good(cfg, exclude=None)
         assert found is not None and found[1].binary == expected, user
+
+
+async def test_a_build_started_unverified_is_identified_as_the_server_user(state_dir: Path) -> None:
+    """A first start (nothing kept yet) runs the configured build unverified; once it is ready its
+    ``--version`` identifies it — as ``[server].user``, as the preflight runs it, never as root: a build
+    that account can replace must not get root's privileges from llama-guard."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource, _Identify
+
+    exe = state_dir / "bin" / "llama-server"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\necho \"version: 1 (uid $(id -u))\"\n")
+    exe.chmod(0o755)
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                  post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    source._pids[4242] = exe
+    await source._identify(ctx, _Identify(exe, 4242, 0.0))
+    assert source.serving is not None and source.serving.version == "version: 1 (uid 65534)"

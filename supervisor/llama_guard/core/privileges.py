@@ -205,6 +205,17 @@ def server_identity(user: str, group: str, supplementary_groups: Sequence[str]) 
     return identity
 
 
+def server_user_argv(user: str, group: str, supplementary_groups: Sequence[str]) -> list[str]:
+    """The exec wrapper that runs a program as llama-server runs when ``[server].user`` is set
+    (:func:`drop_argv` to :func:`server_identity`): how llama-guard runs a build for its ``--version``
+    or ``--help``, never as root — a build that account can replace must not gain root's privileges;
+    [] when no account is set (llama-guard's own). Raises ValueError (a missing account, privileges
+    llama-guard lacks) or FileNotFoundError (no setpriv)."""
+    if not user:
+        return []
+    return drop_argv(server_identity(user, group, supplementary_groups))
+
+
 def unreachable(path: Path, uid: int, gids: Collection[int], bit: int) -> str:
     """Why ``uid`` (with ``gids``) cannot reach ``path`` and read (bit 4) or execute (bit 1) it; ""
     when it can. Reads only mode bits and owners (no ACLs)."""

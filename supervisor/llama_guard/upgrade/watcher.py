@@ -39,7 +39,7 @@ from llama_guard.core.client import Cancel, RequestFailed, ServerClient
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.own_requests import OWN_REQUESTS, own_requests_failure
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
-from llama_guard.core.privileges import ServerIdentity, resolve_identity, unexecutable_by
+from llama_guard.core.privileges import ServerIdentity, resolve_identity, server_user_argv, unexecutable_by
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, RestartRequest, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
@@ -417,12 +417,14 @@ class UpgradeSource(Watcher):
                      kept=len(self._kept))
 
     async def _identify(self, ctx: Context, job: _Identify) -> None:
-        env = child_environ(os.environ, ctx.config.server.env)
-        try:
-            build, _ = await self._probe.run(partial(identify, job.path, VERSION_TIMEOUT_S, env), PREFLIGHT_CALL_S,
-                                             f"{job.path} --version")
-        except (CallTimeout, LaneBusy):
-            return
+        server = ctx.config.server
+        env = child_environ(os.environ, server.env)
+        try:  # as llama-server runs (as the preflight runs it), never as root
+            prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+            build, _ = await self._probe.run(partial(identify, job.path, VERSION_TIMEOUT_S, env, prefix),
+                                             PREFLIGHT_CALL_S, f"{job.path} --version")
+        except (ValueError, FileNotFoundError, CallTimeout, LaneBusy):
+            return  # not identified: judged as an unknown build
         if build is not None and job.pid in self._pids:
             self._pids[job.pid] = build
             self._ready(build, job.at)
