@@ -67,7 +67,7 @@ def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSIO
     failure = ran.failure(what, help_timeout_s)
     if failure:
         return Preflight(build, failure)
-    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime), ran.text)
+    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime, prefix), ran.text)
     if unknown:
         return Preflight(build, f"{binary} ({build.release}) does not know {' '.join(unknown)}, which llama-guard "
                                 "passes (its --help lists no such flag)", unknown)
