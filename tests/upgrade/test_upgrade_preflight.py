@@ -219,6 +219,18 @@ def test_neither_the_preflight_nor_check_runs_the_build_as_root(shared_dir: Path
     assert sorted(set(runs)) == ["65534 --help", "65534 --list-devices", "65534 --version"], runs
 
 
+def test_checks_device_lines_are_cleaned(shared_dir: Path) -> None:
+    """What ``--list-devices`` prints is named in ``check``'s offload line, on the operator's terminal:
+    cleaned as a build's ``--version`` is (an OSC would retitle the terminal)."""
+    model = shared_dir / "model.gguf"
+    exe = script(shared_dir, "llama-server",
+                 'printf "Available devices:\\n  CUDA0: a GPU\\033]0;owned\\007\\033[31m red\\033[0m\\n"\n')
+    config = config_for(shared_dir, exe, model)
+    config = config.model_copy(update={"server": config.server.model_copy(update={"n_gpu_layers": 99})})
+    [line] = check_offload(config)
+    assert line.verdict is Verdict.OK and line.detail == "n_gpu_layers = 99 on CUDA0: a GPU red", line
+
+
 def check_lines(path: Path) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
     """``check --config path``: its lines by name, and the run."""
     out = subprocess.run([sys.executable, "-m", "llama_guard", "check", "--config", str(path)],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
 from llama_guard.config.server import ServerConfig
+from llama_guard.host.build import clean_text
 from llama_guard.vocab.server_flags import ENDPOINT_FLAGS, METRICS_ENV, SLOTS_ENV
 
 SLOT_SAVE_FLAG = "--slot-save-path"
@@ -217,15 +218,16 @@ def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S, run_as: Sequence[
 def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S,
                  run_as: Sequence[str] = ()) -> list[str] | None:
     """The devices ``binary --list-devices`` reports under ``env`` after the exec wrapper ``run_as``
-    (lines such as ``CUDA0: NVIDIA H200 (143166 MiB, 142616 MiB free)``; empty when it prints
-    ``(none)``), or None when this build has no such flag. Blocks up to ``timeout_s``; raises OSError
-    when it cannot run or does not finish."""
+    (lines such as ``CUDA0: NVIDIA H200 (143166 MiB, 142616 MiB free)``, cleaned:
+    :func:`~llama_guard.host.build.clean_text`; empty when it prints ``(none)``), or None when this
+    build has no such flag. Blocks up to ``timeout_s``; raises OSError when it cannot run or does not
+    finish."""
     try:
         out = subprocess.run([*run_as, str(binary), "--list-devices"], capture_output=True, timeout=timeout_s,
                              check=False, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired as exc:
         raise OSError(f"{binary} --list-devices did not finish within {timeout_s:g} s") from exc
-    lines = (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()
+    lines = clean_text((out.stdout + out.stderr).decode("utf-8", errors="replace")).splitlines()  # check prints them
     heads = [i for i, line in enumerate(lines) if line.strip() == "Available devices:"]
     if not heads:
         return None
