@@ -216,3 +216,55 @@ async def test_a_build_started_unverified_is_identified_as_the_server_user(state
     source._pids[4242] = exe
     await source._identify(ctx, _Identify(exe, 4242, 0.0))
     assert source.serving is not None and source.serving.version == "version: 1 (uid 65534)"
+
+
+@pytest.mark.parametrize("layout", ["libraries beside it", "libraries in ../lib"])
+async def test_a_copy_that_does_not_start_as_the_server_user_is_not_kept(state_dir: Path, layout: str) -> None:
+    """A build that passed its probation is copied, then the copy is run as a roll-back would run it
+    (as ``[server].user``, ``LD_LIBRARY_PATH`` on its directory). A build installed with its libraries
+    in ``../lib`` (``cmake --install``'s layout: only ``lib*.so*`` beside the executable is copied)
+    loads where it was built but not as a copy: that copy is removed with ``upgrade_copy_failed``,
+    not left for a roll-back to fail on. (A double loader: the script needs ``libllama.so``.)"""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    prefix = state_dir / "opt"
+    bin_dir = prefix / "bin"
+    lib_dir = bin_dir if layout == "libraries beside it" else prefix / "lib"
+    bin_dir.mkdir(parents=True)
+    lib_dir.mkdir(exist_ok=True)
+    (lib_dir / "libllama.so").write_bytes(b"library")
+    exe = bin_dir / "llama-server"
+    exe.write_text('#!/bin/sh\n'
+                   'for d in "$(dirname "$0")" "$(dirname "$0")/../lib" $(echo "$LD_LIBRARY_PATH" | tr : " "); do\n'
+                   '  [ -r "$d/libllama.so" ] && { echo "version: 1 (abc1234)"; exit 0; }\ndone\n'
+                   'echo "llama-server: error while loading shared libraries: libllama.so" >&2; exit 127\n')
+    exe.chmod(0o755)
+    build = Build(exe, file_sha256(exe), "version: 1 (abc1234)", "b1 (abc1234)")
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    events: list[tuple[str, dict[str, object]]] = []
+    reported = asyncio.Event()
+
+    def emit(name: str, **fields: object) -> None:
+        events.append((name, fields))
+        reported.set()
+
+    ctx = Context(get_config=lambda: cfg, emit=emit, post=lambda i: None, post_threadsafe=lambda i: None,
+                  clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    runs = asyncio.create_task(source.run(ctx))
+    try:
+        source._jobs.put_nowait(build)  # its probation passed
+        await reported.wait()
+    finally:
+        runs.cancel()
+    [(name, fields)] = events
+    if layout == "libraries beside it":
+        assert name == "upgrade_copy_kept" and len(listing(state_dir / "builds")) == 1, events
+    else:
+        assert name == "upgrade_copy_failed" and "error while loading shared libraries" in str(fields["reason"])
+        assert listing(state_dir / "builds") == [] and source.snapshot()["kept"] == []  # type: ignore[index]

@@ -99,6 +99,11 @@ def keep(build: Build, root: Path) -> Kept:
     return _read(final) or Kept(final, build, str(build.path), kept_at, files)
 
 
+def discard(kept: Kept) -> None:
+    """Remove ``kept`` (a copy found not to start). Raises OSError."""
+    _remove(kept.dir)
+
+
 def _remove(path: Path) -> None:
     """Remove a kept directory (made writable again first); nothing when absent."""
     if not path.exists():

@@ -72,3 +72,18 @@ def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSIO
         return Preflight(build, f"{binary} ({build.release}) does not know {' '.join(unknown)}, which llama-guard "
                                 "passes (its --help lists no such flag)", unknown)
     return Preflight(build, "")
+
+
+def copy_problem(config: Config, kept: Build, library_dir: Path) -> str:
+    """Why the kept copy ``kept`` would not start as a roll-back starts it — as ``[server].user``, with
+    ``LD_LIBRARY_PATH`` on ``library_dir`` (its directory): its ``--version`` fails (a directory that
+    account cannot reach, a library the copy lacks: one that lay outside the build's own directory);
+    "" when it starts. Blocking (runs the copy, bounded)."""
+    server = config.server
+    try:
+        prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+    except (ValueError, FileNotFoundError) as exc:
+        return f"[server].user: {exc}"
+    env = child_environ(os.environ, server.env)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library_dir), env.get("LD_LIBRARY_PATH")) if p)
+    return identify(kept.path, VERSION_TIMEOUT_S, env, prefix)[1]

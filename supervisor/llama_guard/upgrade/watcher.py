@@ -15,7 +15,7 @@
   next start rolls back; so does a run of ``[front].hold_after_errors`` client requests it answered
   5xx (``/health`` fine, an endpoint broken), through a drained restart it asks for. After the
   probation it is the last good build (``upgrade_kept`` when it replaced another) and a copy of it is
-  kept.
+  kept, once that copy started (``--version``) as a roll-back would start it.
 
 ``status`` shows the serving build, the one on probation, the last refused one with its cause, and
 the kept copies (:meth:`UpgradeSource.snapshot`).
@@ -46,9 +46,9 @@ from llama_guard.model.transition import Transition
 from llama_guard.model.types import AfterStop, RestartCause, TrialResult, exit_text
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.figures import flags_key, record, recorded
-from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
+from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, discard, keep, listing, verified
 from llama_guard.upgrade.lineage import Lineage
-from llama_guard.upgrade.preflight import Preflight, preflight
+from llama_guard.upgrade.preflight import Preflight, copy_problem, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
@@ -412,9 +412,29 @@ class UpgradeSource(Watcher):
             except (OSError, CallTimeout, LaneBusy) as exc:
                 ctx.emit("upgrade_copy_failed", build=build.short, dir=str(root), reason=str(exc))
                 continue
+            if await self._copy_fails(ctx, kept):
+                continue
             self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
             ctx.emit("upgrade_copy_kept", build=kept.build.short, dir=str(kept.dir), files=len(kept.files),
                      kept=len(self._kept))
+
+    async def _copy_fails(self, ctx: Context, kept: Kept) -> bool:
+        """Run the new copy as a roll-back would (:func:`copy_problem`); one that does not start is
+        removed with ``upgrade_copy_failed`` — a roll-back to it would be an outage. No answer in time:
+        kept (a busy disk is no fault of the copy's)."""
+        what = f"{kept.build.path} --version"
+        try:
+            problem = await self._probe.run(partial(copy_problem, ctx.config, kept.build, kept.dir),
+                                            PREFLIGHT_CALL_S, what)
+        except (CallTimeout, LaneBusy):
+            return False
+        if not problem:
+            return False
+        with contextlib.suppress(OSError, CallTimeout, LaneBusy):
+            await self._files.run(partial(discard, kept), COPY_TIMEOUT_S, f"removing {kept.dir}")
+        ctx.emit("upgrade_copy_failed", build=kept.build.short, dir=str(kept.dir),
+                 reason=f"the copy does not start as a roll-back would run it: {problem}")
+        return True
 
     async def _identify(self, ctx: Context, job: _Identify) -> None:
         server = ctx.config.server
