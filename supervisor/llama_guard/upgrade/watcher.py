@@ -111,6 +111,15 @@ def _unplanned(step: Transition) -> bool:
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
 
 
+def _server_identity(config: Config) -> ServerIdentity | None:
+    """``[server].user``'s identity; None when it does not resolve (a user gone: the start names it)."""
+    server = config.server
+    try:
+        return resolve_identity(server.user, server.group, server.supplementary_groups)
+    except ValueError:
+        return None
+
+
 def _still_runs(build: Build, identity: ServerIdentity | None) -> bool:
     """Whether ``build``'s file still holds it and llama-server as ``identity`` can execute it.
     Blocking; raises OSError."""
@@ -293,10 +302,10 @@ class UpgradeSource(Watcher):
         """The build to roll back to: the serving (or previous) one while its file still holds it,
         else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified` — either one
         executable by ``[server].user`` as it is now (a reload may have changed it)."""
-        server = config.server
-        try:  # the build must run as llama-server runs (a user gone: the start names it)
-            identity = resolve_identity(server.user, server.group, server.supplementary_groups)
-        except ValueError:
+        try:  # the build must run as llama-server runs (the user database may be remote: off the loop)
+            identity = await self._checks.run(partial(_server_identity, config), COPY_TIMEOUT_S,
+                                              "resolving [server].user")
+        except (CallTimeout, LaneBusy):
             identity = None
         for build in (self.serving, self.lineage.previous):
             if build is None or build.sha256 in self.lineage.failed or build.same_content(exclude):
