@@ -268,3 +268,23 @@ async def test_a_copy_that_does_not_start_as_the_server_user_is_not_kept(state_d
     else:
         assert name == "upgrade_copy_failed" and "error while loading shared libraries" in str(fields["reason"])
         assert listing(state_dir / "builds") == [] and source.snapshot()["kept"] == []  # type: ignore[index]
+
+
+async def test_copies_an_older_llama_guard_left_out_of_reach_are_opened_at_start(state_dir: Path) -> None:
+    """A ``builds/`` an older llama-guard made 0750 under the unit's umask holds copies the server user
+    cannot run: the daemon's start opens it, so that the first roll-back finds them usable."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    kept = keep(a_build(state_dir / "good", "1"), state_dir / "builds")
+    (state_dir / "builds").chmod(0o750)
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                  post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    found = await source._last_good(cfg, exclude=None)
+    assert found is not None and found[1].binary == kept.build.path

@@ -52,6 +52,13 @@ def _libraries(binary: Path) -> list[Path]:
     return sorted(p for p in binary.parent.glob("lib*.so*") if p.is_file())
 
 
+def share(root: Path) -> None:
+    """Make ``root`` mode 0755, whatever made it and under whatever umask (the unit's ``UMask=0027``
+    made it 0750, root's; an older llama-guard left it so): ``[server].user`` must reach a copy to run
+    it at a roll-back. Raises OSError (an absent ``root`` too)."""
+    root.chmod(0o755)
+
+
 def keep(build: Build, root: Path) -> Kept:
     """Copy ``build`` (its executable and the libraries beside it) under ``root`` unless it is kept
     already; then remove the oldest beyond :data:`KEEP_MAX`. Raises OSError; a copy found to differ
@@ -60,9 +67,7 @@ def keep(build: Build, root: Path) -> Kept:
         if kept.build.sha256 == build.sha256:
             return kept
     root.mkdir(parents=True, exist_ok=True)
-    # 0755 whatever made it and under whatever umask (the unit's UMask=0027 made it 0750, root's):
-    # [server].user must reach a copy to run it at a roll-back
-    root.chmod(0o755)
+    share(root)
     final = root / build.sha256[:16]
     work = root / f".{build.sha256[:16]}.{os.getpid()}.tmp"
     _remove(work)

@@ -46,7 +46,7 @@ from llama_guard.model.transition import Transition
 from llama_guard.model.types import AfterStop, RestartCause, TrialResult, exit_text
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.figures import flags_key, record, recorded
-from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, discard, keep, listing, verified
+from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, discard, keep, listing, share, verified
 from llama_guard.upgrade.lineage import Lineage
 from llama_guard.upgrade.preflight import Preflight, copy_problem, preflight
 from llama_guard.vocab.events import EventName
@@ -396,6 +396,9 @@ class UpgradeSource(Watcher):
             self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         except (CallTimeout, LaneBusy):
             self._kept = []
+        if self._kept:  # left 0750 by an older llama-guard under the unit's umask: a roll-back could not run them
+            with contextlib.suppress(OSError, LaneBusy):  # CallTimeout is an OSError
+                await self._files.run(partial(share, root), COPY_TIMEOUT_S, f"opening {root} to [server].user")
         return None
 
     async def run(self, ctx: Context) -> None:
