@@ -97,19 +97,6 @@ def test_the_last_good_build_dying_while_a_new_one_is_on_probation_is_never_mark
     assert lineage.serving == GOOD and set(lineage.failed) == {NEW.sha256}
 
 
-def test_the_kept_copy_of_the_good_build_serving_again_replaces_nothing() -> None:
-    """After a roll-back to a kept copy (the good build's file was replaced in place), the copy's
-    probation ends without naming the good build as the one it replaced: it is that build."""
-    lineage = proven()
-    lineage.ready(NEW, 1000.0)
-    lineage.exited(NEW, "was killed by SIGSEGV", 1010.0)
-    lineage.ready(COPY, 1020.0)
-    assert not lineage.on_probation(COPY)
-    assert lineage.probation_over(1620.0, 600.0)
-    assert lineage.pass_probation() is None
-    assert lineage.last_good() == COPY and lineage.failed.keys() == {NEW.sha256}
-
-
 def test_two_new_builds_in_a_row_keep_the_last_proven_one_to_go_back_to() -> None:
     lineage = proven()
     newer = Build(Path("/opt/newer/llama-server"), "c" * 64, "version: 3", "b3")

@@ -60,11 +60,11 @@ class Lineage:
 
     def pass_probation(self) -> Build | None:
         """The serving build is proven; returns the good build it replaced (None: it replaced none,
-        or its own content: a kept copy of it)."""
+        or itself)."""
         assert self.serving is not None
         previous = self.last_good()
         self.proven, self.previous = True, None
-        return None if previous is None or previous.same_content(self.serving) else previous
+        return None if previous is None or previous.same_as(self.serving) else previous
 
     def exited(self, build: Build, how: str, at: float) -> None:
         """A server of ``build`` exited unasked (``how``: its exit status in words): a new build (not
