@@ -92,6 +92,10 @@ def test_path_resolution() -> None:
     # a path goes into text log lines: a control character would forge one
     ('[server]\nbinary = "/opt/llama-server\\n12:00:00 server_ready forged"\n', "server", "control character '\\n'"),
     ('[server]\nmodel = "/m/\\u001b[31mred.gguf"\n', "server", "control character '\\x1b'"),
+    ('[server]\napi_key_file = "/etc/key\\n12:00:00 server_ready forged"\n', "server", "control character '\\n'"),
+    ('[server]\nbinary = "/opt/llama-server\\u009b2J"\n', "server", "control character '\\x9b'"),  # C1 CSI
+    ('[runtime]\ndir = "/run/lg\\u001b]0;owned\\u0007"\n', "runtime.dir", "control character '\\x1b'"),
+    ('[slots]\ndir = "/var/lib/slots\\r12:00:00 forged"\n', "slots.dir", "control character '\\r'"),
 ])
 def test_bad_value_names_file_key_and_reason(tmp_path: Path, text: str, key: str, reason: str) -> None:
     path = write(tmp_path, text)

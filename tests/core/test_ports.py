@@ -89,6 +89,45 @@ def test_a_start_asks_the_ports_in_order_and_the_first_refusal_ends_it(
     assert asked.calls == (expected[:1] if refusing == "child" else expected)
 
 
+def test_a_starts_help_probe_runs_the_build_as_the_server_user(tmp_path: Path) -> None:
+    """The ``--help`` probe before every start (how this build spells ``--mlock``) runs the build as
+    ``[server].user``, as llama-server itself then runs: it ran as root, so a build that account can
+    replace got root's privileges at every start."""
+    import shutil
+    import tempfile
+
+    from llama_guard.core.privileges import resolve_identity
+
+    shared = Path(tempfile.mkdtemp(prefix="llama-guard-build-"))  # pytest's tmp_path is 0700, root's
+    try:
+        shared.chmod(0o755)
+        log = shared / "runs.log"
+        log.touch()
+        log.chmod(0o666)
+        binary = shared / "llama-server"
+        binary.write_text(f'#!/bin/sh\necho "$(id -u) $1" >> "{log}"\necho "--mlock"\n')
+        binary.chmod(0o755)
+        model = tmp_path / "model.gguf"
+        model.write_bytes(b"GGUF" + bytes(64))
+        config = _config(tmp_path, binary, model)
+        config = config.model_copy(update={"server": config.server.model_copy(update={"mlock": True})})
+        asked = Asked()
+
+        async def go() -> SpawnFailed | object:
+            ctx = Context(get_config=lambda: config,
+                          emit=lambda *_, **__: None, post=lambda _: None, post_threadsafe=lambda _: None,
+                          clock=time.monotonic, loop=asyncio.get_running_loop())
+            spawner = Spawner(lambda *_, **__: None, daemon_lanes(), time.monotonic,
+                              child=Child(asked, "refused after the probe"))  # type: ignore[arg-type]
+            spawner.identity = resolve_identity("nobody", "", ())
+            return await spawner.start(config, ctx)
+
+        assert asyncio.run(go()) == SpawnFailed("refused after the probe", fatal=False)
+        assert log.read_text().splitlines() == ["65534 --help"]
+    finally:
+        shutil.rmtree(shared)
+
+
 def test_the_wiring_hands_each_port_by_name_and_each_is_a_watcher(tmp_path: Path) -> None:
     from llama_guard.app.wiring import make_watchers
     from llama_guard.exporter.metrics import MetricsSource

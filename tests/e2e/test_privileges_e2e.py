@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import FAKE_NVML_RUN, ROOT, DaemonRun, base_sections, free_port, merge, server_pids_of
-from llama_guard.core.privileges import CAP_NUMBERS, read_credentials
-from llama_guard.preflight.process import _unreachable
+from llama_guard.core.privileges import CAP_NUMBERS, read_credentials, unreachable
 from needs import unavailable
 from systemd_fixtures import unit_capabilities
 
@@ -73,7 +72,7 @@ def shared_dir() -> Iterator[Path]:
 def reachable(path: Path, shared: Path, bit: int) -> Path:
     """``path`` when uid 65534 can reach it, else a copy (of its whole directory: a binary's
     shared libraries sit next to it) in ``shared``."""
-    if not _unreachable(path, NOBODY, {NOBODY}, bit):
+    if not unreachable(path, NOBODY, {NOBODY}, bit):
         return path
     dest = shared / f"copy-{path.parent.name}"
     if not dest.exists():
@@ -81,7 +80,7 @@ def reachable(path: Path, shared: Path, bit: int) -> Path:
         for item in [dest, *dest.rglob("*")]:
             item.chmod(item.stat().st_mode | 0o005 | (0o050 if item.is_dir() else 0o040))
     copied = dest / path.name
-    assert not _unreachable(copied, NOBODY, {NOBODY}, bit)
+    assert not unreachable(copied, NOBODY, {NOBODY}, bit)
     return copied
 
 

@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from llama_guard.config.server import ServerConfig
 from llama_guard.core.facts import read_build
 from llama_guard.core.offload import Lane, LaneKind
 from llama_guard.host.build import VERSION_SHOWN_MAX, identify, version_line
@@ -44,7 +45,8 @@ def test_version_text_is_cleaned_at_its_one_reader(tmp_path: Path, kind: str) ->
     assert cause == "" and build is not None
     assert (build.version, build.release) == (shown, release)
     assert version_line(binary) == shown
-    info = asyncio.run(read_build(str(binary), Lane(LaneKind.PROBE)))  # the verdicts' reader: the same text
+    server = ServerConfig(binary=str(binary), model=tmp_path / "m.gguf")
+    info = asyncio.run(read_build(server, Lane(LaneKind.PROBE)))  # the verdicts' reader: the same text
     assert info.text == shown
 
 

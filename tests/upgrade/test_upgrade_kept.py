@@ -4,12 +4,18 @@ read-only, content-hashed, the last two; a copy whose content changed is not use
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from llama_guard.core.privileges import drop_argv, resolve_identity
 from llama_guard.host.build import Build, file_sha256
+from llama_guard.upgrade.figures import record
 from llama_guard.upgrade.kept import KEEP_MAX, builds_dir, keep, listing, verified
 
 
@@ -63,6 +69,34 @@ def test_a_copy_made_writable_is_not_used(tmp_path: Path) -> None:
     kept = keep(a_build(tmp_path / "src", "1"), tmp_path / "builds")
     (kept.dir / "libllama.so.0.6.0").chmod(0o666)
     assert "is not a read-only regular file" in verified(kept)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A directory as systemd makes ``StateDirectory=`` (mode 0755, root's), outside pytest's own
+    (mode 0700: no other user reaches into it)."""
+    path = Path(tempfile.mkdtemp(prefix="llama-guard-state-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("first", ["the copy", "the trial figures"])
+def test_a_kept_copy_runs_as_the_server_user_under_the_units_umask(state_dir: Path, first: str) -> None:
+    """The unit's ``UMask=0027`` made ``builds/`` mode 0750, root's: ``[server].user`` could not reach
+    the copy, and a roll-back to it could not start (an outage). Whichever makes ``builds/`` first
+    (a copy, or a trial's figures written beside the copies), the copy runs as that user."""
+    build = a_build(state_dir / "src", "1")
+    umask = os.umask(0o027)
+    try:
+        if first == "the trial figures":
+            record(state_dir / "builds", {build.sha256: 12.5}, "0" * 16)
+        kept = keep(build, state_dir / "builds")
+    finally:
+        os.umask(umask)
+    ran = subprocess.run([*drop_argv(resolve_identity("nobody", "", ())), str(kept.build.path)],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert (ran.returncode, ran.stdout) == (0, "version: 1\n"), ran.stderr
 
 
 def test_the_copies_live_in_the_state_directory(tmp_path: Path) -> None:
@@ -188,3 +222,157 @@ async def test_the_binary_pointed_at_the_kept_copy_of_the_serving_build_is_no_up
                                                clock=lambda: 0.0, loop=asyncio.get_running_loop()),
                                        kept.build.path)
     assert choice == BuildChoice(kept.build.path, kept.dir)
+
+
+async def test_a_kept_copy_the_server_user_cannot_reach_is_not_rolled_back_to(state_dir: Path) -> None:
+    """Outside systemd the copies lie in ``<[runtime].dir>/builds``, and a runtime directory is 0700,
+    root's: as ``[server].user`` the copy cannot start. It is refused at the roll-back with
+    ``upgrade_copy_failed`` naming the directory, as a copy that fails its hashes is, rather than
+    started to fail; with llama-guard's own user it is used."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    runtime = state_dir / "run"
+    runtime.mkdir(mode=0o700)
+    kept = keep(a_build(state_dir / "good", "1"), runtime / "builds")
+    events: list[tuple[str, dict[str, object]]] = []
+    for user in ("nobody", ""):
+        cfg = Config.model_validate({"runtime": {"dir": str(runtime)}, "server": {"user": user}})
+        ctx = Context(get_config=lambda cfg=cfg: cfg, emit=lambda name, **f: events.append((name, f)),
+                      post=lambda i: None, post_threadsafe=lambda i: None, clock=lambda: 0.0,
+                      loop=asyncio.get_running_loop())
+        source = UpgradeSource()
+        await source.start(ctx)
+        found = await source._last_good(cfg, exclude=None)
+        if user:
+            assert found is None
+            assert events == [("upgrade_copy_failed", {
+                "build": kept.build.short, "dir": str(kept.dir),
+                "reason": f"{kept.build.path}: {runtime} is not searchable for [server].user (uid 65534)"})]
+        else:
+            assert found is not None and found[1].binary == kept.build.path
+
+
+async def test_a_roll_back_after_a_reload_to_another_server_user_starts_a_build_that_user_runs(
+        state_dir: Path) -> None:
+    """A reload changed ``[server].user`` and the binary, and the new build failed: the serving build's
+    file (in a directory of mode 0700, root's) still holds it, but the new user cannot execute it — the
+    roll-back starts its kept copy instead; for llama-guard's own user, the serving file itself."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    private = state_dir / "private"
+    private.mkdir(mode=0o700)
+    serving = a_build(private / "bin", "1")
+    kept = keep(serving, state_dir / "builds")
+    for user, expected in (("nobody", kept.build.path), ("", serving.path)):
+        cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": user}})
+        ctx = Context(get_config=lambda cfg=cfg: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                      post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+        source = UpgradeSource()
+        await source.start(ctx)
+        source.lineage.ready(serving, 0.0)
+        found = await source._last_good(cfg, exclude=None)
+        assert found is not None and found[1].binary == expected, user
+
+
+async def test_a_build_started_unverified_is_identified_as_the_server_user(state_dir: Path) -> None:
+    """A first start (nothing kept yet) runs the configured build unverified; once it is ready its
+    ``--version`` identifies it — as ``[server].user``, as the preflight runs it, never as root: a build
+    that account can replace must not get root's privileges from llama-guard."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource, _Identify
+
+    exe = state_dir / "bin" / "llama-server"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\necho \"version: 1 (uid $(id -u))\"\n")
+    exe.chmod(0o755)
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                  post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    source._pids[4242] = exe
+    await source._identify(ctx, _Identify(exe, 4242, 0.0))
+    assert source.serving is not None and source.serving.version == "version: 1 (uid 65534)"
+
+
+@pytest.mark.parametrize("layout", ["libraries beside it", "libraries in ../lib"])
+async def test_a_copy_that_does_not_start_as_the_server_user_is_not_kept(state_dir: Path, layout: str) -> None:
+    """A build that passed its probation is copied, then the copy is run as a roll-back would run it
+    (as ``[server].user``, ``LD_LIBRARY_PATH`` on its directory). A build installed with its libraries
+    in ``../lib`` (``cmake --install``'s layout: only ``lib*.so*`` beside the executable is copied)
+    loads where it was built but not as a copy: that copy is removed with ``upgrade_copy_failed``,
+    not left for a roll-back to fail on. (A double loader: the script needs ``libllama.so``.)"""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    prefix = state_dir / "opt"
+    bin_dir = prefix / "bin"
+    lib_dir = bin_dir if layout == "libraries beside it" else prefix / "lib"
+    bin_dir.mkdir(parents=True)
+    lib_dir.mkdir(exist_ok=True)
+    (lib_dir / "libllama.so").write_bytes(b"library")
+    exe = bin_dir / "llama-server"
+    exe.write_text('#!/bin/sh\n'
+                   'for d in "$(dirname "$0")" "$(dirname "$0")/../lib" $(echo "$LD_LIBRARY_PATH" | tr : " "); do\n'
+                   '  [ -r "$d/libllama.so" ] && { echo "version: 1 (abc1234)"; exit 0; }\ndone\n'
+                   'echo "llama-server: error while loading shared libraries: libllama.so" >&2; exit 127\n')
+    exe.chmod(0o755)
+    build = Build(exe, file_sha256(exe), "version: 1 (abc1234)", "b1 (abc1234)")
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    events: list[tuple[str, dict[str, object]]] = []
+    reported = asyncio.Event()
+
+    def emit(name: str, **fields: object) -> None:
+        events.append((name, fields))
+        reported.set()
+
+    ctx = Context(get_config=lambda: cfg, emit=emit, post=lambda i: None, post_threadsafe=lambda i: None,
+                  clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    runs = asyncio.create_task(source.run(ctx))
+    try:
+        source._jobs.put_nowait(build)  # its probation passed
+        await reported.wait()
+    finally:
+        runs.cancel()
+    [(name, fields)] = events
+    if layout == "libraries beside it":
+        assert name == "upgrade_copy_kept" and len(listing(state_dir / "builds")) == 1, events
+    else:
+        assert name == "upgrade_copy_failed" and "error while loading shared libraries" in str(fields["reason"])
+        assert listing(state_dir / "builds") == [] and source.snapshot()["kept"] == []  # type: ignore[index]
+
+
+async def test_copies_an_older_llama_guard_left_out_of_reach_are_opened_at_start(state_dir: Path) -> None:
+    """A ``builds/`` an older llama-guard made 0750 under the unit's umask holds copies the server user
+    cannot run: the daemon's start opens it, so that the first roll-back finds them usable."""
+    import asyncio
+
+    from llama_guard.config import Config
+    from llama_guard.model.watcher import Context
+    from llama_guard.upgrade.watcher import UpgradeSource
+
+    kept = keep(a_build(state_dir / "good", "1"), state_dir / "builds")
+    (state_dir / "builds").chmod(0o750)
+    cfg = Config.model_validate({"runtime": {"dir": str(state_dir)}, "server": {"user": "nobody"}})
+    ctx = Context(get_config=lambda: cfg, emit=lambda name, **f: None, post=lambda i: None,
+                  post_threadsafe=lambda i: None, clock=lambda: 0.0, loop=asyncio.get_running_loop())
+    source = UpgradeSource()
+    await source.start(ctx)
+    found = await source._last_good(cfg, exclude=None)
+    assert found is not None and found[1].binary == kept.build.path

@@ -81,3 +81,41 @@ def test_errors_confirmed_on_probation_mark_the_serving_build_and_fall_back() ->
     lineage.serving_failed("answered 500 to llama-guard's own request")
     assert lineage.failed == {NEW.sha256: "answered 500 to llama-guard's own request"}
     assert lineage.serving == GOOD and lineage.proven
+
+
+def test_the_last_good_build_dying_while_a_new_one_is_on_probation_is_never_marked_failed() -> None:
+    """The last good build started again while a new one is on probation (a reload back to it, or its
+    trial against the new one) and dying loading, or losing that trial: it stays the build to go back
+    to — marking it would leave the new build, unproven, with nothing behind it (nor its kept copies)."""
+    lineage = proven()
+    lineage.ready(NEW, 1000.0)
+    lineage.exited(GOOD, "exited with status 1", 1010.0)  # died loading
+    lineage.exited(COPY, "was killed by SIGSEGV", 1020.0)  # its content elsewhere (a kept copy)
+    assert lineage.trial_failed(GOOD, "decoded 30 % slower") is False
+    assert lineage.failed == {} and lineage.last_good() == GOOD
+    lineage.exited(NEW, "was killed by SIGSEGV", 1030.0)  # the new build crashes: back to the good one
+    assert lineage.serving == GOOD and set(lineage.failed) == {NEW.sha256}
+
+
+def test_two_new_builds_in_a_row_keep_the_last_proven_one_to_go_back_to() -> None:
+    lineage = proven()
+    newer = Build(Path("/opt/newer/llama-server"), "c" * 64, "version: 3", "b3")
+    lineage.ready(NEW, 1000.0)
+    lineage.ready(newer, 1100.0)  # a second upgrade before the first one's probation ended
+    assert lineage.on_probation(newer) and lineage.last_good() == GOOD
+    lineage.exited(newer, "was killed by SIGSEGV", 1110.0)
+    assert lineage.serving == GOOD and lineage.proven and set(lineage.failed) == {newer.sha256}
+
+
+def test_a_fresh_daemon_whose_new_build_fails_on_probation_goes_back_to_its_kept_copy() -> None:
+    """Nothing served before in this run, a kept copy is the last good: the new build's failure is
+    recorded and nothing serves until the copy is started (it is then not on probation: its content
+    is the good one)."""
+    lineage = Lineage(lambda: COPY)
+    lineage.ready(NEW, 0.0)
+    lineage.serving_failed("answered 500 to llama-guard's own request")
+    assert lineage.serving is None and lineage.last_good() == COPY and set(lineage.failed) == {NEW.sha256}
+    lineage.ready(COPY, 10.0)
+    assert not lineage.on_probation(COPY)
+    lineage.exited(COPY, "was killed by SIGSEGV", 20.0)
+    assert set(lineage.failed) == {NEW.sha256}

@@ -5,16 +5,22 @@ small scripts in front of the real llama-server."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from harness import ROOT, base_sections, config_text, free_port
 from llama_guard.config import Config, load_config
+from llama_guard.config.argv import build_argv, flags_in
 from llama_guard.host.build import release_of, run_bounded
+from llama_guard.preflight.server import check_offload
 from llama_guard.upgrade.preflight import preflight, unknown_flags
+from llama_guard.vocab.verdicts import Verdict
 
 
 def script(tmp_path: Path, name: str, body: str) -> Path:
@@ -177,6 +183,52 @@ def test_a_build_the_server_user_cannot_execute_is_refused_as_that_user(tmp_path
     served = preflight(as_nobody.model_copy(update={"server": as_nobody.server.model_copy(
         update={"binary": str(llama_server_bin)})}), llama_server_bin)
     assert served.passed, served.cause
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another user reaches (pytest's tmp_path is 0700, root's)."""
+    path = Path(tempfile.mkdtemp(prefix="llama-guard-build-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_neither_the_preflight_nor_check_runs_the_build_as_root(shared_dir: Path) -> None:
+    """Every run of the build that a preflight or ``check`` makes — ``--version``, ``--help``, the
+    ``--help`` probe that picks how ``--mlock`` is spelt, ``--list-devices`` — is as ``[server].user``:
+    the probe and ``--list-devices`` ran as root, so a build that account can replace got root's
+    privileges (and the probe judged a build root could run)."""
+    log = shared_dir / "runs.log"
+    log.touch()
+    log.chmod(0o666)
+    model = shared_dir / "model.gguf"
+    config = config_for(shared_dir, Path("/nonexistent/llama-server"), model)
+    config = config.model_copy(update={"server": config.server.model_copy(
+        update={"user": "nobody", "mlock": True, "n_gpu_layers": 99})})
+    flags = " ".join(dict.fromkeys(flags_in(build_argv(config.server, None, config.slots, config.runtime))))
+    exe = script(shared_dir, "llama-server", f'echo "$(id -u) $1" >> "{log}"\n'
+                 'case "$1" in --version) echo "version: 1 (abc1234)";;\n'
+                 f'--help) for f in {flags}; do echo "$f"; done;;\n'
+                 '--list-devices) printf "Available devices:\\n  CUDA0: a GPU\\n";; esac\n')
+    config = config.model_copy(update={"server": config.server.model_copy(update={"binary": str(exe)})})
+    result = preflight(config, exe)
+    assert result.passed, result.cause
+    assert check_offload(config)[0].verdict is Verdict.OK
+    runs = log.read_text().splitlines()
+    assert sorted(set(runs)) == ["65534 --help", "65534 --list-devices", "65534 --version"], runs
+
+
+def test_checks_device_lines_are_cleaned(shared_dir: Path) -> None:
+    """What ``--list-devices`` prints is named in ``check``'s offload line, on the operator's terminal:
+    cleaned as a build's ``--version`` is (an OSC would retitle the terminal)."""
+    model = shared_dir / "model.gguf"
+    exe = script(shared_dir, "llama-server",
+                 'printf "Available devices:\\n  CUDA0: a GPU\\033]0;owned\\007\\033[31m red\\033[0m\\n"\n')
+    config = config_for(shared_dir, exe, model)
+    config = config.model_copy(update={"server": config.server.model_copy(update={"n_gpu_layers": 99})})
+    [line] = check_offload(config)
+    assert line.verdict is Verdict.OK and line.detail == "n_gpu_layers = 99 on CUDA0: a GPU red", line
 
 
 def check_lines(path: Path) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:

@@ -7,12 +7,13 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_guard.config.sections import RuntimeConfig, SlotsConfig
 from llama_guard.config.server import ServerConfig
+from llama_guard.host.build import clean_text
 from llama_guard.vocab.server_flags import ENDPOINT_FLAGS, METRICS_ENV, SLOTS_ENV
 
 SLOT_SAVE_FLAG = "--slot-save-path"
@@ -124,8 +125,9 @@ def slot_save_dir(server: ServerConfig, slots: SlotsConfig, runtime: RuntimeConf
 
 
 def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsConfig | None = None,
-               runtime: RuntimeConfig | None = None) -> list[str]:
-    """The full argv of llama-server for ``server``.
+               runtime: RuntimeConfig | None = None, run_as: Sequence[str] = ()) -> list[str]:
+    """The full argv of llama-server for ``server``; ``run_as``: the exec wrapper the ``--help`` probe
+    runs ``binary`` after (the drop to ``[server].user``: never run a build as root).
 
     ``--slot-save-path`` (:func:`slot_save_dir`) when ``slots`` is given and enabled and that directory
     exists (the slots watcher makes it at the daemon's start and before each spawn; llama-server refuses
@@ -161,7 +163,7 @@ def build_argv(server: ServerConfig, binary: Path | None = None, slots: SlotsCon
     if server.threads_batch is not None:
         argv += ["--threads-batch", str(server.threads_batch)]
     if server.mlock:
-        argv += mlock_args(binary)
+        argv += mlock_args(binary, run_as)
     if server.api_key_file:  # the file's path, never the key (argv shows in events and ps)
         argv += ["--api-key-file", server.api_key_file]
     if slots is not None and runtime is not None and slots.enabled and own_slot_save_path(server) is None:
@@ -200,28 +202,32 @@ def host_cache_cap_mib(server: ServerConfig) -> float:
 HELP_TIMEOUT_S = 20.0
 
 
-def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
-    """What ``binary --help`` prints (stdout then stderr), decoded as UTF-8 with undecodable bytes
-    replaced (a build may print anything). Blocks up to ``timeout_s`` seconds: call it off the
-    event loop. Raises OSError when it cannot run or does not finish in time."""
+def help_text(binary: Path, timeout_s: float = HELP_TIMEOUT_S, run_as: Sequence[str] = ()) -> str:
+    """What ``binary --help`` prints (stdout then stderr; run after the exec wrapper ``run_as``),
+    decoded as UTF-8 with undecodable bytes replaced (a build may print anything). Blocks up to
+    ``timeout_s`` seconds: call it off the event loop. Raises OSError when it cannot run or does not
+    finish in time."""
     try:
-        out = subprocess.run([str(binary), "--help"], capture_output=True, timeout=timeout_s, check=False,
+        out = subprocess.run([*run_as, str(binary), "--help"], capture_output=True, timeout=timeout_s, check=False,
                              stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise OSError(f"{binary} --help did not finish within {timeout_s:g} s") from exc
     return (out.stdout + out.stderr).decode("utf-8", errors="replace")
 
 
-def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S) -> list[str] | None:
-    """The devices ``binary --list-devices`` reports under ``env`` (lines such as ``CUDA0: NVIDIA H200
-    (143166 MiB, 142616 MiB free)``; empty when it prints ``(none)``), or None when this build has
-    no such flag. Blocks up to ``timeout_s``; raises OSError when it cannot run or does not finish."""
+def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIMEOUT_S,
+                 run_as: Sequence[str] = ()) -> list[str] | None:
+    """The devices ``binary --list-devices`` reports under ``env`` after the exec wrapper ``run_as``
+    (lines such as ``CUDA0: NVIDIA H200 (143166 MiB, 142616 MiB free)``, cleaned:
+    :func:`~llama_guard.host.build.clean_text`; empty when it prints ``(none)``), or None when this
+    build has no such flag. Blocks up to ``timeout_s``; raises OSError when it cannot run or does not
+    finish."""
     try:
-        out = subprocess.run([str(binary), "--list-devices"], capture_output=True, timeout=timeout_s, check=False,
-                             stdin=subprocess.DEVNULL, env=env)
+        out = subprocess.run([*run_as, str(binary), "--list-devices"], capture_output=True, timeout=timeout_s,
+                             check=False, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired as exc:
         raise OSError(f"{binary} --list-devices did not finish within {timeout_s:g} s") from exc
-    lines = (out.stdout + out.stderr).decode("utf-8", errors="replace").splitlines()
+    lines = clean_text((out.stdout + out.stderr).decode("utf-8", errors="replace")).splitlines()  # check prints them
     heads = [i for i, line in enumerate(lines) if line.strip() == "Available devices:"]
     if not heads:
         return None
@@ -229,14 +235,15 @@ def list_devices(binary: Path, env: dict[str, str], timeout_s: float = HELP_TIME
             and line.strip() and line.strip() != "(none)"]
 
 
-def mlock_args(binary: Path | None) -> list[str]:
+def mlock_args(binary: Path | None, run_as: Sequence[str] = ()) -> list[str]:
     """The flag that locks the model in RAM, as this llama-server build spells it.
 
     ``--mlock`` until llama.cpp replaced it with ``--load-mode MODE``, where ``mmap+mlock`` is
     the old ``--mlock`` with the default mmap; a build without ``--mlock`` rejects it with
     ``error: invalid argument: --mlock``. Decided from the binary's ``--help`` (cached per
     binary and mtime); ``--mlock`` when there is no binary or its help cannot be read. Runs the
-    binary (up to :data:`HELP_TIMEOUT_S`): the daemon calls it off its loop.
+    binary (up to :data:`HELP_TIMEOUT_S`, after the exec wrapper ``run_as``): the daemon calls it off
+    its loop.
     """
     if binary is None:
         return ["--mlock"]
@@ -244,13 +251,13 @@ def mlock_args(binary: Path | None) -> list[str]:
         stamp = binary.stat().st_mtime_ns
     except OSError:
         return ["--mlock"]
-    return list(_mlock_args(str(binary), stamp))
+    return list(_mlock_args(str(binary), stamp, tuple(run_as)))
 
 
 @functools.lru_cache(maxsize=8)
-def _mlock_args(binary: str, _mtime_ns: int) -> tuple[str, ...]:
+def _mlock_args(binary: str, _mtime_ns: int, run_as: tuple[str, ...]) -> tuple[str, ...]:
     try:
-        text = help_text(Path(binary))
+        text = help_text(Path(binary), run_as=run_as)
     except OSError:
         return ("--mlock",)
     if "--mlock" not in text and "--load-mode" in text and "mmap+mlock" in text:

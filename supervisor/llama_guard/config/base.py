@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import re
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
@@ -24,6 +25,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def path_problem(name: str, path: str) -> str:
+    """Why ``path`` (the value of key ``name``) cannot be a path llama-guard names ("" when it can): a
+    NUL byte, or a control character (C0, DEL, C1) — a path goes into events and text log lines and
+    ``status`` and ``check`` print it to a terminal: a newline would forge a line, an escape sequence
+    drive the terminal."""
+    if "\0" in path:
+        return f"{name} contains a NUL byte"
+    control = next((ch for ch in path if unicodedata.category(ch) == "Cc"), None)
+    return "" if control is None else f"{name} contains the control character {control!r}; rename it"
 
 
 class Reload(enum.Enum):

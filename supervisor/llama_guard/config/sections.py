@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from llama_guard.config.base import Policy, PositiveFloat, Reload, Section
+from llama_guard.config.base import Policy, PositiveFloat, Reload, Section, path_problem
 from llama_guard.config.cron import validate_cron, validate_timezone
 from llama_guard.config.limit_values import normalize_config_value
 from llama_guard.host.paths import DEFAULT_RUNTIME_DIR
@@ -177,6 +177,9 @@ class RuntimeConfig(Section):
     def _dir(cls, value: Path) -> Path:
         if str(value) in ("", "."):
             raise ValueError("dir must name a directory")
+        problem = path_problem("dir", str(value))
+        if problem:
+            raise ValueError(problem)
         return value
 
 
@@ -206,8 +209,11 @@ class SlotsConfig(Section):
     @field_validator("dir")
     @classmethod
     def _dir(cls, value: str) -> str:
-        if "\0" in value or value == ".":
+        if value == ".":
             raise ValueError("dir must name a directory (or be empty for the state directory's slots/)")
+        problem = path_problem("dir", value)
+        if problem:
+            raise ValueError(problem)
         return value
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import unicodedata
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from llama_guard.config.base import HOSTNAME, Policy, Reload, Section
+from llama_guard.config.base import HOSTNAME, Policy, Reload, Section, path_problem
 from llama_guard.vocab.server_flags import (
     OWNED_FLAGS,
     QUANTIZED_CACHE_TYPES,
@@ -95,15 +94,13 @@ class ServerConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerConfig:
-        for name, text in (("binary", self.binary), ("model", str(self.model)), *(("extra_args", a)
-                                                                              for a in self.extra_args)):
-            if "\0" in text:
-                raise ValueError(f"{name} contains a NUL byte")
-        for name, text in (("binary", self.binary), ("model", str(self.model))):
-            # a path goes into every event and text log line that names it: a newline would forge a line
-            control = next((ch for ch in text if ch != "\0" and unicodedata.category(ch) == "Cc"), None)
-            if control is not None:
-                raise ValueError(f"{name} contains the control character {control!r}; rename the file")
+        for name, path in (("binary", self.binary), ("model", str(self.model)), ("api_key_file", self.api_key_file)):
+            problem = path_problem(name, path)
+            if problem:
+                raise ValueError(problem)
+        for arg in self.extra_args:  # passed verbatim by exec: a newline is a chat template's own
+            if "\0" in arg:
+                raise ValueError("extra_args contains a NUL byte")
         if str(self.model) in ("", "."):
             raise ValueError("model must name a GGUF file")
         if self.ubatch_size > self.batch_size:
@@ -138,8 +135,6 @@ class ServerConfig(Section):
                                  "(a file readable by [server].user), and tokens in a file of their own")
         if (self.group or self.supplementary_groups) and not self.user:
             raise ValueError("group and supplementary_groups need user")
-        if "\0" in self.api_key_file:
-            raise ValueError("api_key_file contains a NUL byte")
         return self
 
     @property

@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
+from llama_guard.host.build import clean_text
+
 _LINE_LIMIT = 1 << 20  # bytes; longer lines are split, never an error
 # Variables addressed to llama-guard's own main process only (sd_notify(3), sd_listen_fds(3)).
 MANAGER_VARIABLES = frozenset({
@@ -160,7 +162,9 @@ class ServerProcess:
         return True
 
     async def lines(self) -> AsyncIterator[str]:
-        """The child's stdout+stderr, one decoded line at a time (without the newline), until EOF."""
+        """The child's stdout+stderr, one decoded line at a time (without the newline), until EOF;
+        cleaned as a build's ``--version`` is (:func:`~llama_guard.host.build.clean_text`: the lines go
+        into events and ``status``), a carriage return inside a line made a space."""
         stream = self.output
         while True:
             try:
@@ -169,7 +173,8 @@ class ServerProcess:
                 raw = await stream.read(_LINE_LIMIT)
             if not raw:
                 return
-            yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            yield text if text.isascii() and text.isprintable() else clean_text(text).replace("\n", " ")
 
 
 @contextlib.contextmanager

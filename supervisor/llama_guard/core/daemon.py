@@ -126,7 +126,7 @@ class Daemon:
         # The window channel of `llama-guard tune` (its socket opened in [runtime].dir by run()).
         self.lend = LendChannel(config_path, emitter.emit, self.queue.put_nowait, self._reload_for_lend)
         self.executor = Executor(emitter.emit, self.tasks, self.queue.put_nowait, self.lanes,
-                                 server=lambda: self._gen, binary=lambda: self.config.server.binary,
+                                 server=lambda: self._gen, server_config=lambda: self.config.server,
                                  spawn=self._spawn, ready=self._ready, exit=self._exit, measure=self._measure,
                                  lend=self.lend)
         self.reloader = Reloader(config_path, emitter, self.lanes, self.tasks, self.spawner, self.status,

@@ -13,6 +13,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from llama_guard.config.server import ServerConfig
 from llama_guard.core.facts import find_port_holder, read_build
 from llama_guard.core.gpu_requests import GpuRequests
 from llama_guard.core.lend import LendChannel
@@ -44,15 +45,16 @@ from llama_guard.model.inputs import Input
 
 class Executor:
     """Carries out actions: ``emit`` reports, ``post`` queues an answer, ``server`` is the serving
-    :class:`ServerWatch` (None between servers; a signal for another pid is dropped), ``binary``
-    the configured ``[server].binary``, ``spawn`` the coroutine that starts a server, ``ready`` the
-    readiness announcement, ``exit(code, reason)`` the daemon's end and ``measure`` a trial's
-    measurement of a server's decode speed (answers :class:`~llama_guard.model.inputs.SpeedMeasured`).
+    :class:`ServerWatch` (None between servers; a signal for another pid is dropped),
+    ``server_config`` the configured ``[server]`` (whose build a verdict names), ``spawn`` the
+    coroutine that starts a server, ``ready`` the readiness announcement, ``exit(code, reason)`` the
+    daemon's end and ``measure`` a trial's measurement of a server's decode speed (answers
+    :class:`~llama_guard.model.inputs.SpeedMeasured`).
     :attr:`gpu` is set once the loop runs."""
 
     def __init__(self, emit: Callable[..., None], tasks: TaskSet, post: Callable[[Input], None],
                  lanes: dict[LaneKind, Lane], *, server: Callable[[], ServerWatch | None],
-                 binary: Callable[[], str], spawn: Callable[[], Coroutine[Any, Any, None]],
+                 server_config: Callable[[], ServerConfig], spawn: Callable[[], Coroutine[Any, Any, None]],
                  ready: Callable[[], None], exit: Callable[[int, str], None],
                  measure: Callable[[MeasureSpeed], Awaitable[Input]] | None = None,
                  lend: LendChannel | None = None) -> None:
@@ -61,7 +63,7 @@ class Executor:
         self._post = post
         self._lanes = lanes
         self._server = server
-        self._binary = binary
+        self._server_config = server_config
         self._spawn = spawn
         self._ready = ready
         self._exit = exit
@@ -100,7 +102,7 @@ class Executor:
         elif isinstance(action, FindPortHolder):
             self._tasks.start(self._answer(find_port_holder(action.port, self._lanes[LaneKind.PROC])), "port holder")
         elif isinstance(action, ReadBuild):
-            build = read_build(self._binary(), self._lanes[LaneKind.PROBE])
+            build = read_build(self._server_config(), self._lanes[LaneKind.PROBE])
             self._tasks.start(self._answer(build), "llama-server --version")
         elif isinstance(action, CheckVram):
             # One check at a time: a poll still running answers for the ones asked meanwhile (a

@@ -5,8 +5,13 @@ when a verdict that names it may follow)."""
 
 from __future__ import annotations
 
+import os
+
 from llama_guard.config.argv import resolve_binary
+from llama_guard.config.server import ServerConfig
+from llama_guard.core.child import child_environ
 from llama_guard.core.offload import PROC_TIMEOUT_S, CallTimeout, Lane, LaneBusy
+from llama_guard.core.privileges import server_user_argv
 from llama_guard.host.build import version_line
 from llama_guard.host.procs import port_holder
 from llama_guard.model.inputs import BuildInfo, PortHolder
@@ -25,13 +30,21 @@ async def find_port_holder(port: int, lane: Lane) -> PortHolder:
     return PortHolder(port, pid, name)
 
 
-async def read_build(binary: str, lane: Lane) -> BuildInfo:
-    """``binary --version`` (resolved on $PATH like the spawn) on ``lane``, bounded by
-    BUILD_TIMEOUT_S (the child's own deadline) and BUILD_CALL_S; "unknown" when it did not answer."""
-    path = resolve_binary(binary)
+async def read_build(server: ServerConfig, lane: Lane) -> BuildInfo:
+    """``[server].binary --version`` (resolved on $PATH like the spawn) run as llama-server is (as
+    ``[server].user``, with ``[server].env``: never as root) on ``lane``, bounded by BUILD_TIMEOUT_S
+    (the child's own deadline) and BUILD_CALL_S; "unknown" when it did not answer."""
+    path = resolve_binary(server.binary)
     if path is None:
-        return BuildInfo(f"unknown ({binary!r} not found)")
+        return BuildInfo(f"unknown ({server.binary!r} not found)")
+
+    def read() -> str:
+        try:
+            prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+        except (ValueError, FileNotFoundError) as exc:
+            return f"unknown ({exc})"
+        return version_line(path, BUILD_TIMEOUT_S, child_environ(os.environ, server.env), prefix)
     try:
-        return BuildInfo(await lane.run(lambda: version_line(path, BUILD_TIMEOUT_S), BUILD_CALL_S, f"{path} --version"))
+        return BuildInfo(await lane.run(read, BUILD_CALL_S, f"{path} --version"))
     except (CallTimeout, LaneBusy) as exc:
         return BuildInfo(f"unknown ({exc})")

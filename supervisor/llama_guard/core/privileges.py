@@ -21,9 +21,10 @@ program (:func:`drop_argv`), which then execs llama-server; the rlimits are set 
 from __future__ import annotations
 
 import grp
+import os
 import pwd
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,3 +203,46 @@ def server_identity(user: str, group: str, supplementary_groups: Sequence[str]) 
     if problem:
         raise ValueError(problem)
     return identity
+
+
+def server_user_argv(user: str, group: str, supplementary_groups: Sequence[str]) -> list[str]:
+    """The exec wrapper that runs a program as llama-server runs when ``[server].user`` is set
+    (:func:`drop_argv` to :func:`server_identity`): how llama-guard runs a build for its ``--version``
+    or ``--help``, never as root — a build that account can replace must not gain root's privileges;
+    [] when no account is set (llama-guard's own). Raises ValueError (a missing account, privileges
+    llama-guard lacks) or FileNotFoundError (no setpriv)."""
+    if not user:
+        return []
+    return drop_argv(server_identity(user, group, supplementary_groups))
+
+
+def unreachable(path: Path, uid: int, gids: Collection[int], bit: int) -> str:
+    """Why ``uid`` (with ``gids``) cannot reach ``path`` and read (bit 4) or execute (bit 1) it; ""
+    when it can. Reads only mode bits and owners (no ACLs)."""
+    def allowed(st: os.stat_result, want: int) -> bool:
+        if st.st_uid == uid:
+            return bool(st.st_mode >> 6 & want)
+        if st.st_gid in gids:
+            return bool(st.st_mode >> 3 & want)
+        return bool(st.st_mode & want)
+
+    path = path.absolute()
+    try:
+        for parent in reversed(path.parents):
+            if not allowed(parent.stat(), 1):
+                return f"{parent} is not searchable"
+        if not allowed(path.stat(), bit):
+            return "not readable" if bit == 4 else "not executable"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
+def unexecutable_by(identity: ServerIdentity | None, path: Path) -> str:
+    """Why llama-server started as ``identity`` could not execute ``path`` (:func:`unreachable`:
+    mode bits); "" when it can, or when ``identity`` is None or llama-guard's own user."""
+    if identity is None or identity.uid is None:
+        return ""
+    gids = {g for g in (identity.gid, *(identity.groups or ())) if g is not None}
+    blocked = unreachable(path, identity.uid, gids, 1)
+    return f"{path}: {blocked} for [server].user (uid {identity.uid})" if blocked else ""

@@ -125,9 +125,13 @@ class Spawner:
             return SpawnFailed(f"server.extra_args: {exc}", fatal=False)
         if problem:  # llama-server refuses a --slot-save-path that is not a directory: so does llama-guard
             return SpawnFailed(f"server.{problem}")
+        try:  # the drop to [server].user: llama-server's and its --help probe's (never run a build as root)
+            drop = tuple(drop_argv(self.identity))
+        except FileNotFoundError as exc:  # no setpriv: nothing can be started safely (exit 78)
+            return SpawnFailed(str(exc))
         try:
             argv = await self._lanes[LaneKind.PROBE].run(
-                lambda: build_argv(server_cfg, binary, config.slots, config.runtime), HELP_PROBE_TIMEOUT_S,
+                lambda: build_argv(server_cfg, binary, config.slots, config.runtime, drop), HELP_PROBE_TIMEOUT_S,
                                                   f"{binary} --help")
         except (CallTimeout, LaneBusy) as exc:
             self._emit("blocking_call_timeout", call=f"{binary} --help", timeout_s=HELP_PROBE_TIMEOUT_S,
@@ -145,11 +149,7 @@ class Spawner:
         if self._slots is not None:
             await self._slots.before_spawn(ctx, binary, env)
         # The child set-up's rlimits and the drop to [server].user: the child set-up `bench --spawn` shares.
-        try:
-            setup = ChildSetup(tuple(drop_argv(self.identity)),
-                               self._child.child_rlimits() if self._child is not None else ())
-        except FileNotFoundError as exc:  # no setpriv: nothing can be started safely (exit 78)
-            return SpawnFailed(str(exc))
+        setup = ChildSetup(drop, self._child.child_rlimits() if self._child is not None else ())
         try:  # llama-server reads the key file as it starts: read it now too, so both hold one key
             key = await self._lanes[LaneKind.CONFIG].run(lambda: read_api_key(server_cfg), MODEL_CHECK_TIMEOUT_S,
                                                          "reading [server].api_key_file")

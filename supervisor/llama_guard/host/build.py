@@ -200,13 +200,15 @@ def version_shown(text: str) -> str:
     return joined[:VERSION_SHOWN_MAX] + "…" if len(joined) > VERSION_SHOWN_MAX else joined
 
 
-def version_line(binary: Path, timeout_s: float = VERSION_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+def version_line(binary: Path, timeout_s: float = VERSION_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> str:
     """What ``binary --version`` prints as one clean line (:func:`version_shown`; llama.cpp: ``version:
     4242 (abc1234); built with GNU 12.2.0 for Linux x86_64``), or ``unknown (why)`` when it could not be
-    read. Blocking, bounded by ``timeout_s``."""
+    read; run with ``env`` after the exec wrapper ``prefix`` (as :func:`identify`). Blocking, bounded
+    by ``timeout_s``."""
     what = f"{binary} --version"
     try:
-        ran = run_bounded([str(binary), "--version"], timeout_s, env=env)
+        ran = run_bounded([*prefix, str(binary), "--version"], timeout_s, env=env)
     except OSError as exc:
         return f"unknown ({what}: {exc.strerror or exc})"
     if ran.returncode is None:

@@ -9,7 +9,14 @@ from pathlib import Path
 from llama_guard.config import Config, ConfigError
 from llama_guard.config.api_key import read_api_key
 from llama_guard.config.argv import resolve_binary
-from llama_guard.core.privileges import Credentials, drop_argv, identity_problem, read_credentials, resolve_identity
+from llama_guard.core.privileges import (
+    Credentials,
+    drop_argv,
+    identity_problem,
+    read_credentials,
+    resolve_identity,
+    unreachable,
+)
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -46,32 +53,10 @@ def check_credentials(config: Config, *, creds: Credentials | None = None) -> li
                             ("api key file", Path(server.api_key_file) if server.api_key_file else None, 4)):
         if path is None:
             continue
-        blocked = _unreachable(path, identity.uid, gids, bit)
+        blocked = unreachable(path, identity.uid, gids, bit)
         if blocked:
             results.append(CheckResult("server user", Verdict.FAIL, f"{what} {path}: {blocked} for uid {identity.uid}"))
     return results
-
-
-def _unreachable(path: Path, uid: int, gids: set[int], bit: int) -> str:
-    """Why ``uid`` (with ``gids``) cannot reach ``path`` and read (bit 4) or execute (bit 1) it; ""
-    when it can. Reads only mode bits and owners (no ACLs)."""
-    def allowed(st: os.stat_result, want: int) -> bool:
-        if st.st_uid == uid:
-            return bool(st.st_mode >> 6 & want)
-        if st.st_gid in gids:
-            return bool(st.st_mode >> 3 & want)
-        return bool(st.st_mode & want)
-
-    path = path.absolute()
-    try:
-        for parent in reversed(path.parents):
-            if not allowed(parent.stat(), 1):
-                return f"{parent} is not searchable"
-        if not allowed(path.stat(), bit):
-            return "not readable" if bit == 4 else "not executable"
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return ""
 
 
 def check_api_key(config: Config) -> CheckResult:

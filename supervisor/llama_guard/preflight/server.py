@@ -17,8 +17,9 @@ from llama_guard.config.argv import (
 from llama_guard.core.child import child_environ
 from llama_guard.core.model_file import MODEL_CHECK_TIMEOUT_S, model_problem
 from llama_guard.core.offload import CallTimeout, run_with_deadline
+from llama_guard.core.privileges import server_user_argv
 from llama_guard.status.instance import port_daemon
-from llama_guard.upgrade.preflight import as_server_user, preflight
+from llama_guard.upgrade.preflight import preflight
 from llama_guard.vocab.verdicts import CheckResult, Verdict
 
 
@@ -31,8 +32,9 @@ def check_binary(config: Config) -> list[CheckResult]:
     binary = resolve_binary(config.server.binary)
     if problem or binary is None:
         return [CheckResult("binary", Verdict.FAIL, f"{problem or config.server.binary} (set [server].binary)")]
+    server = config.server
     try:
-        prefix = as_server_user(config)
+        prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
     except (ValueError, FileNotFoundError):  # the "server user" row says why; read as llama-guard's own user
         prefix = []
     result = preflight(config, binary, prefix=prefix)
@@ -58,9 +60,11 @@ def check_offload(config: Config) -> list[CheckResult]:
     binary = resolve_binary(config.server.binary)
     if layers <= 0 or binary is None:
         return []
-    try:
-        devices = list_devices(binary, child_environ(os.environ, config.server.env))
-    except OSError as exc:
+    server = config.server
+    try:  # as llama-server runs: never run a build as root
+        run_as = server_user_argv(server.user, server.group, server.supplementary_groups)
+        devices = list_devices(binary, child_environ(os.environ, server.env), run_as=run_as)
+    except (OSError, ValueError) as exc:
         return [CheckResult("offload", Verdict.WARN, f"n_gpu_layers = {layers}, devices not checked: {exc}")]
     if devices is None:
         return [CheckResult("offload", Verdict.OK, f"n_gpu_layers = {layers} (this build has no --list-devices)")]

@@ -41,7 +41,7 @@ from typing import TypeVar
 from llama_guard.config.argv import own_slot_save_path, own_slot_save_problem, slot_save_dir
 from llama_guard.config.server import ServerConfig
 from llama_guard.core.offload import Lane, LaneBusy, LaneKind
-from llama_guard.core.privileges import resolve_identity
+from llama_guard.core.privileges import resolve_identity, server_user_argv
 from llama_guard.host.build import Build, identify, stamp_of
 from llama_guard.model.policy.window import slot_save_reason
 from llama_guard.model.transition import Transition
@@ -145,7 +145,11 @@ class SlotsSource(Watcher):
             binary, env = started
             stamp = (str(binary), stamp_of(binary))
             if stamp not in self._builds:
-                build, failure = identify(binary, env=env)
+                try:  # as llama-server runs, never as root
+                    prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+                except ValueError as exc:
+                    raise OSError(str(exc)) from None
+                build, failure = identify(binary, env=env, prefix=prefix)
                 if build is None:
                     raise OSError(failure)
                 self._builds[stamp] = build

@@ -262,8 +262,9 @@ def spawned_server(config: Config, log_path: Path) -> Iterator[subprocess.Popen[
     except FileNotFoundError as exc:
         raise BenchError(str(exc)) from None
     with log_path.open("wb") as log:
-        try:
-            proc = popen(build_argv(server, binary), child_environ(os.environ, server.env), setup, stdout=log)
+        try:  # its --help probe (build_argv) dropped too: never run a build as root
+            proc = popen(build_argv(server, binary, run_as=setup.wrapper), child_environ(os.environ, server.env),
+                         setup, stdout=log)
         except OSError as exc:
             raise BenchError(f"cannot execute {binary}: {exc.strerror or exc}") from None
     try:

@@ -17,6 +17,7 @@ from typing import Any
 from llama_guard.config import Config, load_config
 from llama_guard.config.argv import resolve_binary
 from llama_guard.core.child import child_environ
+from llama_guard.core.privileges import server_user_argv
 from llama_guard.host.build import identify
 from llama_guard.tune.bench import BenchResult, free_port
 
@@ -88,9 +89,14 @@ def sides(config_path: Path, config: Config, other: Path) -> tuple[Side, Side]:
     ours = resolve_binary(config.server.binary)
     if ours is None:
         raise CompareError(f"{config.server.binary!r} not found ([server].binary)")
+    server = config.server
+    try:  # each build's --version as llama-server runs: never as root
+        run_as = server_user_argv(server.user, server.group, server.supplementary_groups)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CompareError(f"[server].user: {exc}") from None
     labels = []
     for binary in (ours, other):
-        build, failure = identify(binary, env=child_environ(os.environ, config.server.env))
+        build, failure = identify(binary, env=child_environ(os.environ, server.env), prefix=run_as)
         if build is None:
             raise CompareError(failure)
         labels.append(f"{binary} ({build.release})")

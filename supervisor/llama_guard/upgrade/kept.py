@@ -2,7 +2,8 @@
 (``lib*.so*``; a symbolic link to a file beside it stays a link) of each build that served well, under
 ``<state>/builds/<sha256 of the executable>/`` with a manifest of every file's SHA-256; at most
 :data:`KEEP_MAX`, the oldest removed first. Files are read-only (0555/0444) in a read-only directory
-owned by llama-guard's user, so llama-server, started as another ``[server].user``, cannot change them.
+owned by llama-guard's user, so llama-server, started as another ``[server].user``, cannot change them;
+``builds/`` is 0755, so that it can run them.
 
 A copy is used only after every file's hash is checked again (:func:`verified`). Blocking: call it
 off the event loop.
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_guard.core.privileges import ServerIdentity, unexecutable_by
 from llama_guard.host.build import Build, file_sha256
 
 KEEP_MAX = 2
@@ -50,6 +52,13 @@ def _libraries(binary: Path) -> list[Path]:
     return sorted(p for p in binary.parent.glob("lib*.so*") if p.is_file())
 
 
+def share(root: Path) -> None:
+    """Make ``root`` mode 0755, whatever made it and under whatever umask (the unit's ``UMask=0027``
+    made it 0750, root's; an older llama-guard left it so): ``[server].user`` must reach a copy to run
+    it at a roll-back. Raises OSError (an absent ``root`` too)."""
+    root.chmod(0o755)
+
+
 def keep(build: Build, root: Path) -> Kept:
     """Copy ``build`` (its executable and the libraries beside it) under ``root`` unless it is kept
     already; then remove the oldest beyond :data:`KEEP_MAX`. Raises OSError; a copy found to differ
@@ -58,6 +67,7 @@ def keep(build: Build, root: Path) -> Kept:
         if kept.build.sha256 == build.sha256:
             return kept
     root.mkdir(parents=True, exist_ok=True)
+    share(root)
     final = root / build.sha256[:16]
     work = root / f".{build.sha256[:16]}.{os.getpid()}.tmp"
     _remove(work)
@@ -94,6 +104,11 @@ def keep(build: Build, root: Path) -> Kept:
     return _read(final) or Kept(final, build, str(build.path), kept_at, files)
 
 
+def discard(kept: Kept) -> None:
+    """Remove ``kept`` (a copy found not to start). Raises OSError."""
+    _remove(kept.dir)
+
+
 def _remove(path: Path) -> None:
     """Remove a kept directory (made writable again first); nothing when absent."""
     if not path.exists():
@@ -124,9 +139,10 @@ def listing(root: Path) -> list[Kept]:
     return sorted(found, key=lambda k: k.kept_at, reverse=True)
 
 
-def verified(kept: Kept) -> str:
+def verified(kept: Kept, identity: ServerIdentity | None = None) -> str:
     """Why ``kept`` cannot be used ("" when every file still has its hash, none is writable by
-    others than its owner, and the executable is executable)."""
+    others than its owner, and the executable is executable — by ``identity``, llama-server's
+    ``[server].user``, when it is another account: the mode bits of each directory on the way)."""
     for name, digest in kept.files.items():
         path = kept.dir / name
         try:
@@ -137,4 +153,7 @@ def verified(kept: Kept) -> str:
                 return f"{path} no longer has the content that was kept"
         except OSError as exc:
             return f"{path}: {exc.strerror or exc}"
+    blocked = unexecutable_by(identity, kept.build.path)
+    if blocked:
+        return blocked
     return "" if os.access(kept.build.path, os.X_OK) else f"{kept.build.path} is not executable"

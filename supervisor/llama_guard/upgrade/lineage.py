@@ -6,7 +6,7 @@ of serving pass while a different good build is at hand (the one before it, else
 A build that failed (died loading, crashed in its probation, a trial's verdict, errors confirmed by
 llama-guard's own requests) is recorded by its content hash with the cause, and is not started again
 while llama-guard runs; the one it replaced serves again. A failure of a build whose content is the
-last good build's is never recorded: that would leave nothing to go back to.
+last good build's (or the serving one's) is never recorded: that would leave nothing to go back to.
 
 The watcher (:mod:`llama_guard.upgrade.watcher`) feeds it and acts on what it answers; times are the
 loop's monotonic seconds.
@@ -75,8 +75,8 @@ class Lineage:
         if on_probation and self.proven:
             return
         good = self.last_good() if on_probation else (self.serving or self.last_good())
-        if good is None or build.same_content(good):
-            return
+        if good is None or build.same_content(good) or build.same_content(self.last_good()):
+            return  # nothing to go back to, or the build to go back to itself
         when = ("while loading" if self.since is None or not on_probation else
                 f"{at - (self.since or at):.0f} s into its probation")
         self.failed[build.sha256] = f"llama-server {build.short} {how} {when}"
@@ -84,9 +84,9 @@ class Lineage:
             self.fall_back()
 
     def trial_failed(self, build: Build, cause: str) -> bool:
-        """A trial's verdict against ``build``: recorded unless its content is the serving build's.
-        Returns whether it was."""
-        if self.serving is not None and build.same_content(self.serving):
+        """A trial's verdict against ``build``: recorded unless its content is the serving build's or
+        the last good one's. Returns whether it was."""
+        if build.same_content(self.serving) or build.same_content(self.last_good()):
             return False
         self.failed[build.sha256] = cause
         return True

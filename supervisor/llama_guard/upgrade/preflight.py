@@ -17,7 +17,7 @@ from pathlib import Path
 from llama_guard.config import Config
 from llama_guard.config.argv import binary_problem, build_argv, flags_in
 from llama_guard.core.child import child_environ
-from llama_guard.core.privileges import drop_argv, server_identity
+from llama_guard.core.privileges import server_user_argv
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, identify, run_bounded
 
 
@@ -43,32 +43,21 @@ def unknown_flags(argv: list[str], help_listing: str) -> tuple[str, ...]:
     return tuple(sorted({flag for flag in flags_in(argv) if not listed(flag)}))
 
 
-def as_server_user(config: Config) -> list[str]:
-    """The exec wrapper that runs a build as ``[server].user`` (:func:`~llama_guard.core.privileges.drop_argv`),
-    so that a build that account cannot execute or load (a file mode, a library directory it cannot
-    read) fails here rather than at the start; [] when no account is configured (llama-guard's own).
-    Raises ValueError (a missing account, privileges llama-guard lacks) or FileNotFoundError (no
-    setpriv)."""
-    server = config.server
-    if not server.user:
-        return []
-    return drop_argv(server_identity(server.user, server.group, server.supplementary_groups))
-
-
 def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSION_TIMEOUT_S,
               help_timeout_s: float = HELP_TIMEOUT_S, prefix: Sequence[str] | None = None) -> Preflight:
     """Preflight ``binary`` for ``config`` (see the module docstring), run as llama-server would be:
-    after ``prefix`` (None: :func:`as_server_user`, the drop to ``[server].user``), with ``[server].env``
-    over llama-guard's environment."""
+    after ``prefix`` (None: :func:`~llama_guard.core.privileges.server_user_argv`, the drop to
+    ``[server].user``), with ``[server].env`` over llama-guard's environment."""
+    server = config.server
     problem = binary_problem(str(binary))
     if problem:  # not run at all: a directory, a file without the execute bit
         return Preflight(None, problem)
     if prefix is None:
         try:
-            prefix = as_server_user(config)
+            prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
         except (ValueError, FileNotFoundError) as exc:
-            return Preflight(None, f"[server].user: {exc}")
-    env = child_environ(os.environ, config.server.env)
+            return Preflight(None, str(exc))
+    env = child_environ(os.environ, server.env)
     build, failure = identify(binary, version_timeout_s, env, prefix)
     if build is None:
         return Preflight(None, failure)
@@ -80,8 +69,23 @@ def preflight(config: Config, binary: Path, *, version_timeout_s: float = VERSIO
     failure = ran.failure(what, help_timeout_s)
     if failure:
         return Preflight(build, failure)
-    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime), ran.text)
+    unknown = unknown_flags(build_argv(config.server, binary, config.slots, config.runtime, prefix), ran.text)
     if unknown:
         return Preflight(build, f"{binary} ({build.release}) does not know {' '.join(unknown)}, which llama-guard "
                                 "passes (its --help lists no such flag)", unknown)
     return Preflight(build, "")
+
+
+def copy_problem(config: Config, kept: Build, library_dir: Path) -> str:
+    """Why the kept copy ``kept`` would not start as a roll-back starts it — as ``[server].user``, with
+    ``LD_LIBRARY_PATH`` on ``library_dir`` (its directory): its ``--version`` fails (a directory that
+    account cannot reach, a library the copy lacks: one that lay outside the build's own directory);
+    "" when it starts. Blocking (runs the copy, bounded)."""
+    server = config.server
+    try:
+        prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+    except (ValueError, FileNotFoundError) as exc:
+        return f"[server].user: {exc}"
+    env = child_environ(os.environ, server.env)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library_dir), env.get("LD_LIBRARY_PATH")) if p)
+    return identify(kept.path, VERSION_TIMEOUT_S, env, prefix)[1]

@@ -15,7 +15,8 @@
   next start rolls back (the rules: :mod:`.lineage`); so do ``[front].hold_after_errors`` client
   requests it answered 5xx that llama-guard's own requests confirm (``/health`` fine, an endpoint
   broken: :mod:`.confirm`), through a drained restart. After the probation it is the last good build
-  (``upgrade_kept`` when it replaced another) and a copy of it is kept.
+  (``upgrade_kept`` when it replaced another) and a copy of it is kept, once that copy started
+  (``--version``) as a roll-back would start it.
 
 ``status`` shows the serving build, the one on probation, the last refused one with its cause, and
 the kept copies (:meth:`UpgradeSource.snapshot`).
@@ -38,6 +39,7 @@ from llama_guard.core.child import child_environ
 from llama_guard.core.client import Cancel
 from llama_guard.core.offload import CallTimeout, Lane, LaneBusy, LaneKind
 from llama_guard.core.ports import BuildChoice, BuildRefused, ReloadBuild
+from llama_guard.core.privileges import ServerIdentity, resolve_identity, server_user_argv, unexecutable_by
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
@@ -45,9 +47,9 @@ from llama_guard.model.types import AfterStop, TrialResult, exit_text
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.confirm import Confirm, ProbationErrors
 from llama_guard.upgrade.figures import flags_key, record, recorded
-from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, keep, listing, verified
+from llama_guard.upgrade.kept import COPY_TIMEOUT_S, Kept, builds_dir, discard, keep, listing, share, verified
 from llama_guard.upgrade.lineage import Lineage
-from llama_guard.upgrade.preflight import Preflight, preflight
+from llama_guard.upgrade.preflight import Preflight, copy_problem, preflight
 from llama_guard.vocab.events import EventName
 from llama_guard.vocab.phases import Phase
 
@@ -96,6 +98,21 @@ def _unplanned(step: Transition) -> bool:
     before = step.before
     return before.phase in (Phase.STARTING, Phase.READY, Phase.TRIAL) or (
         before.phase is Phase.STOPPING and before.after_stop not in (AfterStop.RESTART, AfterStop.EXIT))
+
+
+def _server_identity(config: Config) -> ServerIdentity | None:
+    """``[server].user``'s identity; None when it does not resolve (a user gone: the start names it)."""
+    server = config.server
+    try:
+        return resolve_identity(server.user, server.group, server.supplementary_groups)
+    except ValueError:
+        return None
+
+
+def _still_runs(build: Build, identity: ServerIdentity | None) -> bool:
+    """Whether ``build``'s file still holds it and llama-server as ``identity`` can execute it.
+    Blocking; raises OSError."""
+    return file_sha256(build.path) == build.sha256 and not unexecutable_by(identity, build.path)
 
 
 class UpgradeSource(Watcher):
@@ -281,17 +298,22 @@ class UpgradeSource(Watcher):
 
     async def _last_good(self, config: Config, *, exclude: Build | None) -> tuple[Build, BuildChoice] | None:
         """The build to roll back to: the serving (or previous) one while its file still holds it,
-        else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified`."""
+        else the newest kept copy that passes :func:`~llama_guard.upgrade.kept.verified` — either one
+        executable by ``[server].user`` as it is now (a reload may have changed it)."""
+        try:  # the build must run as llama-server runs (the user database may be remote: off the loop)
+            identity = await self._checks.run(partial(_server_identity, config), COPY_TIMEOUT_S,
+                                              "resolving [server].user")
+        except (CallTimeout, LaneBusy):
+            identity = None
         for build in (self.serving, self.lineage.previous):
             if build is None or build.sha256 in self.lineage.failed or build.same_content(exclude):
                 continue
             path = build.path
             try:
-                digest = await self._checks.run(partial(file_sha256, path), COPY_TIMEOUT_S, f"hashing {path}")
+                if await self._checks.run(partial(_still_runs, build, identity), COPY_TIMEOUT_S, f"hashing {path}"):
+                    return build, BuildChoice(path, self._library_dir(config, path))
             except (OSError, CallTimeout, LaneBusy):
                 continue
-            if digest == build.sha256:
-                return build, BuildChoice(path, self._library_dir(config, path))
         root = self._root(config)
         with contextlib.suppress(CallTimeout, LaneBusy):
             self._kept = await self._checks.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
@@ -299,7 +321,7 @@ class UpgradeSource(Watcher):
             if kept.build.sha256 in self.lineage.failed or kept.build.same_content(exclude):
                 continue
             try:
-                problem = await self._checks.run(partial(verified, kept), COPY_TIMEOUT_S,
+                problem = await self._checks.run(partial(verified, kept, identity), COPY_TIMEOUT_S,
                                          f"checking {kept.dir}")
             except (CallTimeout, LaneBusy) as exc:
                 problem = str(exc)
@@ -377,6 +399,9 @@ class UpgradeSource(Watcher):
             self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
         except (CallTimeout, LaneBusy):
             self._kept = []
+        if self._kept:  # left 0750 by an older llama-guard under the unit's umask: a roll-back could not run them
+            with contextlib.suppress(OSError, LaneBusy):  # CallTimeout is an OSError
+                await self._files.run(partial(share, root), COPY_TIMEOUT_S, f"opening {root} to [server].user")
         return None
 
     async def run(self, ctx: Context) -> None:
@@ -402,17 +427,39 @@ class UpgradeSource(Watcher):
             except (OSError, CallTimeout, LaneBusy) as exc:
                 ctx.emit("upgrade_copy_failed", build=build.short, dir=str(root), reason=str(exc))
                 continue
+            if await self._copy_fails(ctx, kept):
+                continue
             self._kept = await self._files.run(partial(listing, root), COPY_TIMEOUT_S, f"listing {root}")
             ctx.emit("upgrade_copy_kept", build=kept.build.short, dir=str(kept.dir), files=len(kept.files),
                      kept=len(self._kept))
 
-    async def _identify(self, ctx: Context, job: _Identify) -> None:
-        env = child_environ(os.environ, ctx.config.server.env)
+    async def _copy_fails(self, ctx: Context, kept: Kept) -> bool:
+        """Run the new copy as a roll-back would (:func:`copy_problem`); one that does not start is
+        removed with ``upgrade_copy_failed`` — a roll-back to it would be an outage. No answer in time:
+        kept (a busy disk is no fault of the copy's)."""
+        what = f"{kept.build.path} --version"
         try:
-            build, _ = await self._probe.run(partial(identify, job.path, VERSION_TIMEOUT_S, env), PREFLIGHT_CALL_S,
-                                             f"{job.path} --version")
+            problem = await self._probe.run(partial(copy_problem, ctx.config, kept.build, kept.dir),
+                                            PREFLIGHT_CALL_S, what)
         except (CallTimeout, LaneBusy):
-            return
+            return False
+        if not problem:
+            return False
+        with contextlib.suppress(OSError, CallTimeout, LaneBusy):
+            await self._files.run(partial(discard, kept), COPY_TIMEOUT_S, f"removing {kept.dir}")
+        ctx.emit("upgrade_copy_failed", build=kept.build.short, dir=str(kept.dir),
+                 reason=f"the copy does not start as a roll-back would run it: {problem}")
+        return True
+
+    async def _identify(self, ctx: Context, job: _Identify) -> None:
+        server = ctx.config.server
+        env = child_environ(os.environ, server.env)
+        try:  # as llama-server runs (as the preflight runs it), never as root
+            prefix = server_user_argv(server.user, server.group, server.supplementary_groups)
+            build, _ = await self._probe.run(partial(identify, job.path, VERSION_TIMEOUT_S, env, prefix),
+                                             PREFLIGHT_CALL_S, f"{job.path} --version")
+        except (ValueError, FileNotFoundError, CallTimeout, LaneBusy):
+            return  # not identified: judged as an unknown build
         if build is not None and job.pid in self._pids:
             self._pids[job.pid] = build
             self._ready(build, job.at)
