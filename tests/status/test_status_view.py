@@ -151,3 +151,22 @@ def test_a_ready_server_that_answers_no_round_is_not_ready() -> None:
                                                                          clock=lambda: now)[0]
     answering = {**base, "liveness": {"answering": True, "silent_s": 0.0}}
     assert exit_code(answering) == EXIT_READY and exit_code({**base, "liveness": None}) == EXIT_READY
+
+
+def test_the_builds_rows_say_what_was_not_served_and_the_trials_verdict_only() -> None:
+    """A build that passed its trial and was rolled back in its probation: "passed" is the trial's verdict,
+    "not served" the build's end (before: "kept" beside "refused build" for the same build)."""
+    now = time.time()
+    snap: dict[str, Any] = {
+        "daemon_pid": os.getpid(), "phase": "ready", "server_pid": None, "updated": now, "status": "ready",
+        "events": [], "build": {
+            "serving": {"build": "b1 sha256:aaaaaaaa", "binary": "/opt/old/llama-server"}, "on_probation": False,
+            "refused": {"build": "b2 sha256:bbbbbbbb", "binary": "/opt/new/llama-server",
+                        "cause": "llama-server b2 killed by SIGSEGV 12 s into its probation"},
+            "trial": {"build": "b2 sha256:bbbbbbbb", "tokens_per_s": 51.0, "previous_build": "b1 sha256:aaaaaaaa",
+                      "previous_tokens_per_s": 50.0, "kept": True, "cause": ""}}}
+    text = "\n".join(render(document(snap, now=now), clock=lambda: now))
+    assert "b1 sha256:aaaaaaaa at /opt/old/llama-server" in text and "(on probation)" not in text
+    assert "not served" in text and "killed by SIGSEGV 12 s into its probation" in text
+    assert "b2 sha256:bbbbbbbb 51.0 tok/s vs b1 sha256:aaaaaaaa 50.0 tok/s: passed" in " ".join(text.split())
+    assert "refused build" not in text and ": kept" not in text

@@ -168,11 +168,11 @@ def _build_rows(build: Any) -> list[tuple[str, str]]:
         rows.append(("build", f"{serving.get('build')} at {serving.get('binary')}"
                               f"{' (on probation)' if build.get('on_probation') else ''}"))
     refused = build.get("refused")
-    if isinstance(refused, dict):
-        rows.append(("refused build", f"{refused.get('build')} at {refused.get('binary')}: {refused.get('cause')}"))
+    if isinstance(refused, dict):  # refused at its preflight, or rolled back later (loading, probation)
+        rows.append(("not served", f"{refused.get('build')} at {refused.get('binary')}: {refused.get('cause')}"))
     trial = build.get("trial")
-    if isinstance(trial, dict):
-        verdict = "kept" if trial.get("kept") else f"rolled back: {trial.get('cause')}"
+    if isinstance(trial, dict):  # the trial's verdict only: a build that passed may still fail its probation
+        verdict = "passed" if trial.get("kept") else f"rolled back: {trial.get('cause')}"
         rows.append(("last trial", f"{trial.get('build')} {trial.get('tokens_per_s')} tok/s vs "
                                    f"{trial.get('previous_build')} {trial.get('previous_tokens_per_s')} tok/s: "
                                    f"{verdict}"))

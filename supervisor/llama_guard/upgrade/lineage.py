@@ -3,9 +3,10 @@ good one before it, and those that failed here — the rules of a probation, wit
 
 A build that becomes ready replaces the serving one; it is *on probation* until ``[upgrade].probation_s``
 of serving pass while a different good build is at hand (the one before it, else the newest kept copy).
-A build that failed (died loading, crashed in its probation, a trial's verdict, errors confirmed by
-llama-guard's own requests) is recorded by its content hash with the cause, and is not started again
-while llama-guard runs; the one it replaced serves again. A failure of a build whose content is the
+A build that failed (died loading, crashed in its probation — a SIGKILL, which comes from outside the
+build, only the second time — a trial's verdict, errors confirmed by llama-guard's own requests) is
+recorded by its content hash with the cause, and is not started again while llama-guard runs; the one
+it replaced serves again. A failure of a build whose content is the
 last good build's (or the serving one's) is never recorded: that would leave nothing to go back to.
 
 The watcher (:mod:`llama_guard.upgrade.watcher`) feeds it and acts on what it answers; times are the
@@ -14,9 +15,15 @@ loop's monotonic seconds.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 from llama_guard.host.build import Build
+from llama_guard.model.types import exit_text
+
+#: SIGKILLs of a build not yet proven that mark it failed: one may be an operator's ``kill -9`` or the
+#: OOM killer taking the largest process for another's growth; a second is a repeated failure.
+KILLS_TO_FAIL = 2
 
 
 class Lineage:
@@ -31,6 +38,7 @@ class Lineage:
         self.proven = False  # the serving build passed its probation
         self.previous: Build | None = None  # the good build before the one on probation
         self.failed: dict[str, str] = {}  # sha256 → why that build is not started again
+        self._kills: dict[str, int] = {}  # sha256 → SIGKILLs of a build not yet proven
 
     def ready(self, build: Build, at: float) -> None:
         """Server of ``build`` ready at ``at``: a build other than the serving one starts its probation."""
@@ -64,19 +72,29 @@ class Lineage:
         assert self.serving is not None
         previous = self.last_good()
         self.proven, self.previous = True, None
+        self._kills.pop(self.serving.sha256, None)
         return None if previous is None or previous.same_as(self.serving) else previous
 
-    def exited(self, build: Build, how: str, at: float) -> None:
-        """A server of ``build`` exited unasked (``how``: its exit status in words): a new build (not
+    def exited(self, build: Build, returncode: int | None, at: float) -> None:
+        """A server of ``build`` exited unasked (``returncode``: its waitpid status): a new build (not
         proven here) is marked failed when a different good build exists to go back to — the serving
         one for a build that died loading, the one before it (or the newest kept copy) for a build that
-        crashed in its probation."""
+        crashed in its probation. A SIGKILL comes from outside the build (an operator's ``kill -9``, the
+        kernel's OOM killer): the first one is ridden out (the build is started again), the second marks
+        it — a repeated failure."""
         on_probation = build.same_as(self.serving)
         if on_probation and self.proven:
             return
         good = self.last_good() if on_probation else (self.serving or self.last_good())
         if good is None or build.same_content(good) or build.same_content(self.last_good()):
             return  # nothing to go back to, or the build to go back to itself
+        how = exit_text(returncode)
+        if returncode == -signal.SIGKILL:
+            kills = self._kills.get(build.sha256, 0) + 1
+            self._kills[build.sha256] = kills
+            if kills < KILLS_TO_FAIL:
+                return
+            how = f"{how}, {kills} times"
         when = ("while loading" if self.since is None or not on_probation else
                 f"{at - (self.since or at):.0f} s into its probation")
         self.failed[build.sha256] = f"llama-server {build.short} {how} {when}"

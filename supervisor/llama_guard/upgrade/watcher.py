@@ -43,7 +43,7 @@ from llama_guard.core.privileges import ServerIdentity, resolve_identity, server
 from llama_guard.host.build import HELP_TIMEOUT_S, VERSION_TIMEOUT_S, Build, file_sha256, identify, stamp_of
 from llama_guard.model.inputs import Exited, SpeedMeasured, TrialAsked, UpstreamError
 from llama_guard.model.transition import Transition
-from llama_guard.model.types import AfterStop, TrialResult, exit_text
+from llama_guard.model.types import AfterStop, TrialResult
 from llama_guard.model.watcher import Context, Watcher
 from llama_guard.upgrade.confirm import Confirm, ProbationErrors
 from llama_guard.upgrade.figures import flags_key, record, recorded
@@ -498,7 +498,7 @@ class UpgradeSource(Watcher):
         elif isinstance(step.input, Exited) and _unplanned(step):
             failed = self._pids.get(step.input.pid)
             if isinstance(failed, Build):
-                self.lineage.exited(failed, exit_text(step.input.returncode), step.at)
+                self.lineage.exited(failed, step.input.returncode, step.at)
         elif isinstance(step.input, UpstreamError):
             self._client_5xx(step.input, step)
         if step.after.phase is Phase.READY and self.lineage.probation_over(step.at, ctx.config.upgrade.probation_s):
@@ -535,7 +535,8 @@ class UpgradeSource(Watcher):
                                                "version": build.version, "sha256": build.sha256}
         return {
             "serving": shown(self.serving),
-            "on_probation": self.serving is not None and not self.lineage.proven,
+            # with a different good build to go back to (a first build has none: nothing to judge it against)
+            "on_probation": self.serving is not None and self.lineage.on_probation(self.serving),
             "refused": (None if self.refused is None else
                         {"binary": self.refused.binary, "build": self.refused.build, "cause": self.refused.cause}),
             "kept": [{"build": k.build.short, "dir": str(k.dir)} for k in self._kept],
