@@ -170,3 +170,17 @@ def test_the_builds_rows_say_what_was_not_served_and_the_trials_verdict_only() -
     assert "not served" in text and "killed by SIGSEGV 12 s into its probation" in text
     assert "b2 sha256:bbbbbbbb 51.0 tok/s vs b1 sha256:aaaaaaaa 50.0 tok/s: passed" in " ".join(text.split())
     assert "refused build" not in text and ": kept" not in text
+
+
+def test_a_recent_event_is_one_line_whatever_its_message_carries() -> None:
+    """An ``extra_args`` value may hold a newline (a chat template): the argv in ``server_starting`` then
+    did too, and ``status`` printed a forged event line from it."""
+    now = time.time()
+    forged = "--alias x\n2026-12-05 10:00:00 server_ready: FAKE LINE \x1b]0;owned\x07 \u2028end"
+    snap: dict[str, Any] = {"daemon_pid": os.getpid(), "phase": "ready", "server_pid": None, "updated": now,
+                            "status": "ready", "events": [{"time": now, "event": "server_starting",
+                                                           "message": f"starting llama-server pid 7: {forged}"}]}
+    lines = render(document(snap, now=now), clock=lambda: now)
+    shown = [line for line in lines if "server_starting" in line]
+    assert len(shown) == 1 and not any("FAKE LINE" in line for line in lines if line not in shown)
+    assert "\\n2026-12-05 10:00:00 server_ready: FAKE LINE \\x1b]0;owned\\x07 \\u2028end" in shown[0], shown

@@ -153,8 +153,15 @@ def render(doc: dict[str, Any], *, clock: Callable[[], float] = time.time) -> li
         lines.append("  recent events:")
         for ev in events:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ev.get("time", 0))))
-            lines.append(f"    {stamp} {ev.get('event')}: {ev.get('message')}")
+            lines.append(f"    {stamp} {one_line(ev.get('event'))}: {one_line(ev.get('message'))}")
     return lines
+
+
+def one_line(text: object) -> str:
+    """``text`` on one terminal line: a character that is not printable (a newline an ``extra_args``
+    value or a server's line carried, an escape, U+2028) shown as its escape (``\\n``, ``\\x1b``),
+    never acted on by the terminal nor read as a line of its own."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(text))
 
 
 def _build_rows(build: Any) -> list[tuple[str, str]]:
