@@ -165,7 +165,8 @@ def test_events_reach_the_collector_with_every_field_and_filter_there(
         wait_for(local("LLAMA_GUARD_EVENT=gpu_xid"), "gpu_xid", 15)
         wait_for(lambda: [e for e in journald.entries("LLAMA_GUARD_EVENT=server_ready")
                           if int(e["SERVER_PID"]) != first], "a second server_ready", 30)
-        second = max(int(e["SERVER_PID"]) for e in journald.entries("LLAMA_GUARD_EVENT=server_ready"))
+        # the newest in journal order (not the largest pid: pids wrap around at pid_max)
+        second = [int(e["SERVER_PID"]) for e in journald.entries("LLAMA_GUARD_EVENT=server_ready")][-1]
         with pytest.raises(httpx.HTTPError):  # the fake server's CUDA OOM block, then SIGABRT
             httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "x", "n_predict": 1}, timeout=10)
         [oom] = wait_for(local("LLAMA_GUARD_EVENT=server_oom"), "server_oom", 15)
